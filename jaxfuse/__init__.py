@@ -1,0 +1,1 @@
+from jaxfuse._ffi import backends

@@ -1,0 +1,92 @@
+// jaxfuse_adam, CPU: every leaf's Adam/AdamW update in one FFI call, chunks spread over XLA's
+// intra-op thread pool. Each chunk is processed in L1-sized fp32 tiles: converting loads,
+// one vectorizable loop of adam_element(), converting stores.
+#include "jaxfuse/adam_ffi.h"
+
+namespace jaxfuse {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per parallel work item
+constexpr int64_t kTile = 512;       // elements per fp32 scratch tile
+
+void adam_chunk(const AdamCall& call, const AdamStep& step, int64_t t, int64_t start, int64_t n) {
+  const TensorLists& L = call.lists;
+  const auto& ptr = L.ptr[t];
+  const bool decay = L.flag[t] != 0;
+  const int ul = call.updates_list();
+  const int ml = call.master_list();
+  // The param value the math sees: fp32 master copy when present.
+  const int pl = ml >= 0 ? ml : kParams;
+  alignas(64) float g[kTile], p[kTile], m[kTile], v[kTile], u[kTile];
+  for (int64_t off = start; off < start + n; off += kTile) {
+    const int64_t len = std::min(kTile, start + n - off);
+    if (step.skip) {
+      // Non-finite step: the state stays as it is; the optax path reports a zero update.
+      if (ul >= 0) {
+        std::fill(u, u + len, 0.0f);
+        store_tile(ptr[ul], L.dtype[ul], off, len, u);
+      }
+      continue;
+    }
+    load_tile(ptr[kGrads], L.dtype[kGrads], off, len, g);
+    load_tile(ptr[pl], L.dtype[pl], off, len, p);
+    load_tile(ptr[kMu], L.dtype[kMu], off, len, m);
+    load_tile(ptr[kNu], L.dtype[kNu], off, len, v);
+    for (int64_t i = 0; i < len; ++i) {
+      u[i] = adam_element(step, adam_grad(step, g[i]), p[i], decay, m[i], v[i]);
+    }
+    store_tile(ptr[kMu], L.dtype[kMu], off, len, m);
+    store_tile(ptr[kNu], L.dtype[kNu], off, len, v);
+    if (ul >= 0) {
+      if (ml >= 0) {
+        // Update that moves the low-precision params onto the new master value.
+        load_tile(ptr[kParams], L.dtype[kParams], off, len, g);
+        for (int64_t i = 0; i < len; ++i) {
+          p[i] = p[i] + u[i];
+          u[i] = p[i] - g[i];
+        }
+        store_tile(ptr[ml], DType::kF32, off, len, p);
+      }
+      store_tile(ptr[ul], L.dtype[ul], off, len, u);
+    } else {
+      for (int64_t i = 0; i < len; ++i) p[i] = p[i] + u[i];
+      if (ml >= 0) store_tile(ptr[ml], DType::kF32, off, len, p);
+      store_tile(ptr[kParams], L.dtype[kParams], off, len, p);
+    }
+  }
+}
+
+ffi::Error AdamCpu(ffi::ThreadPool pool, CountBuffer count,
+                   HyperBuffer hyper, HyperBuffer ctrl,
+                   ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
+                   ffi::RemainingRets rets, int64_t num_tensors, bool nesterov,
+                   bool write_updates, bool master, ffi::Span<const uint8_t> decay_mask) {
+  AdamCall call;
+  JF_RETURN_IF_ERROR(decode_adam_call(count, hyper, ctrl, args, new_count, rets, num_tensors,
+                                      nesterov, write_updates, master, decay_mask, &call));
+  const AdamStep step = make_adam_step(call.hyper, call.ctrl, *call.count, nesterov);
+  for_each_chunk(&pool, call.lists, kChunk, [&](int64_t t, int64_t start, int64_t n) {
+    adam_chunk(call, step, t, start, n);
+  });
+  *call.new_count = adam_next_count(*call.count, step.skip);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAdamCpu, AdamCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<CountBuffer>()  // count
+                                  .Arg<HyperBuffer>()  // hyper
+                                  .Arg<HyperBuffer>()  // ctrl
+                                  .RemainingArgs()
+                                  .Ret<CountBuffer>()  // new count
+                                  .RemainingRets()
+                                  .Attr<int64_t>("num_tensors")
+                                  .Attr<bool>("nesterov")
+                                  .Attr<bool>("write_updates")
+                                  .Attr<bool>("master")
+                                  .Attr<ffi::Span<const uint8_t>>("decay_mask"));
+
+}  // namespace jaxfuse

@@ -1,0 +1,208 @@
+// Multi-tensor apply, CUDA side: the tensor lists of an FFI call are packed into tables passed
+// by value as kernel parameters (no device allocation, no host-to-device copy, no sync: safe for
+// CUDA graph capture). One launch covers as many tensors as fit a table; more tensors take a few
+// launches. Every block walks chunks of all tensors of its table (grid-stride), finds its tensor
+// by binary search over the chunk prefix, and hands (tensor, first element, count) to the op.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "jaxfuse/multi_tensor.h"
+
+namespace jaxfuse {
+
+#define JF_CUDA_RETURN_IF_ERROR(expr)                                                    \
+  do {                                                                                   \
+    cudaError_t jf_cuda_err_ = (expr);                                                   \
+    if (jf_cuda_err_ != cudaSuccess) {                                                   \
+      return ::jaxfuse::internal_error(#expr, " failed: ", cudaGetErrorString(jf_cuda_err_)); \
+    }                                                                                    \
+  } while (0)
+
+// A launch error (bad configuration, or a sticky error from an earlier kernel) becomes an
+// ffi::Error naming the kernel.
+inline ffi::Error check_launch(const char* kernel) {
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return internal_error(kernel, " launch failed: ", cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+inline constexpr int kMultiTensorThreads = 256;
+inline constexpr int kMultiTensorChunk = 1 << 15;  // elements per chunk; multiple of 8
+// CUDA 12.1+ on sm_70+ allows 32764 bytes of kernel parameters; leave room for the op.
+inline constexpr int kTableBytes = 32000;
+
+template <int kLists>
+struct TableCapacity {
+  static constexpr int kHeader = 64;
+  // Per tensor: kLists pointers, element count, chunk prefix, flag.
+  static constexpr int value = (kTableBytes - kHeader) / (8 * kLists + 4 + 4 + 1);
+};
+
+template <int kLists>
+struct TensorTable {
+  static constexpr int kCap = TableCapacity<kLists>::value;
+  void* ptr[kLists][kCap];
+  int32_t size[kCap];             // elements of each entry (a tensor or a <2^31 slice of one)
+  int32_t chunk_start[kCap + 1];  // prefix sum of chunks
+  uint8_t flag[kCap];
+  DType dtype[kLists];
+  int32_t num_tensors;
+};
+static_assert(sizeof(TensorTable<6>) <= kTableBytes, "table exceeds the kernel parameter budget");
+
+// Device view of one tensor's chunk, what ops receive.
+template <int kLists>
+struct ChunkRef {
+  void* ptr[kLists];
+  int64_t start;  // first element of the chunk within the tensor
+  int n;          // elements in the chunk
+  bool flag;
+  bool aligned;   // every list's pointer allows 4-element vector access
+};
+
+__device__ __forceinline__ int find_entry(const int32_t* chunk_start, int num, int chunk) {
+  int lo = 0, hi = num;  // invariant: chunk_start[lo] <= chunk < chunk_start[hi]
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (chunk_start[mid] <= chunk) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// The op: a struct with `__device__ void operator()(const ChunkRef<kLists>&, const DType*)`,
+// called by all threads of the block, and `prepare()` run once per block before the chunks.
+template <int kLists, typename Op>
+__global__ void __launch_bounds__(kMultiTensorThreads)
+    multi_tensor_kernel(const __grid_constant__ TensorTable<kLists> table, Op op) {
+  op.prepare();
+  const int total = table.chunk_start[table.num_tensors];
+  for (int c = blockIdx.x; c < total; c += gridDim.x) {
+    const int e = find_entry(table.chunk_start, table.num_tensors, c);
+    ChunkRef<kLists> ref;
+    const int local = c - table.chunk_start[e];
+    ref.start = int64_t(local) * kMultiTensorChunk;
+    ref.n = min(kMultiTensorChunk, table.size[e] - local * kMultiTensorChunk);
+    ref.flag = table.flag[e] != 0;
+    bool aligned = true;
+#pragma unroll
+    for (int k = 0; k < kLists; ++k) {
+      ref.ptr[k] = table.ptr[k][e];
+      aligned &= (reinterpret_cast<uintptr_t>(ref.ptr[k]) % (4 * dtype_bytes(table.dtype[k]))) == 0;
+    }
+    ref.aligned = aligned;
+    op(ref, table.dtype);
+  }
+}
+
+// Occupancy-sized grid for a kernel on the current device, cached per (kernel, device).
+template <typename Kernel>
+cudaError_t resident_blocks(Kernel kernel, int* blocks) {
+  static std::atomic<int> cached[64];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < 64 && cached[device].load(std::memory_order_relaxed) > 0) {
+    *blocks = cached[device].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  int sms = 0, per_sm = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMultiTensorThreads, 0);
+  if (err != cudaSuccess) return err;
+  *blocks = std::max(1, sms * per_sm);
+  if (device < 64) cached[device].store(*blocks, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+// Packs `lists` into as few tables as needed (tensors of 2^31 elements or more are split into
+// slices) and launches multi_tensor_kernel<kLists, Op> for each on `stream`.
+template <int kLists, typename Op>
+ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, const Op& op,
+                              const char* name) {
+  if (lists.num_lists != kLists) return internal_error(name, ": list count mismatch");
+  using Table = TensorTable<kLists>;
+  auto kernel = multi_tensor_kernel<kLists, Op>;
+  int max_grid = 0;
+  JF_CUDA_RETURN_IF_ERROR(resident_blocks(kernel, &max_grid));
+
+  Table table;
+  for (int k = 0; k < kLists; ++k) table.dtype[k] = lists.dtype[k];
+  table.num_tensors = 0;
+  table.chunk_start[0] = 0;
+  bool launched = false;
+  // Launches even an empty table once: ops may write per-call scalars (e.g. the step count).
+  auto launch = [&]() -> ffi::Error {
+    const int chunks = table.chunk_start[table.num_tensors];
+    if (chunks == 0 && launched) return ffi::Error::Success();
+    kernel<<<std::max(1, std::min(chunks, max_grid)), kMultiTensorThreads, 0, stream>>>(table, op);
+    JF_RETURN_IF_ERROR(check_launch(name));
+    launched = true;
+    table.num_tensors = 0;
+    return ffi::Error::Success();
+  };
+  // Largest slice: a whole number of chunks below 2^31 elements.
+  constexpr int64_t kMaxSlice = (int64_t(INT32_MAX) / kMultiTensorChunk) * kMultiTensorChunk;
+  for (int64_t t = 0; t < lists.num_tensors(); ++t) {
+    for (int64_t off = 0; off < lists.size[t]; off += kMaxSlice) {
+      const int64_t n = std::min(kMaxSlice, lists.size[t] - off);
+      const int e = table.num_tensors;
+      for (int k = 0; k < kLists; ++k) {
+        table.ptr[k][e] = static_cast<char*>(lists.ptr[t][k]) + off * dtype_bytes(lists.dtype[k]);
+      }
+      table.size[e] = static_cast<int32_t>(n);
+      table.flag[e] = lists.flag[t];
+      table.chunk_start[e + 1] =
+          table.chunk_start[e] + static_cast<int32_t>((n + kMultiTensorChunk - 1) / kMultiTensorChunk);
+      table.num_tensors = e + 1;
+      if (table.num_tensors == Table::kCap) JF_RETURN_IF_ERROR(launch());
+    }
+  }
+  return launch();
+}
+
+// ---- vectorized element access for ops ------------------------------------------------------
+// Four consecutive elements of any storage dtype as fp32: one 16-byte (fp32) or 8-byte (16-bit)
+// access when the chunk is aligned.
+
+__device__ __forceinline__ void load4(const void* base, DType t, int64_t i, float out[4]) {
+  if (t == DType::kF32) {
+    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
+    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+  } else {
+    const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
+    const uint16_t h[4] = {uint16_t(raw.x & 0xffffu), uint16_t(raw.x >> 16),
+                           uint16_t(raw.y & 0xffffu), uint16_t(raw.y >> 16)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = t == DType::kBF16 ? bf16_to_float(h[j]) : f16_to_float(h[j]);
+  }
+}
+
+__device__ __forceinline__ void store4(void* base, DType t, int64_t i, const float in[4]) {
+  if (t == DType::kF32) {
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + i) = make_float4(in[0], in[1], in[2], in[3]);
+  } else {
+    uint16_t h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = t == DType::kBF16 ? float_to_bf16(in[j]) : float_to_f16(in[j]);
+    *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + i) =
+        make_uint2(uint32_t(h[0]) | (uint32_t(h[1]) << 16), uint32_t(h[2]) | (uint32_t(h[3]) << 16));
+  }
+}
+
+// Calls fn(first, count, aligned) over the block's share of a chunk: groups of 4 elements per
+// thread per step, with `aligned` true when the group may use vector accesses.
+template <int kLists, typename Fn>
+__device__ __forceinline__ void for_each_group(const ChunkRef<kLists>& ref, Fn&& fn) {
+  for (int i = threadIdx.x * 4; i < ref.n; i += blockDim.x * 4) {
+    const int count = min(4, ref.n - i);
+    fn(ref.start + i, count, ref.aligned && count == 4);
+  }
+}
+
+}  // namespace jaxfuse

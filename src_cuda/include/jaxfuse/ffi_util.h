@@ -1,0 +1,57 @@
+// Small helpers shared by every XLA FFI handler: dtype mapping and error construction.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "jaxfuse/math.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxfuse {
+
+namespace ffi = xla::ffi;
+
+inline std::optional<DType> to_dtype(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return DType::kF32;
+    case ffi::DataType::BF16: return DType::kBF16;
+    case ffi::DataType::F16: return DType::kF16;
+    default: return std::nullopt;
+  }
+}
+
+inline const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "float32";
+    case DType::kBF16: return "bfloat16";
+    default: return "float16";
+  }
+}
+
+template <typename... Parts>
+std::string str_cat(Parts&&... parts) {
+  std::ostringstream os;
+  (os << ... << std::forward<Parts>(parts));
+  return os.str();
+}
+
+template <typename... Parts>
+ffi::Error invalid_argument(Parts&&... parts) {
+  return ffi::Error::InvalidArgument(str_cat("jaxfuse: ", std::forward<Parts>(parts)...));
+}
+
+template <typename... Parts>
+ffi::Error internal_error(Parts&&... parts) {
+  return ffi::Error::Internal(str_cat("jaxfuse: ", std::forward<Parts>(parts)...));
+}
+
+#define JF_RETURN_IF_ERROR(expr)                 \
+  do {                                           \
+    ::xla::ffi::Error jf_err_ = (expr);          \
+    if (jf_err_.failure()) return jf_err_;       \
+  } while (0)
+
+}  // namespace jaxfuse

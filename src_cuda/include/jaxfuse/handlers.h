@@ -1,0 +1,12 @@
+// Every XLA FFI handler jaxfuse exports. The nanobind modules hand them to JAX as capsules;
+// each target name carries a CPU and (when built) a CUDA handler.
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+namespace jaxfuse {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseAdamCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseAdamCuda);
+
+}  // namespace jaxfuse
