@@ -16,6 +16,8 @@ NB_MODULE(_jaxfuse_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxfuse_adam"] = encapsulate(jaxfuse::JaxfuseAdamCpu);
+    d["jaxfuse_global_norm"] = encapsulate(jaxfuse::JaxfuseGlobalNormCpu);
+    d["jaxfuse_apply_grad_ctrl"] = encapsulate(jaxfuse::JaxfuseApplyGradCtrlCpu);
     return d;
   });
 }

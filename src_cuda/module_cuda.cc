@@ -16,6 +16,8 @@ NB_MODULE(_jaxfuse_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxfuse_adam"] = encapsulate(jaxfuse::JaxfuseAdamCuda);
+    d["jaxfuse_global_norm"] = encapsulate(jaxfuse::JaxfuseGlobalNormCuda);
+    d["jaxfuse_apply_grad_ctrl"] = encapsulate(jaxfuse::JaxfuseApplyGradCtrlCuda);
     return d;
   });
 }

@@ -12,6 +12,7 @@ constexpr int64_t kTile = 512;       // elements per fp32 scratch tile
 void adam_chunk(const AdamCall& call, const AdamStep& step, int64_t t, int64_t start, int64_t n) {
   const TensorLists& L = call.lists;
   const auto& ptr = L.ptr[t];
+  const auto& dt = L.dtype[t];
   const bool decay = L.flag[t] != 0;
   const int ul = call.updates_list();
   const int ml = call.master_list();
@@ -20,38 +21,38 @@ void adam_chunk(const AdamCall& call, const AdamStep& step, int64_t t, int64_t s
   alignas(64) float g[kTile], p[kTile], m[kTile], v[kTile], u[kTile];
   for (int64_t off = start; off < start + n; off += kTile) {
     const int64_t len = std::min(kTile, start + n - off);
-    if (step.skip) {
+    if (step.grad.skip) {
       // Non-finite step: the state stays as it is; the optax path reports a zero update.
       if (ul >= 0) {
         std::fill(u, u + len, 0.0f);
-        store_tile(ptr[ul], L.dtype[ul], off, len, u);
+        store_tile(ptr[ul], dt[ul], off, len, u);
       }
       continue;
     }
-    load_tile(ptr[kGrads], L.dtype[kGrads], off, len, g);
-    load_tile(ptr[pl], L.dtype[pl], off, len, p);
-    load_tile(ptr[kMu], L.dtype[kMu], off, len, m);
-    load_tile(ptr[kNu], L.dtype[kNu], off, len, v);
+    load_tile(ptr[kGrads], dt[kGrads], off, len, g);
+    load_tile(ptr[pl], dt[pl], off, len, p);
+    load_tile(ptr[kMu], dt[kMu], off, len, m);
+    load_tile(ptr[kNu], dt[kNu], off, len, v);
     for (int64_t i = 0; i < len; ++i) {
-      u[i] = adam_element(step, adam_grad(step, g[i]), p[i], decay, m[i], v[i]);
+      u[i] = adam_element(step, step.grad.apply(g[i]), p[i], decay, m[i], v[i]);
     }
-    store_tile(ptr[kMu], L.dtype[kMu], off, len, m);
-    store_tile(ptr[kNu], L.dtype[kNu], off, len, v);
+    store_tile(ptr[kMu], dt[kMu], off, len, m);
+    store_tile(ptr[kNu], dt[kNu], off, len, v);
     if (ul >= 0) {
       if (ml >= 0) {
         // Update that moves the low-precision params onto the new master value.
-        load_tile(ptr[kParams], L.dtype[kParams], off, len, g);
+        load_tile(ptr[kParams], dt[kParams], off, len, g);
         for (int64_t i = 0; i < len; ++i) {
           p[i] = p[i] + u[i];
           u[i] = p[i] - g[i];
         }
         store_tile(ptr[ml], DType::kF32, off, len, p);
       }
-      store_tile(ptr[ul], L.dtype[ul], off, len, u);
+      store_tile(ptr[ul], dt[ul], off, len, u);
     } else {
       for (int64_t i = 0; i < len; ++i) p[i] = p[i] + u[i];
       if (ml >= 0) store_tile(ptr[ml], DType::kF32, off, len, p);
-      store_tile(ptr[kParams], L.dtype[kParams], off, len, p);
+      store_tile(ptr[kParams], dt[kParams], off, len, p);
     }
   }
 }
@@ -68,7 +69,7 @@ ffi::Error AdamCpu(ffi::ThreadPool pool, CountBuffer count,
   for_each_chunk(&pool, call.lists, kChunk, [&](int64_t t, int64_t start, int64_t n) {
     adam_chunk(call, step, t, start, n);
   });
-  *call.new_count = adam_next_count(*call.count, step.skip);
+  *call.new_count = adam_next_count(*call.count, step.grad.skip);
   return ffi::Error::Success();
 }
 

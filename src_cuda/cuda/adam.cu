@@ -25,7 +25,7 @@ __device__ __forceinline__ void store_group(void* base, DType t, int64_t i, int 
 }
 
 template <bool kWriteUpdates, bool kMaster>
-struct AdamOp {
+struct AdamOp : MultiTensorOpBase {
   static constexpr int kLists = 4 + int(kWriteUpdates) + int(kMaster);
   static constexpr int kUpdates = kWriteUpdates ? 4 : -1;
   static constexpr int kMasterList = kMaster ? 4 + int(kWriteUpdates) : -1;
@@ -42,13 +42,14 @@ struct AdamOp {
   __device__ void prepare() {
     const int32_t c = *count;
     step = make_adam_step(hyper, ctrl, c, nesterov);
-    if (blockIdx.x == 0 && threadIdx.x == 0) *new_count = adam_next_count(c, step.skip);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *new_count = adam_next_count(c, step.grad.skip);
   }
 
-  __device__ void operator()(const ChunkRef<kLists>& r, const DType* dt) const {
+  __device__ void operator()(const ChunkRef<kLists>& r) const {
+    const DType* dt = r.dtype;
     for_each_group(r, [&](int64_t i, int n, bool vec) {
       float u[4] = {0.f, 0.f, 0.f, 0.f};
-      if (step.skip) {
+      if (step.grad.skip) {
         // Non-finite step: state untouched; the optax path reports a zero update.
         if constexpr (kWriteUpdates) store_group(r.ptr[kUpdates], dt[kUpdates], i, n, vec, u);
         return;
@@ -59,7 +60,7 @@ struct AdamOp {
       load_group(r.ptr[kMu], dt[kMu], i, n, vec, m);
       load_group(r.ptr[kNu], dt[kNu], i, n, vec, v);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) u[j] = adam_element(step, adam_grad(step, g[j]), p[j], r.flag, m[j], v[j]);
+      for (int j = 0; j < 4; ++j) u[j] = adam_element(step, step.grad.apply(g[j]), p[j], r.flag, m[j], v[j]);
       store_group(r.ptr[kMu], dt[kMu], i, n, vec, m);
       store_group(r.ptr[kNu], dt[kNu], i, n, vec, v);
 #pragma unroll
@@ -85,7 +86,12 @@ struct AdamOp {
 template <bool kWriteUpdates, bool kMaster>
 ffi::Error launch_adam(cudaStream_t stream, const AdamCall& call) {
   using Op = AdamOp<kWriteUpdates, kMaster>;
-  Op op{call.count, call.new_count, call.hyper, call.ctrl, call.nesterov, {}};
+  Op op;
+  op.count = call.count;
+  op.new_count = call.new_count;
+  op.hyper = call.hyper;
+  op.ctrl = call.ctrl;
+  op.nesterov = call.nesterov;
   return multi_tensor_apply<Op::kLists>(stream, call.lists, op, "jaxfuse_adam");
 }
 

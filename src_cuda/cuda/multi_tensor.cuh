@@ -39,8 +39,8 @@ inline constexpr int kTableBytes = 32000;
 template <int kLists>
 struct TableCapacity {
   static constexpr int kHeader = 64;
-  // Per tensor: kLists pointers, element count, chunk prefix, flag.
-  static constexpr int value = (kTableBytes - kHeader) / (8 * kLists + 4 + 4 + 1);
+  // Per tensor: kLists pointers and dtypes, element count, chunk prefix, flag.
+  static constexpr int value = (kTableBytes - kHeader) / (9 * kLists + 4 + 4 + 1);
 };
 
 template <int kLists>
@@ -49,8 +49,8 @@ struct TensorTable {
   void* ptr[kLists][kCap];
   int32_t size[kCap];             // elements of each entry (a tensor or a <2^31 slice of one)
   int32_t chunk_start[kCap + 1];  // prefix sum of chunks
+  DType dtype[kLists][kCap];
   uint8_t flag[kCap];
-  DType dtype[kLists];
   int32_t num_tensors;
 };
 static_assert(sizeof(TensorTable<6>) <= kTableBytes, "table exceeds the kernel parameter budget");
@@ -59,6 +59,7 @@ static_assert(sizeof(TensorTable<6>) <= kTableBytes, "table exceeds the kernel p
 template <int kLists>
 struct ChunkRef {
   void* ptr[kLists];
+  DType dtype[kLists];
   int64_t start;  // first element of the chunk within the tensor
   int n;          // elements in the chunk
   bool flag;
@@ -74,11 +75,13 @@ __device__ __forceinline__ int find_entry(const int32_t* chunk_start, int num, i
   return lo;
 }
 
-// The op: a struct with `__device__ void operator()(const ChunkRef<kLists>&, const DType*)`,
-// called by all threads of the block, and `prepare()` run once per block before the chunks.
+// The op: a struct with `__device__ void operator()(const ChunkRef<kLists>&)`,
+// called by all threads of the block for each of its chunks, `prepare()` run before the chunks
+// and `finish(block)` after them, with `block` numbering blocks across all launches of one
+// multi_tensor_apply (for ops that write one partial result per block).
 template <int kLists, typename Op>
 __global__ void __launch_bounds__(kMultiTensorThreads)
-    multi_tensor_kernel(const __grid_constant__ TensorTable<kLists> table, Op op) {
+    multi_tensor_kernel(const __grid_constant__ TensorTable<kLists> table, Op op, int block_offset) {
   op.prepare();
   const int total = table.chunk_start[table.num_tensors];
   for (int c = blockIdx.x; c < total; c += gridDim.x) {
@@ -92,12 +95,20 @@ __global__ void __launch_bounds__(kMultiTensorThreads)
 #pragma unroll
     for (int k = 0; k < kLists; ++k) {
       ref.ptr[k] = table.ptr[k][e];
-      aligned &= (reinterpret_cast<uintptr_t>(ref.ptr[k]) % (4 * dtype_bytes(table.dtype[k]))) == 0;
+      ref.dtype[k] = table.dtype[k][e];
+      aligned &= (reinterpret_cast<uintptr_t>(ref.ptr[k]) % (4 * dtype_bytes(ref.dtype[k]))) == 0;
     }
     ref.aligned = aligned;
-    op(ref, table.dtype);
+    op(ref);
   }
+  op.finish(block_offset + blockIdx.x);
 }
+
+// Base for ops: nothing to prepare or finish.
+struct MultiTensorOpBase {
+  __device__ void prepare() {}
+  __device__ void finish(int block) {}
+};
 
 // Occupancy-sized grid for a kernel on the current device, cached per (kernel, device).
 template <typename Kernel>
@@ -120,19 +131,34 @@ cudaError_t resident_blocks(Kernel kernel, int* blocks) {
   return cudaSuccess;
 }
 
+// Largest table entry: a whole number of chunks below 2^31 elements.
+inline constexpr int64_t kMaxSlice = (int64_t(INT32_MAX) / kMultiTensorChunk) * kMultiTensorChunk;
+
+// How many launches multi_tensor_apply makes for `lists` (at least one).
+template <int kLists>
+int64_t multi_tensor_launches(const TensorLists& lists) {
+  int64_t entries = 0;
+  for (int64_t s : lists.size) entries += (s + kMaxSlice - 1) / kMaxSlice;
+  return std::max<int64_t>(1, (entries + TensorTable<kLists>::kCap - 1) / TensorTable<kLists>::kCap);
+}
+
 // Packs `lists` into as few tables as needed (tensors of 2^31 elements or more are split into
-// slices) and launches multi_tensor_kernel<kLists, Op> for each on `stream`.
+// slices) and launches multi_tensor_kernel<kLists, Op> for each on `stream`. Each launch gets at
+// most `max_blocks_per_launch` blocks (0: as many as are co-resident); `*blocks_used`, if given,
+// receives the number of blocks of all launches together.
 template <int kLists, typename Op>
 ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, const Op& op,
-                              const char* name) {
+                              const char* name, int max_blocks_per_launch = 0,
+                              int* blocks_used = nullptr) {
   if (lists.num_lists != kLists) return internal_error(name, ": list count mismatch");
   using Table = TensorTable<kLists>;
   auto kernel = multi_tensor_kernel<kLists, Op>;
   int max_grid = 0;
   JF_CUDA_RETURN_IF_ERROR(resident_blocks(kernel, &max_grid));
+  if (max_blocks_per_launch > 0) max_grid = std::min(max_grid, max_blocks_per_launch);
+  int block_offset = 0;
 
   Table table;
-  for (int k = 0; k < kLists; ++k) table.dtype[k] = lists.dtype[k];
   table.num_tensors = 0;
   table.chunk_start[0] = 0;
   bool launched = false;
@@ -140,20 +166,21 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
   auto launch = [&]() -> ffi::Error {
     const int chunks = table.chunk_start[table.num_tensors];
     if (chunks == 0 && launched) return ffi::Error::Success();
-    kernel<<<std::max(1, std::min(chunks, max_grid)), kMultiTensorThreads, 0, stream>>>(table, op);
+    const int grid = std::max(1, std::min(chunks, max_grid));
+    kernel<<<grid, kMultiTensorThreads, 0, stream>>>(table, op, block_offset);
     JF_RETURN_IF_ERROR(check_launch(name));
+    block_offset += grid;
     launched = true;
     table.num_tensors = 0;
     return ffi::Error::Success();
   };
-  // Largest slice: a whole number of chunks below 2^31 elements.
-  constexpr int64_t kMaxSlice = (int64_t(INT32_MAX) / kMultiTensorChunk) * kMultiTensorChunk;
   for (int64_t t = 0; t < lists.num_tensors(); ++t) {
     for (int64_t off = 0; off < lists.size[t]; off += kMaxSlice) {
       const int64_t n = std::min(kMaxSlice, lists.size[t] - off);
       const int e = table.num_tensors;
       for (int k = 0; k < kLists; ++k) {
-        table.ptr[k][e] = static_cast<char*>(lists.ptr[t][k]) + off * dtype_bytes(lists.dtype[k]);
+        table.ptr[k][e] = static_cast<char*>(lists.ptr[t][k]) + off * dtype_bytes(lists.dtype[t][k]);
+        table.dtype[k][e] = lists.dtype[t][k];
       }
       table.size[e] = static_cast<int32_t>(n);
       table.flag[e] = lists.flag[t];
@@ -163,7 +190,9 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
       if (table.num_tensors == Table::kCap) JF_RETURN_IF_ERROR(launch());
     }
   }
-  return launch();
+  JF_RETURN_IF_ERROR(launch());
+  if (blocks_used != nullptr) *blocks_used = block_offset;
+  return ffi::Error::Success();
 }
 
 // ---- vectorized element access for ops ------------------------------------------------------

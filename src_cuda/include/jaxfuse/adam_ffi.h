@@ -89,7 +89,7 @@ inline ffi::Error decode_adam_call(CountBuffer count, HyperBuffer hyper,
   int num_lists = 4;
   if (write_updates) sources[num_lists++] = {"updates", true, 0};
   if (master) sources[num_lists++] = {"master_params", false, 4 * n};
-  JF_RETURN_IF_ERROR(collect_lists(args, rets, sources, num_lists, n, decay_mask, &call->lists));
+  JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, num_lists, n, decay_mask, &call->lists));
 
   JF_RETURN_IF_ERROR(check_aliased(args, rets, 2 * n, r_mu, n, "mu"));
   JF_RETURN_IF_ERROR(check_aliased(args, rets, 3 * n, r_nu, n, "nu"));
@@ -97,8 +97,10 @@ inline ffi::Error decode_adam_call(CountBuffer count, HyperBuffer hyper,
   if (master) {
     const int64_t r_master = write_updates ? r_next : r_next + n;
     JF_RETURN_IF_ERROR(check_aliased(args, rets, 4 * n, r_master, n, "master_params"));
-    if (call->lists.dtype[call->master_list()] != DType::kF32 && n > 0) {
-      return invalid_argument("jaxfuse_adam: master params must be float32");
+    for (int64_t t = 0; t < n; ++t) {
+      if (call->lists.dtype[t][call->master_list()] != DType::kF32) {
+        return invalid_argument("jaxfuse_adam: master params of tensor ", t, " must be float32");
+      }
     }
   }
   return ffi::Error::Success();

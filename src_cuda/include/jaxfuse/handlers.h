@@ -8,5 +8,9 @@ namespace jaxfuse {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseAdamCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseAdamCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseGlobalNormCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseGlobalNormCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCuda);
 
 }  // namespace jaxfuse

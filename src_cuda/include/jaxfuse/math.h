@@ -135,16 +135,39 @@ enum AdamHyper : int {
 // step is skipped (state untouched, count not advanced) when skip != 0.
 enum GradCtrl : int { kLossScale = 0, kClipDiv, kClipMul, kSkip, kGradCtrlSize };
 
+// How an op sees the gradients, from the gradient-control vector: unscaled by the loss scale,
+// then clipped the way optax's clip_by_global_norm does it, (g / norm) * max_norm.
+struct GradScaling {
+  float loss_scale, clip_div, clip_mul;
+  bool scale;  // loss_scale != 1
+  bool clip;   // clipping active
+  bool skip;   // skip the whole step
+
+  JF_HD float apply(float g) const {
+    if (scale) g = g / loss_scale;
+    if (clip) g = (g / clip_div) * clip_mul;
+    return g;
+  }
+};
+
+JF_HD GradScaling make_grad_scaling(const float* ctrl) {
+  GradScaling s;
+  s.loss_scale = ctrl[kLossScale];
+  s.clip_div = ctrl[kClipDiv];
+  s.clip_mul = ctrl[kClipMul];
+  s.scale = s.loss_scale != 1.0f;
+  s.clip = s.clip_div != 1.0f || s.clip_mul != 1.0f;
+  s.skip = ctrl[kSkip] != 0.0f;
+  return s;
+}
+
 // Per-step scalars, resolved once per thread block (GPU) or per call (CPU).
 struct AdamStep {
   float lr, b1, one_minus_b1, b2, one_minus_b2, eps, eps_root, weight_decay;
   float bc1;       // 1 - b1^t
   float bc1_next;  // 1 - b1^(t+1), for nesterov
   float bc2;       // 1 - b2^t
-  float loss_scale, clip_div, clip_mul;
-  bool scale_grads;  // loss_scale != 1
-  bool clip_grads;   // clip_div != 1 or clip_mul != 1
-  bool skip;
+  GradScaling grad;
   bool nesterov;
 };
 
@@ -168,26 +191,13 @@ JF_HD AdamStep make_adam_step(const float* hyper, const float* ctrl, int32_t cou
   s.bc1 = 1.0f - powf(s.b1, float(t));
   s.bc1_next = 1.0f - powf(s.b1, float(safe_increment(t)));
   s.bc2 = 1.0f - powf(s.b2, float(t));
-  s.loss_scale = ctrl[kLossScale];
-  s.clip_div = ctrl[kClipDiv];
-  s.clip_mul = ctrl[kClipMul];
-  s.scale_grads = s.loss_scale != 1.0f;
-  s.clip_grads = s.clip_div != 1.0f || s.clip_mul != 1.0f;
-  s.skip = ctrl[kSkip] != 0.0f;
+  s.grad = make_grad_scaling(ctrl);
   s.nesterov = nesterov;
   return s;
 }
 
 // The count written back: advanced unless the step is skipped.
 JF_HD int32_t adam_next_count(int32_t count, bool skip) { return skip ? count : safe_increment(count); }
-
-// Gradient as the optimizer sees it: unscaled by the loss scale, then clipped (optax's
-// clip_by_global_norm computes (g / norm) * max_norm).
-JF_HD float adam_grad(const AdamStep& s, float g) {
-  if (s.scale_grads) g = g / s.loss_scale;
-  if (s.clip_grads) g = (g / s.clip_div) * s.clip_mul;
-  return g;
-}
 
 // One element of optax.adamw: scale_by_adam -> add_decayed_weights -> scale_by_learning_rate,
 // with optax's operation order. Updates m and v in place (fp32) and returns the update
@@ -207,9 +217,33 @@ JF_HD float adam_element(const AdamStep& s, float g, float p, bool decay, float&
   return u * -s.lr;
 }
 
-// ---- global norm ------------------------------------------------------------------------
+// ---- global norm and clipping ---------------------------------------------------------------
+//
+// Stage 1 (multi-tensor) writes one partial per block / chunk: the fp32 sum of squares and a
+// non-finite marker (the sum of x - x, which is 0 for finite x and NaN otherwise, so it needs
+// no branch and vectorizes). Stage 2 sums the partials in a fixed order and calls this.
 
-// Whether x is finite (neither inf nor NaN), without relying on fast-math-sensitive isfinite.
-JF_HD bool is_finite_f32(float x) { return (float_bits(x) & 0x7f800000u) != 0x7f800000u; }
+// Operands of the norm op: f32[kNormParamsSize].
+enum NormParams : int { kNormLossScale = 0, kNormMaxNorm, kNormParamsSize };
+
+// From the total sum of squares of the raw (loss-scaled) gradients: the global norm of the
+// unscaled gradients, and the gradient-control vector for the consumers. Clipping follows
+// optax: unchanged when norm < max_norm (a NaN norm clips, spreading the NaN, as optax does);
+// max_norm = +inf disables it. `clip_apply_loss_scale` false leaves the loss scale in the
+// gradients (for a transform whose consumer unscales them later).
+JF_HD void finish_norm(float sumsq, float nonfinite_marker, const float* params,
+                       bool skip_nonfinite, bool clip_apply_loss_scale, float* norm_out,
+                       float* ctrl) {
+  const float loss_scale = params[kNormLossScale];
+  const float max_norm = params[kNormMaxNorm];
+  const float norm = sqrtf(sumsq) / loss_scale;
+  *norm_out = norm;
+  const bool nonfinite = nonfinite_marker != 0.0f;  // NaN compares unequal to 0: true
+  const bool clip = max_norm != INFINITY && !(norm < max_norm);
+  ctrl[kLossScale] = clip_apply_loss_scale ? loss_scale : 1.0f;
+  ctrl[kClipDiv] = clip ? norm : 1.0f;
+  ctrl[kClipMul] = clip ? max_norm : 1.0f;
+  ctrl[kSkip] = (skip_nonfinite && nonfinite) ? 1.0f : 0.0f;
+}
 
 }  // namespace jaxfuse

@@ -3,8 +3,8 @@
 // (src_cuda/cuda/multi_tensor.cuh) packs the same lists into kernel-parameter tables.
 //
 // A "list" is one role in an element-wise op (grads, params, mu, ...); list k of tensor t is
-// the k-th operand of leaf t. Every list has one storage dtype; all lists of a tensor have the
-// same element count. An op is a functor applied to (tensor, first element, element count).
+// the k-th operand of leaf t. Each buffer has its own storage dtype (so one call covers a tree of
+// mixed dtypes); all lists of a tensor have the same element count. An op is a functor applied to (tensor, first element, element count).
 #pragma once
 
 #include <algorithm>
@@ -24,8 +24,8 @@ inline constexpr int kMaxLists = 8;
 
 struct TensorLists {
   int num_lists = 0;
-  std::array<DType, kMaxLists> dtype{};
   std::vector<std::array<void*, kMaxLists>> ptr;  // [tensor][list]
+  std::vector<std::array<DType, kMaxLists>> dtype;  // [tensor][list]
   std::vector<int64_t> size;                      // elements per tensor
   std::vector<uint8_t> flag;                      // per-tensor op flag (e.g. weight-decay mask)
 
@@ -45,9 +45,10 @@ struct ListSource {
   int64_t offset;
 };
 
-// Decodes the buffers of each list, checking dtypes (float, one dtype per list) and that every
-// list of a tensor has the same element count. `flags` may be empty (all zero).
-inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+// Decodes the buffers of each list, checking dtypes (float32, bfloat16, float16) and that every
+// list of a tensor has the same element count. `flags` may be empty (all zero); `rets` may be
+// null when no list comes from the results.
+inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::RemainingRets* rets,
                                 const ListSource* sources, int num_lists, int64_t num_tensors,
                                 ffi::Span<const uint8_t> flags, TensorLists* out) {
   if (num_lists > kMaxLists) return internal_error("too many tensor lists");
@@ -57,11 +58,13 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
   }
   out->num_lists = num_lists;
   out->ptr.assign(num_tensors, {});
+  out->dtype.assign(num_tensors, {});
   out->size.assign(num_tensors, 0);
   out->flag.assign(num_tensors, 0);
   for (int k = 0; k < num_lists; ++k) {
     const ListSource& src = sources[k];
-    const int64_t available = src.from_rets ? static_cast<int64_t>(rets.size())
+    if (src.from_rets && rets == nullptr) return internal_error("list '", src.name, "': no results");
+    const int64_t available = src.from_rets ? static_cast<int64_t>(rets->size())
                                             : static_cast<int64_t>(args.size());
     if (src.offset + num_tensors > available) {
       return invalid_argument("list '", src.name, "' needs ", num_tensors, " buffers from ",
@@ -71,7 +74,7 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
     for (int64_t t = 0; t < num_tensors; ++t) {
       ffi::AnyBuffer buf{nullptr};
       if (src.from_rets) {
-        auto r = rets.get<ffi::AnyBuffer>(src.offset + t);
+        auto r = rets->get<ffi::AnyBuffer>(src.offset + t);
         if (r.has_error()) return r.error();
         buf = **r;
       } else {
@@ -84,12 +87,7 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
         return invalid_argument("list '", src.name, "' tensor ", t,
                                 ": unsupported dtype (float32, bfloat16, float16 only)");
       }
-      if (t == 0) {
-        out->dtype[k] = *dt;
-      } else if (*dt != out->dtype[k]) {
-        return invalid_argument("list '", src.name, "' mixes dtypes (tensor ", t, " is ",
-                                dtype_name(*dt), ", tensor 0 is ", dtype_name(out->dtype[k]), ")");
-      }
+      out->dtype[t][k] = *dt;
       const int64_t n = static_cast<int64_t>(buf.element_count());
       if (k == 0) {
         out->size[t] = n;

@@ -1,0 +1,115 @@
+// jaxfuse_global_norm and jaxfuse_apply_grad_ctrl, CPU. Partial sums are per chunk, combined in
+// chunk order: the result does not depend on how the thread pool ran the chunks.
+#include <vector>
+
+#include "jaxfuse/clip_ffi.h"
+
+namespace jaxfuse {
+namespace {
+
+constexpr int64_t kChunk = 1 << 16;
+constexpr int64_t kTile = 512;
+constexpr int kLanes = 16;  // independent accumulators: fixed association, vectorizes
+
+struct Partial {
+  float sumsq = 0.0f;
+  float nonfinite = 0.0f;  // sum of (x - x): 0 iff every x is finite
+};
+
+Partial chunk_partial(const TensorLists& lists, int64_t t, int64_t start, int64_t n) {
+  alignas(64) float x[kTile];
+  float acc[kLanes] = {}, bad[kLanes] = {};
+  for (int64_t off = start; off < start + n; off += kTile) {
+    const int64_t len = std::min(kTile, start + n - off);
+    load_tile(lists.ptr[t][0], lists.dtype[t][0], off, len, x);
+    const int64_t full = len - len % kLanes;
+    for (int64_t i = 0; i < full; i += kLanes) {
+      for (int j = 0; j < kLanes; ++j) {
+        acc[j] += x[i + j] * x[i + j];
+        bad[j] += x[i + j] - x[i + j];
+      }
+    }
+    for (int64_t i = full; i < len; ++i) {
+      acc[i - full] += x[i] * x[i];
+      bad[i - full] += x[i] - x[i];
+    }
+  }
+  Partial p;
+  for (int j = 0; j < kLanes; ++j) {
+    p.sumsq += acc[j];
+    p.nonfinite += bad[j];
+  }
+  return p;
+}
+
+ffi::Error GlobalNormCpu(ffi::ThreadPool pool, NormParamsBuffer params, ffi::RemainingArgs args,
+                         ffi::Result<ScalarF32Buffer> norm, ffi::Result<HyperCtrlBuffer> ctrl,
+                         ffi::Result<HyperCtrlBuffer> partials, bool skip_nonfinite,
+                         bool clip_apply_loss_scale) {
+  TensorLists lists;
+  JF_RETURN_IF_ERROR(decode_norm_call(params, args, ctrl, partials, &lists));
+  std::vector<int64_t> first_chunk(lists.num_tensors() + 1, 0);
+  for (int64_t t = 0; t < lists.num_tensors(); ++t) {
+    first_chunk[t + 1] = first_chunk[t] + (lists.size[t] + kChunk - 1) / kChunk;
+  }
+  std::vector<Partial> chunk_partials(first_chunk.back());
+  for_each_chunk(&pool, lists, kChunk, [&](int64_t t, int64_t start, int64_t n) {
+    chunk_partials[first_chunk[t] + start / kChunk] = chunk_partial(lists, t, start, n);
+  });
+  Partial total;
+  for (const Partial& p : chunk_partials) {
+    total.sumsq += p.sumsq;
+    total.nonfinite += p.nonfinite;
+  }
+  finish_norm(total.sumsq, total.nonfinite, params.typed_data(), skip_nonfinite,
+              clip_apply_loss_scale, norm->typed_data(), ctrl->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error ApplyGradCtrlCpu(ffi::ThreadPool pool, HyperCtrlBuffer ctrl, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets) {
+  if (ctrl.element_count() != kGradCtrlSize) {
+    return invalid_argument("jaxfuse_apply_grad_ctrl: ctrl has ", ctrl.element_count(),
+                            " elements, expected ", int(kGradCtrlSize));
+  }
+  const int64_t n = static_cast<int64_t>(args.size());
+  if (static_cast<int64_t>(rets.size()) != n) {
+    return invalid_argument("jaxfuse_apply_grad_ctrl: ", n, " operands but ", rets.size(), " results");
+  }
+  TensorLists lists;
+  const ListSource sources[2] = {{"grads", false, 0}, {"scaled_grads", true, 0}};
+  JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, 2, n, {}, &lists));
+  const GradScaling scaling = make_grad_scaling(ctrl.typed_data());
+  for_each_chunk(&pool, lists, kChunk, [&](int64_t t, int64_t start, int64_t len) {
+    alignas(64) float x[kTile];
+    for (int64_t off = start; off < start + len; off += kTile) {
+      const int64_t m = std::min(kTile, start + len - off);
+      load_tile(lists.ptr[t][0], lists.dtype[t][0], off, m, x);
+      for (int64_t i = 0; i < m; ++i) x[i] = scaling.apply(x[i]);
+      store_tile(lists.ptr[t][1], lists.dtype[t][1], off, m, x);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGlobalNormCpu, GlobalNormCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<NormParamsBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ScalarF32Buffer>()  // norm
+                                  .Ret<HyperCtrlBuffer>()  // ctrl
+                                  .Ret<HyperCtrlBuffer>()  // partials (unused on the CPU)
+                                  .Attr<bool>("skip_nonfinite")
+                                  .Attr<bool>("clip_apply_loss_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCpu, ApplyGradCtrlCpu,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<HyperCtrlBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+}  // namespace jaxfuse
