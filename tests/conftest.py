@@ -1,0 +1,71 @@
+"""Shared fixtures: every test runs on the CPU backend (always) and on CUDA when a GPU is present."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+def _gpu_devices():
+  try:
+    return jax.devices("gpu")
+  except RuntimeError:
+    return []
+
+
+BACKENDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu", marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not _gpu_devices(), reason="no CUDA device"),
+    ]),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def device(request):
+  """The device the test's arrays live on (jit runs where its inputs are)."""
+  return jax.devices(request.param)[0]
+
+
+def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0, device=None):
+  """A dict pytree of fresh random normal leaves (never zeros) with the given shapes."""
+  rng = np.random.default_rng(seed)
+  dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+  tree = {
+      f"leaf{i:04d}": jnp.asarray(scale * rng.standard_normal(shape), dtype=dt)
+      for i, (shape, dt) in enumerate(zip(shapes, dtypes))
+  }
+  return jax.device_put(tree, device) if device is not None else tree
+
+
+def to_device(tree, device):
+  return jax.device_put(tree, device)
+
+
+def ulp(dtype):
+  """Relative spacing of floats of `dtype` (2^-23 for fp32, 2^-7 for bf16, 2^-10 for fp16)."""
+  return float(jnp.finfo(dtype).eps)
+
+
+def assert_trees_close(actual, expected, rtol, atol, what=""):
+  """Leaf-wise |actual - expected| <= atol + rtol * max|expected leaf|.
+
+  The bound is relative to the leaf's largest magnitude, not element-wise: an element that is the
+  small difference of large terms (mu = (1-b1) g + b1 mu) carries the rounding error of those
+  terms, not of itself. NaNs must match."""
+  paths = jax.tree_util.tree_flatten_with_path(expected)[0]
+  assert len(paths) == len(jax.tree.leaves(actual)), what
+  for (path, e), a in zip(paths, jax.tree.leaves(actual)):
+    a32 = np.asarray(jnp.asarray(a, jnp.float32))
+    e32 = np.asarray(jnp.asarray(e, jnp.float32))
+    assert a32.shape == e32.shape, (what, jax.tree_util.keystr(path))
+    finite = np.isfinite(e32)
+    scale = float(np.max(np.abs(e32[finite]))) if finite.any() else 0.0
+    np.testing.assert_allclose(a32, e32, rtol=0, atol=atol + rtol * scale, equal_nan=True,
+                               err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+def count_custom_calls(hlo_text, target):
+  """Custom calls to `target` in compiled HLO text or lowered StableHLO text."""
+  return hlo_text.count(f'custom_call_target="{target}"') + hlo_text.count(f"custom_call @{target}(")
