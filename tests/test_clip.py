@@ -1,0 +1,243 @@
+"""jaxfuse.global_norm, clip_by_global_norm and the fused clip+Adam step against optax."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from conftest import assert_trees_close, count_custom_calls, random_tree, ulp
+
+SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5)]
+F32_EPS = ulp(jnp.float32)
+
+
+def _np_norm(tree, scale=1.0):
+  """Reference global norm in float64."""
+  return math.sqrt(sum(float(np.sum((np.asarray(x, np.float64) / scale) ** 2))
+                       for x in jax.tree.leaves(tree)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, "mixed"])
+def test_global_norm_matches_optax(device, dtype):
+  dts = [jnp.float32, jnp.bfloat16, jnp.float16] * 3 if dtype == "mixed" else dtype
+  tree = random_tree(0, SHAPES, dtype=dts if dtype != "mixed" else dts[:len(SHAPES)], device=device)
+  norm = jax.jit(jaxfuse.global_norm)(tree)
+  assert norm.dtype == jnp.float32 and norm.shape == ()
+  # fp32 accumulation of n terms: relative error ~ n * eps in the worst case, ~sqrt(n) typical.
+  n = sum(x.size for x in jax.tree.leaves(tree))
+  np.testing.assert_allclose(float(norm), _np_norm(tree), rtol=math.sqrt(n) * F32_EPS)
+  if dtype == jnp.float32:
+    np.testing.assert_allclose(float(norm), float(optax.global_norm(tree)), rtol=math.sqrt(n) * F32_EPS)
+
+
+def test_global_norm_is_deterministic(device):
+  tree = random_tree(1, [(3_000_001,), (77,), (1000, 3)], device=device)
+  a = jax.jit(jaxfuse.global_norm)(tree)
+  b = jax.jit(jaxfuse.global_norm)(tree)
+  c = jaxfuse.global_norm(tree)
+  assert np.asarray(a).tobytes() == np.asarray(b).tobytes() == np.asarray(c).tobytes()
+
+
+def test_global_norm_empty_and_zero(device):
+  assert float(jaxfuse.global_norm({})) == 0.0
+  zeros = jax.device_put({"a": jnp.zeros((5,)), "b": jnp.zeros((0, 3))}, device)
+  assert float(jaxfuse.global_norm(zeros)) == 0.0
+
+
+def test_global_norm_fp16_no_overflow(device):
+  """Squares of fp16 values above 256 overflow fp16; jaxfuse accumulates in fp32."""
+  tree = random_tree(2, [(4096,), (17,)], scale=1e4, device=device)
+  tree = jax.tree.map(lambda x: jnp.clip(x, -6e4, 6e4).astype(jnp.float16), tree)
+  assert not np.isfinite(float(optax.global_norm(tree)))  # optax squares in fp16
+  norm = float(jaxfuse.global_norm(tree))
+  assert np.isfinite(norm) and norm > 1e5
+  np.testing.assert_allclose(norm, _np_norm(tree), rtol=1e-5)
+
+
+def test_global_norm_with_grad_scale(device):
+  tree = random_tree(3, [(100,), (3, 3)], device=device)
+  scale = jnp.float32(1024.0)
+  np.testing.assert_allclose(float(jaxfuse.global_norm(tree, grad_scale=scale)),
+                             _np_norm(tree, 1024.0), rtol=1e-6)
+
+
+def _grads_with_norm(seed, params, target_norm):
+  g = random_tree(seed, [p.shape for p in jax.tree.leaves(params)],
+                  device=jax.tree.leaves(params)[0].devices().pop())
+  g = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(g))
+  return jax.tree.map(lambda x: x * (target_norm / _np_norm(g)), g)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 2.0, 100.0])
+def test_clip_matches_optax(device, ratio):
+  params = random_tree(4, SHAPES, device=device)
+  g = _grads_with_norm(5, params, ratio * 1.0)
+  uf, sf = jax.jit(jaxfuse.clip_by_global_norm(1.0).update)(g, optax.EmptyState())
+  uo, so = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())
+  assert sf == so
+  assert_trees_close(uf, uo, rtol=4 * F32_EPS, atol=0)
+  if ratio < 1:  # below the threshold: bitwise unchanged
+    for a, b in zip(jax.tree.leaves(uf), jax.tree.leaves(g)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_clip_at_threshold(device):
+  """norm == max_norm is not < max_norm: optax scales by max_norm / norm (== 1)."""
+  params = random_tree(6, [(31,), (4, 4)], device=device)
+  g = _grads_with_norm(7, params, 3.0)
+  norm = jaxfuse.global_norm(g)
+  uf, _ = jaxfuse.clip_by_global_norm(norm).update(g, optax.EmptyState())
+  n = np.float32(norm)
+  for a, t in zip(jax.tree.leaves(uf), jax.tree.leaves(g)):  # IEEE fp32 in NumPy: (t / n) * n
+    np.testing.assert_array_equal(np.asarray(a), (np.asarray(t) / n) * n)
+
+
+def test_clip_zero_gradients(device):
+  g = jax.device_put({"a": jnp.zeros((7,)), "b": jnp.zeros(())}, device)
+  uf, _ = jaxfuse.clip_by_global_norm(1.0).update(g, optax.EmptyState())
+  for a in jax.tree.leaves(uf):
+    assert np.all(np.asarray(a) == 0)
+
+
+@pytest.mark.parametrize("ratio", [0.3, 5.0])
+@pytest.mark.parametrize("fused", [False, True])
+def test_clip_adamw_chain_matches_optax(device, ratio, fused):
+  params = random_tree(8, SHAPES, device=device)
+  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, weight_decay=0.1))
+  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, weight_decay=0.1))
+  sf, so = tf.init(params), to.init(params)
+  assert jax.tree.structure(sf) == jax.tree.structure(so)
+  if fused:
+    step_f = jax.jit(lambda p, s, g: jaxfuse.fused_step(tf, g, s, p, return_grad_norm=True),
+                     donate_argnums=(0, 1))
+  else:
+    step_f = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s, None))(
+        *tf.update(g, s, p)))
+  step_o = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(*to.update(g, s, p)))
+  pf, po = jax.tree.map(jnp.copy, params), params
+  for t in range(20):
+    g = _grads_with_norm(100 + t, params, ratio * (1 + 0.1 * t))
+    pf, sf, norm = step_f(pf, sf, g)
+    po, so = step_o(po, so, g)
+    if fused:
+      np.testing.assert_allclose(float(norm), float(optax.global_norm(g)), rtol=1e-5)
+    assert_trees_close(pf, po, rtol=32 * F32_EPS * (t + 1), atol=0, what=f"step {t}")
+  assert_trees_close(sf, so, rtol=1e-5, atol=0)
+
+
+def test_fused_clip_step_launches_and_no_host_traffic(device):
+  params = random_tree(9, [(64,), (8, 8), ()], device=device)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(optax.cosine_decay_schedule(1e-3, 100)))
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True),
+                 donate_argnums=(0, 1))
+  g = jax.tree.map(lambda x: x * 10, params)
+  lowered = step.lower(params, state, g)
+  compiled_text = lowered.compile().as_text()
+  assert count_custom_calls(compiled_text, "jaxfuse_global_norm") == 1
+  assert count_custom_calls(compiled_text, "jaxfuse_adam") == 1
+  for text in (lowered.as_text(), compiled_text):
+    for banned in ("outfeed", "infeed", "send(", "recv(", "host_callback", "xla_python_cpu_callback",
+                   "xla_ffi_python_cpu_callback", "xla_python_gpu_callback", "S(5)"):
+      assert banned not in text, banned
+  g = jax.device_put(g, device)
+  with jax.transfer_guard("disallow"):
+    for _ in range(3):
+      params, state, norm = step(params, state, g)
+  assert norm.shape == () and norm.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_nonfinite_without_skip_matches_optax(device, bad):
+  params = random_tree(10, [(9,), (2, 2)], device=device)
+  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2))
+  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  g = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(bad), _grads_with_norm(11, params, 2.0))
+  pf, sf = jax.jit(lambda p, s, g: jaxfuse.fused_step(tf, g, s, p))(params, tf.init(params), g)
+  uo, so = to.update(g, to.init(params), params)
+  po = optax.apply_updates(params, uo)
+  assert_trees_close(pf, po, rtol=1e-6, atol=0)  # NaNs in the same places
+  assert_trees_close(sf, so, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
+def test_nonfinite_skip_mode(device, bad):
+  params = random_tree(12, [(9,), (2, 2), ()], device=device)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))
+  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True))
+  state = tx.init(params)
+  p1, s1, _ = step(params, state, _grads_with_norm(13, params, 3.0))
+  g_bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(bad), _grads_with_norm(14, params, 3.0))
+  p2, s2, norm = step(p1, s1, g_bad)
+  assert not np.isfinite(float(norm))
+  for a, b in zip(jax.tree.leaves((p2, s2[1][:-1])), jax.tree.leaves((p1, s1[1][:-1]))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert int(s2[1][0].count) == 1 and int(s2[1][-1].skipped_steps) == 1
+  # The next finite step proceeds as if the bad one never happened.
+  g3 = _grads_with_norm(15, params, 3.0)
+  p3, s3, _ = step(p2, s2, g3)
+  p3_ref, s3_ref, _ = step(p1, s1, g3)
+  assert_trees_close(p3, p3_ref, rtol=0, atol=0)
+  assert int(s3[1][0].count) == 2
+
+
+def test_skip_mode_on_optax_path(device):
+  params = random_tree(16, [(5,)], device=device)
+  tx = jaxfuse.adam(1e-2, skip_nonfinite=True)
+  state = tx.init(params)
+  g = {"leaf0000": jnp.array([1.0, jnp.nan, 0.0, 2.0, 3.0])}
+  u, s = jax.jit(tx.update)(g, state, params)
+  assert np.all(np.asarray(u["leaf0000"]) == 0)
+  assert int(s[0].count) == 0 and int(s[-1].skipped_steps) == 1
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+def test_loss_scaling(device, dtype):
+  """Gradients of a loss scaled by S, with grad_scale=S, step like the unscaled gradients."""
+  S = 2.0 ** 12
+  params = random_tree(17, [(33,), (5, 5)], device=device)
+  g = _grads_with_norm(18, params, 4.0)
+  g_scaled = jax.tree.map(lambda x: (x * S).astype(dtype), g)
+  g_ref = jax.tree.map(lambda x: x.astype(jnp.float32) / S, g_scaled)  # what the kernel sees
+  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2))
+  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  pf, sf, norm = jax.jit(lambda p, s, g, c: jaxfuse.fused_step(tf, g, s, p, grad_scale=c,
+                                                              return_grad_norm=True))(
+      params, tf.init(params), g_scaled, jnp.float32(S))
+  uo, so = to.update(g_ref, to.init(params), params)
+  po = optax.apply_updates(params, uo)
+  np.testing.assert_allclose(float(norm), float(optax.global_norm(g_ref)), rtol=1e-5)
+  assert_trees_close(pf, po, rtol=64 * F32_EPS, atol=0)
+  # The optax protocol with the grad_scale extra argument gives the same step.
+  u, _ = tf.update(g_scaled, tf.init(params), params, grad_scale=jnp.float32(S))
+  assert_trees_close(optax.apply_updates(params, u), po, rtol=64 * F32_EPS, atol=0)
+
+
+def test_loss_scaling_with_skip(device):
+  """An fp16 overflow in scaled gradients is skipped, then training resumes."""
+  params = random_tree(19, [(8,)], device=device)
+  tx = jaxfuse.adamw(1e-2, skip_nonfinite=True)
+  step = jax.jit(lambda p, s, g, c: jaxfuse.fused_step(tx, g, s, p, grad_scale=c))
+  state = tx.init(params)
+  g = jnp.full((8,), 7e4, jnp.float32).astype(jnp.float16)  # overflows fp16 to inf
+  p2, s2 = step(params, state, {"leaf0000": g}, jnp.float32(2.0 ** 15))
+  np.testing.assert_array_equal(np.asarray(p2["leaf0000"]), np.asarray(params["leaf0000"]))
+  assert int(s2[-1].skipped_steps) == 1
+
+
+def test_clip_rejects_bad_leaves():
+  with pytest.raises(TypeError, match=r"grads leaf \['n'\] has dtype int32"):
+    jaxfuse.global_norm({"x": jnp.ones(3), "n": jnp.ones(3, jnp.int32)})
+  with pytest.raises(TypeError, match="not an array"):
+    jaxfuse.clip_by_global_norm(1.0).update({"x": "a string"}, optax.EmptyState())
+
+
+def test_fused_rejects_wrong_chain_state():
+  params = {"w": jnp.ones((3,))}
+  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-3))
+  with pytest.raises(ValueError, match="opt_state"):
+    jaxfuse.fused_step(tx, params, jaxfuse.adamw(1e-3).init(params), params)
