@@ -16,6 +16,7 @@ NB_MODULE(_jaxfuse_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxfuse_adam"] = encapsulate(jaxfuse::JaxfuseAdamCpu);
+    d["jaxfuse_decoder"] = encapsulate(jaxfuse::JaxfuseDecoderCpu);
     return d;
   });
 }

@@ -8,5 +8,7 @@ namespace jaxfuse {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseAdamCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseAdamCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseDecoderCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseDecoderCuda);
 
 }  // namespace jaxfuse
