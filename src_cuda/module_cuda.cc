@@ -16,6 +16,7 @@ NB_MODULE(_jaxfuse_cuda, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["jaxfuse_adam"] = encapsulate(jaxfuse::JaxfuseAdamCuda);
+    d["jaxfuse_decoder"] = encapsulate(jaxfuse::JaxfuseDecoderCuda);
     return d;
   });
 }
