@@ -12,7 +12,8 @@
 namespace jaxfuse {
 namespace {
 
-constexpr int64_t kColBlock = 128;  // output columns per GEMV work item
+constexpr int64_t kColBlock = 128;  // most output columns per GEMV work item
+constexpr int64_t kMinColBlock = 16;
 
 // Converts n elements of storage dtype t to fp32.
 void to_f32(const void* src, DType t, int64_t n, float* dst) {
@@ -44,10 +45,15 @@ void* offset(void* base, DType t, int64_t elems) {
 template <typename Epilogue>
 void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const void* W, DType t,
           int64_t K, int64_t N, const Epilogue& epilogue) {
-  const int64_t blocks = (N + kColBlock - 1) / kColBlock;
+  // Column blocks: at least ~4 per thread when N allows, so small projections still spread.
+  const int64_t threads = (pool == nullptr ? 0 : pool->num_threads()) + 1;
+  int64_t width = (N + 4 * threads - 1) / (4 * threads);
+  width = std::clamp<int64_t>((width + kMinColBlock - 1) / kMinColBlock * kMinColBlock, kMinColBlock,
+                              kColBlock);
+  const int64_t blocks = (N + width - 1) / width;
   parallel_for(pool, blocks, [&](int64_t blk) {
-    const int64_t n0 = blk * kColBlock;
-    const int64_t len = std::min(kColBlock, N - n0);
+    const int64_t n0 = blk * width;
+    const int64_t len = std::min(width, N - n0);
     std::vector<float> acc(B * kColBlock, 0.0f);
     alignas(64) float w[kColBlock];
     for (int64_t k = 0; k < K; ++k) {
