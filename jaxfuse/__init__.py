@@ -5,21 +5,32 @@ Optimizer side (optax-compatible):
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
+
+Decode side:
+  persistent_decoder   one decode step of a Llama-style decoder stack, all layers in one launch
+  decoder_reference    the same step (or a multi-token prefill) in plain JAX
 """
 
 from jaxfuse._ffi import backends
 from jaxfuse.adam import AdamExtraState, adam, adamw
 from jaxfuse.clip import clip_by_global_norm, global_norm
+from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, decoder_reference,
+                             persistent_decoder)
 from jaxfuse.fused import fused_step
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AdamExtraState",
+    "DecoderConfig",
+    "DecoderWeights",
+    "KVCache",
     "adam",
     "adamw",
     "backends",
     "clip_by_global_norm",
+    "decoder_reference",
     "fused_step",
     "global_norm",
+    "persistent_decoder",
 ]

@@ -18,6 +18,7 @@ NB_MODULE(_jaxfuse_cpu, m) {
     d["jaxfuse_adam"] = encapsulate(jaxfuse::JaxfuseAdamCpu);
     d["jaxfuse_global_norm"] = encapsulate(jaxfuse::JaxfuseGlobalNormCpu);
     d["jaxfuse_apply_grad_ctrl"] = encapsulate(jaxfuse::JaxfuseApplyGradCtrlCpu);
+    d["jaxfuse_decoder"] = encapsulate(jaxfuse::JaxfuseDecoderCpu);
     return d;
   });
 }

@@ -18,6 +18,7 @@ NB_MODULE(_jaxfuse_cuda, m) {
     d["jaxfuse_adam"] = encapsulate(jaxfuse::JaxfuseAdamCuda);
     d["jaxfuse_global_norm"] = encapsulate(jaxfuse::JaxfuseGlobalNormCuda);
     d["jaxfuse_apply_grad_ctrl"] = encapsulate(jaxfuse::JaxfuseApplyGradCtrlCuda);
+    d["jaxfuse_decoder"] = encapsulate(jaxfuse::JaxfuseDecoderCuda);
     return d;
   });
 }

@@ -12,5 +12,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseGlobalNormCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseGlobalNormCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseDecoderCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseDecoderCuda);
 
 }  // namespace jaxfuse

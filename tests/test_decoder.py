@@ -1,0 +1,339 @@
+"""jaxfuse.persistent_decoder against the pure-JAX reference, on every available backend."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jaxfuse
+from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
+
+
+def _gpu_available():
+  if not jaxfuse.backends()["cuda"]["built"]:
+    return False
+  try:
+    return len(jax.devices("gpu")) > 0
+  except RuntimeError:
+    return False
+
+
+@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
+def device(request):
+  if request.param == "gpu" and not _gpu_available():
+    pytest.skip("no CUDA device (or jaxfuse built without CUDA)")
+  return jax.devices(request.param)[0]
+
+
+# Tolerance on max|out - ref| / max|ref|, from the storage dtype: fp32 results differ only by
+# summation order (~1e-6 here); 16-bit results by one rounding of the output and of the cached
+# k/v (bf16 has 8 mantissa bits: 2^-8 = 4e-3 per rounding, a few compounding across layers).
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+
+
+def make_problem(cfg, batch, dtype, seed, device):
+  """Random weights scaled so activations stay O(1); a random (filled) cache."""
+  rng = np.random.default_rng(seed)
+  shapes = cfg.weight_shapes()
+  ws = []
+  for name in DecoderWeights._fields:
+    shape = shapes[name]
+    if "norm" in name:
+      a = 1.0 + 0.1 * rng.standard_normal(shape)
+    else:
+      a = rng.standard_normal(shape) / np.sqrt(shape[1])
+    ws.append(a)
+  w = DecoderWeights(*[jnp.asarray(a, dtype) for a in ws])
+  cache = KVCache(jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype),
+                  jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype))
+  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
+  return jax.device_put((x, w, cache), device)
+
+
+def rel_err(a, b):
+  a = np.asarray(a, np.float32)
+  b = np.asarray(b, np.float32)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def positions_for(batch, S):
+  base = [0, S - 1, S // 2, 1, S - 2, 3, S // 3, 2]
+  return np.array([base[i % len(base)] for i in range(batch)], np.int32)
+
+
+fused = jax.jit(persistent_decoder, static_argnums=(4,))
+reference = jax.jit(decoder_reference, static_argnums=(4,))
+
+# (num_layers, hidden, heads, kv_heads, head_dim, intermediate, max_seq_len)
+CONFIGS = {
+    "mha_hd32": (2, 64, 4, 4, 32, 96, 24),          # GQA ratio 1
+    "gqa2_hd64": (2, 128, 4, 2, 64, 160, 40),       # ratio 2
+    "gqa4_hd32": (2, 96, 8, 2, 32, 128, 33),        # ratio 4
+    "mqa_hd32": (1, 64, 6, 1, 32, 64, 20),          # multi-query (ratio 6, two head chunks)
+    "gqa2_hd128": (1, 128, 2, 1, 128, 256, 17),     # head_dim 128
+    "mqa_many": (1, 64, 12, 1, 16, 64, 70),         # 12 query heads on one kv head
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("name,batch", [("mha_hd32", 1), ("gqa2_hd64", 3), ("gqa4_hd32", 8),
+                                        ("mqa_hd32", 2), ("gqa2_hd128", 4), ("mqa_many", 5)])
+def test_matches_reference(device, name, batch, dtype):
+  cfg = DecoderConfig(*CONFIGS[name], rms_norm_eps=1e-5, rope_theta=10000.0)
+  x, w, cache = make_problem(cfg, batch, dtype, seed=hash(name) % 1000, device=device)
+  pos = jax.device_put(positions_for(batch, cfg.max_seq_len), device)
+  out, new = fused(x, pos, w, cache, cfg)
+  ref, ref_cache = reference(x, pos, w, cache, cfg)
+  assert out.dtype == dtype and out.shape == x.shape
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  assert rel_err(out, ref) < TOL[dtype]
+  # Written slots agree with the reference; every other entry is bitwise unchanged.
+  written = np.zeros(cfg.cache_shape(batch)[:3], bool)
+  written[:, np.arange(batch), np.asarray(pos)] = True
+  for got, want, old in ((new.k, ref_cache.k, cache.k), (new.v, ref_cache.v, cache.v)):
+    got, want, old = (np.asarray(a, np.float32) for a in (got, want, old))
+    np.testing.assert_array_equal(got[~written], old[~written])
+    assert rel_err(got[written], want[written]) < TOL[dtype]
+
+
+def test_float16_and_rope_theta(device):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 64, rms_norm_eps=1e-6, rope_theta=500000.0)
+  x, w, cache = make_problem(cfg, 2, jnp.float16, 7, device)
+  pos = jax.device_put(np.array([63, 10], np.int32), device)
+  out, _ = fused(x, pos, w, cache, cfg)
+  ref, _ = reference(x, pos, w, cache, cfg)
+  assert rel_err(out, ref) < TOL[jnp.float16]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_consecutive_steps_feed_cache(device, dtype):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  x, w, cache = make_problem(cfg, 3, dtype, 3, device)
+  pos = np.array([0, 5, 12], np.int32)
+  c_fused, c_ref = cache, cache
+  h_fused, h_ref = x, x
+  for step in range(4):
+    p = jax.device_put(pos + step, device)
+    h_fused, c_fused = fused(h_fused, p, w, c_fused, cfg)
+    h_ref, c_ref = reference(h_ref, p, w, c_ref, cfg)
+    # Feed the reference's own output back into both, so errors do not compound across steps.
+    assert rel_err(h_fused, h_ref) < TOL[dtype], step
+    h_fused = h_ref
+  assert rel_err(c_fused.k, c_ref.k) < TOL[dtype]
+  assert rel_err(c_fused.v, c_ref.v) < TOL[dtype]
+
+
+def test_prefill_reference_matches_steps(device):
+  """decoder_reference's multi-token prefill equals T single-token fused steps."""
+  cfg = DecoderConfig(2, 64, 4, 1, 16, 64, 12)
+  _, w, cache = make_problem(cfg, 2, jnp.float32, 11, device)
+  T = 5
+  xs = jax.device_put(np.random.default_rng(0).standard_normal((2, T, 64)).astype(np.float32), device)
+  start = np.array([0, 4], np.int32)
+  positions = start[:, None] + np.arange(T, dtype=np.int32)[None]
+  ref, ref_cache = decoder_reference(xs, jnp.asarray(positions), w, cache, cfg)
+  c = cache
+  for t in range(T):
+    out, c = fused(xs[:, t], jax.device_put(positions[:, t], device), w, c, cfg)
+    assert rel_err(out, ref[:, t]) < TOL[jnp.float32]
+  np.testing.assert_allclose(np.asarray(c.k), np.asarray(ref_cache.k), rtol=1e-5, atol=1e-5)
+
+
+def test_future_positions_not_read(device):
+  """Cache slots after p hold NaN: a kernel reading past p would produce NaN."""
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 40)
+  x, w, cache = make_problem(cfg, 4, jnp.float32, 5, device)
+  pos = np.array([0, 17, 39, 8], np.int32)
+  k, v = np.array(cache.k), np.array(cache.v)
+  for b, p in enumerate(pos):
+    k[:, b, p + 1:] = np.nan
+    v[:, b, p + 1:] = np.nan
+  cache = jax.device_put(KVCache(jnp.asarray(k), jnp.asarray(v)), device)
+  out, new = fused(x, jax.device_put(pos, device), w, cache, cfg)
+  assert np.all(np.isfinite(np.asarray(out)))
+  ref, _ = reference(x, jax.device_put(pos, device), w, cache, cfg)
+  assert rel_err(out, ref) < TOL[jnp.float32]
+  np.testing.assert_array_equal(np.isnan(np.asarray(new.k)), np.isnan(k))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_out_of_range_positions(device, dtype):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  x, w, cache = make_problem(cfg, 4, dtype, 9, device)
+  pos = np.array([-1, 16, 7, -2147483648], np.int32)
+  out, new = fused(x, jax.device_put(pos, device), w, cache, cfg)
+  out = np.asarray(out, np.float32)
+  assert np.all(np.isnan(out[[0, 1, 3]]))
+  for b in (0, 1, 3):  # rows with a bad position: cache bitwise untouched
+    np.testing.assert_array_equal(np.asarray(new.k[:, b]), np.asarray(cache.k[:, b]))
+    np.testing.assert_array_equal(np.asarray(new.v[:, b]), np.asarray(cache.v[:, b]))
+  ref, ref_cache = reference(x, jax.device_put(pos, device), w, cache, cfg)
+  assert rel_err(out[2], ref[2]) < TOL[dtype]  # the valid row is unaffected
+  assert rel_err(new.k[:, 2], ref_cache.k[:, 2]) < TOL[dtype]
+
+
+def test_vmap_folds_into_batch(device):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  V, B = 3, 2
+  xs, caches = [], []
+  for i in range(V):
+    x, w, c = make_problem(cfg, B, jnp.float32, 20 + i, device)
+    xs.append(x)
+    caches.append(c)
+  x = jnp.stack(xs)
+  cache = jax.tree.map(lambda *a: jnp.stack(a), *caches)
+  pos = jax.device_put(np.array([[0, 3], [15, 9], [4, 4]], np.int32), device)
+  out, new = jax.jit(jax.vmap(persistent_decoder, in_axes=(0, 0, None, 0, None)),
+                     static_argnums=(4,))(x, pos, w, cache, cfg)
+  assert out.shape == (V, B, 64) and new.k.shape == (V,) + cfg.cache_shape(B)
+  for i in range(V):
+    ref, ref_cache = reference(xs[i], pos[i], w, caches[i], cfg)
+    assert rel_err(out[i], ref) < TOL[jnp.float32]
+    assert rel_err(new.k[i], ref_cache.k) < TOL[jnp.float32]
+  # Mapped on a non-leading axis, with an unmapped (shared) cache.
+  out2, new2 = jax.vmap(persistent_decoder, in_axes=(1, None, None, None, None), out_axes=1)(
+      jnp.moveaxis(x, 0, 1)[:, :, :], pos[0], w, caches[0], cfg)
+  for i in range(V):
+    ref, _ = reference(xs[i], pos[0], w, caches[0], cfg)
+    assert rel_err(out2[:, i], ref) < TOL[jnp.float32]
+  with pytest.raises(NotImplementedError, match="vmap over the weights"):
+    jax.vmap(persistent_decoder, in_axes=(0, 0, 0, 0, None))(
+        x, pos, jax.tree.map(lambda a: jnp.stack([a] * V), w), cache, cfg)
+
+
+def test_scan_and_while_loop(device):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  x, w, cache = make_problem(cfg, 2, jnp.float32, 30, device)
+  pos0 = jax.device_put(np.array([0, 6], np.int32), device)
+
+  def run(step_fn, steps=5):
+    def body(carry, _):
+      h, c, p = carry
+      h, c = step_fn(h, p, w, c, cfg)
+      return (h, c, p + 1), h
+    return jax.jit(lambda h, c, p: lax.scan(body, (h, c, p), None, length=steps))(x, cache, pos0)
+
+  (h_f, c_f, _), hs_f = run(persistent_decoder)
+  (h_r, c_r, _), hs_r = run(decoder_reference)
+  assert rel_err(hs_f, hs_r) < 1e-3  # 5 chained steps of a fp32 computation
+  assert rel_err(c_f.k, c_r.k) < 1e-3
+
+  def cond(s):
+    return s[2][0] < 5
+
+  def body(s):
+    h, c, p = s
+    h, c = persistent_decoder(h, p, w, c, cfg)
+    return h, c, p + 1
+
+  h_w, c_w, p_w = jax.jit(lambda: lax.while_loop(cond, body, (x, cache, pos0)))()
+  assert int(p_w[0]) == 5
+  assert rel_err(h_w, h_f) < 1e-5
+
+
+def test_jit_with_donation(device):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  x, w, cache = make_problem(cfg, 2, jnp.bfloat16, 40, device)
+  pos = jax.device_put(np.array([2, 11], np.int32), device)
+  ref, ref_cache = reference(x, pos, w, cache, cfg)
+  # (a numpy view of the cache itself would hold an external reference and block donation)
+  snapshot = jax.tree.map(lambda a: np.asarray(jnp.copy(a)), cache)
+  step = jax.jit(persistent_decoder, static_argnums=(4,), donate_argnums=(3,))
+  out, new = step(x, pos, w, cache, cfg)
+  assert rel_err(out, ref) < TOL[jnp.bfloat16]
+  assert rel_err(new.k, ref_cache.k) < TOL[jnp.bfloat16]
+  assert cache.k.is_deleted() and cache.v.is_deleted()  # the buffers were reused in place
+  written = np.zeros(cfg.cache_shape(2)[:3], bool)
+  written[:, [0, 1], [2, 11]] = True
+  np.testing.assert_array_equal(np.asarray(new.v, np.float32)[~written],
+                                snapshot.v.astype(np.float32)[~written])
+
+
+# ---- errors -----------------------------------------------------------------------------------
+
+def _small(device):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  x, w, cache = make_problem(cfg, 2, jnp.float32, 1, device)
+  return cfg, x, jnp.array([1, 2], jnp.int32), w, cache
+
+
+@pytest.mark.parametrize("field", DecoderWeights._fields)
+def test_misshaped_or_mistyped_weight(field):
+  cfg, x, pos, w, cache = _small(jax.devices("cpu")[0])
+  bad = getattr(w, field)
+  with pytest.raises(ValueError, match=rf"persistent_decoder: {field} has shape \(.*\), expected"):
+    persistent_decoder(x, pos, w._replace(**{field: bad[..., :-1]}), cache, cfg)
+  with pytest.raises(TypeError, match=rf"persistent_decoder: {field} has dtype bfloat16, expected float32"):
+    persistent_decoder(x, pos, w._replace(**{field: bad.astype(jnp.bfloat16)}), cache, cfg)
+
+
+def test_bad_arguments():
+  cfg, x, pos, w, cache = _small(jax.devices("cpu")[0])
+  with pytest.raises(ValueError, match=r"x has shape \(2, 63\), expected \(B, 64\)"):
+    persistent_decoder(x[:, :-1], pos, w, cache, cfg)
+  with pytest.raises(ValueError, match=r"x has shape"):
+    persistent_decoder(x[None], pos, w, cache, cfg)
+  with pytest.raises(TypeError, match="x has dtype int32"):
+    persistent_decoder(x.astype(jnp.int32), pos, w, cache, cfg)
+  with pytest.raises(TypeError, match="positions has dtype float32, expected int32"):
+    persistent_decoder(x, pos.astype(jnp.float32), w, cache, cfg)
+  with pytest.raises(TypeError, match="positions has dtype uint32, expected int32"):
+    persistent_decoder(x, pos.astype(jnp.uint32), w, cache, cfg)
+  with pytest.raises(ValueError, match=r"positions has shape \(3,\), expected \(2,\)"):
+    persistent_decoder(x, jnp.array([1, 2, 3], jnp.int32), w, cache, cfg)
+  with pytest.raises(ValueError, match=r"cache.k has shape .*expected \(2, 2, 16, 2, 32\)"):
+    persistent_decoder(x, pos, w, cache._replace(k=cache.k[:, :, :-1]), cfg)
+  with pytest.raises(ValueError, match=r"cache.v has shape"):
+    persistent_decoder(x, pos, w, cache._replace(v=cache.v[:, :1]), cfg)
+  with pytest.raises(TypeError, match="cache.k has dtype bfloat16"):
+    persistent_decoder(x, pos, w, cache._replace(k=cache.k.astype(jnp.bfloat16)), cfg)
+  with pytest.raises(TypeError, match="w must be a jaxfuse.DecoderWeights"):
+    persistent_decoder(x, pos, tuple(w), cache, cfg)
+  with pytest.raises(TypeError, match="cache must be a jaxfuse.KVCache"):
+    persistent_decoder(x, pos, w, tuple(cache), cfg)
+  with pytest.raises(TypeError, match="cfg must be a jaxfuse.DecoderConfig"):
+    persistent_decoder(x, pos, w, cache, None)
+  with pytest.raises(NotImplementedError, match="not differentiable"):
+    jax.grad(lambda x: persistent_decoder(x, pos, w, cache, cfg)[0].sum())(x)
+
+
+def test_bad_config():
+  with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
+    DecoderConfig(1, 64, 6, 4, 16, 64, 8)
+  with pytest.raises(ValueError, match="head_dim=15 must be even"):
+    DecoderConfig(1, 64, 4, 4, 15, 64, 8)
+  with pytest.raises(ValueError, match="max_seq_len must be a positive integer"):
+    DecoderConfig(1, 64, 4, 4, 16, 64, 0)
+  with pytest.raises(ValueError, match="rope_theta"):
+    DecoderConfig(1, 64, 4, 4, 16, 64, 8, rope_theta=-1.0)
+  assert hash(DecoderConfig(1, 64, 4, 4, 16, 64, 8)) == hash(DecoderConfig(1, 64, 4, 4, 16, 64, 8))
+
+
+def test_handler_validates_buffers(device):
+  """The FFI handler itself rejects inconsistent buffers with an error, not a crash."""
+  cfg, x, pos, w, cache = _small(device)
+  pos = jax.device_put(pos, device)
+  attrs = dict(num_layers=np.int64(2), hidden_size=np.int64(64), num_heads=np.int64(4),
+               num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
+               max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), rope_theta=np.float64(1e4))
+  from jaxfuse.decoder import _workspace_bytes
+
+  def call(ws_bytes, **over):
+    a = dict(attrs, **over)
+    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.k.shape, x.dtype),
+              jax.ShapeDtypeStruct(cache.v.shape, x.dtype),
+              jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8))
+    f = jax.ffi.ffi_call("jaxfuse_decoder", shapes, input_output_aliases={11: 1, 12: 2})
+    return jax.jit(lambda *args: f(*args, **a))(x, pos, *w, cache.k, cache.v)
+
+  good = _workspace_bytes(cfg, 2, jnp.float32)
+  jax.block_until_ready(call(good))
+  with pytest.raises(Exception, match="workspace has"):
+    jax.block_until_ready(call(good - 256))
+  with pytest.raises(Exception, match="wq does not have shape"):
+    jax.block_until_ready(call(good, head_dim=np.int64(16)))
+  with pytest.raises(Exception, match="not a multiple of num_kv_heads"):
+    jax.block_until_ready(call(good, num_kv_heads=np.int64(3)))
