@@ -24,7 +24,8 @@ loss from the device only every ``--log-every`` steps.
 Outputs in ``--out-dir`` (default ``examples/out/``): ``loss.png`` (train/val loss and gradient
 norm), ``params.npz`` and ``config.json`` (reload with :func:`load_params`). The functions here
 (``build_model_config``, ``init_params``, ``forward``, ``load_corpus``, ``train``, ...) are meant
-to be imported by other scripts, e.g. one that samples text from the trained model.
+to be imported by other scripts: ``generate.py`` decodes text from the trained model and
+``main.py`` runs training and generation end to end.
 """
 
 from __future__ import annotations
@@ -163,8 +164,20 @@ def swiglu_mlp(x: jax.Array, lp: Params) -> jax.Array:
   return (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
 
 
+def lm_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
+  """Final RMSNorm and LM head: hidden states [..., dim] -> logits [..., vocab_size]."""
+  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+  head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+  return x @ head
+
+
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
-  """tokens: int [B, T] -> logits fp32 [B, T, vocab_size]."""
+  """tokens: int [B, T] -> logits fp32 [B, T, vocab_size].
+
+  Each layer is exactly the math of jaxfuse's decoder step (see jaxfuse/decoder.py), applied
+  causally to all T positions at once, so the trained ``params["layers"]`` are a
+  ``jaxfuse.DecoderWeights`` as they are (generate.py decodes with them).
+  """
   cos, sin = rope_tables(jnp.arange(tokens.shape[1]), cfg.head_dim, cfg.rope_theta)
   x = params["embed"][tokens]
 
@@ -174,9 +187,7 @@ def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
     return x, None
 
   x, _ = lax.scan(layer, x, params["layers"])
-  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-  head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-  return x @ head
+  return lm_logits(params, x, cfg)
 
 
 def loss_fn(params: Params, batch: jax.Array, cfg: ModelConfig) -> jax.Array:

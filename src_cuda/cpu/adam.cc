@@ -9,6 +9,47 @@ namespace {
 constexpr int64_t kChunk = 1 << 16;  // elements per parallel work item
 constexpr int64_t kTile = 512;       // elements per fp32 scratch tile
 
+template <bool kNesterov, bool kDecay>
+__attribute__((always_inline)) inline void adam_tile_loop(AdamStep step, int64_t len,
+                                                          const float* __restrict__ g,
+                                                          const float* __restrict__ p,
+                                                          float* __restrict__ m,
+                                                          float* __restrict__ v,
+                                                          float* __restrict__ u) {
+  step.nesterov = kNesterov;  // constant in this instantiation: the loop has no branches
+  for (int64_t i = 0; i < len; ++i) u[i] = adam_element(step, g[i], p[i], kDecay, m[i], v[i]);
+}
+
+// The element loop of one tile, with the per-call choices hoisted out so that each variant
+// vectorizes; compiled per ISA level. m and v are updated in place; u receives the update.
+JF_CPU_MULTIVERSION
+void adam_tile(const AdamStep& step, bool decay, int64_t len, const float* g, const float* p,
+               float* m, float* v, float* u) {
+  if (step.nesterov) {
+    decay ? adam_tile_loop<true, true>(step, len, g, p, m, v, u)
+          : adam_tile_loop<true, false>(step, len, g, p, m, v, u);
+  } else {
+    decay ? adam_tile_loop<false, true>(step, len, g, p, m, v, u)
+          : adam_tile_loop<false, false>(step, len, g, p, m, v, u);
+  }
+}
+
+// g = GradScaling(g) on a tile (loss scale, clipping).
+JF_CPU_MULTIVERSION
+void scale_grads(const GradScaling& gs, int64_t len, float* g) {
+  if (gs.scale) {
+    for (int64_t i = 0; i < len; ++i) g[i] = g[i] / gs.loss_scale;
+  }
+  if (gs.clip) {
+    for (int64_t i = 0; i < len; ++i) g[i] = (g[i] / gs.clip_div) * gs.clip_mul;
+  }
+}
+
+JF_CPU_MULTIVERSION
+void add_into(int64_t len, float* __restrict__ p, const float* __restrict__ u) {
+  for (int64_t i = 0; i < len; ++i) p[i] = p[i] + u[i];
+}
+
 void adam_chunk(const AdamCall& call, const AdamStep& step, int64_t t, int64_t start, int64_t n) {
   const TensorLists& L = call.lists;
   const auto& ptr = L.ptr[t];
@@ -18,6 +59,12 @@ void adam_chunk(const AdamCall& call, const AdamStep& step, int64_t t, int64_t s
   const int ml = call.master_list();
   // The param value the math sees: fp32 master copy when present.
   const int pl = ml >= 0 ? ml : kParams;
+  const bool scale = step.grad.scale || step.grad.clip;
+  // All-fp32 tensors (the common case) are updated in place in their buffers; other dtypes go
+  // through fp32 scratch tiles with converting loads and stores.
+  const bool direct = ml < 0 && dt[kGrads] == DType::kF32 && dt[kParams] == DType::kF32 &&
+                      dt[kMu] == DType::kF32 && dt[kNu] == DType::kF32 &&
+                      (ul < 0 || dt[ul] == DType::kF32);
   alignas(64) float g[kTile], p[kTile], m[kTile], v[kTile], u[kTile];
   for (int64_t off = start; off < start + n; off += kTile) {
     const int64_t len = std::min(kTile, start + n - off);
@@ -29,13 +76,26 @@ void adam_chunk(const AdamCall& call, const AdamStep& step, int64_t t, int64_t s
       }
       continue;
     }
+    if (direct) {
+      const float* gp = static_cast<const float*>(ptr[kGrads]) + off;
+      if (scale) {
+        std::copy(gp, gp + len, g);
+        scale_grads(step.grad, len, g);
+        gp = g;
+      }
+      float* pp = static_cast<float*>(ptr[kParams]) + off;
+      float* up = ul >= 0 ? static_cast<float*>(ptr[ul]) + off : u;
+      adam_tile(step, decay, len, gp, pp, static_cast<float*>(ptr[kMu]) + off,
+                static_cast<float*>(ptr[kNu]) + off, up);
+      if (ul < 0) add_into(len, pp, u);
+      continue;
+    }
     load_tile(ptr[kGrads], dt[kGrads], off, len, g);
+    if (scale) scale_grads(step.grad, len, g);
     load_tile(ptr[pl], dt[pl], off, len, p);
     load_tile(ptr[kMu], dt[kMu], off, len, m);
     load_tile(ptr[kNu], dt[kNu], off, len, v);
-    for (int64_t i = 0; i < len; ++i) {
-      u[i] = adam_element(step, step.grad.apply(g[i]), p[i], decay, m[i], v[i]);
-    }
+    adam_tile(step, decay, len, g, p, m, v, u);
     store_tile(ptr[kMu], dt[kMu], off, len, m);
     store_tile(ptr[kNu], dt[kNu], off, len, v);
     if (ul >= 0) {
@@ -50,7 +110,7 @@ void adam_chunk(const AdamCall& call, const AdamStep& step, int64_t t, int64_t s
       }
       store_tile(ptr[ul], dt[ul], off, len, u);
     } else {
-      for (int64_t i = 0; i < len; ++i) p[i] = p[i] + u[i];
+      add_into(len, p, u);
       if (ml >= 0) store_tile(ptr[ml], DType::kF32, off, len, p);
       store_tile(ptr[kParams], dt[kParams], off, len, p);
     }

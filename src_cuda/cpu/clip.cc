@@ -16,23 +16,35 @@ struct Partial {
   float nonfinite = 0.0f;  // sum of (x - x): 0 iff every x is finite
 };
 
+// Accumulates x^2 and x - x of a tile into kLanes independent lanes.
+JF_CPU_MULTIVERSION
+void accumulate_tile(int64_t len, const float* __restrict__ x, float* __restrict__ acc,
+                     float* __restrict__ bad) {
+  const int64_t full = len - len % kLanes;
+  for (int64_t i = 0; i < full; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      acc[j] += x[i + j] * x[i + j];
+      bad[j] += x[i + j] - x[i + j];
+    }
+  }
+  for (int64_t i = full; i < len; ++i) {
+    acc[i - full] += x[i] * x[i];
+    bad[i - full] += x[i] - x[i];
+  }
+}
+
 Partial chunk_partial(const TensorLists& lists, int64_t t, int64_t start, int64_t n) {
   alignas(64) float x[kTile];
   float acc[kLanes] = {}, bad[kLanes] = {};
+  const bool direct = lists.dtype[t][0] == DType::kF32;
   for (int64_t off = start; off < start + n; off += kTile) {
     const int64_t len = std::min(kTile, start + n - off);
-    load_tile(lists.ptr[t][0], lists.dtype[t][0], off, len, x);
-    const int64_t full = len - len % kLanes;
-    for (int64_t i = 0; i < full; i += kLanes) {
-      for (int j = 0; j < kLanes; ++j) {
-        acc[j] += x[i + j] * x[i + j];
-        bad[j] += x[i + j] - x[i + j];
-      }
+    const float* xp = static_cast<const float*>(lists.ptr[t][0]) + off;
+    if (!direct) {
+      load_tile(lists.ptr[t][0], lists.dtype[t][0], off, len, x);
+      xp = x;
     }
-    for (int64_t i = full; i < len; ++i) {
-      acc[i - full] += x[i] * x[i];
-      bad[i - full] += x[i] - x[i];
-    }
+    accumulate_tile(len, xp, acc, bad);
   }
   Partial p;
   for (int j = 0; j < kLanes; ++j) {

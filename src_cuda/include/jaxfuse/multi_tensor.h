@@ -18,6 +18,15 @@
 
 #include "jaxfuse/ffi_util.h"
 
+// CPU hot loops are compiled for several x86 ISA levels and picked at load time (ifunc), so one
+// wheel runs everywhere and still uses AVX2 / AVX-512 where the machine has them, as XLA's own
+// code does.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define JF_CPU_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define JF_CPU_MULTIVERSION
+#endif
+
 namespace jaxfuse {
 
 inline constexpr int kMaxLists = 8;
