@@ -428,3 +428,23 @@ def test_nonfinite_grads_do_not_touch_state_in_skip_mode(device):
     assert int(new_state[-1].skipped_steps) == int(state[-1].skipped_steps) + 1
     state = new_state
   assert int(state[0].count) == 1 and int(state[-1].skipped_steps) == 3
+
+
+def test_handler_rejects_inconsistent_calls():
+  """The FFI handler validates what it receives and fails with a message, never a crash."""
+  x = jnp.ones((4,))
+  count, hyper, ctrl = jnp.zeros((), jnp.int32), jnp.zeros((8,)), jnp.zeros((4,))
+  results = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct((4,), jnp.float32)] * 3
+  call = jax.ffi.ffi_call("jaxfuse_adam", results, vmap_method="sequential")
+  attrs = dict(nesterov=False, write_updates=True, master=False, decay_mask=np.zeros(1, np.uint8))
+  with pytest.raises(Exception, match="do not fit num_tensors=2"):
+    jax.block_until_ready(call(count, hyper, ctrl, x, x, x, x, num_tensors=np.int64(2), **attrs))
+  with pytest.raises(Exception, match="hyper has 3 elements"):
+    jax.block_until_ready(call(count, jnp.zeros((3,)), ctrl, x, x, x, x, num_tensors=np.int64(1), **attrs))
+  with pytest.raises(Exception, match="not aliased"):  # mu/nu must be updated in place
+    jax.block_until_ready(call(count, hyper, ctrl, x, x, x, x, num_tensors=np.int64(1), **attrs))
+  bad = [jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.float32)] + \
+      [jax.ShapeDtypeStruct((4,), jnp.float32)] * 2
+  call = jax.ffi.ffi_call("jaxfuse_adam", bad, input_output_aliases={5: 2, 6: 3})
+  with pytest.raises(Exception, match="has 5 elements"):
+    jax.block_until_ready(call(count, hyper, ctrl, x, x, x, x, num_tensors=np.int64(1), **attrs))
