@@ -135,19 +135,6 @@ ffi::Error AdamCpu(ffi::ThreadPool pool, CountBuffer count,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAdamCpu, AdamCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<CountBuffer>()  // count
-                                  .Arg<HyperBuffer>()  // hyper
-                                  .Arg<HyperBuffer>()  // ctrl
-                                  .RemainingArgs()
-                                  .Ret<CountBuffer>()  // new count
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_tensors")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("write_updates")
-                                  .Attr<bool>("master")
-                                  .Attr<ffi::Span<const uint8_t>>("decay_mask"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAdamCpu, AdamCpu, adam_binding<ffi::ThreadPool>());
 
 }  // namespace jaxfuse

@@ -80,17 +80,8 @@ ffi::Error GlobalNormCpu(ffi::ThreadPool pool, NormParamsBuffer params, ffi::Rem
 
 ffi::Error ApplyGradCtrlCpu(ffi::ThreadPool pool, HyperCtrlBuffer ctrl, ffi::RemainingArgs args,
                             ffi::RemainingRets rets) {
-  if (ctrl.element_count() != kGradCtrlSize) {
-    return invalid_argument("jaxfuse_apply_grad_ctrl: ctrl has ", ctrl.element_count(),
-                            " elements, expected ", int(kGradCtrlSize));
-  }
-  const int64_t n = static_cast<int64_t>(args.size());
-  if (static_cast<int64_t>(rets.size()) != n) {
-    return invalid_argument("jaxfuse_apply_grad_ctrl: ", n, " operands but ", rets.size(), " results");
-  }
   TensorLists lists;
-  const ListSource sources[2] = {{"grads", false, 0}, {"scaled_grads", true, 0}};
-  JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, 2, n, {}, &lists));
+  JF_RETURN_IF_ERROR(decode_apply_grad_ctrl_call(ctrl, args, rets, &lists));
   const GradScaling scaling = make_grad_scaling(ctrl.typed_data());
   for_each_chunk(&pool, lists, kChunk, [&](int64_t t, int64_t start, int64_t len) {
     alignas(64) float x[kTile];
@@ -107,21 +98,9 @@ ffi::Error ApplyGradCtrlCpu(ffi::ThreadPool pool, HyperCtrlBuffer ctrl, ffi::Rem
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGlobalNormCpu, GlobalNormCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<NormParamsBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ScalarF32Buffer>()  // norm
-                                  .Ret<HyperCtrlBuffer>()  // ctrl
-                                  .Ret<HyperCtrlBuffer>()  // partials (unused on the CPU)
-                                  .Attr<bool>("skip_nonfinite")
-                                  .Attr<bool>("clip_apply_loss_scale"));
+                              global_norm_binding<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCpu, ApplyGradCtrlCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<HyperCtrlBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+                              apply_grad_ctrl_binding<ffi::ThreadPool>());
 
 }  // namespace jaxfuse

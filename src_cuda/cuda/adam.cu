@@ -111,20 +111,7 @@ ffi::Error AdamCuda(cudaStream_t stream, CountBuffer count,
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAdamCuda, AdamCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<CountBuffer>()  // count
-                                  .Arg<HyperBuffer>()  // hyper
-                                  .Arg<HyperBuffer>()  // ctrl
-                                  .RemainingArgs()
-                                  .Ret<CountBuffer>()  // new count
-                                  .RemainingRets()
-                                  .Attr<int64_t>("num_tensors")
-                                  .Attr<bool>("nesterov")
-                                  .Attr<bool>("write_updates")
-                                  .Attr<bool>("master")
-                                  .Attr<ffi::Span<const uint8_t>>("decay_mask"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAdamCuda, AdamCuda, adam_binding<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxfuse

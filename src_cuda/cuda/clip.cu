@@ -119,17 +119,8 @@ struct ApplyGradCtrlOp : MultiTensorOpBase {
 
 ffi::Error ApplyGradCtrlCuda(cudaStream_t stream, HyperCtrlBuffer ctrl, ffi::RemainingArgs args,
                              ffi::RemainingRets rets) {
-  if (ctrl.element_count() != kGradCtrlSize) {
-    return invalid_argument("jaxfuse_apply_grad_ctrl: ctrl has ", ctrl.element_count(),
-                            " elements, expected ", int(kGradCtrlSize));
-  }
-  const int64_t n = static_cast<int64_t>(args.size());
-  if (static_cast<int64_t>(rets.size()) != n) {
-    return invalid_argument("jaxfuse_apply_grad_ctrl: ", n, " operands but ", rets.size(), " results");
-  }
   TensorLists lists;
-  const ListSource sources[2] = {{"grads", false, 0}, {"scaled_grads", true, 0}};
-  JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, 2, n, {}, &lists));
+  JF_RETURN_IF_ERROR(decode_apply_grad_ctrl_call(ctrl, args, rets, &lists));
   ApplyGradCtrlOp op;
   op.ctrl = ctrl.typed_data();
   return multi_tensor_apply<2>(stream, lists, op, "jaxfuse_apply_grad_ctrl");
@@ -138,23 +129,11 @@ ffi::Error ApplyGradCtrlCuda(cudaStream_t stream, HyperCtrlBuffer ctrl, ffi::Rem
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGlobalNormCuda, GlobalNormCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<NormParamsBuffer>()
-                                  .RemainingArgs()
-                                  .Ret<ScalarF32Buffer>()  // norm
-                                  .Ret<HyperCtrlBuffer>()  // ctrl
-                                  .Ret<HyperCtrlBuffer>()  // partials workspace
-                                  .Attr<bool>("skip_nonfinite")
-                                  .Attr<bool>("clip_apply_loss_scale"),
+                              global_norm_binding<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCuda, ApplyGradCtrlCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<HyperCtrlBuffer>()
-                                  .RemainingArgs()
-                                  .RemainingRets(),
+                              apply_grad_ctrl_binding<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxfuse

@@ -106,4 +106,23 @@ inline ffi::Error decode_adam_call(CountBuffer count, HyperBuffer hyper,
   return ffi::Error::Success();
 }
 
+// The handler signature, shared by the CPU and CUDA handlers; `Ctx` is the platform context
+// (ffi::ThreadPool or ffi::PlatformStream<cudaStream_t>).
+template <typename Ctx>
+auto adam_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<CountBuffer>()  // count
+      .template Arg<HyperBuffer>()  // hyper
+      .template Arg<HyperBuffer>()  // ctrl
+      .RemainingArgs()
+      .template Ret<CountBuffer>()  // new count
+      .RemainingRets()
+      .template Attr<int64_t>("num_tensors")
+      .template Attr<bool>("nesterov")
+      .template Attr<bool>("write_updates")
+      .template Attr<bool>("master")
+      .template Attr<ffi::Span<const uint8_t>>("decay_mask");
+}
+
 }  // namespace jaxfuse

@@ -41,4 +41,37 @@ inline ffi::Error decode_norm_call(NormParamsBuffer params, const ffi::Remaining
   return collect_lists(args, nullptr, &src, 1, static_cast<int64_t>(args.size()), {}, lists);
 }
 
+inline ffi::Error decode_apply_grad_ctrl_call(HyperCtrlBuffer ctrl, const ffi::RemainingArgs& args,
+                                              const ffi::RemainingRets& rets, TensorLists* lists) {
+  if (ctrl.element_count() != kGradCtrlSize) {
+    return invalid_argument("jaxfuse_apply_grad_ctrl: ctrl has ", ctrl.element_count(),
+                            " elements, expected ", int(kGradCtrlSize));
+  }
+  const int64_t n = static_cast<int64_t>(args.size());
+  if (static_cast<int64_t>(rets.size()) != n) {
+    return invalid_argument("jaxfuse_apply_grad_ctrl: ", n, " operands but ", rets.size(), " results");
+  }
+  const ListSource sources[2] = {{"grads", false, 0}, {"scaled_grads", true, 0}};
+  return collect_lists(args, &rets, sources, 2, n, {}, lists);
+}
+
+// Handler signatures, shared by the CPU and CUDA handlers (`Ctx`: the platform context).
+template <typename Ctx>
+auto global_norm_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<NormParamsBuffer>()
+      .RemainingArgs()
+      .template Ret<ScalarF32Buffer>()  // norm
+      .template Ret<HyperCtrlBuffer>()  // ctrl
+      .template Ret<HyperCtrlBuffer>()  // partials workspace
+      .template Attr<bool>("skip_nonfinite")
+      .template Attr<bool>("clip_apply_loss_scale");
+}
+
+template <typename Ctx>
+auto apply_grad_ctrl_binding() {
+  return ffi::Ffi::Bind().Ctx<Ctx>().template Arg<HyperCtrlBuffer>().RemainingArgs().RemainingRets();
+}
+
 }  // namespace jaxfuse
