@@ -183,7 +183,7 @@ def compare(params: Params, cfg: ModelConfig, prompts: list[bytes], n_new: int, 
   (with `show_text`) the texts. Returns {"jaxfuse": result, "reference": result}."""
   mode = "greedy" if temperature <= 0 else f"temperature {temperature}, seed {seed}"
   longest = max(len(p) for p in prompts)
-  print(f"decode: {len(prompts)} prompts x {n_new} new bytes ({mode}), prompts up to {longest} "
+  print(f"decode: batch {len(prompts)} x {n_new} new bytes ({mode}), prompts up to {longest} "
         f"bytes, KV cache {longest + n_new} positions")
   if longest + n_new > cfg.max_seq_len:
     print(f"  note: positions beyond the trained context ({cfg.max_seq_len}) are extrapolation; "
@@ -200,13 +200,13 @@ def compare(params: Params, cfg: ModelConfig, prompts: list[bytes], n_new: int, 
   same = [bool(np.array_equal(a, b)) for a, b in
           zip(results["jaxfuse"]["tokens"], results["reference"]["tokens"])]
   if all(same):
-    print(f"  texts: identical for all {len(same)} prompts")
+    print(f"  texts: identical ({len(same)}/{len(same)} prompts)")
   else:
     for b, ok in enumerate(same):
       if not ok:
         first = int(np.argmax(results["jaxfuse"]["tokens"][b] != results["reference"]["tokens"][b]))
-        print(f"  texts: prompt {b} differs from new byte {first} on (a near-tie between two "
-              "logits, ordered differently by the two fp32 computations)")
+        print(f"  texts: prompt {b} differs from new byte {first} on (normally a near-tie "
+              "between two logits, ordered differently by the two fp32 computations)")
   if show_text:
     for name in results:
       print(f"\n----- {name} " + "-" * 60)
