@@ -243,34 +243,6 @@ ffi::Error DecoderCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, PositionsBuffer po
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseDecoderCpu, DecoderCpu,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<PositionsBuffer>()  // positions
-                                  .Arg<ffi::AnyBuffer>()   // attn_norm
-                                  .Arg<ffi::AnyBuffer>()   // wq
-                                  .Arg<ffi::AnyBuffer>()   // wk
-                                  .Arg<ffi::AnyBuffer>()   // wv
-                                  .Arg<ffi::AnyBuffer>()   // wo
-                                  .Arg<ffi::AnyBuffer>()   // mlp_norm
-                                  .Arg<ffi::AnyBuffer>()   // w_gate
-                                  .Arg<ffi::AnyBuffer>()   // w_up
-                                  .Arg<ffi::AnyBuffer>()   // w_down
-                                  .Arg<ffi::AnyBuffer>()   // k_cache
-                                  .Arg<ffi::AnyBuffer>()   // v_cache
-                                  .Ret<ffi::AnyBuffer>()   // out
-                                  .Ret<ffi::AnyBuffer>()   // k_cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()   // v_cache (aliased)
-                                  .Ret<WorkspaceBuffer>()  // workspace
-                                  .Attr<int64_t>("num_layers")
-                                  .Attr<int64_t>("hidden_size")
-                                  .Attr<int64_t>("num_heads")
-                                  .Attr<int64_t>("num_kv_heads")
-                                  .Attr<int64_t>("head_dim")
-                                  .Attr<int64_t>("intermediate_size")
-                                  .Attr<int64_t>("max_seq_len")
-                                  .Attr<float>("rms_norm_eps")
-                                  .Attr<double>("rope_theta"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseDecoderCpu, DecoderCpu, decoder_binding<ffi::ThreadPool>());
 
 }  // namespace jaxfuse

@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <initializer_list>
 
 #include "jaxfuse/decoder_ffi.h"
 #include "multi_tensor.cuh"  // JF_CUDA_RETURN_IF_ERROR, check_launch
@@ -511,7 +512,8 @@ __device__ void attention_stage(const DecParams& P, Smem& sm, int l) {
 // ---- the kernel ----------------------------------------------------------------------------------
 
 template <DType kT>
-__global__ void __launch_bounds__(kThreads) decoder_kernel(const DecParams P) {
+// Min blocks per SM pinned: without it ptxas may use up to 168 registers (one block per SM).
+__global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm) decoder_kernel(const DecParams P) {
   constexpr int kTile = Storage<kT>::kTile;
   __shared__ Smem sm;
   cg::grid_group grid = cg::this_grid();
@@ -725,8 +727,17 @@ ffi::Error DecoderCuda(cudaStream_t stream, ffi::AnyBuffer x, PositionsBuffer po
   }
   const int64_t big = std::max({d.L * d.D * std::max({d.q_dim(), d.I}), d.L * d.I * d.D,
                                 d.L * d.B * d.S * d.kv_dim()});
-  if (big >= (int64_t(1) << 62) / 4 || d.B * std::max(d.D, d.I) >= INT32_MAX || d.S >= INT32_MAX) {
+  // Headroom below INT32_MAX: attention chunk bounds add up to one chunk to a position.
+  if (big >= (int64_t(1) << 62) / 4 || d.B * std::max(d.D, d.I) >= INT32_MAX ||
+      d.S >= INT32_MAX / 2) {
     return invalid_argument("jaxfuse_decoder (CUDA): sizes too large");
+  }
+  // 16-byte vector loads of the weights need 16-byte aligned buffers (XLA's are; a view may
+  // not be). A misaligned load would be a sticky device fault, not an error we can return.
+  for (const ffi::AnyBuffer* b : {&x, &wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down, &k_cache, &v_cache}) {
+    if (reinterpret_cast<uintptr_t>(b->untyped_data()) % 16 != 0) {
+      return invalid_argument("jaxfuse_decoder (CUDA): operand buffers must be 16-byte aligned");
+    }
   }
   char* ws = reinterpret_cast<char*>(workspace->typed_data());
   const DecoderLayout lay = decoder_layout(d);
@@ -786,34 +797,7 @@ ffi::Error DecoderCuda(cudaStream_t stream, ffi::AnyBuffer x, PositionsBuffer po
 // Command-buffer compatible: a memset and one kernel on the given stream, no allocation, no
 // host synchronization; temporaries live in the workspace result.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseDecoderCuda, DecoderCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()   // x
-                                  .Arg<PositionsBuffer>()  // positions
-                                  .Arg<ffi::AnyBuffer>()   // attn_norm
-                                  .Arg<ffi::AnyBuffer>()   // wq
-                                  .Arg<ffi::AnyBuffer>()   // wk
-                                  .Arg<ffi::AnyBuffer>()   // wv
-                                  .Arg<ffi::AnyBuffer>()   // wo
-                                  .Arg<ffi::AnyBuffer>()   // mlp_norm
-                                  .Arg<ffi::AnyBuffer>()   // w_gate
-                                  .Arg<ffi::AnyBuffer>()   // w_up
-                                  .Arg<ffi::AnyBuffer>()   // w_down
-                                  .Arg<ffi::AnyBuffer>()   // k_cache
-                                  .Arg<ffi::AnyBuffer>()   // v_cache
-                                  .Ret<ffi::AnyBuffer>()   // out
-                                  .Ret<ffi::AnyBuffer>()   // k_cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()   // v_cache (aliased)
-                                  .Ret<WorkspaceBuffer>()  // workspace
-                                  .Attr<int64_t>("num_layers")
-                                  .Attr<int64_t>("hidden_size")
-                                  .Attr<int64_t>("num_heads")
-                                  .Attr<int64_t>("num_kv_heads")
-                                  .Attr<int64_t>("head_dim")
-                                  .Attr<int64_t>("intermediate_size")
-                                  .Attr<int64_t>("max_seq_len")
-                                  .Attr<float>("rms_norm_eps")
-                                  .Attr<double>("rope_theta"),
+                              decoder_binding<ffi::PlatformStream<cudaStream_t>>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jaxfuse

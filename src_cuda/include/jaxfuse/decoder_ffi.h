@@ -191,4 +191,37 @@ inline ffi::Error decode_decoder_call(ffi::AnyBuffer x, PositionsBuffer position
   return ffi::Error::Success();
 }
 
+// The handler signature, shared by the CPU and CUDA handlers (`Ctx`: the platform context).
+template <typename Ctx>
+auto decoder_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<Ctx>()
+      .template Arg<ffi::AnyBuffer>()   // x
+      .template Arg<PositionsBuffer>()  // positions
+      .template Arg<ffi::AnyBuffer>()   // attn_norm
+      .template Arg<ffi::AnyBuffer>()   // wq
+      .template Arg<ffi::AnyBuffer>()   // wk
+      .template Arg<ffi::AnyBuffer>()   // wv
+      .template Arg<ffi::AnyBuffer>()   // wo
+      .template Arg<ffi::AnyBuffer>()   // mlp_norm
+      .template Arg<ffi::AnyBuffer>()   // w_gate
+      .template Arg<ffi::AnyBuffer>()   // w_up
+      .template Arg<ffi::AnyBuffer>()   // w_down
+      .template Arg<ffi::AnyBuffer>()   // k_cache
+      .template Arg<ffi::AnyBuffer>()   // v_cache
+      .template Ret<ffi::AnyBuffer>()   // out
+      .template Ret<ffi::AnyBuffer>()   // k_cache (aliased)
+      .template Ret<ffi::AnyBuffer>()   // v_cache (aliased)
+      .template Ret<WorkspaceBuffer>()  // workspace
+      .template Attr<int64_t>("num_layers")
+      .template Attr<int64_t>("hidden_size")
+      .template Attr<int64_t>("num_heads")
+      .template Attr<int64_t>("num_kv_heads")
+      .template Attr<int64_t>("head_dim")
+      .template Attr<int64_t>("intermediate_size")
+      .template Attr<int64_t>("max_seq_len")
+      .template Attr<float>("rms_norm_eps")
+      .template Attr<double>("rope_theta");
+}
+
 }  // namespace jaxfuse
