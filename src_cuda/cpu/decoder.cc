@@ -14,6 +14,13 @@ namespace {
 
 constexpr int64_t kColBlock = 128;  // most output columns per GEMV work item
 constexpr int64_t kMinColBlock = 16;
+// Below this many multiply-adds a stage runs on the calling thread: handing work to the pool
+// costs more than it saves for small models.
+constexpr int64_t kMinParallelWork = int64_t(1) << 17;
+
+ffi::ThreadPool* pool_for(ffi::ThreadPool* pool, int64_t work) {
+  return work >= kMinParallelWork ? pool : nullptr;
+}
 
 // Converts n elements of storage dtype t to fp32.
 void to_f32(const void* src, DType t, int64_t n, float* dst) {
@@ -45,6 +52,7 @@ void* offset(void* base, DType t, int64_t elems) {
 template <typename Epilogue>
 void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const void* W, DType t,
           int64_t K, int64_t N, const Epilogue& epilogue) {
+  pool = pool_for(pool, B * K * N);
   // Column blocks: at least ~4 per thread when N allows, so small projections still spread.
   const int64_t threads = (pool == nullptr ? 0 : pool->num_threads()) + 1;
   int64_t width = (N + 4 * threads - 1) / (4 * threads);
@@ -157,7 +165,9 @@ void decode_step(ffi::ThreadPool* pool, const DecoderDims& d, const void* x, con
       }
     }
     // Attention: one work item per (batch row, query head), online softmax over 0..p.
-    parallel_for(pool, d.B * d.H, [&](int64_t item) {
+    int64_t attn_work = 0;  // multiply-adds of this layer's attention
+    for (int64_t b = 0; b < d.B; ++b) attn_work += 2 * d.H * d.hd * (int64_t(std::max(pos[b], 0)) + 1);
+    parallel_for(pool_for(pool, attn_work), d.B * d.H, [&](int64_t item) {
       const int64_t b = item / d.H, hh = item % d.H;
       float* o = attn + b * QD + hh * d.hd;
       std::fill(o, o + d.hd, 0.0f);
