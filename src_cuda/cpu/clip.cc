@@ -1,5 +1,6 @@
 // jaxfuse_global_norm and jaxfuse_apply_grad_ctrl, CPU. Partial sums are per chunk, combined in
 // chunk order: the result does not depend on how the thread pool ran the chunks.
+#include <cstring>
 #include <vector>
 
 #include "jaxfuse/clip_ffi.h"
@@ -16,20 +17,37 @@ struct Partial {
   float nonfinite = 0.0f;  // sum of (x - x): 0 iff every x is finite
 };
 
-// Accumulates x^2 and x - x of a tile into kLanes independent lanes.
+// Accumulates x^2 and x - x of a tile into kLanes independent lanes (element i into lane
+// i % kLanes). GCC vector types give the same lanes, so the same rounding, on every ISA, and
+// compile to full-width SIMD where a lane array loop does not.
+typedef float F32x8 __attribute__((vector_size(32)));
+static_assert(kLanes == 16, "two 8-wide accumulators");
+
 JF_CPU_MULTIVERSION
 void accumulate_tile(int64_t len, const float* __restrict__ x, float* __restrict__ acc,
                      float* __restrict__ bad) {
-  const int64_t full = len - len % kLanes;
-  for (int64_t i = 0; i < full; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      acc[j] += x[i + j] * x[i + j];
-      bad[j] += x[i + j] - x[i + j];
-    }
+  F32x8 a0, a1, b0, b1;
+  std::memcpy(&a0, acc, 32);
+  std::memcpy(&a1, acc + 8, 32);
+  std::memcpy(&b0, bad, 32);
+  std::memcpy(&b1, bad + 8, 32);
+  int64_t i = 0;
+  for (; i + kLanes <= len; i += kLanes) {
+    F32x8 v0, v1;
+    std::memcpy(&v0, x + i, 32);
+    std::memcpy(&v1, x + i + 8, 32);
+    a0 += v0 * v0;
+    a1 += v1 * v1;
+    b0 += v0 - v0;
+    b1 += v1 - v1;
   }
-  for (int64_t i = full; i < len; ++i) {
-    acc[i - full] += x[i] * x[i];
-    bad[i - full] += x[i] - x[i];
+  std::memcpy(acc, &a0, 32);
+  std::memcpy(acc + 8, &a1, 32);
+  std::memcpy(bad, &b0, 32);
+  std::memcpy(bad + 8, &b1, 32);
+  for (int j = 0; i < len; ++i, ++j) {
+    acc[j] += x[i] * x[i];
+    bad[j] += x[i] - x[i];
   }
 }
 
