@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
+from _common import copy_bandwidth
 from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
 
 
@@ -45,19 +46,6 @@ def pick_device(name):
   except RuntimeError:
     pass
   return jax.devices("cpu")[0]
-
-
-def copy_bandwidth(device, nbytes, reps):
-  """GB/s of an elementwise device copy (reads and writes nbytes each)."""
-  a = jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device)
-  f = jax.jit(lambda a: a + jnp.float32(1.0))
-  jax.block_until_ready(f(a))
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(a))
-    best = min(best, time.perf_counter() - t0)
-  return 2 * nbytes / best / 1e9
 
 
 def make_weights(cfg, dtype, device, seed=0):

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 import jaxfuse
+from _common import copy_bandwidth
 from jaxfuse.adam import MAX_LEAVES_PER_CALL
 
 
@@ -51,21 +52,6 @@ def make_tree(shapes, seed=0):
   rng = np.random.default_rng(seed)
   return {f"p{i:04d}": jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for i, s in
           enumerate(shapes)}
-
-
-def measure_copy_bandwidth(n=1 << 26, repeats=5) -> float:
-  """Device copy bandwidth in bytes/s: y = x + 1 over n fp32 (reads 4 B, writes 4 B)."""
-  x = jnp.ones((n,), jnp.float32)
-  f = jax.jit(lambda x: x + 1.0, donate_argnums=0)
-  x = f(x).block_until_ready()
-  times = []
-  for _ in range(repeats):
-    t = time.perf_counter()
-    for _ in range(5):
-      x = f(x)
-    x.block_until_ready()
-    times.append((time.perf_counter() - t) / 5)
-  return 8 * n / min(times)
 
 
 def count_ops(compiled_text: str) -> tuple[int, int]:
@@ -178,7 +164,7 @@ def main(argv=None):
   device = jax.devices()[0]
   on_gpu = device.platform == "gpu"
   progress(f"device {device} ({device.device_kind}); jaxfuse backends {jaxfuse.backends()}")
-  copy_bw = measure_copy_bandwidth(1 << (22 if args.quick else 26))
+  copy_bw = 1e9 * copy_bandwidth(device, 1 << (24 if args.quick else 28))
   progress(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s")
 
   trees = []

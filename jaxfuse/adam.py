@@ -57,10 +57,6 @@ ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
 # compilation near-linear; on the GPU a call of 256 leaves is one launch.
 MAX_LEAVES_PER_CALL = 256
 
-# Layout of the hyperparameter and gradient-control vectors (src_cuda/include/jaxfuse/math.h).
-_HYPER_SIZE = 8
-_CTRL_SIZE = 4
-
 
 class AdamExtraState(NamedTuple):
   """jaxfuse's additions to the optax state, appended only when an opt-in feature is on.
@@ -104,7 +100,7 @@ class AdamSpec:
                        self.mu_dtype, self.weight_decay, self.mask, nesterov=self.nesterov)
 
   def init(self, params: Any) -> Any:
-    leaves = _trees.check_float_leaves(params, "params")
+    _trees.check_float_leaves(params, "params")
     state = self.optax_twin().init(params)
     if not self.has_extra_state:
       return state
@@ -118,7 +114,6 @@ class AdamSpec:
           nu=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params))
     if self.skip_nonfinite:
       skipped = jnp.zeros([], jnp.int32)
-    del leaves
     return (adam_state, *state[1:], AdamExtraState(master, skipped))
 
 
@@ -219,7 +214,7 @@ def _one_minus(b: Any) -> Any:
 
 
 def hyper_vector(spec: AdamSpec, count: jax.Array) -> jax.Array:
-  """The f32[8] hyperparameter vector the kernels read (layout: AdamHyper in math.h)."""
+  """The f32[8] hyperparameter vector the kernels read (layout: enum AdamHyper in math.h)."""
   wd = 0.0 if spec.weight_decay is None else spec.weight_decay
   values = [spec.learning_rate, spec.b1, _one_minus(spec.b1), spec.b2, _one_minus(spec.b2),
             spec.eps, spec.eps_root, wd]

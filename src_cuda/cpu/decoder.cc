@@ -46,6 +46,23 @@ void* offset(void* base, DType t, int64_t elems) {
   return static_cast<char*>(base) + elems * dtype_bytes(t);
 }
 
+// acc[b, 0:len] = sum_k a[b, k] * W[k, n0:n0+len] for the B rows of `a` (fp32, row stride lda),
+// W [K, N] in storage dtype t; acc has row stride kColBlock. Compiled per ISA level.
+JF_CPU_MULTIVERSION
+void gemv_block(int64_t B, const float* a, int64_t lda, const void* W, DType t, int64_t K,
+                int64_t N, int64_t n0, int64_t len, float* __restrict__ acc) {
+  alignas(64) float w[kColBlock];
+  std::fill(acc, acc + B * kColBlock, 0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    to_f32(offset(W, t, k * N + n0), t, len, w);
+    for (int64_t b = 0; b < B; ++b) {
+      const float ab = a[b * lda + k];
+      float* __restrict__ y = acc + b * kColBlock;
+      for (int64_t i = 0; i < len; ++i) y[i] += ab * w[i];
+    }
+  }
+}
+
 // y[b, n] = sum_k a[b, k] * W[k, n] for the B rows of `a` (fp32, row stride lda), W [K, N] in
 // storage dtype t. Column blocks are spread over the pool; epilogue(b, n0, len, y) receives each
 // finished block of a row (fp32).
@@ -62,16 +79,8 @@ void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const v
   parallel_for(pool, blocks, [&](int64_t blk) {
     const int64_t n0 = blk * width;
     const int64_t len = std::min(width, N - n0);
-    std::vector<float> acc(B * kColBlock, 0.0f);
-    alignas(64) float w[kColBlock];
-    for (int64_t k = 0; k < K; ++k) {
-      to_f32(offset(W, t, k * N + n0), t, len, w);
-      for (int64_t b = 0; b < B; ++b) {
-        const float ab = a[b * lda + k];
-        float* y = acc.data() + b * kColBlock;
-        for (int64_t i = 0; i < len; ++i) y[i] += ab * w[i];
-      }
-    }
+    std::vector<float> acc(B * kColBlock);
+    gemv_block(B, a, lda, W, t, K, N, n0, len, acc.data());
     for (int64_t b = 0; b < B; ++b) epilogue(b, n0, len, acc.data() + b * kColBlock);
   });
 }

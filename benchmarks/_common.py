@@ -1,0 +1,23 @@
+"""Shared benchmark helpers."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def copy_bandwidth(device, nbytes: int, reps: int = 5) -> float:
+  """Device copy bandwidth in GB/s: y = x + 1 over nbytes of fp32, in place (the input is
+  donated, so no fresh output buffer is allocated and first-touched each time), counting the
+  read and the write."""
+  f = jax.jit(lambda x: x + jnp.float32(1.0), donate_argnums=0)
+  x = f(jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device))
+  x.block_until_ready()
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(5):
+      x = f(x)
+    x.block_until_ready()
+    best = min(best, (time.perf_counter() - t0) / 5)
+  return 2 * nbytes / best / 1e9
