@@ -243,3 +243,12 @@ def test_fused_rejects_wrong_chain_state():
   tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-3))
   with pytest.raises(ValueError, match="opt_state"):
     jaxfuse.fused_step(tx, params, jaxfuse.adamw(1e-3).init(params), params)
+
+
+def test_global_norm_many_leaves(device):
+  """More leaves than one kernel-parameter table holds: several launches share the slots."""
+  rng = np.random.default_rng(20)
+  tree = random_tree(21, [(int(rng.integers(1, 40)),) for _ in range(2500)], device=device)
+  norm = jax.jit(jaxfuse.global_norm)(tree)
+  np.testing.assert_allclose(float(norm), _np_norm(tree), rtol=1e-5)
+  assert np.asarray(norm).tobytes() == np.asarray(jax.jit(jaxfuse.global_norm)(tree)).tobytes()
