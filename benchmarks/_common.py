@@ -21,3 +21,11 @@ def copy_bandwidth(device, nbytes: int, reps: int = 5) -> float:
     x.block_until_ready()
     best = min(best, (time.perf_counter() - t0) / 5)
   return 2 * nbytes / best / 1e9
+
+
+def emit_table(table: str, out_path=None) -> None:
+  """Prints a result table and, if asked, writes it to a file (for RESULTS.md)."""
+  print(table)
+  if out_path:
+    with open(out_path, "w") as f:
+      f.write(table + "\n")

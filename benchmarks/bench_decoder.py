@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
-from _common import copy_bandwidth
+from _common import copy_bandwidth, emit_table
 from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
 
 
@@ -166,11 +166,7 @@ def main():
   for r in rows:
     lines.append(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.2f}x | {r[6]:.0f} | "
                  f"{r[7]:.3f} | {r[8]:.1f} | {r[9]:.0f}% | {r[10]:.1f} |")
-  table = "\n".join(lines)
-  print(table)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(table + "\n")
+  emit_table("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 import jaxfuse
-from _common import copy_bandwidth
+from _common import copy_bandwidth, emit_table
 from jaxfuse.adam import MAX_LEAVES_PER_CALL
 
 
@@ -182,11 +182,7 @@ def main(argv=None):
   for label, shapes in trees:
     progress(f"{label}: {len(shapes)} leaves")
     bench_tree(label, shapes, copy_bw, rows, progress)
-  table = format_table(rows, copy_bw, f"{device.device_kind} ({device.platform})")
-  print(table)
-  if args.out:
-    with open(args.out, "w") as f:
-      f.write(table + "\n")
+  emit_table(format_table(rows, copy_bw, f"{device.device_kind} ({device.platform})"), args.out)
 
 
 if __name__ == "__main__":
