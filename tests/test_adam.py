@@ -448,3 +448,15 @@ def test_handler_rejects_inconsistent_calls():
   call = jax.ffi.ffi_call("jaxfuse_adam", bad, input_output_aliases={5: 2, 6: 3})
   with pytest.raises(Exception, match="has 5 elements"):
     jax.block_until_ready(call(count, hyper, ctrl, x, x, x, x, num_tensors=np.int64(1), **attrs))
+
+
+def test_vmap_over_an_ensemble(device):
+  """vmap over a leading ensemble axis (the FFI call is applied per member)."""
+  params = random_tree(22, [(3, 5), (5,)], device=device)
+  params = jax.tree.map(lambda x: jnp.stack([x, 2 * x, -x]), params)
+  grads = jax.tree.map(lambda x: jnp.cos(x), params)
+  tf, to = jaxfuse.adamw(1e-2), optax.adamw(1e-2)
+  uf, sf = jax.jit(jax.vmap(tf.update))(grads, jax.vmap(tf.init)(params), params)
+  uo, so = jax.vmap(to.update)(grads, jax.vmap(to.init)(params), params)
+  assert_trees_close(uf, uo, rtol=STEP_RTOL, atol=0)
+  assert_trees_close(sf, so, rtol=STEP_RTOL, atol=0)
