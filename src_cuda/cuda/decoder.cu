@@ -513,7 +513,7 @@ __device__ void attention_stage(const DecParams& P, Smem& sm, int l) {
 
 template <DType kT>
 // Min blocks per SM pinned: without it ptxas may use up to 168 registers (one block per SM).
-__global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm) decoder_kernel(const DecParams P) {
+__global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm) decoder_kernel(const __grid_constant__ DecParams P) {
   constexpr int kTile = Storage<kT>::kTile;
   __shared__ Smem sm;
   cg::grid_group grid = cg::this_grid();
