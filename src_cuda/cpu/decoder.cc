@@ -54,11 +54,13 @@ void gemv_block(int64_t B, const float* a, int64_t lda, const void* W, DType t, 
   alignas(64) float w[kColBlock];
   std::fill(acc, acc + B * kColBlock, 0.0f);
   for (int64_t k = 0; k < K; ++k) {
-    to_f32(offset(W, t, k * N + n0), t, len, w);
+    // fp32 weights are read in place; 16-bit ones are widened into `w` first.
+    const float* wk = t == DType::kF32 ? static_cast<const float*>(W) + k * N + n0 : w;
+    if (t != DType::kF32) to_f32(offset(W, t, k * N + n0), t, len, w);
     for (int64_t b = 0; b < B; ++b) {
       const float ab = a[b * lda + k];
       float* __restrict__ y = acc + b * kColBlock;
-      for (int64_t i = 0; i < len; ++i) y[i] += ab * w[i];
+      for (int64_t i = 0; i < len; ++i) y[i] += ab * wk[i];
     }
   }
 }
