@@ -4,6 +4,7 @@
 // CUDA kernel); temporaries live in the workspace result, so the handler allocates nothing per
 // layer. Operand layout: decoder_ffi.h.
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "jaxfuse/decoder_ffi.h"
@@ -85,6 +86,27 @@ void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const v
     gemv_block(B, a, lda, W, t, K, N, n0, len, acc.data());
     for (int64_t b = 0; b < B; ++b) epilogue(b, n0, len, acc.data() + b * kColBlock);
   });
+}
+
+// sum_i a[i] * b[i] over 8 independent lanes (GCC vector type: full-width SIMD, the same lanes
+// and rounding on every ISA), then the lanes in order. A plain serial sum would be one dependent
+// add per element.
+typedef float F32x8 __attribute__((vector_size(32)));
+
+JF_CPU_MULTIVERSION
+float dot(const float* a, const float* b, int64_t n) {
+  F32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    F32x8 va, vb;
+    std::memcpy(&va, a + i, 32);
+    std::memcpy(&vb, b + i, 32);
+    acc += va * vb;
+  }
+  float sum = 0.0f;
+  for (int j = 0; j < 8; ++j) sum += acc[j];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
 }
 
 // Normalized rows: out[b, :] = rmsnorm(h[b, :]) * w (fp32).
@@ -187,17 +209,21 @@ void decode_step(ffi::ThreadPool* pool, const DecoderDims& d, const void* x, con
       const float* q = qkv + b * QKV + hh * d.hd;
       const int64_t kh = hh / G;
       std::vector<float> kv_row(2 * d.hd);
-      float* kf = kv_row.data();
-      float* vf = kf + d.hd;
       float m = neg_inf_f32(), lsum = 0.0f;
       for (int64_t s = 0; s <= p; ++s) {
         const int64_t at = ((l * d.B + b) * d.S + s) * cache_row + kh * d.hd;
-        to_f32(offset(kc, t, at), t, d.hd, kf);
-        float dot = 0.0f;
-        for (int64_t i = 0; i < d.hd; ++i) dot += q[i] * kf[i];
+        // An fp32 cache is read in place; a 16-bit one is widened into kv_row first.
+        const float* kf = kv_row.data();
+        const float* vf = kf + d.hd;
+        if (t == DType::kF32) {
+          kf = static_cast<const float*>(kc) + at;
+          vf = static_cast<const float*>(vc) + at;
+        } else {
+          to_f32(offset(kc, t, at), t, d.hd, kv_row.data());
+          to_f32(offset(vc, t, at), t, d.hd, kv_row.data() + d.hd);
+        }
         float pw;
-        const float alpha = online_softmax_step(m, lsum, dot * scale, &pw);
-        to_f32(offset(vc, t, at), t, d.hd, vf);
+        const float alpha = online_softmax_step(m, lsum, dot(q, kf, d.hd) * scale, &pw);
         for (int64_t i = 0; i < d.hd; ++i) o[i] = o[i] * alpha + pw * vf[i];
       }
       const float inv = 1.0f / lsum;
