@@ -140,14 +140,15 @@ def format_table(rows, copy_bw, device):
   lines = [
       f"device: {device}; jax {jax.__version__}; measured copy bandwidth {copy_bw / 1e9:.1f} GB/s",
       "",
-      "| tree | params | leaves | variant | ms/step | speedup vs optax | min bytes/step | GB/s at min bytes | % of copy BW | XLA fusions | custom calls |",
-      "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+      "| tree | params | leaves | variant | ms/step | speedup vs optax | min bytes/step | GB/s at min bytes | % of copy BW | XLA fusions | custom calls | jaxfuse GPU launches |",
+      "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     lines.append(
         f"| {r['tree']} | {r['params'] / 1e6:.1f}M | {r['leaves']} | {r['variant']} | {r['ms']:.3f} "
         f"| {r['vs_optax']:.2f}x | {r['bytes'] / 1e6:.0f} MB | {r['gbs']:.1f} | "
-        f"{100 * r['frac_copy']:.0f}% | {r['fusions']} | {r['custom_calls']} |")
+        f"{100 * r['frac_copy']:.0f}% | {r['fusions']} | {r['custom_calls']} | "
+        f"{r['gpu_launches'] if r['gpu_launches'] is not None else '-'} |")
   return "\n".join(lines)
 
 

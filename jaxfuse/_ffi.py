@@ -31,7 +31,7 @@ _register()
 @functools.cache
 def _cuda_devices_present() -> bool:
   try:
-    return any(d.platform == "gpu" for d in jax.devices())
+    return bool(jax.devices("cuda"))  # not "gpu": that includes ROCm, which jaxfuse does not build
   except RuntimeError:
     return False
 

@@ -107,7 +107,8 @@ class AdamSpec:
     master = skipped = None
     adam_state = state[0]
     if self.master_weights:
-      master = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), params)
+      # A copy even for fp32 leaves: the master must not be the params' buffer (both are donated).
+      master = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params)
       mu_dtype = self.mu_dtype if self.mu_dtype is not None else jnp.float32
       adam_state = adam_state._replace(
           mu=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dtype), params),
@@ -174,13 +175,8 @@ def _transform(spec: AdamSpec) -> optax.GradientTransformationExtraArgs:
     del extra_args
     if params is None:
       raise ValueError("jaxfuse.adam/adamw: update() needs params (as optax.adamw does)")
-    ctrl = None
-    if spec.skip_nonfinite or grad_scale is not None:
-      from jaxfuse.clip import norm_and_ctrl  # the finite check is the global-norm op's
-
-      _, ctrl = norm_and_ctrl(updates, grad_scale=grad_scale,
-                                   skip_nonfinite=spec.skip_nonfinite)
-    return apply_adam(spec, updates, state, params, write_updates=True, grad_ctrl=ctrl)
+    return apply_adam(spec, updates, state, params, write_updates=True,
+                      grad_ctrl=grad_ctrl_for(spec, updates, grad_scale)[1])
 
   # fused_step finds the spec here, also inside optax.chain (which keeps ExtraArgs transforms).
   update_fn.jaxfuse_spec = spec
@@ -221,9 +217,25 @@ def hyper_vector(spec: AdamSpec, count: jax.Array) -> jax.Array:
   return jnp.stack([_scalar(v, count) for v in values])
 
 
-def default_grad_ctrl() -> jax.Array:
-  """Gradient control (GradCtrl in math.h): no loss scale, no clipping, no skip."""
-  return jnp.array([1.0, 1.0, 1.0, 0.0], jnp.float32)
+def default_grad_ctrl(grad_scale: Any = None) -> jax.Array:
+  """Gradient control (GradCtrl in math.h): a loss scale (default 1), no clipping, no skip."""
+  if grad_scale is None:
+    return jnp.array([1.0, 1.0, 1.0, 0.0], jnp.float32)
+  one = jnp.ones((), jnp.float32)
+  return jnp.stack([jnp.asarray(grad_scale, jnp.float32), one, one, 0 * one])
+
+
+def grad_ctrl_for(spec: AdamSpec, grads: Any, grad_scale: Any = None, *,
+                  clip_max_norm: Any = None, need_norm: bool = False):
+  """(global norm or None, gradient-control vector) for one Adam step. The global-norm op runs
+  only when something needs it (clipping, the non-finite check, or the norm itself); a bare loss
+  scale goes into the vector directly."""
+  if clip_max_norm is not None or spec.skip_nonfinite or need_norm:
+    from jaxfuse.clip import norm_and_ctrl  # the finite check is the global-norm op's
+
+    return norm_and_ctrl(grads, max_norm=clip_max_norm, grad_scale=grad_scale,
+                         skip_nonfinite=spec.skip_nonfinite)
+  return None, default_grad_ctrl(grad_scale)
 
 
 def _advance_counts(state: Any, new_count: jax.Array) -> Any:
@@ -316,9 +328,10 @@ def apply_adam(spec: AdamSpec, grads: Any, state: Any, params: Any, *, write_upd
     decay = _trees.static_bool_mask(spec.mask, params)
 
   def update_dtype(i):
+    # optax builds the update from the grads and the moments (before casting them back).
     if spec.master_weights:
       return jnp.dtype(jnp.float32)
-    return jnp.result_type(g_leaves[i].dtype, p_leaves[i].dtype)
+    return jnp.result_type(g_leaves[i].dtype, m_leaves[i].dtype, v_leaves[i].dtype)
 
   n = len(p_leaves)
   first_out: list[Any] = [None] * n
@@ -329,7 +342,7 @@ def apply_adam(spec: AdamSpec, grads: Any, state: Any, params: Any, *, write_upd
   # One FFI call per MAX_LEAVES_PER_CALL non-empty leaves, whatever their dtypes.
   live = [i for i in range(n) if np.size(p_leaves[i]) > 0]
   for i in range(n):
-    if i not in live:
+    if np.size(p_leaves[i]) == 0:
       first_out[i] = (jnp.zeros(jnp.shape(p_leaves[i]), update_dtype(i)) if write_updates
                       else p_leaves[i])
   for start in range(0, len(live), MAX_LEAVES_PER_CALL):

@@ -41,22 +41,24 @@ class ClipSpec:
   max_norm: Any
 
 
-def norm_and_ctrl(grads: Any, *, max_norm: Any = math.inf, grad_scale: Any = None,
+def norm_and_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = None,
                   skip_nonfinite: bool = False,
                   clip_apply_loss_scale: bool = True) -> tuple[jax.Array, jax.Array]:
   """One jaxfuse_global_norm call: the global norm of ``grads / grad_scale`` and the f32[4]
-  gradient-control vector (GradCtrl in math.h) that the Adam and clip kernels read."""
+  gradient-control vector (GradCtrl in math.h) that the Adam and clip kernels read. With
+  ``max_norm`` None the vector does not clip."""
   leaves = _trees.check_float_leaves(grads, "grads")
   params = jnp.stack([
       jnp.asarray(1.0 if grad_scale is None else grad_scale, jnp.float32),
-      jnp.asarray(max_norm, jnp.float32),
+      jnp.asarray(math.inf if max_norm is None else max_norm, jnp.float32),
   ])
   call = jax.ffi.ffi_call(
       "jaxfuse_global_norm",
       [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32),
        jax.ShapeDtypeStruct((2 * _NORM_SLOTS,), jnp.float32)],
       vmap_method="sequential")
-  norm, ctrl, _ = call(params, *leaves, skip_nonfinite=bool(skip_nonfinite),
+  norm, ctrl, _ = call(params, *leaves, clip=max_norm is not None,
+                       skip_nonfinite=bool(skip_nonfinite),
                        clip_apply_loss_scale=bool(clip_apply_loss_scale))
   return norm, ctrl
 

@@ -7,14 +7,15 @@ from typing import Any, Optional
 import jax
 import optax
 
-from jaxfuse.adam import AdamSpec, apply_adam
-from jaxfuse.clip import ClipSpec, norm_and_ctrl
+from jaxfuse.adam import AdamSpec, apply_adam, grad_ctrl_for
+from jaxfuse.clip import ClipSpec
 
 
-def _component_specs(tx: optax.GradientTransformation) -> list[Any]:
+def _component_specs(tx: optax.GradientTransformation) -> tuple[list[Any], bool]:
+  """The jaxfuse specs of `tx`'s parts, and whether `tx` is an optax.chain of them."""
   spec = getattr(tx.update, "jaxfuse_spec", None)
   if spec is not None:
-    return [spec]
+    return [spec], False
   # optax.chain keeps the update functions of its transforms (unwrapped for ExtraArgs
   # transforms, as all of jaxfuse's are) in a tuple in its closure.
   for cell in getattr(tx.update, "__closure__", None) or ():
@@ -23,22 +24,23 @@ def _component_specs(tx: optax.GradientTransformation) -> list[Any]:
     except ValueError:
       continue
     if isinstance(value, tuple) and value and all(callable(f) for f in value):
-      return [getattr(f, "jaxfuse_spec", None) for f in value]
-  return [None]
+      return [getattr(f, "jaxfuse_spec", None) for f in value], True
+  return [None], False
 
 
 def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, params: Any, *,
                grad_scale: Optional[jax.Array] = None, return_grad_norm: bool = False):
   """One optimizer step with params and optimizer state updated in place.
 
-  ``tx`` is ``jaxfuse.adam(...)``/``jaxfuse.adamw(...)``, or
-  ``optax.chain(jaxfuse.clip_by_global_norm(c), jaxfuse.adam(...)/adamw(...))``. The result
+  ``tx`` is ``jaxfuse.adam(...)``/``jaxfuse.adamw(...)``, alone or as the last transform of
+  ``optax.chain([jaxfuse.clip_by_global_norm(c),] jaxfuse.adam(...)/adamw(...))``. The result
   equals ``updates, s = tx.update(grads, opt_state, params); optax.apply_updates(params,
-  updates), s``, computed by one Adam kernel (plus the two global-norm kernels when clipping or
-  skipping non-finite steps) that reads each of params, grads, mu and nu once and writes params,
-  mu and nu in place: 28 bytes per fp32 parameter (32 with clipping). Under
-  ``jax.jit(step, donate_argnums=...)`` with params and opt_state donated, no new parameter or
-  state buffers are allocated; without donation XLA copies them first.
+  updates), s``, computed by one Adam kernel (plus the two global-norm kernels when clipping,
+  skipping non-finite steps or returning the norm) that reads each of params, grads, mu and nu
+  once and writes params, mu and nu in place: 28 bytes per fp32 parameter (32 with clipping).
+  Under ``jax.jit(step, donate_argnums=...)`` with params and opt_state donated (in the order
+  they are returned), no new parameter or state buffers are allocated; without donation XLA
+  copies them first.
 
   Args:
     tx: the transform that ``opt_state`` belongs to.
@@ -50,32 +52,26 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
   Returns:
     ``(new_params, new_opt_state)``, or ``(new_params, new_opt_state, grad_norm)``.
   """
-  specs = _component_specs(tx)
+  specs, chained = _component_specs(tx)
   if len(specs) == 1 and isinstance(specs[0], AdamSpec):
-    spec = specs[0]
-    ctrl = None
-    norm = None
-    if return_grad_norm or spec.skip_nonfinite or grad_scale is not None:
-      norm, ctrl = norm_and_ctrl(grads, grad_scale=grad_scale,
-                                       skip_nonfinite=spec.skip_nonfinite)
-    new_params, new_state = apply_adam(spec, grads, opt_state, params, write_updates=False,
-                                             grad_ctrl=ctrl)
-  elif (len(specs) == 2 and isinstance(specs[0], ClipSpec) and
-        isinstance(specs[1], AdamSpec)):
-    clip_spec, spec = specs
-    if not (isinstance(opt_state, tuple) and len(opt_state) == 2):
-      raise ValueError("jaxfuse.fused_step: opt_state is not the state of a two-transform chain "
-                       f"(got {type(opt_state).__name__})")
-    norm, ctrl = norm_and_ctrl(grads, max_norm=clip_spec.max_norm, grad_scale=grad_scale,
-                                     skip_nonfinite=spec.skip_nonfinite)
-    new_params, adam_state = apply_adam(spec, grads, opt_state[1], params,
-                                              write_updates=False, grad_ctrl=ctrl)
-    new_state = (opt_state[0], adam_state)
+    clip, spec = None, specs[0]
+  elif len(specs) == 2 and isinstance(specs[0], ClipSpec) and isinstance(specs[1], AdamSpec):
+    clip, spec = specs
   else:
     raise TypeError(
         "jaxfuse.fused_step supports jaxfuse.adam/adamw, alone or as "
-        "optax.chain(jaxfuse.clip_by_global_norm(c), jaxfuse.adam/adamw(...)); got a transform "
+        "optax.chain([jaxfuse.clip_by_global_norm(c),] jaxfuse.adam/adamw(...)); got a transform "
         f"made of {[type(s).__name__ if s is not None else 'non-jaxfuse transform' for s in specs]}")
+  if chained and not (isinstance(opt_state, tuple) and len(opt_state) == len(specs)):
+    raise ValueError(f"jaxfuse.fused_step: opt_state is not the state of a {len(specs)}-transform "
+                     f"chain (got {type(opt_state).__name__})")
+  norm, ctrl = grad_ctrl_for(spec, grads, grad_scale,
+                             clip_max_norm=clip.max_norm if clip is not None else None,
+                             need_norm=return_grad_norm)
+  adam_state = opt_state[-1] if chained else opt_state
+  new_params, new_adam_state = apply_adam(spec, grads, adam_state, params, write_updates=False,
+                                          grad_ctrl=ctrl)
+  new_state = (*opt_state[:-1], new_adam_state) if chained else new_adam_state
   if return_grad_norm:
     return new_params, new_state, norm
   return new_params, new_state

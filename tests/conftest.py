@@ -8,7 +8,7 @@ import pytest
 
 def _gpu_devices():
   try:
-    return jax.devices("gpu")
+    return jax.devices("cuda")
   except RuntimeError:
     return []
 
@@ -25,7 +25,7 @@ BACKENDS = [
 @pytest.fixture(params=BACKENDS)
 def device(request):
   """The device the test's arrays live on (jit runs where its inputs are)."""
-  return jax.devices(request.param)[0]
+  return jax.devices("cuda" if request.param == "gpu" else request.param)[0]
 
 
 def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0, device=None):

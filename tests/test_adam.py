@@ -10,7 +10,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse.adam import MAX_LEAVES_PER_CALL
-from conftest import assert_trees_close, count_custom_calls, random_tree, to_device, ulp
+from conftest import assert_trees_close, count_custom_calls, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]
 F32_EPS = ulp(jnp.float32)
@@ -460,3 +460,107 @@ def test_vmap_over_an_ensemble(device):
   uo, so = jax.vmap(to.update)(grads, jax.vmap(to.init)(params), params)
   assert_trees_close(uf, uo, rtol=STEP_RTOL, atol=0)
   assert_trees_close(sf, so, rtol=STEP_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("mu_dtype", [None, jnp.float32, jnp.bfloat16])
+def test_update_dtypes_match_optax(device, param_dtype, grad_dtype, mu_dtype):
+  """The optax protocol returns updates of optax's dtype (grads and moments promoted)."""
+  params = random_tree(23, [(7,), (3, 4)], dtype=param_dtype, device=device)
+  grads = jax.tree.map(lambda x: (x * 0.5).astype(grad_dtype), params)
+  tf, to = jaxfuse.adamw(1e-2, mu_dtype=mu_dtype), optax.adamw(1e-2, mu_dtype=mu_dtype)
+  uf, _ = tf.update(grads, tf.init(params), params)
+  uo, _ = to.update(grads, to.init(params), params)
+  assert [x.dtype for x in jax.tree.leaves(uf)] == [x.dtype for x in jax.tree.leaves(uo)]
+  assert_trees_close(uf, uo, rtol=4 * ulp(jnp.bfloat16), atol=0)
+
+
+def test_master_weights_with_fp32_leaves(device):
+  """A tree mixing bf16 and fp32 params with master weights, through the donated fused step."""
+  params = random_tree(24, [(9,), (4, 4)], dtype=[jnp.bfloat16, jnp.float32], device=device)
+  tf = jaxfuse.adamw(1e-2, master_weights=True)
+  to = optax.adamw(1e-2)
+  step = jit_step(tf)
+  sf = tf.init(params)
+  master0 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+  po, so = master0, to.init(master0)
+  pf = jax.tree.map(jnp.copy, params)
+  for t in range(5):
+    g = _grads(400 + t, master0)
+    pf, sf = step(pf, sf, g)
+    u, so = to.update(g, so, po)
+    po = optax.apply_updates(po, u)
+  assert_trees_close(sf[-1].master_params, po, rtol=5 * STEP_RTOL, atol=0)
+  assert pf["leaf0000"].dtype == jnp.bfloat16 and pf["leaf0001"].dtype == jnp.float32
+
+
+def test_fused_step_over_several_calls(device):
+  """More leaves than one FFI call takes: every call updates its leaves in place, with clipping
+  and the non-finite skip deciding for the whole tree."""
+  rng = np.random.default_rng(25)
+  params = random_tree(26, [(int(rng.integers(1, 50)),) for _ in range(MAX_LEAVES_PER_CALL + 44)],
+                       device=device)
+  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))
+  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  step = jit_step(tf)
+  sf, so = tf.init(params), to.init(params)
+  pf, po = jax.tree.map(jnp.copy, params), params
+  for t in range(3):
+    g = _grads(500 + t, params, scale=0.3)
+    pf, sf = step(pf, sf, g)
+    u, so = to.update(g, so, po)
+    po = optax.apply_updates(po, u)
+  assert_trees_close(pf, po, rtol=3 * 32 * F32_EPS, atol=0)
+  # A NaN in the last leaf (in the last call) stops the update of the first leaf too.
+  g = _grads(600, params)
+  last = sorted(g)[-1]
+  g[last] = g[last].at[0].set(jnp.nan)
+  before = np.asarray(pf["leaf0000"])
+  pf, sf = step(pf, sf, g)
+  np.testing.assert_array_equal(np.asarray(pf["leaf0000"]), before)
+  assert int(sf[1][-1].skipped_steps) == 1 and int(sf[1][0].count) == 3
+
+
+def test_fused_step_on_a_one_transform_chain(device):
+  params = random_tree(27, [(5,), (2, 3)], device=device)
+  tf, to = optax.chain(jaxfuse.adamw(1e-2)), optax.chain(optax.adamw(1e-2))
+  pf, sf = jaxfuse.fused_step(tf, _grads(0, params), tf.init(params), params)
+  u, so = to.update(_grads(0, params), to.init(params), params)
+  assert jax.tree.structure(sf) == jax.tree.structure(so)
+  assert_trees_close(pf, optax.apply_updates(params, u), rtol=STEP_RTOL, atol=0)
+
+
+def test_grad_scale_without_skip(device):
+  """A bare loss scale needs no global-norm pass: one custom call, same step as unscaled grads."""
+  params = random_tree(28, [(33,), (4, 4)], device=device)
+  g = _grads(29, params)
+  S = jnp.float32(1024.0)
+  g_scaled = jax.tree.map(lambda x: x * S, g)
+  tf, to = jaxfuse.adamw(1e-2), optax.adamw(1e-2)
+  fn = lambda p, s, g: jaxfuse.fused_step(tf, g, s, p, grad_scale=S)
+  text = jax.jit(fn).lower(params, tf.init(params), g_scaled).as_text()
+  assert count_custom_calls(text, "jaxfuse_global_norm") == 0
+  pf, _ = jax.jit(fn)(params, tf.init(params), g_scaled)
+  u, _ = to.update(g, to.init(params), params)
+  assert_trees_close(pf, optax.apply_updates(params, u), rtol=2 * STEP_RTOL, atol=0)
+  u2, _ = tf.update(g_scaled, tf.init(params), params, grad_scale=S)  # optax protocol
+  assert_trees_close(u2, u, rtol=2 * STEP_RTOL, atol=0)
+
+
+def test_checkpoint_moves_from_jaxfuse_to_optax(device):
+  params = random_tree(30, [(17,), (4, 3)], device=device)
+  tf, to = jaxfuse.adamw(1e-2), optax.adamw(1e-2)
+  s = tf.init(params)
+  p = params
+  for t in range(5):
+    u, s = tf.update(_grads(t, params), s, p)
+    p = optax.apply_updates(p, u)
+  pf, sf, po, so = p, s, p, s  # continue with each from the jaxfuse state
+  for t in range(5, 10):
+    g = _grads(t, params)
+    u, sf = tf.update(g, sf, pf)
+    pf = optax.apply_updates(pf, u)
+    u, so = to.update(g, so, po)
+    po = optax.apply_updates(po, u)
+  assert_trees_close(pf, po, rtol=1e-6, atol=1e-8)

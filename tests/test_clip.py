@@ -252,3 +252,28 @@ def test_global_norm_many_leaves(device):
   norm = jax.jit(jaxfuse.global_norm)(tree)
   np.testing.assert_allclose(float(norm), _np_norm(tree), rtol=1e-5)
   assert np.asarray(norm).tobytes() == np.asarray(jax.jit(jaxfuse.global_norm)(tree)).tobytes()
+
+
+def test_optax_protocol_chain_with_skip_and_loss_scale(device):
+  params = random_tree(31, [(12,), (3, 3)], device=device)
+  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))
+  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  S = jnp.float32(256.0)
+  g = _grads_with_norm(32, params, 3.0)
+  g_scaled = jax.tree.map(lambda x: x * S, g)
+  upd = jax.jit(lambda g, s, p: tf.update(g, s, p, grad_scale=S))
+  uf, sf = upd(g_scaled, tf.init(params), params)
+  uo, _ = to.update(g, to.init(params), params)
+  assert_trees_close(uf, uo, rtol=64 * F32_EPS, atol=0)
+  bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), g_scaled)
+  u_bad, s_bad = upd(bad, sf, params)
+  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u_bad))
+  assert int(s_bad[1][-1].skipped_steps) == 1 and int(s_bad[1][0].count) == 1
+
+
+def test_clip_with_infinite_max_norm_follows_optax(device):
+  """max_norm = inf is an ordinary threshold, as in optax (an inf norm is not < inf)."""
+  g = jax.device_put({"a": jnp.array([1.0, jnp.inf, 2.0])}, device)
+  uf, _ = jaxfuse.clip_by_global_norm(jnp.inf).update(g, optax.EmptyState())
+  uo, _ = optax.clip_by_global_norm(jnp.inf).update(g, optax.EmptyState())
+  np.testing.assert_array_equal(np.isnan(np.asarray(uf["a"])), np.isnan(np.asarray(uo["a"])))

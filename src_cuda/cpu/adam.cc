@@ -126,10 +126,11 @@ ffi::Error AdamCpu(ffi::ThreadPool pool, CountBuffer count,
   JF_RETURN_IF_ERROR(decode_adam_call(count, hyper, ctrl, args, new_count, rets, num_tensors,
                                       nesterov, write_updates, master, decay_mask, &call));
   const AdamStep step = make_adam_step(call.hyper, call.ctrl, *call.count, nesterov);
+  *call.new_count = adam_next_count(*call.count, step.grad.skip);
+  if (step.grad.skip && !write_updates) return ffi::Error::Success();  // state stays in place
   for_each_chunk(&pool, call.lists, kChunk, [&](int64_t t, int64_t start, int64_t n) {
     adam_chunk(call, step, t, start, n);
   });
-  *call.new_count = adam_next_count(*call.count, step.grad.skip);
   return ffi::Error::Success();
 }
 

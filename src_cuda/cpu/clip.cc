@@ -74,7 +74,7 @@ Partial chunk_partial(const TensorLists& lists, int64_t t, int64_t start, int64_
 
 ffi::Error GlobalNormCpu(ffi::ThreadPool pool, NormParamsBuffer params, ffi::RemainingArgs args,
                          ffi::Result<ScalarF32Buffer> norm, ffi::Result<HyperCtrlBuffer> ctrl,
-                         ffi::Result<HyperCtrlBuffer> partials, bool skip_nonfinite,
+                         ffi::Result<HyperCtrlBuffer> partials, bool clip, bool skip_nonfinite,
                          bool clip_apply_loss_scale) {
   TensorLists lists;
   JF_RETURN_IF_ERROR(decode_norm_call(params, args, ctrl, partials, &lists));
@@ -91,7 +91,7 @@ ffi::Error GlobalNormCpu(ffi::ThreadPool pool, NormParamsBuffer params, ffi::Rem
     total.sumsq += p.sumsq;
     total.nonfinite += p.nonfinite;
   }
-  finish_norm(total.sumsq, total.nonfinite, params.typed_data(), skip_nonfinite,
+  finish_norm(total.sumsq, total.nonfinite, params.typed_data(), clip, skip_nonfinite,
               clip_apply_loss_scale, norm->typed_data(), ctrl->typed_data());
   return ffi::Error::Success();
 }

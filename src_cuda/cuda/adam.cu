@@ -6,24 +6,6 @@
 namespace jaxfuse {
 namespace {
 
-__device__ __forceinline__ void load_group(const void* base, DType t, int64_t i, int n, bool vec,
-                                           float out[4]) {
-  if (vec) {
-    load4(base, t, i, out);
-  } else {
-    for (int j = 0; j < n; ++j) out[j] = load_as_float(base, t, i + j);
-  }
-}
-
-__device__ __forceinline__ void store_group(void* base, DType t, int64_t i, int n, bool vec,
-                                            const float in[4]) {
-  if (vec) {
-    store4(base, t, i, in);
-  } else {
-    for (int j = 0; j < n; ++j) store_from_float(base, t, i + j, in[j]);
-  }
-}
-
 template <bool kWriteUpdates, bool kMaster>
 struct AdamOp : MultiTensorOpBase {
   static constexpr int kLists = 4 + int(kWriteUpdates) + int(kMaster);

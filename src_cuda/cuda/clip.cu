@@ -37,11 +37,7 @@ struct NormOp : MultiTensorOpBase {
   __device__ void operator()(const ChunkRef<1>& r) {
     for_each_group(r, [&](int64_t i, int n, bool vec) {
       float x[4] = {0.f, 0.f, 0.f, 0.f};
-      if (vec) {
-        load4(r.ptr[0], r.dtype[0], i, x);
-      } else {
-        for (int j = 0; j < n; ++j) x[j] = load_as_float(r.ptr[0], r.dtype[0], i + j);
-      }
+      load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         sumsq += x[j] * x[j];
@@ -62,19 +58,19 @@ struct NormOp : MultiTensorOpBase {
 };
 
 __global__ void __launch_bounds__(kFinishThreads)
-    norm_finish_kernel(const float* partials, int num_partials, const float* params,
+    norm_finish_kernel(const float* partials, int num_partials, const float* params, bool clip,
                        bool skip_nonfinite, bool clip_apply_loss_scale, float* norm, float* ctrl) {
   __shared__ float scratch[kFinishThreads / 32];
   const int i = threadIdx.x;
   const float s = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i] : 0.0f, scratch);
   const float b = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i + 1] : 0.0f, scratch);
-  if (i == 0) finish_norm(s, b, params, skip_nonfinite, clip_apply_loss_scale, norm, ctrl);
+  if (i == 0) finish_norm(s, b, params, clip, skip_nonfinite, clip_apply_loss_scale, norm, ctrl);
 }
 
 ffi::Error GlobalNormCuda(cudaStream_t stream, NormParamsBuffer params, ffi::RemainingArgs args,
                           ffi::Result<ScalarF32Buffer> norm, ffi::Result<HyperCtrlBuffer> ctrl,
-                          ffi::Result<HyperCtrlBuffer> partials, bool skip_nonfinite,
-                          bool clip_apply_loss_scale) {
+                          ffi::Result<HyperCtrlBuffer> partials, bool clip,
+                          bool skip_nonfinite, bool clip_apply_loss_scale) {
   TensorLists lists;
   JF_RETURN_IF_ERROR(decode_norm_call(params, args, ctrl, partials, &lists));
   NormOp op;
@@ -88,7 +84,7 @@ ffi::Error GlobalNormCuda(cudaStream_t stream, NormParamsBuffer params, ffi::Rem
   JF_RETURN_IF_ERROR(multi_tensor_apply<1>(stream, lists, op, "jaxfuse_global_norm",
                                            static_cast<int>(kNormSlots / launches), &blocks));
   norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(
-      op.partials, blocks, params.typed_data(), skip_nonfinite, clip_apply_loss_scale,
+      op.partials, blocks, params.typed_data(), clip, skip_nonfinite, clip_apply_loss_scale,
       norm->typed_data(), ctrl->typed_data());
   return check_launch("jaxfuse_global_norm finish");
 }
@@ -101,18 +97,11 @@ struct ApplyGradCtrlOp : MultiTensorOpBase {
 
   __device__ void operator()(const ChunkRef<2>& r) const {
     for_each_group(r, [&](int64_t i, int n, bool vec) {
-      float x[4];
-      if (vec) {
-        load4(r.ptr[0], r.dtype[0], i, x);
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) x[j] = scaling.apply(x[j]);
-        store4(r.ptr[1], r.dtype[1], i, x);
-      } else {
-        for (int j = 0; j < n; ++j) {
-          store_from_float(r.ptr[1], r.dtype[1], i + j,
-                           scaling.apply(load_as_float(r.ptr[0], r.dtype[0], i + j)));
-        }
-      }
+      for (int j = 0; j < 4; ++j) x[j] = scaling.apply(x[j]);
+      store_group(r.ptr[1], r.dtype[1], i, n, vec, x);
     });
   }
 };

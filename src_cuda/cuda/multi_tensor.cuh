@@ -224,6 +224,25 @@ __device__ __forceinline__ void store4(void* base, DType t, int64_t i, const flo
   }
 }
 
+// Up to 4 consecutive elements (count n) as fp32: a vector access when `vec`, else scalar ones.
+__device__ __forceinline__ void load_group(const void* base, DType t, int64_t i, int n, bool vec,
+                                           float out[4]) {
+  if (vec) {
+    load4(base, t, i, out);
+  } else {
+    for (int j = 0; j < n; ++j) out[j] = load_as_float(base, t, i + j);
+  }
+}
+
+__device__ __forceinline__ void store_group(void* base, DType t, int64_t i, int n, bool vec,
+                                            const float in[4]) {
+  if (vec) {
+    store4(base, t, i, in);
+  } else {
+    for (int j = 0; j < n; ++j) store_from_float(base, t, i + j, in[j]);
+  }
+}
+
 // Calls fn(first, count, aligned) over the block's share of a chunk: groups of 4 elements per
 // thread per step, with `aligned` true when the group may use vector accesses.
 template <int kLists, typename Fn>

@@ -4,7 +4,7 @@
 // jaxfuse_global_norm
 //   operands: params f32[kNormParamsSize] (loss scale, max norm), then n gradient buffers
 //   results:  norm f32[], ctrl f32[kGradCtrlSize], partials f32[2 * kNormSlots] (workspace)
-//   attrs:    skip_nonfinite, clip_apply_loss_scale (see finish_norm)
+//   attrs:    clip, skip_nonfinite, clip_apply_loss_scale (see finish_norm)
 // jaxfuse_apply_grad_ctrl
 //   operands: ctrl f32[kGradCtrlSize], then n gradient buffers; results: n gradient buffers
 #pragma once
@@ -65,6 +65,7 @@ auto global_norm_binding() {
       .template Ret<ScalarF32Buffer>()  // norm
       .template Ret<HyperCtrlBuffer>()  // ctrl
       .template Ret<HyperCtrlBuffer>()  // partials workspace
+      .template Attr<bool>("clip")
       .template Attr<bool>("skip_nonfinite")
       .template Attr<bool>("clip_apply_loss_scale");
 }

@@ -1,5 +1,7 @@
 // One definition of jaxfuse's element math, compiled for the host (CPU handlers) and the device
-// (CUDA kernels), so that the CPU tests in CI check the arithmetic the GPU runs.
+// (CUDA kernels), so that the CPU tests in CI check the arithmetic the GPU runs. The one
+// difference is rounding: nvcc contracts a*b+c into FMA (faster, and more accurate); the CPU
+// build does not, so that it rounds like XLA's CPU code.
 #pragma once
 
 #include <cmath>
@@ -229,9 +231,9 @@ enum NormParams : int { kNormLossScale = 0, kNormMaxNorm, kNormParamsSize };
 // From the total sum of squares of the raw (loss-scaled) gradients: the global norm of the
 // unscaled gradients, and the gradient-control vector for the consumers. Clipping follows
 // optax: unchanged when norm < max_norm (a NaN norm clips, spreading the NaN, as optax does);
-// max_norm = +inf disables it. `clip_apply_loss_scale` false leaves the loss scale in the
+// `clip_enabled` false turns it off. `clip_apply_loss_scale` false leaves the loss scale in the
 // gradients (for a transform whose consumer unscales them later).
-JF_HD void finish_norm(float sumsq, float nonfinite_marker, const float* params,
+JF_HD void finish_norm(float sumsq, float nonfinite_marker, const float* params, bool clip_enabled,
                        bool skip_nonfinite, bool clip_apply_loss_scale, float* norm_out,
                        float* ctrl) {
   const float loss_scale = params[kNormLossScale];
@@ -239,7 +241,7 @@ JF_HD void finish_norm(float sumsq, float nonfinite_marker, const float* params,
   const float norm = sqrtf(sumsq) / loss_scale;
   *norm_out = norm;
   const bool nonfinite = nonfinite_marker != 0.0f;  // NaN compares unequal to 0: true
-  const bool clip = max_norm != INFINITY && !(norm < max_norm);
+  const bool clip = clip_enabled && !(norm < max_norm);
   ctrl[kLossScale] = clip_apply_loss_scale ? loss_scale : 1.0f;
   ctrl[kClipDiv] = clip ? norm : 1.0f;
   ctrl[kClipMul] = clip ? max_norm : 1.0f;

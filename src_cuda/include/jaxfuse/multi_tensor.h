@@ -39,11 +39,6 @@ struct TensorLists {
   std::vector<uint8_t> flag;                      // per-tensor op flag (e.g. weight-decay mask)
 
   int64_t num_tensors() const { return static_cast<int64_t>(size.size()); }
-  int64_t total_elements() const {
-    int64_t n = 0;
-    for (int64_t s : size) n += s;
-    return n;
-  }
 };
 
 // Where list `k` comes from: `num_tensors` consecutive buffers of the call's remaining
