@@ -269,15 +269,11 @@ ffi::Error DecoderCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, PositionsBuffer po
                       ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
                       ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<WorkspaceBuffer> workspace,
-                      int64_t num_layers, int64_t hidden_size, int64_t num_heads,
-                      int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size,
-                      int64_t max_seq_len, float rms_norm_eps, double rope_theta) {
+                      DecoderAttrs attrs) {
   const ffi::AnyBuffer weights[9] = {attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down};
   DecoderDims d;
   JF_RETURN_IF_ERROR(decode_decoder_call(x, positions, weights, k_cache, v_cache, *out, *k_out,
-                                         *v_out, *workspace, num_layers, hidden_size, num_heads,
-                                         num_kv_heads, head_dim, intermediate_size, max_seq_len,
-                                         rms_norm_eps, rope_theta, &d));
+                                         *v_out, *workspace, attrs, &d));
   if (d.B == 0) return ffi::Error::Success();
   const Weights W{attn_norm.untyped_data(), wq.untyped_data(),     wk.untyped_data(),
                   wv.untyped_data(),        wo.untyped_data(),     mlp_norm.untyped_data(),

@@ -102,17 +102,28 @@ inline DecoderLayout decoder_layout(const DecoderDims& d) {
   return w;
 }
 
+// The call's attributes (DecoderConfig), decoded as one struct.
+struct DecoderAttrs {
+  int64_t num_layers, hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size,
+      max_seq_len;
+  float rms_norm_eps;
+  double rope_theta;
+};
+
 // Decodes and checks every operand against the attributes. On success fills `dims`.
 inline ffi::Error decode_decoder_call(ffi::AnyBuffer x, PositionsBuffer positions,
                                       const ffi::AnyBuffer* weights /*9*/, ffi::AnyBuffer k_cache,
                                       ffi::AnyBuffer v_cache, ffi::AnyBuffer out,
                                       ffi::AnyBuffer k_out, ffi::AnyBuffer v_out,
-                                      WorkspaceBuffer workspace, int64_t num_layers,
-                                      int64_t hidden_size, int64_t num_heads, int64_t num_kv_heads,
-                                      int64_t head_dim, int64_t intermediate_size,
-                                      int64_t max_seq_len, float eps, double theta,
+                                      WorkspaceBuffer workspace, const DecoderAttrs& attrs,
                                       DecoderDims* dims) {
   const char* op = "jaxfuse_decoder: ";
+  const int64_t num_layers = attrs.num_layers, hidden_size = attrs.hidden_size;
+  const int64_t num_heads = attrs.num_heads, num_kv_heads = attrs.num_kv_heads;
+  const int64_t head_dim = attrs.head_dim, intermediate_size = attrs.intermediate_size;
+  const int64_t max_seq_len = attrs.max_seq_len;
+  const float eps = attrs.rms_norm_eps;
+  const double theta = attrs.rope_theta;
   if (num_layers < 1 || hidden_size < 1 || num_heads < 1 || num_kv_heads < 1 || head_dim < 2 ||
       intermediate_size < 1 || max_seq_len < 1) {
     return invalid_argument(op, "every size attribute must be positive (head_dim >= 2)");
@@ -213,15 +224,19 @@ auto decoder_binding() {
       .template Ret<ffi::AnyBuffer>()   // k_cache (aliased)
       .template Ret<ffi::AnyBuffer>()   // v_cache (aliased)
       .template Ret<WorkspaceBuffer>()  // workspace
-      .template Attr<int64_t>("num_layers")
-      .template Attr<int64_t>("hidden_size")
-      .template Attr<int64_t>("num_heads")
-      .template Attr<int64_t>("num_kv_heads")
-      .template Attr<int64_t>("head_dim")
-      .template Attr<int64_t>("intermediate_size")
-      .template Attr<int64_t>("max_seq_len")
-      .template Attr<float>("rms_norm_eps")
-      .template Attr<double>("rope_theta");
+      .template Attrs<DecoderAttrs>();
 }
 
 }  // namespace jaxfuse
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxfuse::DecoderAttrs,
+                                      ::xla::ffi::StructMember<int64_t>("num_layers"),
+                                      ::xla::ffi::StructMember<int64_t>("hidden_size"),
+                                      ::xla::ffi::StructMember<int64_t>("num_heads"),
+                                      ::xla::ffi::StructMember<int64_t>("num_kv_heads"),
+                                      ::xla::ffi::StructMember<int64_t>("head_dim"),
+                                      ::xla::ffi::StructMember<int64_t>("intermediate_size"),
+                                      ::xla::ffi::StructMember<int64_t>("max_seq_len"),
+                                      ::xla::ffi::StructMember<float>("rms_norm_eps"),
+                                      ::xla::ffi::StructMember<double>("rope_theta"));
+
