@@ -1,19 +1,66 @@
-"""Registration of jaxfuse's XLA FFI handlers, and what was built and what is usable."""
+"""Registration of jaxfuse's XLA FFI handlers, and what was built and what is usable.
+
+Two developer switches, read at import (tools/sanitize.sh and tools/cuda_on_cpu.sh set them):
+
+``JAXFUSE_EXTENSION_DIR``
+  load the native modules from this directory instead of the package (a sanitizer build, or
+  the CUDA-on-CPU build).
+``JAXFUSE_CPU_TARGETS=cuda_on_cpu``
+  on the CPU platform, run the CUDA handlers compiled for the host (``_jaxfuse_cuda_on_cpu``
+  from ``JAXFUSE_EXTENSION_DIR``) instead of the C++ CPU handlers; see tools/cuda_on_cpu.sh.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
+import importlib
+import importlib.util
+import os
+from types import ModuleType
+from typing import Any, Iterator, Optional
 
 import jax
 
-from jaxfuse import _jaxfuse_cpu
+# CPU-platform handler sets and the suffix of their target names.
+_CPU_TARGET_SUFFIX = {"native": "", "cuda_on_cpu": "_cuda_on_cpu"}
 
-try:  # Present only when the build found a CUDA compiler.
-  from jaxfuse import _jaxfuse_cuda
-except ImportError:  # pragma: no cover - depends on the build
-  _jaxfuse_cuda = None
+
+def _load_module(name: str) -> Optional[ModuleType]:
+  ext_dir = os.environ.get("JAXFUSE_EXTENSION_DIR")
+  if not ext_dir:
+    try:
+      return importlib.import_module(f"jaxfuse.{name}")
+    except ImportError:
+      return None
+  paths = sorted(glob.glob(os.path.join(ext_dir, f"{name}.*.so")))
+  if not paths:
+    return None
+  spec = importlib.util.spec_from_file_location(f"jaxfuse.{name}", paths[0])
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+_jaxfuse_cpu = _load_module("_jaxfuse_cpu")
+if _jaxfuse_cpu is None:
+  raise ImportError("jaxfuse: the native module _jaxfuse_cpu is missing (JAXFUSE_EXTENSION_DIR="
+                    f"{os.environ.get('JAXFUSE_EXTENSION_DIR')!r})")
+_jaxfuse_cuda = _load_module("_jaxfuse_cuda")  # present when the build found a CUDA compiler
+_jaxfuse_cuda_on_cpu = (_load_module("_jaxfuse_cuda_on_cpu")
+                        if os.environ.get("JAXFUSE_EXTENSION_DIR") else None)
 
 CUDA_BUILT = _jaxfuse_cuda is not None
+CUDA_ON_CPU = _jaxfuse_cuda_on_cpu is not None
+
+_cpu_targets = os.environ.get("JAXFUSE_CPU_TARGETS", "native")
+if _cpu_targets not in _CPU_TARGET_SUFFIX:
+  raise ValueError(f"jaxfuse: JAXFUSE_CPU_TARGETS={_cpu_targets!r}; expected one of "
+                   f"{sorted(_CPU_TARGET_SUFFIX)}")
+if _cpu_targets == "cuda_on_cpu" and not CUDA_ON_CPU:
+  raise ImportError("jaxfuse: JAXFUSE_CPU_TARGETS=cuda_on_cpu needs JAXFUSE_EXTENSION_DIR to "
+                    "hold a _jaxfuse_cuda_on_cpu build (tools/cuda_on_cpu.sh makes one)")
 
 
 def _register() -> None:
@@ -23,9 +70,38 @@ def _register() -> None:
   if _jaxfuse_cuda is not None:
     for name, capsule in _jaxfuse_cuda.registrations().items():
       jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+  if _jaxfuse_cuda_on_cpu is not None:
+    suffix = _CPU_TARGET_SUFFIX["cuda_on_cpu"]
+    for name, capsule in _jaxfuse_cuda_on_cpu.registrations().items():
+      jax.ffi.register_ffi_target(name + suffix, capsule, platform="cpu")
 
 
 _register()
+
+
+def target(name: str) -> str:
+  """The XLA target name for handler `name` under the current CPU handler set."""
+  return name + _CPU_TARGET_SUFFIX[_cpu_targets]
+
+
+@contextlib.contextmanager
+def cpu_targets(kind: str) -> Iterator[None]:
+  """Within the block, trace jaxfuse ops with the CPU handler set `kind` ("native" or
+  "cuda_on_cpu"). jax's caches are cleared on entry and exit: compiled functions hold the
+  target names they were traced with."""
+  global _cpu_targets
+  if kind not in _CPU_TARGET_SUFFIX:
+    raise ValueError(f"cpu_targets: {kind!r}; expected one of {sorted(_CPU_TARGET_SUFFIX)}")
+  if kind == "cuda_on_cpu" and not CUDA_ON_CPU:
+    raise RuntimeError("cpu_targets: no _jaxfuse_cuda_on_cpu module was loaded")
+  previous = _cpu_targets
+  _cpu_targets = kind
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    _cpu_targets = previous
+    jax.clear_caches()
 
 
 @functools.cache
@@ -36,13 +112,30 @@ def _cuda_devices_present() -> bool:
     return False
 
 
-def backends() -> dict[str, dict[str, bool]]:
+def _version(v: int) -> Optional[str]:
+  return f"{v // 1000}.{v % 1000 // 10}" if v else None
+
+
+@functools.cache
+def _cuda_status() -> dict[str, Any]:
+  if _jaxfuse_cuda is None:
+    return {"built": False, "usable": False, "runtime_version": None, "driver_version": None,
+            "problem": "jaxfuse was built without CUDA (no CUDA compiler at build time)"}
+  info = _jaxfuse_cuda.cuda_info()
+  problem = info["driver_problem"] or None
+  if problem is None and not _cuda_devices_present():
+    problem = "jax sees no CUDA device (is the jax CUDA plugin installed?)"
+  return {"built": True, "usable": problem is None,
+          "runtime_version": _version(info["runtime_version"]),
+          "driver_version": _version(info["driver_version"]), "problem": problem}
+
+
+def backends() -> dict[str, dict[str, Any]]:
   """Which jaxfuse backends were built into this install and which can run now.
 
-  Returns ``{"cpu": {"built": True, "usable": True}, "cuda": {"built": ..., "usable": ...}}``;
-  CUDA is usable when it was built and jax sees a CUDA GPU.
+  Returns ``{"cpu": {...}, "cuda": {...}}``; each has ``built`` and ``usable``. The CUDA entry also
+  has ``runtime_version`` (the CUDA toolkit jaxfuse was built with, e.g. ``"13.0"``),
+  ``driver_version`` (the newest CUDA the NVIDIA driver supports, ``None`` without a driver) and
+  ``problem`` (why it is not usable, e.g. a driver too old for the runtime, or ``None``).
   """
-  return {
-      "cpu": {"built": True, "usable": True},
-      "cuda": {"built": CUDA_BUILT, "usable": CUDA_BUILT and _cuda_devices_present()},
-  }
+  return {"cpu": {"built": True, "usable": True}, "cuda": dict(_cuda_status())}

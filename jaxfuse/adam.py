@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxfuse import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxfuse import _ffi
 from jaxfuse import _trees
 
 ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
@@ -275,7 +275,7 @@ def _adam_ffi(count, hyper, ctrl, g, p, m, v, master, *, decay, nesterov, write_
     next_out += n
   if master:
     aliases.update({3 + 4 * n + i: next_out + i for i in range(n)})     # master params
-  call = jax.ffi.ffi_call("jaxfuse_adam", results, input_output_aliases=aliases,
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(*operands, num_tensors=np.int64(n), nesterov=bool(nesterov),
              write_updates=bool(write_updates), master=bool(master),

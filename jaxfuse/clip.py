@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxfuse import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxfuse import _ffi
 from jaxfuse import _trees
 
 _NORM_SLOTS = 1024  # kNormSlots in src_cuda/include/jaxfuse/clip_ffi.h
@@ -53,7 +53,7 @@ def norm_and_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = None,
       jnp.asarray(math.inf if max_norm is None else max_norm, jnp.float32),
   ])
   call = jax.ffi.ffi_call(
-      "jaxfuse_global_norm",
+      _ffi.target("jaxfuse_global_norm"),
       [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32),
        jax.ShapeDtypeStruct((2 * _NORM_SLOTS,), jnp.float32)],
       vmap_method="sequential")
@@ -75,7 +75,7 @@ def apply_grad_ctrl(grads: Any, ctrl: jax.Array) -> Any:
   if not leaves:
     return grads
   call = jax.ffi.ffi_call(
-      "jaxfuse_apply_grad_ctrl", [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves],
+      _ffi.target("jaxfuse_apply_grad_ctrl"), [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves],
       vmap_method="sequential")
   return treedef.unflatten(call(ctrl, *leaves))
 

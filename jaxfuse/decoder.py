@@ -39,7 +39,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxfuse import _ffi  # noqa: F401  (registers the FFI targets)
+from jaxfuse import _ffi
 
 __all__ = ["DecoderConfig", "DecoderWeights", "KVCache", "persistent_decoder", "decoder_reference"]
 
@@ -210,11 +210,9 @@ def _jit_bind(*args, cfg):
 
 decoder_p.def_impl(_impl)
 
-_ffi_rule = jax.ffi.ffi_lowering("jaxfuse_decoder", operand_output_aliases={11: 1, 12: 2})
-
-
 def _lowering(ctx, *args, cfg: DecoderConfig):
-  return _ffi_rule(ctx, *args,
+  rule = jax.ffi.ffi_lowering(_ffi.target("jaxfuse_decoder"), operand_output_aliases={11: 1, 12: 2})
+  return rule(ctx, *args,
                    num_layers=np.int64(cfg.num_layers), hidden_size=np.int64(cfg.hidden_size),
                    num_heads=np.int64(cfg.num_heads), num_kv_heads=np.int64(cfg.num_kv_heads),
                    head_dim=np.int64(cfg.head_dim), intermediate_size=np.int64(cfg.intermediate_size),

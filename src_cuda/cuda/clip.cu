@@ -83,10 +83,10 @@ ffi::Error GlobalNormCuda(cudaStream_t stream, NormParamsBuffer params, ffi::Rem
   int blocks = 0;
   JF_RETURN_IF_ERROR(multi_tensor_apply<1>(stream, lists, op, "jaxfuse_global_norm",
                                            static_cast<int>(kNormSlots / launches), &blocks));
-  norm_finish_kernel<<<1, kFinishThreads, 0, stream>>>(
-      op.partials, blocks, params.typed_data(), clip, skip_nonfinite, clip_apply_loss_scale,
-      norm->typed_data(), ctrl->typed_data());
-  return check_launch("jaxfuse_global_norm finish");
+  return launch_kernel("jaxfuse_global_norm finish", norm_finish_kernel, dim3(1),
+                       dim3(kFinishThreads), stream, /*cooperative=*/false, op.partials, blocks,
+                       params.typed_data(), clip, skip_nonfinite, clip_apply_loss_scale,
+                       norm->typed_data(), ctrl->typed_data());
 }
 
 struct ApplyGradCtrlOp : MultiTensorOpBase {

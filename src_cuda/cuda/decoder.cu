@@ -1,7 +1,7 @@
 // jaxfuse_decoder, CUDA: one decode step of an L-layer Llama-style decoder in ONE persistent,
 // cooperative kernel launch.
 //
-// Launch: cudaLaunchCooperativeKernel, kThreads threads per block, grid = co-resident blocks
+// Launch: cooperative (launch_kernel), kThreads threads per block, grid = co-resident blocks
 // (occupancy x SMs, at most kMaxBlocksPerSm per SM; cached per device). Stages are separated by
 // cooperative-groups grid syncs (acquire/release at grid scope):
 //
@@ -44,7 +44,7 @@
 #include <initializer_list>
 
 #include "jaxfuse/decoder_ffi.h"
-#include "multi_tensor.cuh"  // JF_CUDA_RETURN_IF_ERROR, check_launch
+#include "launch.cuh"
 
 namespace jaxfuse {
 namespace {
@@ -692,10 +692,8 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderDims& d, DecParams P
   P.ns = std::min<int>(P.ns, std::max(1, P.S / 16));
   JF_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(P.counters, 0, size_t(lay.num_counters) * sizeof(int), stream));
-  void* args[] = {&P};
-  JF_CUDA_RETURN_IF_ERROR(cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(&decoder_kernel<kT>),
-                                                      dim3(grid), dim3(kThreads), args, 0, stream));
-  return check_launch("jaxfuse_decoder");
+  return launch_kernel("jaxfuse_decoder", decoder_kernel<kT>, dim3(grid), dim3(kThreads), stream,
+                       /*cooperative=*/true, P);
 }
 
 ffi::Error DecoderCuda(cudaStream_t stream, ffi::AnyBuffer x, PositionsBuffer positions,

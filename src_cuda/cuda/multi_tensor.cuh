@@ -12,29 +12,23 @@
 #include <cstdint>
 
 #include "jaxfuse/multi_tensor.h"
+#include "launch.cuh"
 
 namespace jaxfuse {
 
-#define JF_CUDA_RETURN_IF_ERROR(expr)                                                    \
-  do {                                                                                   \
-    cudaError_t jf_cuda_err_ = (expr);                                                   \
-    if (jf_cuda_err_ != cudaSuccess) {                                                   \
-      return ::jaxfuse::internal_error(#expr, " failed: ", cudaGetErrorString(jf_cuda_err_)); \
-    }                                                                                    \
-  } while (0)
-
-// A launch error (bad configuration, or a sticky error from an earlier kernel) becomes an
-// ffi::Error naming the kernel.
-inline ffi::Error check_launch(const char* kernel) {
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) return internal_error(kernel, " launch failed: ", cudaGetErrorString(err));
-  return ffi::Error::Success();
-}
-
 inline constexpr int kMultiTensorThreads = 256;
-inline constexpr int kMultiTensorChunk = 1 << 15;  // elements per chunk; multiple of 8
+// The JAXFUSE_MT_* overrides exist for tools/cuda_on_cpu, which shrinks the tables, chunks and
+// slices so that the multi-launch and tensor-slicing paths run on small buffers.
+#ifndef JAXFUSE_MT_CHUNK
+#define JAXFUSE_MT_CHUNK (1 << 15)
+#endif
+#ifndef JAXFUSE_MT_TABLE_BYTES
+#define JAXFUSE_MT_TABLE_BYTES 32000
+#endif
+inline constexpr int kMultiTensorChunk = JAXFUSE_MT_CHUNK;  // elements per chunk
+static_assert(kMultiTensorChunk % 8 == 0, "chunks keep 16-byte vector groups aligned");
 // CUDA 12.1+ on sm_70+ allows 32764 bytes of kernel parameters; leave room for the op.
-inline constexpr int kTableBytes = 32000;
+inline constexpr int kTableBytes = JAXFUSE_MT_TABLE_BYTES;
 
 template <int kLists>
 struct TableCapacity {
@@ -132,7 +126,11 @@ cudaError_t resident_blocks(Kernel kernel, int* blocks) {
 }
 
 // Largest table entry: a whole number of chunks below 2^31 elements.
-inline constexpr int64_t kMaxSlice = (int64_t(INT32_MAX) / kMultiTensorChunk) * kMultiTensorChunk;
+#ifndef JAXFUSE_MT_MAX_SLICE_CHUNKS
+#define JAXFUSE_MT_MAX_SLICE_CHUNKS (INT32_MAX / kMultiTensorChunk)
+#endif
+inline constexpr int64_t kMaxSlice = int64_t(JAXFUSE_MT_MAX_SLICE_CHUNKS) * kMultiTensorChunk;
+static_assert(kMaxSlice > 0 && kMaxSlice <= INT32_MAX, "slices are indexed with 32-bit sizes");
 
 // How many launches multi_tensor_apply makes for `lists` (at least one).
 template <int kLists>
@@ -167,8 +165,8 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
     const int chunks = table.chunk_start[table.num_tensors];
     if (chunks == 0 && launched) return ffi::Error::Success();
     const int grid = std::max(1, std::min(chunks, max_grid));
-    kernel<<<grid, kMultiTensorThreads, 0, stream>>>(table, op, block_offset);
-    JF_RETURN_IF_ERROR(check_launch(name));
+    JF_RETURN_IF_ERROR(launch_kernel(name, kernel, dim3(grid), dim3(kMultiTensorThreads), stream,
+                                     /*cooperative=*/false, table, op, block_offset));
     block_offset += grid;
     launched = true;
     table.num_tensors = 0;

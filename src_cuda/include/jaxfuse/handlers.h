@@ -2,6 +2,8 @@
 // each target name carries a CPU and (when built) a CUDA handler.
 #pragma once
 
+#include <string>
+
 #include "xla/ffi/api/api.h"
 
 namespace jaxfuse {
@@ -14,5 +16,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseDecoderCpu);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxfuseDecoderCuda);
+
+// CUDA module only: versions as CUDA encodes them (13000 = 13.0; driver 0 = no driver) and why
+// the driver cannot run the kernels ("" when it can).
+struct CudaInfo {
+  int runtime_version;
+  int driver_version;
+  std::string driver_problem;
+};
+CudaInfo cuda_info();
 
 }  // namespace jaxfuse

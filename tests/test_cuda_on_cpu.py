@@ -1,0 +1,248 @@
+"""The CUDA handlers, compiled for the host by tools/cuda_on_cpu.sh, against the CPU handlers.
+
+Runs only where that build is loaded (JAXFUSE_EXTENSION_DIR holding _jaxfuse_cuda_on_cpu); the
+script sets JAXFUSE_REQUIRE_CUDA_ON_CPU=1 so that a missing build fails instead of skipping.
+Element-wise results (Adam in every mode, the gradient-control apply) must be bitwise equal to
+the CPU handlers': both run the shared math of math.h. Reductions (global norm, decoder) sum in
+another order: they are compared within fp32 rounding, and must be bitwise the same under every
+thread schedule and on every emulated grid size.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from jaxfuse import _ffi
+
+if not _ffi.CUDA_ON_CPU:
+  if os.environ.get("JAXFUSE_REQUIRE_CUDA_ON_CPU") == "1":
+    raise RuntimeError("JAXFUSE_REQUIRE_CUDA_ON_CPU=1 but no _jaxfuse_cuda_on_cpu build was loaded")
+  pytest.skip("needs the CUDA-on-CPU build (tools/cuda_on_cpu.sh)", allow_module_level=True)
+
+# Emulated devices (SMs x co-resident blocks per SM); device 0 is the emulator's default.
+DEVICES = "4x2,1x1,3x2,16x1"
+os.environ["JAXFUSE_EMU_DEVICES"] = DEVICES
+GRIDS = [pytest.param(str(i), id=f"grid{spec}") for i, spec in enumerate(DEVICES.split(","))]
+
+SIZES = [(), (0,), (1,), (3,), (5, 7), (33,), (4097,), (2, 32768 + 3)]
+
+
+def random_tree(seed, shapes, dtypes, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return {f"leaf{i:02d}": jnp.asarray(scale * rng.standard_normal(s), dtype=d)
+          for i, (s, d) in enumerate(zip(shapes, dtypes))}
+
+
+def bits(tree):
+  """Each leaf's raw bits (bitwise comparison that also compares NaNs exactly)."""
+  def raw(x):
+    x = np.asarray(x)
+    return x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.kind in "fV" else x
+  return jax.tree.map(raw, jax.device_get(tree))
+
+
+def on_both(fn, *args):
+  """fn(*args) jitted with the CPU handlers and with the emulated CUDA handlers."""
+  with _ffi.cpu_targets("native"):
+    native = jax.device_get(jax.jit(fn)(*args))
+  with _ffi.cpu_targets("cuda_on_cpu"):
+    emulated = jax.device_get(jax.jit(fn)(*args))
+  return native, emulated
+
+
+def emulated(fn, *args):
+  with _ffi.cpu_targets("cuda_on_cpu"):
+    return jax.device_get(jax.jit(fn)(*args))
+
+
+def assert_bitwise(a, b):
+  jax.tree.map(np.testing.assert_array_equal, bits(a), bits(b))
+
+
+# (emulated device, schedule seed) pairs: every grid size once, in-order and shuffled schedules
+# alternating (seed 0 runs threads and blocks in index order).
+LAUNCHES = [pytest.param((str(i), "0" if i % 2 == 0 else str(17 + i)),
+                         id=f"grid{spec}-{'in_order' if i % 2 == 0 else 'shuffled'}")
+            for i, spec in enumerate(DEVICES.split(","))]
+
+
+@pytest.fixture(params=LAUNCHES)
+def launch(request, monkeypatch):
+  device, seed = request.param
+  monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
+  monkeypatch.setenv("JAXFUSE_EMU_SEED", seed)
+  return request.param
+
+
+@pytest.fixture(params=GRIDS)
+def grid(request, monkeypatch):
+  monkeypatch.setenv("JAXFUSE_EMU_DEVICE", request.param)
+  return request.param
+
+
+DTYPE_MIXES = {
+    "f32": [jnp.float32] * len(SIZES),
+    "bf16": [jnp.bfloat16] * len(SIZES),
+    "mixed": [[jnp.float32, jnp.bfloat16, jnp.float16][i % 3] for i in range(len(SIZES))],
+}
+
+
+def adam_case(mode, dtypes):
+  """An optimizer, params, grads and state for one mode."""
+  master = mode in ("master", "master_fused")
+  nesterov = mode == "nesterov"
+  if master:
+    dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
+  tx = jaxfuse.adamw(3e-3, weight_decay=0.1, nesterov=nesterov, master_weights=master,
+                     skip_nonfinite=mode == "skip")
+  params = random_tree(1, SIZES, dtypes)
+  grads = random_tree(2, SIZES, dtypes, scale=0.5)
+  if mode == "skip":
+    grads["leaf06"] = grads["leaf06"].at[7].set(jnp.nan)
+  state = tx.init(params)
+  # A second step's state: moments are then non-trivial.
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state, params)
+  return tx, params, grads, state
+
+
+ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] + [("fused", "f32")] +
+              [(mode, "mixed") for mode in ("nesterov", "master", "master_fused", "skip", "fused",
+                                            "loss_scale")])
+
+
+@pytest.mark.parametrize("mode,mix", ADAM_CASES)
+def test_adam_bitwise(mode, mix, launch):
+  tx, params, grads, state = adam_case(mode, DTYPE_MIXES[mix])
+  if mode in ("fused", "master_fused"):
+    fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
+  elif mode == "loss_scale":
+    fn = lambda g, s, p: tx.update(g, s, p, grad_scale=jnp.float32(128.0))
+  else:
+    fn = lambda g, s, p: tx.update(g, s, p)
+  native, emu = on_both(fn, grads, state, params)
+  assert_bitwise(emu, native)
+
+
+@pytest.mark.parametrize("mix", list(DTYPE_MIXES))
+def test_global_norm(mix, launch):
+  tree = random_tree(4, SIZES, DTYPE_MIXES[mix])
+  native, emu = on_both(jaxfuse.global_norm, tree)
+  exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
+  np.testing.assert_allclose(emu, exact, rtol=2e-6)
+  np.testing.assert_allclose(native, exact, rtol=2e-6)
+
+
+def test_global_norm_same_bits_under_every_schedule(grid):
+  tree = random_tree(5, SIZES, DTYPE_MIXES["mixed"])
+  results = []
+  for seed in ("0", "1", "99"):
+    os.environ["JAXFUSE_EMU_SEED"] = seed
+    results.append(emulated(jaxfuse.global_norm, tree))
+  del os.environ["JAXFUSE_EMU_SEED"]
+  for r in results[1:]:
+    assert_bitwise(r, results[0])
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_fused_clip_adamw(max_norm, launch):
+  """Norm, clip scale and Adam in three launches: within rounding of the clip scale."""
+  dtypes = DTYPE_MIXES["mixed"]
+  tx = optax.chain(jaxfuse.clip_by_global_norm(max_norm), jaxfuse.adamw(1e-2, weight_decay=0.05))
+  params = random_tree(6, SIZES, dtypes)
+  grads = random_tree(7, SIZES, dtypes)
+  state = tx.init(params)
+  fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True)
+  (p_n, s_n, norm_n), (p_e, s_e, norm_e) = on_both(fn, grads, state, params)
+  np.testing.assert_allclose(norm_e, norm_n, rtol=2e-6)
+  for a, b in zip(jax.tree.leaves((p_e, s_e)), jax.tree.leaves((p_n, s_n))):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.max(np.abs(b), initial=0))))
+
+
+def test_clip_by_global_norm_alone(launch):
+  dtypes = DTYPE_MIXES["mixed"]
+  grads = random_tree(8, SIZES, dtypes, scale=3.0)
+  fn = lambda g: jaxfuse.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
+  native, emu = on_both(fn, grads)
+  for a, b in zip(jax.tree.leaves(emu), jax.tree.leaves(native)):
+    tol = float(jnp.finfo(a.dtype).eps)
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2 * tol,
+                               atol=tol)
+
+
+def decoder_case(dtype, batch=3, seq=40):
+  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                              head_dim=32, intermediate_size=256, max_seq_len=seq)
+  rng = np.random.default_rng(9)
+  shapes = cfg.weight_shapes()
+  w = jaxfuse.DecoderWeights(*[
+      jnp.asarray((1.0 if "norm" in name else 0.05) * rng.standard_normal(shapes[name])
+                  + (1.0 if "norm" in name else 0.0), dtype)
+      for name in jaxfuse.DecoderWeights._fields])
+  k = jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
+  v = jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
+  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
+  positions = jnp.asarray([5, seq - 1, 17][:batch], jnp.int32)
+  return cfg, x, positions, w, jaxfuse.KVCache(k, v)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decoder(dtype, launch):
+  cfg, x, positions, w, cache = decoder_case(dtype)
+  fn = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
+  (h_n, c_n), (h_e, c_e) = on_both(fn, x, positions, w, cache)
+  tol = 1e-5 if dtype == jnp.float32 else 2e-2
+  np.testing.assert_allclose(np.asarray(h_e, np.float32), np.asarray(h_n, np.float32), rtol=tol, atol=tol)
+  written = np.zeros(cache.k.shape, bool)  # [L, B, S, KV, hd]: row positions[b] of every layer
+  written[:, np.arange(x.shape[0]), np.asarray(positions)] = True
+  for new_e, new_n, old in zip(c_e, c_n, cache):
+    np.testing.assert_allclose(np.asarray(new_e, np.float32)[written],
+                               np.asarray(new_n, np.float32)[written], rtol=tol, atol=tol)
+    assert_bitwise(np.asarray(new_e)[~written], np.asarray(old)[~written])  # nothing else written
+
+
+def test_decoder_same_bits_under_every_schedule(grid):
+  cfg, x, positions, w, cache = decoder_case(jnp.float32)
+  fn = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
+  results = []
+  for seed in ("0", "3", "4242"):
+    os.environ["JAXFUSE_EMU_SEED"] = seed
+    results.append(emulated(fn, x, positions, w, cache))
+  del os.environ["JAXFUSE_EMU_SEED"]
+  for r in results[1:]:
+    assert_bitwise(r, results[0])
+
+
+def test_failed_launch_does_not_poison_later_calls(monkeypatch):
+  """A launch error is reported by its own call, then cleared: the next calls succeed."""
+  cfg, x, positions, w, cache = decoder_case(jnp.float32, batch=1)
+  decode = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
+  monkeypatch.setenv("JAXFUSE_EMU_FAIL_COOPERATIVE", "1")
+  with pytest.raises(Exception, match="launch of jaxfuse_decoder failed: cudaErrorCooperativeLaunchTooLarge"):
+    emulated(decode, x, positions, w, cache)
+  monkeypatch.delenv("JAXFUSE_EMU_FAIL_COOPERATIVE")
+  tree = random_tree(10, [(5,), (7,)], [jnp.float32] * 2)
+  emulated(jaxfuse.global_norm, tree)
+  tx = jaxfuse.adam(1e-3)
+  emulated(lambda g, s: tx.update(g, s, tree), tree, tx.init(tree))
+  emulated(decode, x, positions, w, cache)
+
+
+def test_old_driver_is_named(monkeypatch):
+  """A driver older than the runtime: backends-style info and the first failing call say so."""
+  monkeypatch.setenv("JAXFUSE_EMU_DRIVER_VERSION", "12080")
+  info = _ffi._jaxfuse_cuda_on_cpu.cuda_info()
+  assert info["runtime_version"] == 13000 and info["driver_version"] == 12080
+  assert "install driver 580 or newer" in info["driver_problem"]
+  tree = random_tree(11, [(5,)], [jnp.float32])
+  with pytest.raises(Exception, match=r"CUDA 12\.8 but jaxfuse's CUDA kernels were built with CUDA 13\.0"):
+    emulated(jaxfuse.global_norm, tree)
+  monkeypatch.setenv("JAXFUSE_EMU_DRIVER_VERSION", "0")
+  assert _ffi._jaxfuse_cuda_on_cpu.cuda_info()["driver_problem"] == "no NVIDIA driver found"
+  monkeypatch.delenv("JAXFUSE_EMU_DRIVER_VERSION")
+  emulated(jaxfuse.global_norm, tree)  # and nothing sticks

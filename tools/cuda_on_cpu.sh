@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# CUDA on the CPU: compiles jaxfuse's real CUDA sources (src_cuda/cuda/*.cu) as host C++ against
+# tools/cuda_on_cpu, a small CPU implementation of the CUDA runtime (each CUDA thread a fiber,
+# each block an OS thread, barriers that detect deadlock), with ASan + UBSan, and runs the real
+# CUDA handlers on the CPU. Stages (all by default; STAGES="driver emu" picks some):
+#   driver    the multi-tensor driver on hand-made tensor lists (exact-size buffers, misaligned
+#             bases), plus two planted synchronization faults the emulator must report
+#   emu       tests/test_cuda_on_cpu.py: every op and mode against the CPU handlers (bitwise where
+#             the math is element-wise), several emulated grid sizes, in-order and shuffled
+#             schedules; with the default constants and with tables, chunks and slices shrunk
+#             so that the multi-launch and tensor-slicing paths run on small buffers
+#   suite     the whole test suite with the emulated CUDA handlers in place of the CPU ones
+#   controls  planted bugs in the real sources (a tail overrun, a wrong last-block counter, a
+#             missing __syncthreads) must each make a check fail
+# Exit status 0 when every check passes and every planted bug is caught.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source tools/dev_build.sh
+STAGES="${STAGES:-driver emu suite controls}"
+BUILD=build/dev-sanitize        # shared with tools/sanitize.sh
+SMALL=build/dev-cuda-on-cpu-small
+SMALL_DEFINES="JAXFUSE_MT_CHUNK=64;JAXFUSE_MT_TABLE_BYTES=600;JAXFUSE_MT_MAX_SLICE_CHUNKS=3"
+EMU_TARGETS="_jaxfuse_cuda_on_cpu cuda_on_cpu_multi_tensor_test"
+has_stage() { [[ " $STAGES " == *" $1 "* ]]; }
+t0=$(date +%s)
+stamp() { echo "== cuda_on_cpu [$(( $(date +%s) - t0 ))s]: $*"; }
+
+stamp "build (default constants: $BUILD)"
+dev_build "$BUILD" .
+stamp "build (small tables, chunks and slices: $SMALL)"
+DEV_TARGETS="$EMU_TARGETS" dev_build "$SMALL" . "-DJAXFUSE_CUDA_ON_CPU_DEFINES=$SMALL_DEFINES"
+cp "$BUILD"/_jaxfuse_cpu.*.so "$SMALL"/  # the CPU handlers to compare against
+
+emu_tests() {  # BUILD_DIR [pytest args]: tests/test_cuda_on_cpu.py against that build
+  local dir="$1"; shift
+  with_dev_build "$dir" env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 \
+    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_on_cpu.py "$@"
+}
+
+if has_stage driver; then
+  for dir in "$BUILD" "$SMALL"; do
+    stamp "driver ($dir)"
+    with_dev_build "$dir" "$dir/cuda_on_cpu_multi_tensor_test"
+    for fault in divergent_sync grid_sync; do
+      with_dev_build "$dir" "$dir/cuda_on_cpu_multi_tensor_test" "$fault" 2>/dev/null
+    done
+  done
+fi
+
+if has_stage emu; then
+  stamp "CUDA handlers vs CPU handlers ($BUILD)"
+  emu_tests "$BUILD"
+  stamp "CUDA handlers vs CPU handlers ($SMALL)"
+  emu_tests "$SMALL" -k "not decoder"  # the decoder does not use the multi-tensor constants
+fi
+
+if has_stage suite; then
+  stamp "the whole test suite on the emulated CUDA handlers"
+  with_dev_build "$BUILD" env JAXFUSE_CPU_TARGETS=cuda_on_cpu \
+    python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_cuda_on_cpu.py
+fi
+
+if has_stage controls; then
+  # Each control edits one line of a copy of the sources (the edit must apply exactly once),
+  # rebuilds the emulated handlers and runs a check that must now FAIL.
+  CTRL=build/dev-cuda-on-cpu-controls
+  mkdir -p "$CTRL/src/tools"
+  rm -rf "$CTRL/src/src_cuda" "$CTRL/src/tools/cuda_on_cpu"
+  cp -r CMakeLists.txt src_cuda "$CTRL/src/" && cp -r tools/cuda_on_cpu "$CTRL/src/tools/"
+  caught=0
+  control() {  # NAME FILE OLD NEW CHECK...
+    local name="$1" file="$2" old="$3" new="$4"; shift 4
+    stamp "control '$name': $file"
+    cp "src_cuda/$file" "$CTRL/src/src_cuda/$file"
+    python3 - "$CTRL/src/src_cuda/$file" "$old" "$new" <<'PY'
+import sys
+path, old, new = sys.argv[1:]
+text = open(path).read()
+if text.count(old) != 1:
+    sys.exit(f"control: the planted edit matches {text.count(old)} places in {path}: update it")
+open(path, "w").write(text.replace(old, new))
+PY
+    DEV_TARGETS="$EMU_TARGETS" dev_build "$CTRL/build" "$CTRL/src" >"$CTRL/build.log" 2>&1 \
+      || { cat "$CTRL/build.log"; exit 1; }
+    cp "$BUILD"/_jaxfuse_cpu.*.so "$CTRL/build/"
+    if with_dev_build "$CTRL/build" "$@" >"$CTRL/$name.log" 2>&1; then
+      echo "NOT CAUGHT: the checks pass with the planted bug '$name' (log: $CTRL/$name.log)"
+    else
+      echo "caught: $(grep -m1 -E 'ERROR: AddressSanitizer|FAIL|failed|Mismatch' "$CTRL/$name.log" || tail -1 "$CTRL/$name.log")"
+      caught=$((caught + 1))
+    fi
+    cp "src_cuda/$file" "$CTRL/src/src_cuda/$file"  # undo
+  }
+  control tail_overrun cuda/multi_tensor.cuh \
+    "const int count = min(4, ref.n - i);" "const int count = 4;" \
+    "$CTRL/build/cuda_on_cpu_multi_tensor_test"
+  control last_block_counter cuda/decoder.cu \
+    "*flag = atomicAdd(counter, 1) == expected - 1;" "*flag = atomicAdd(counter, 1) == 0;" \
+    env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits"
+  control missing_syncthreads cuda/clip.cu \
+    "  if (lane == 0) shared[warp] = x;
+  __syncthreads();" "  if (lane == 0) shared[warp] = x;" \
+    env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda_on_cpu.py -k "test_global_norm"
+  [ "$caught" -eq 3 ] || { echo "== cuda_on_cpu: only $caught of 3 planted bugs caught"; exit 1; }
+fi
+stamp "all passed"

@@ -1,0 +1,600 @@
+// CUDA on the CPU: the runtime behind include/cuda_runtime.h (read its comment first).
+//
+// Settings, read from the environment at each call so one process can try several:
+//   JAXFUSE_EMU_DEVICES          emulated devices as SMSxBLOCKS_PER_SM, comma separated ("4x2")
+//   JAXFUSE_EMU_DEVICE           the current device's index (0)
+//   JAXFUSE_EMU_SEED             0: threads and blocks run in index order; else a seed for
+//                                shuffled schedules (the order fibers resume after each barrier
+//                                and the order blocks are taken)
+//   JAXFUSE_EMU_WORKERS          OS threads for a non-cooperative launch (4)
+//   JAXFUSE_EMU_DRIVER_VERSION   the emulated driver's CUDA version (CUDART_VERSION; 0: none)
+//   JAXFUSE_EMU_FAIL_COOPERATIVE 1: cooperative launches fail as too large (tests error paths)
+//   JAXFUSE_EMU_GRID_SYNC_TIMEOUT seconds a grid sync waits before it reports a deadlock (60)
+#include <cuda_runtime.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define CUEMU_ASAN 1
+#else
+#define CUEMU_ASAN 0
+#endif
+
+thread_local uint3 threadIdx;
+thread_local uint3 blockIdx;
+thread_local dim3 blockDim;
+thread_local dim3 gridDim;
+
+namespace cuemu {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr size_t kMaxParamBytes = 32764;  // CUDA 12.1+ on sm_70+
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kGuardBytes = 4096;
+
+// ---- settings -------------------------------------------------------------------------------------
+
+long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::strtol(v, nullptr, 10) : fallback;
+}
+
+struct Device {
+  int sms = 4;
+  int blocks_per_sm = 2;
+};
+
+std::vector<Device> devices() {
+  std::vector<Device> out;
+  const char* spec = std::getenv("JAXFUSE_EMU_DEVICES");
+  std::stringstream ss(spec != nullptr && *spec != '\0' ? spec : "4x2");
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    Device d;
+    if (std::sscanf(item.c_str(), "%dx%d", &d.sms, &d.blocks_per_sm) == 2 && d.sms > 0 &&
+        d.blocks_per_sm > 0) {
+      out.push_back(d);
+    }
+  }
+  if (out.empty()) out.push_back(Device{});
+  return out;
+}
+
+int current_device() { return int(env_long("JAXFUSE_EMU_DEVICE", 0)); }
+int driver_version() { return int(env_long("JAXFUSE_EMU_DRIVER_VERSION", CUDART_VERSION)); }
+
+// ---- errors -----------------------------------------------------------------------------------------
+
+thread_local cudaError_t last_error = cudaSuccess;
+std::atomic<int> sticky_error{cudaSuccess};  // a kernel fault: every later call fails
+
+cudaError_t fail(cudaError_t err) {
+  last_error = err;
+  return err;
+}
+
+// What every runtime call checks first, as the real runtime does.
+cudaError_t api_entry() {
+  if (const int sticky = sticky_error.load()) return fail(cudaError_t(sticky));
+  const int driver = driver_version();
+  if (driver == 0 || driver / 1000 < CUDART_VERSION / 1000) return fail(cudaErrorInsufficientDriver);
+  const int device = current_device();
+  if (device < 0 || device >= int(devices().size())) return fail(cudaErrorInvalidDevice);
+  return cudaSuccess;
+}
+
+// ---- fiber stacks ---------------------------------------------------------------------------------
+
+std::mutex stack_pool_mu;
+std::vector<char*> stack_pool;
+
+char* take_stack() {
+  {
+    std::lock_guard<std::mutex> lock(stack_pool_mu);
+    if (!stack_pool.empty()) {
+      char* s = stack_pool.back();
+      stack_pool.pop_back();
+      return s;
+    }
+  }
+  void* m = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                 -1, 0);
+  if (m == MAP_FAILED) {
+    std::fprintf(stderr, "cuda_on_cpu: cannot map a fiber stack\n");
+    std::abort();
+  }
+  mprotect(m, kGuardBytes, PROT_NONE);  // a stack overflow faults instead of corrupting
+  return static_cast<char*>(m);
+}
+
+void give_stack(char* s) {
+#if CUEMU_ASAN
+  // An abandoned or finished fiber leaves its frames' redzones poisoned.
+  __asan_unpoison_memory_region(s + kGuardBytes, kStackBytes - kGuardBytes);
+#endif
+  std::lock_guard<std::mutex> lock(stack_pool_mu);
+  stack_pool.push_back(s);
+}
+
+// ---- launches, blocks, fibers ----------------------------------------------------------------------
+
+enum class Wait { kRunnable, kBlockSync, kWarpSync, kGridSync, kExited, kAborted };
+
+struct Fiber {
+  ucontext_t ctx;
+  char* stack = nullptr;
+  uint3 tid{};
+  int linear = 0;
+  Wait wait = Wait::kRunnable;
+  const char* file = "";
+  int line = 0;
+  long warp_gen = 0;
+  void* fake_stack = nullptr;
+};
+
+struct WarpState {
+  int arrived = 0;
+  long gen = 0;
+  const char* file = "";
+  int line = 0;
+  uint64_t slots[2][kWarpSize] = {};  // values of generation gen % 2
+};
+
+struct Launch {
+  const std::function<void()>* body;
+  std::string kernel;
+  dim3 grid, block;
+  bool cooperative;
+  long seed;
+  int total_blocks;
+  std::chrono::seconds grid_timeout{60};
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int grid_arrived = 0;
+  long grid_gen = 0;
+  int blocks_exited = 0;
+  std::atomic<bool> aborted{false};
+  std::string fault;
+
+  void set_fault(const std::string& msg) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (fault.empty()) fault = msg;
+    aborted = true;
+    cv.notify_all();
+  }
+};
+
+struct Block {
+  Launch* launch = nullptr;
+  uint3 bid{};
+  std::vector<Fiber> fibers;
+  std::vector<WarpState> warps;
+  ucontext_t scheduler;
+  Fiber* current = nullptr;
+  const void* scheduler_stack = nullptr;
+  size_t scheduler_stack_size = 0;
+};
+
+thread_local Block* this_block = nullptr;
+
+Fiber& this_fiber() {
+  if (this_block == nullptr || this_block->current == nullptr) {
+    std::fprintf(stderr, "cuda_on_cpu: a device built-in was called outside a kernel\n");
+    std::abort();
+  }
+  return *this_block->current;
+}
+
+std::string where(const char* file, int line) {
+  const char* slash = std::strrchr(file, '/');
+  return std::string(slash ? slash + 1 : file) + ":" + std::to_string(line);
+}
+
+// Fiber -> scheduler. Returns when the scheduler resumes this fiber.
+void yield_to_scheduler(Fiber& f) {
+  Block& b = *this_block;
+#if CUEMU_ASAN
+  __sanitizer_start_switch_fiber(f.wait == Wait::kExited || f.wait == Wait::kAborted ? nullptr : &f.fake_stack,
+                                 b.scheduler_stack, b.scheduler_stack_size);
+#endif
+  swapcontext(&f.ctx, &b.scheduler);
+#if CUEMU_ASAN
+  __sanitizer_finish_switch_fiber(f.fake_stack, &b.scheduler_stack, &b.scheduler_stack_size);
+#endif
+}
+
+// A kernel fault: the launch is abandoned (the faulting fiber is never resumed).
+[[noreturn]] void fault(const std::string& msg) {
+  Fiber& f = this_fiber();
+  Block& b = *this_block;
+  std::ostringstream os;
+  os << msg << " [block (" << b.bid.x << "," << b.bid.y << "," << b.bid.z << "), thread (" << f.tid.x
+     << "," << f.tid.y << "," << f.tid.z << ")]";
+  b.launch->set_fault(os.str());
+  f.wait = Wait::kAborted;
+  yield_to_scheduler(f);
+  std::abort();  // unreachable: aborted fibers are not resumed
+}
+
+void fiber_main() {
+  Block& b = *this_block;
+  Fiber& f = *b.current;
+#if CUEMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &b.scheduler_stack, &b.scheduler_stack_size);
+#endif
+  (*b.launch->body)();
+  f.wait = Wait::kExited;
+  yield_to_scheduler(f);
+  std::abort();  // unreachable
+}
+
+void resume(Block& b, Fiber& f) {
+  b.current = &f;
+  threadIdx = f.tid;
+#if CUEMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack + kGuardBytes, kStackBytes - kGuardBytes);
+#endif
+  swapcontext(&b.scheduler, &f.ctx);
+#if CUEMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  b.current = nullptr;
+}
+
+std::string describe_waits(const Block& b) {
+  std::ostringstream os;
+  int exited = 0, block_sync = 0, grid_sync = 0, warp_sync = 0;
+  std::string block_at, grid_at, warp_at;
+  for (const Fiber& f : b.fibers) {
+    switch (f.wait) {
+      case Wait::kExited: ++exited; break;
+      case Wait::kBlockSync: ++block_sync; block_at = where(f.file, f.line); break;
+      case Wait::kGridSync: ++grid_sync; grid_at = where(f.file, f.line); break;
+      case Wait::kWarpSync: ++warp_sync; warp_at = where(f.file, f.line); break;
+      default: break;
+    }
+  }
+  os << block_sync << " threads at __syncthreads" << (block_sync ? " (" + block_at + ")" : "") << ", "
+     << warp_sync << " at a warp shuffle" << (warp_sync ? " (" + warp_at + ")" : "") << ", "
+     << grid_sync << " at grid sync" << (grid_sync ? " (" + grid_at + ")" : "") << ", " << exited
+     << " exited, of " << b.fibers.size();
+  return os.str();
+}
+
+// All threads of the block wait at one barrier: check it is the same one, then release them.
+bool release_barrier(Block& b, Wait kind, std::string* error) {
+  const Fiber& first = b.fibers.front();
+  for (const Fiber& f : b.fibers) {
+    if (std::strcmp(f.file, first.file) != 0 || f.line != first.line) {
+      *error = "barrier divergence: threads wait at different barriers (" + where(first.file, first.line) +
+               " and " + where(f.file, f.line) + ")";
+      return false;
+    }
+  }
+  if (kind == Wait::kGridSync) {
+    Launch& L = *b.launch;
+    std::unique_lock<std::mutex> lock(L.mu);
+    if (L.blocks_exited > 0) {
+      *error = "grid sync at " + where(first.file, first.line) + " cannot complete: " +
+               std::to_string(L.blocks_exited) + " blocks exited";
+      return false;
+    }
+    const long gen = L.grid_gen;
+    if (++L.grid_arrived == L.total_blocks) {
+      L.grid_arrived = 0;
+      ++L.grid_gen;
+      L.cv.notify_all();
+    } else {
+      const bool woke = L.cv.wait_for(lock, L.grid_timeout, [&] {
+        return L.grid_gen != gen || L.aborted.load() || L.blocks_exited > 0;
+      });
+      if (L.grid_gen == gen) {
+        if (L.aborted) return false;
+        *error = woke ? "grid sync at " + where(first.file, first.line) + " cannot complete: " +
+                            std::to_string(L.blocks_exited) + " blocks exited"
+                      : "grid sync at " + where(first.file, first.line) + " timed out: deadlock";
+        return false;
+      }
+    }
+  }
+  for (Fiber& f : b.fibers) f.wait = Wait::kRunnable;
+  return true;
+}
+
+void run_block(Launch& L, uint3 bid) {
+  Block b;
+  b.launch = &L;
+  b.bid = bid;
+  const int threads = int(L.block.x * L.block.y * L.block.z);
+  b.fibers.resize(threads);
+  b.warps.resize((threads + kWarpSize - 1) / kWarpSize);
+  for (int i = 0; i < threads; ++i) {
+    Fiber& f = b.fibers[i];
+    f.linear = i;
+    f.tid = uint3{unsigned(i % L.block.x), unsigned(i / L.block.x % L.block.y),
+                  unsigned(i / (L.block.x * L.block.y))};
+    f.stack = take_stack();
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack + kGuardBytes;
+    f.ctx.uc_stack.ss_size = kStackBytes - kGuardBytes;
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  this_block = &b;
+  blockIdx = bid;
+  blockDim = L.block;
+  gridDim = L.grid;
+  std::mt19937_64 rng(uint64_t(L.seed) * 0x9e3779b97f4a7c15ull + bid.x * 7919u + bid.y * 104729u + bid.z);
+  std::vector<int> order(threads);
+  std::iota(order.begin(), order.end(), 0);
+
+  std::string error;
+  while (!L.aborted) {
+    if (L.seed != 0) std::shuffle(order.begin(), order.end(), rng);
+    bool ran = false;
+    for (int i : order) {
+      if (b.fibers[i].wait != Wait::kRunnable) continue;
+      resume(b, b.fibers[i]);
+      ran = true;
+      if (L.aborted) break;
+    }
+    if (ran || L.aborted) continue;
+    // Nobody can run: everyone exited, or everyone waits at one block or grid barrier.
+    int exited = 0, block_sync = 0, grid_sync = 0;
+    for (const Fiber& f : b.fibers) {
+      exited += f.wait == Wait::kExited;
+      block_sync += f.wait == Wait::kBlockSync;
+      grid_sync += f.wait == Wait::kGridSync;
+    }
+    if (exited == threads) break;
+    const Wait kind = block_sync == threads ? Wait::kBlockSync
+                      : grid_sync == threads ? Wait::kGridSync
+                                             : Wait::kRunnable;
+    if (kind == Wait::kRunnable) {
+      error = "deadlock: " + describe_waits(b);
+      break;
+    }
+    if (!release_barrier(b, kind, &error)) break;
+  }
+  if (!error.empty()) {
+    std::ostringstream os;
+    os << error << " [block (" << bid.x << "," << bid.y << "," << bid.z << ")]";
+    L.set_fault(os.str());
+  }
+  {
+    std::lock_guard<std::mutex> lock(L.mu);
+    ++L.blocks_exited;
+    L.cv.notify_all();
+  }
+  this_block = nullptr;
+  for (Fiber& f : b.fibers) give_stack(f.stack);
+}
+
+uint3 block_of(const dim3& grid, int i) {
+  return uint3{unsigned(i % grid.x), unsigned(i / grid.x % grid.y), unsigned(i / (grid.x * grid.y))};
+}
+
+// Short kernel name from __PRETTY_FUNCTION__ of the launch template.
+std::string kernel_name(const char* pretty) {
+  std::string s(pretty);
+  const size_t at = s.find("ExpTypes = {");
+  return at == std::string::npos ? s : s.substr(at, std::min<size_t>(160, s.size() - at));
+}
+
+}  // namespace
+
+// ---- the runtime API ---------------------------------------------------------------------------------
+
+cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const char* kernel,
+                   const std::function<void()>& body) {
+  if (const cudaError_t err = api_entry()) return err;
+  bool cooperative = false;
+  for (unsigned i = 0; i < config.numAttrs; ++i) {
+    if (config.attrs[i].id == cudaLaunchAttributeCooperative) cooperative = config.attrs[i].val.cooperative != 0;
+  }
+  const dim3 g = config.gridDim, t = config.blockDim;
+  const long total_blocks = long(g.x) * g.y * g.z;
+  const long threads = long(t.x) * t.y * t.z;
+  if (total_blocks < 1 || threads < 1 || threads > 1024 || config.dynamicSmemBytes > 0) {
+    return fail(cudaErrorInvalidConfiguration);
+  }
+  if (threads % kWarpSize != 0) {
+    std::fprintf(stderr, "cuda_on_cpu: blocks of %ld threads: only whole warps are emulated\n", threads);
+    return fail(cudaErrorInvalidConfiguration);
+  }
+  if (param_bytes > kMaxParamBytes) {
+    std::fprintf(stderr, "cuda_on_cpu: %zu bytes of kernel parameters (limit %zu)\n", param_bytes,
+                 kMaxParamBytes);
+    return fail(cudaErrorInvalidValue);
+  }
+  if (cooperative) {
+    const Device d = devices()[current_device()];
+    if (env_long("JAXFUSE_EMU_FAIL_COOPERATIVE", 0) != 0 || total_blocks > long(d.sms) * d.blocks_per_sm) {
+      return fail(cudaErrorCooperativeLaunchTooLarge);
+    }
+  }
+
+  Launch L;
+  L.body = &body;
+  L.kernel = kernel_name(kernel);
+  L.grid = g;
+  L.block = t;
+  L.cooperative = cooperative;
+  L.seed = env_long("JAXFUSE_EMU_SEED", 0);
+  L.total_blocks = int(total_blocks);
+  L.grid_timeout = std::chrono::seconds(env_long("JAXFUSE_EMU_GRID_SYNC_TIMEOUT", 60));
+
+  std::vector<int> block_order(total_blocks);
+  std::iota(block_order.begin(), block_order.end(), 0);
+  if (L.seed != 0) std::shuffle(block_order.begin(), block_order.end(), std::mt19937_64(L.seed));
+  const int workers = cooperative ? int(total_blocks)
+                                  : int(std::clamp<long>(env_long("JAXFUSE_EMU_WORKERS", 4), 1, total_blocks));
+  std::atomic<int> next{0};
+  std::vector<std::thread> pool;
+  pool.reserve(workers);
+  for (int w = 0; w < workers; ++w) {
+    pool.emplace_back([&] {
+      for (int i = next.fetch_add(1); i < total_blocks && !L.aborted; i = next.fetch_add(1)) {
+        run_block(L, block_of(g, block_order[i]));
+      }
+    });
+  }
+  for (std::thread& th : pool) th.join();
+  if (!L.fault.empty()) {
+    std::fprintf(stderr, "cuda_on_cpu: kernel fault in %s: %s\n", L.kernel.c_str(), L.fault.c_str());
+    sticky_error = cudaErrorLaunchFailure;
+    return fail(cudaErrorLaunchFailure);
+  }
+  return cudaSuccess;
+}
+
+int occupancy(const char*, int) { return devices()[std::max(0, current_device())].blocks_per_sm; }
+
+
+void sync_block(const char* file, int line) {
+  Fiber& f = this_fiber();
+  f.wait = Wait::kBlockSync;
+  f.file = file;
+  f.line = line;
+  yield_to_scheduler(f);
+}
+
+void sync_grid(const char* file, int line) {
+  Fiber& f = this_fiber();
+  if (!this_block->launch->cooperative) fault("grid sync at " + where(file, line) + " in a non-cooperative launch");
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  f.wait = Wait::kGridSync;
+  f.file = file;
+  f.line = line;
+  yield_to_scheduler(f);
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+// One collective exchange among the 32 lanes of a warp: every lane deposits `bits`, waits for
+// the others, and reads lane `src_lane`'s value (its own when src_lane < 0). Two alternating slot
+// sets let a fast lane deposit for the next exchange while a slow one still reads this one.
+uint64_t warp_exchange(unsigned mask, uint64_t bits, int src_lane, const char* file, int line) {
+  Fiber& f = this_fiber();
+  if (mask != kFullMask) fault("warp shuffle at " + where(file, line) + " with a partial mask (not emulated)");
+  Block& b = *this_block;
+  WarpState& w = b.warps[f.linear / kWarpSize];
+  const int lane = f.linear % kWarpSize;
+  const long gen = w.gen;
+  w.slots[gen & 1][lane] = bits;
+  f.file = file;
+  f.line = line;
+  if (++w.arrived == kWarpSize) {  // last lane in: release the warp, keep running
+    w.arrived = 0;
+    ++w.gen;
+    for (int i = 0; i < kWarpSize; ++i) {
+      Fiber& other = b.fibers[(f.linear / kWarpSize) * kWarpSize + i];
+      if (&other != &f) other.wait = Wait::kRunnable;
+    }
+  } else {
+    f.wait = Wait::kWarpSync;
+    yield_to_scheduler(f);
+  }
+  return src_lane < 0 ? bits : w.slots[gen & 1][src_lane];
+}
+
+}  // namespace cuemu
+
+// ---- C API ----------------------------------------------------------------------------------------------
+
+cudaError_t cudaGetDevice(int* device) {
+  if (const cudaError_t err = cuemu::api_entry()) return err;
+  *device = cuemu::current_device();
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
+  if (const cudaError_t err = cuemu::api_entry()) return err;
+  const std::vector<cuemu::Device> devs = cuemu::devices();
+  if (device < 0 || device >= int(devs.size())) return cuemu::fail(cudaErrorInvalidDevice);
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = devs[device].sms; return cudaSuccess;
+    case cudaDevAttrCooperativeLaunch: *value = 1; return cudaSuccess;
+    case cudaDevAttrMaxThreadsPerBlock: *value = 1024; return cudaSuccess;
+  }
+  return cuemu::fail(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaGetLastError() {
+  const cudaError_t err = cuemu::last_error;
+  if (const int sticky = cuemu::sticky_error.load()) return cudaError_t(sticky);
+  cuemu::last_error = cudaSuccess;
+  return err;
+}
+
+cudaError_t cudaPeekAtLastError() {
+  if (const int sticky = cuemu::sticky_error.load()) return cudaError_t(sticky);
+  return cuemu::last_error;
+}
+
+const char* cudaGetErrorName(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorCooperativeLaunchTooLarge: return "cudaErrorCooperativeLaunchTooLarge";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+  }
+  return "cudaErrorUnknown";
+}
+
+const char* cudaGetErrorString(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorLaunchOutOfResources: return "too many resources requested for launch";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    case cudaErrorCooperativeLaunchTooLarge: return "too many blocks in cooperative launch";
+    case cudaErrorNotSupported: return "operation not supported";
+  }
+  return "unknown error";
+}
+
+cudaError_t cudaDriverGetVersion(int* version) {
+  *version = cuemu::driver_version();
+  return cudaSuccess;
+}
+
+cudaError_t cudaRuntimeGetVersion(int* version) {
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
+  if (const cudaError_t err = cuemu::api_entry()) return err;
+  std::memset(ptr, value, bytes);
+  return cudaSuccess;
+}

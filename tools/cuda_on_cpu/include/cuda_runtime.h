@@ -1,0 +1,229 @@
+// CUDA on the CPU: the part of the CUDA runtime API and of the device intrinsics that jaxfuse's
+// .cu sources use, implemented for the host, so that the real kernels and FFI handlers compile
+// as host C++ (g++ -x c++, this header force-included as nvcc force-includes the real one) and
+// run on the CPU. tools/cuda_on_cpu.sh builds and runs them; emu.cc is the runtime.
+//
+// Execution model: a launch runs to completion before cudaLaunchKernelEx returns (one stream,
+// in order). Each block is an OS thread (all blocks of a cooperative launch at once, so the grid
+// is co-resident; other launches on a few worker threads); each CUDA thread is a ucontext fiber
+// of its block's OS thread. Fibers switch only at __syncthreads, warp shuffles and grid syncs,
+// which are barriers that detect deadlock (a thread that exited or waits elsewhere) and report it
+// as a kernel fault. __shared__ variables are thread_local, so one copy per block. Atomics and
+// fences are host atomics; the vector types keep CUDA's alignment, so UBSan flags a misaligned
+// vector access as the GPU would fault on it.
+//
+// What it cannot show: memory-visibility effects of the GPU's weak memory model, timing, register
+// and shared-memory limits, the device intrinsics' own rounding (math.h's host branches run), and
+// CUDA-graph capture.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __grid_constant__
+#define __launch_bounds__(...)
+#define __shared__ static thread_local
+
+#define CUDART_VERSION 13000
+
+// ---- types --------------------------------------------------------------------------------------
+
+struct uint3 {
+  unsigned x, y, z;
+};
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) int4 { int x, y, z, w; };
+
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+inline uint2 make_uint2(unsigned x, unsigned y) { return {x, y}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+enum cudaError {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorInvalidConfiguration = 9,
+  cudaErrorInsufficientDriver = 35,
+  cudaErrorNoDevice = 100,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorLaunchOutOfResources = 701,
+  cudaErrorLaunchFailure = 719,
+  cudaErrorCooperativeLaunchTooLarge = 720,
+  cudaErrorNotSupported = 801,
+};
+using cudaError_t = cudaError;
+
+enum cudaDeviceAttr {
+  cudaDevAttrMaxThreadsPerBlock = 1,
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrCooperativeLaunch = 95,
+};
+
+struct CUstream_st;
+using cudaStream_t = CUstream_st*;
+
+enum cudaLaunchAttributeID { cudaLaunchAttributeCooperative = 2 };
+union cudaLaunchAttributeValue {
+  int cooperative;
+  char pad[64];
+};
+struct cudaLaunchAttribute {
+  cudaLaunchAttributeID id;
+  cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+  dim3 gridDim;
+  dim3 blockDim;
+  size_t dynamicSmemBytes;
+  cudaStream_t stream;
+  cudaLaunchAttribute* attrs;
+  unsigned int numAttrs;
+};
+
+// ---- the runtime (emu.cc) -----------------------------------------------------------------------
+
+namespace cuemu {
+
+// Runs `body` (one kernel invocation) for every thread of the launch; see the file comment.
+cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const char* kernel,
+                   const std::function<void()>& body);
+int occupancy(const char* kernel, int block_threads);
+
+void sync_block(const char* file, int line);
+void sync_grid(const char* file, int line);
+uint64_t warp_exchange(unsigned mask, uint64_t bits, int src_lane, const char* file, int line);
+
+// Kernel parameters as CUDA lays them out: each aligned to its type, packed in order.
+template <typename... T>
+constexpr size_t param_bytes() {
+  size_t off = 0;
+  ((off = (off + alignof(T) - 1) / alignof(T) * alignof(T) + sizeof(T)), ...);
+  return off;
+}
+
+template <typename T>
+T shuffle(unsigned mask, T v, int src_lane, const char* file, int line) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= 8, "shuffles move <= 8 bytes");
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  bits = warp_exchange(mask, bits, src_lane, file, line);
+  T out;
+  std::memcpy(&out, &bits, sizeof(T));
+  return out;
+}
+
+}  // namespace cuemu
+
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
+cudaError_t cudaGetLastError();
+cudaError_t cudaPeekAtLastError();
+const char* cudaGetErrorString(cudaError_t err);
+const char* cudaGetErrorName(cudaError_t err);
+cudaError_t cudaDriverGetVersion(int* version);
+cudaError_t cudaRuntimeGetVersion(int* version);
+cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream);
+
+template <typename Kernel>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int block_threads,
+                                                         size_t dynamic_smem) {
+  (void)dynamic_smem;
+  *blocks = cuemu::occupancy(__PRETTY_FUNCTION__, block_threads);
+  return cudaSuccess;
+}
+
+// The runtime's type-safe launch: arguments are converted to the kernel's parameter types once,
+// and each emulated thread calls the kernel with its own copy of them.
+template <typename... ExpTypes, typename... ActTypes>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(ExpTypes...),
+                               ActTypes&&... args) {
+  std::tuple<std::decay_t<ExpTypes>...> params(std::forward<ActTypes>(args)...);
+  return cuemu::launch(*config, cuemu::param_bytes<std::decay_t<ExpTypes>...>(), __PRETTY_FUNCTION__,
+                       [&]() { std::apply(kernel, params); });
+}
+
+// ---- device built-ins -----------------------------------------------------------------------------
+
+// Set by the emulator before it resumes a thread (fibers of a block share one OS thread).
+extern thread_local uint3 threadIdx;
+extern thread_local uint3 blockIdx;
+extern thread_local dim3 blockDim;
+extern thread_local dim3 gridDim;
+
+inline void __syncthreads(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  cuemu::sync_block(file, line);
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src, int width = 32, const char* file = __builtin_FILE(),
+              int line = __builtin_LINE()) {
+  (void)width;
+  return cuemu::shuffle(mask, v, src & 31, file, line);
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32,
+                  const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  (void)width;
+  return cuemu::shuffle(mask, v, int(threadIdx.x % 32) ^ lane_mask, file, line);
+}
+template <typename T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32,
+                   const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+  (void)width;
+  const int src = int(threadIdx.x % 32 + delta);
+  return cuemu::shuffle(mask, v, src < 32 ? src : -1, file, line);  // -1: keep own value
+}
+
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+template <typename T>
+T atomicAdd(T* address, T value) {
+  if constexpr (std::is_integral_v<T>) {
+    return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
+  } else {
+    T old = __atomic_load_n(address, __ATOMIC_RELAXED);
+    while (!__atomic_compare_exchange_n(address, &old, old + value, true, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+    }
+    return old;
+  }
+}
+template <typename T>
+T atomicExch(T* address, T value) {
+  return __atomic_exchange_n(address, value, __ATOMIC_RELAXED);
+}
+
+// Cache-hinted loads and stores: plain accesses (the emulator has no caches to bypass).
+template <typename T>
+T __ldg(const T* p) { return *p; }
+template <typename T>
+T __ldcg(const T* p) { return *p; }
+template <typename T>
+void __stcg(T* p, T v) { *p = v; }
+
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+
+// CUDA's global min/max overloads (any mix of arithmetic types).
+template <typename A, typename B>
+std::common_type_t<A, B> min(A a, B b) { return b < a ? b : a; }
+template <typename A, typename B>
+std::common_type_t<A, B> max(A a, B b) { return a < b ? b : a; }

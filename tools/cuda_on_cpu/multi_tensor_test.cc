@@ -1,0 +1,241 @@
+// The CUDA multi-tensor driver (src_cuda/cuda/multi_tensor.cuh) on hand-made tensor lists, run
+// on the CPU by tools/cuda_on_cpu: sizes around every chunk, slice and table boundary, mixed
+// dtypes, bases that defeat vector access, and buffers allocated to their exact size (ASan sees
+// any overrun) with guard bytes in front. XLA never hands the handlers such pointers; users of
+// the driver might. Exit status 0 when every check passes.
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cooperative_groups.h>
+
+#include "../../src_cuda/cuda/multi_tensor.cuh"
+
+namespace jaxfuse {
+namespace {
+
+int failures = 0;
+
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    if (failures <= 20) std::fprintf(stderr, "FAIL: %s\n", what.c_str());
+  }
+}
+
+// out = 2 * in + 1 in each list's own dtype; every element exactly once.
+struct AffineOp : MultiTensorOpBase {
+  __device__ void operator()(const ChunkRef<2>& r) const {
+    for_each_group(r, [&](int64_t i, int n, bool vec) {
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
+      for (int j = 0; j < 4; ++j) x[j] = 2.0f * x[j] + 1.0f;
+      store_group(r.ptr[1], r.dtype[1], i, n, vec, x);
+    });
+  }
+};
+
+// One partial sum per block (fixed slots), as the global norm does.
+struct SumOp : MultiTensorOpBase {
+  float* partials;
+  float sum = 0.0f;
+  __device__ void operator()(const ChunkRef<1>& r) {
+    for_each_group(r, [&](int64_t i, int n, bool vec) {
+      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
+      for (int j = 0; j < 4; ++j) sum += x[j];
+    });
+  }
+  __device__ void finish(int block) {
+    __shared__ float per_thread[kMultiTensorThreads];
+    per_thread[threadIdx.x] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float s = 0.0f;
+      for (int t = 0; t < kMultiTensorThreads; ++t) s += per_thread[t];
+      partials[block] = s;
+    }
+    __syncthreads();
+  }
+};
+
+constexpr unsigned char kGuard = 0xA5;
+
+float round_to_storage(DType t, float v) {
+  if (t == DType::kBF16) return bf16_to_float(float_to_bf16(v));
+  if (t == DType::kF16) return f16_to_float(float_to_f16(v));
+  return v;
+}
+
+// A buffer of exactly n elements at `offset` bytes past an allocation, guard bytes before it.
+struct Buffer {
+  DType dtype;
+  int64_t n;
+  int offset;
+  char* alloc = nullptr;
+
+  Buffer(DType t, int64_t count, int off) : dtype(t), n(count), offset(off) {
+    alloc = static_cast<char*>(std::malloc(size_t(n * dtype_bytes(t) + off) + 1));
+    std::memset(alloc, kGuard, size_t(off));
+  }
+  Buffer(const Buffer&) = delete;
+  ~Buffer() { std::free(alloc); }
+  void* data() const { return alloc + offset; }
+  bool guard_intact() const {
+    for (int i = 0; i < offset; ++i) {
+      if (static_cast<unsigned char>(alloc[i]) != kGuard) return false;
+    }
+    return true;
+  }
+};
+
+// Sizes around the chunk and slice boundaries; `small` only those below a few hundred elements
+// (for trees of many tensors).
+std::vector<int64_t> test_sizes(bool small = false) {
+  if (small) return {0, 1, 2, 3, 4, 5, 7, 8, 9, 31, 33, 255, 257};
+  const int64_t c = kMultiTensorChunk;
+  std::vector<int64_t> s = {0, 1, 2, 3, 4, 5, 7, 8, 9, 31, 33, 255, 257, c - 1, c, c + 1, 3 * c + 5};
+  if (kMaxSlice <= (int64_t(1) << 20)) {  // the small build: slices of a few chunks
+    for (int64_t x : {kMaxSlice - 1, kMaxSlice, kMaxSlice + 3, 2 * kMaxSlice + 1}) s.push_back(x);
+  }
+  return s;
+}
+
+DType dtype_at(int i) {
+  static const DType all[] = {DType::kF32, DType::kBF16, DType::kF16};
+  return all[i % 3];
+}
+
+void test_affine(int repeat_tensors, bool small) {
+  std::mt19937 rng(1234 + repeat_tensors);
+  std::normal_distribution<float> normal;
+  std::vector<std::unique_ptr<Buffer>> in, out;
+  TensorLists lists;
+  lists.num_lists = 2;
+  const std::vector<int64_t> sizes = test_sizes(small);
+  int t = 0;
+  for (int rep = 0; rep < repeat_tensors; ++rep) {
+    for (int64_t n : sizes) {
+      const DType din = dtype_at(t), dout = dtype_at(t / 3 + rep);
+      const int off_in = (t % 4) * dtype_bytes(din), off_out = ((t + 1) % 4) * dtype_bytes(dout);
+      in.push_back(std::make_unique<Buffer>(din, n, off_in));
+      out.push_back(std::make_unique<Buffer>(dout, n, off_out));
+      for (int64_t i = 0; i < n; ++i) {
+        store_from_float(in.back()->data(), din, i, normal(rng));
+        store_from_float(out.back()->data(), dout, i, std::nanf(""));  // poison
+      }
+      lists.ptr.push_back({in.back()->data(), out.back()->data()});
+      lists.dtype.push_back({din, dout});
+      lists.size.push_back(n);
+      lists.flag.push_back(0);
+      ++t;
+    }
+  }
+  int blocks = 0;
+  const ffi::Error err = multi_tensor_apply<2>(nullptr, lists, AffineOp{}, "affine", 0, &blocks);
+  check(err.success(), "affine: launch failed: " + err.message());
+  for (size_t k = 0; k < in.size(); ++k) {
+    const Buffer& a = *in[k];
+    const Buffer& b = *out[k];
+    int64_t bad = 0;
+    for (int64_t i = 0; i < a.n; ++i) {
+      const float expect = round_to_storage(b.dtype, 2.0f * load_as_float(a.data(), a.dtype, i) + 1.0f);
+      const float got = load_as_float(b.data(), b.dtype, i);
+      if (!(got == expect)) ++bad;
+    }
+    check(bad == 0, "affine: tensor " + std::to_string(k) + " (" + std::to_string(a.n) + " elements, offsets " +
+                        std::to_string(a.offset) + "/" + std::to_string(b.offset) + "): " +
+                        std::to_string(bad) + " wrong elements");
+    check(a.guard_intact() && b.guard_intact(), "affine: guard bytes overwritten, tensor " + std::to_string(k));
+  }
+}
+
+// The partial sums must be the same bitwise whatever the schedule, and add up to the total.
+void test_sum(int repeat_tensors, bool small) {
+  std::vector<std::unique_ptr<Buffer>> bufs;
+  TensorLists lists;
+  lists.num_lists = 1;
+  double exact = 0.0;
+  int t = 0;
+  for (int rep = 0; rep < repeat_tensors; ++rep) {
+    for (int64_t n : test_sizes(small)) {
+      const DType d = dtype_at(t);
+      bufs.push_back(std::make_unique<Buffer>(d, n, (t % 4) * dtype_bytes(d)));
+      for (int64_t i = 0; i < n; ++i) {
+        store_from_float(bufs.back()->data(), d, i, float((i * 7 + t) % 13) - 6.0f);
+        exact += load_as_float(bufs.back()->data(), d, i);
+      }
+      lists.ptr.push_back({bufs.back()->data()});
+      lists.dtype.push_back({d});
+      lists.size.push_back(n);
+      lists.flag.push_back(0);
+      ++t;
+    }
+  }
+  std::vector<float> first;
+  for (const char* seed : {"0", "7", "12345"}) {
+    setenv("JAXFUSE_EMU_SEED", seed, 1);
+    std::vector<float> partials(4096, std::nanf(""));
+    SumOp op;
+    op.partials = partials.data();
+    int blocks = 0;
+    const ffi::Error err = multi_tensor_apply<1>(nullptr, lists, op, "sum", 64, &blocks);
+    check(err.success(), "sum: launch failed: " + err.message());
+    check(blocks > 0 && blocks <= 4096, "sum: blocks used " + std::to_string(blocks));
+    partials.resize(size_t(std::max(blocks, 0)));
+    double total = 0.0;
+    for (float p : partials) total += p;
+    // Small integers: every partial is exact, so the total is too.
+    check(total == exact, "sum: total " + std::to_string(total) + " != " + std::to_string(exact));
+    if (first.empty()) first = partials;
+    check(partials == first, std::string("sum: partials differ under schedule seed ") + seed);
+  }
+  unsetenv("JAXFUSE_EMU_SEED");
+}
+
+// Planted synchronization bugs the emulator must report as kernel faults (each in its own
+// process: a fault is sticky, as on a GPU).
+__global__ void divergent_sync_kernel(float* out) {
+  if (threadIdx.x < 32) return;  // warp 0 exits; the others wait at a barrier it never reaches
+  __syncthreads();
+  out[threadIdx.x] = 1.0f;
+}
+
+__global__ void grid_sync_kernel(float* out) {
+  out[blockIdx.x] = 1.0f;
+  cooperative_groups::this_grid().sync();
+}
+
+int expect_fault(const char* which) {
+  std::vector<float> out(1024);
+  ffi::Error err = ffi::Error::Success();
+  if (std::string(which) == "divergent_sync") {
+    err = launch_kernel("divergent_sync", divergent_sync_kernel, dim3(2), dim3(128), nullptr, false, out.data());
+  } else {
+    err = launch_kernel("grid_sync", grid_sync_kernel, dim3(4), dim3(64), nullptr, false, out.data());
+  }
+  const bool caught = !err.success() && err.message().find("cudaErrorLaunchFailure") != std::string::npos;
+  std::printf("%s: %s (%s)\n", which, caught ? "caught" : "NOT CAUGHT", err.message().c_str());
+  return caught ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace jaxfuse
+
+int main(int argc, char** argv) {
+  using namespace jaxfuse;
+  if (argc > 1) return expect_fault(argv[1]);
+  std::printf("multi-tensor driver: chunk %d, table capacity %d/%d tensors (2/1 lists), slice %lld\n",
+              kMultiTensorChunk, TensorTable<2>::kCap, TensorTable<1>::kCap, (long long)kMaxSlice);
+  const int per_rep = int(test_sizes(true).size());
+  test_affine(1, false);
+  test_affine(TensorTable<2>::kCap / per_rep + 2, true);  // more tensors than a table: several launches
+  test_sum(1, false);
+  test_sum(TensorTable<1>::kCap / per_rep + 2, true);
+  std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
+  return failures ? 1 : 0;
+}
