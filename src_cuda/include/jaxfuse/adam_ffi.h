@@ -67,10 +67,23 @@ inline ffi::Error decode_adam_call(CountBuffer count, HyperBuffer hyper,
   const int64_t in_lists = 4 + (master ? 1 : 0);
   // updates (or params), mu, nu, [master]
   const int64_t out_lists = 3 + (master ? 1 : 0);
-  if (n < 0 || static_cast<int64_t>(args.size()) != in_lists * n ||
+  // n is bounded by the operand count before any product is formed (no overflow).
+  if (n < 0 || n > static_cast<int64_t>(args.size()) ||
+      static_cast<int64_t>(args.size()) != in_lists * n ||
       static_cast<int64_t>(rets.size()) != out_lists * n) {
     return invalid_argument("jaxfuse_adam: ", args.size(), " tensor operands and ", rets.size(),
-                            " tensor results do not fit num_tensors=", n);
+                            " tensor results do not fit num_tensors=", n, " (expected ",
+                            in_lists, " and ", out_lists, " per tensor)");
+  }
+  if (static_cast<int64_t>(decay_mask.size()) != n) {
+    return invalid_argument("jaxfuse_adam: decay_mask has ", decay_mask.size(),
+                            " entries, expected num_tensors=", n);
+  }
+  for (size_t t = 0; t < decay_mask.size(); ++t) {
+    if (decay_mask[t] > 1) {
+      return invalid_argument("jaxfuse_adam: decay_mask entry ", t, " is ", int(decay_mask[t]),
+                              ", expected 0 or 1");
+    }
   }
   call->count = count.typed_data();
   call->new_count = new_count->typed_data();
@@ -89,7 +102,8 @@ inline ffi::Error decode_adam_call(CountBuffer count, HyperBuffer hyper,
   int num_lists = 4;
   if (write_updates) sources[num_lists++] = {"updates", true, 0};
   if (master) sources[num_lists++] = {"master_params", false, 4 * n};
-  JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, num_lists, n, decay_mask, &call->lists));
+  JF_RETURN_IF_ERROR(
+      collect_lists("jaxfuse_adam", args, &rets, sources, num_lists, n, decay_mask, &call->lists));
 
   JF_RETURN_IF_ERROR(check_aliased(args, rets, 2 * n, r_mu, n, "mu"));
   JF_RETURN_IF_ERROR(check_aliased(args, rets, 3 * n, r_nu, n, "nu"));

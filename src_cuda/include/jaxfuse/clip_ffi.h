@@ -38,7 +38,8 @@ inline ffi::Error decode_norm_call(NormParamsBuffer params, const ffi::Remaining
                             partials->element_count(), " elements, expected ", 2 * kNormSlots);
   }
   const ListSource src{"grads", false, 0};
-  return collect_lists(args, nullptr, &src, 1, static_cast<int64_t>(args.size()), {}, lists);
+  return collect_lists("jaxfuse_global_norm", args, nullptr, &src, 1,
+                       static_cast<int64_t>(args.size()), {}, lists);
 }
 
 inline ffi::Error decode_apply_grad_ctrl_call(HyperCtrlBuffer ctrl, const ffi::RemainingArgs& args,
@@ -52,7 +53,7 @@ inline ffi::Error decode_apply_grad_ctrl_call(HyperCtrlBuffer ctrl, const ffi::R
     return invalid_argument("jaxfuse_apply_grad_ctrl: ", n, " operands but ", rets.size(), " results");
   }
   const ListSource sources[2] = {{"grads", false, 0}, {"scaled_grads", true, 0}};
-  return collect_lists(args, &rets, sources, 2, n, {}, lists);
+  return collect_lists("jaxfuse_apply_grad_ctrl", args, &rets, sources, 2, n, {}, lists);
 }
 
 // Handler signatures, shared by the CPU and CUDA handlers (`Ctx`: the platform context).

@@ -27,9 +27,11 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "jaxfuse/decoder_math.h"
 #include "jaxfuse/ffi_util.h"
@@ -124,17 +126,30 @@ inline ffi::Error decode_decoder_call(ffi::AnyBuffer x, PositionsBuffer position
   const int64_t max_seq_len = attrs.max_seq_len;
   const float eps = attrs.rms_norm_eps;
   const double theta = attrs.rope_theta;
-  if (num_layers < 1 || hidden_size < 1 || num_heads < 1 || num_kv_heads < 1 || head_dim < 2 ||
-      intermediate_size < 1 || max_seq_len < 1) {
-    return invalid_argument(op, "every size attribute must be positive (head_dim >= 2)");
+  // Each size in [1, INT32_MAX) (max_seq_len: positions are int32), so that no product of two
+  // sizes overflows int64: a wrapped product (e.g. num_heads * head_dim) could otherwise match
+  // the operand shapes and the workspace size and send the kernels far out of bounds.
+  const std::pair<const char*, int64_t> sizes[7] = {
+      {"num_layers", num_layers}, {"hidden_size", hidden_size},
+      {"num_heads", num_heads},   {"num_kv_heads", num_kv_heads},
+      {"head_dim", head_dim},     {"intermediate_size", intermediate_size},
+      {"max_seq_len", max_seq_len}};
+  for (const auto& [name, value] : sizes) {
+    if (value < 1 || value >= INT32_MAX) {
+      return invalid_argument(op, name, "=", value, " must be a positive integer below ",
+                              INT32_MAX);
+    }
   }
   if (num_heads % num_kv_heads != 0) {
     return invalid_argument(op, "num_heads=", num_heads, " is not a multiple of num_kv_heads=",
                             num_kv_heads);
   }
   if (head_dim % 2 != 0) return invalid_argument(op, "head_dim=", head_dim, " must be even");
-  if (!(eps >= 0.0f) || !(theta > 0.0)) {
-    return invalid_argument(op, "rms_norm_eps must be >= 0 and rope_theta > 0");
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) {
+    return invalid_argument(op, "rms_norm_eps=", eps, " must be finite and >= 0");
+  }
+  if (!(theta > 0.0) || !std::isfinite(theta)) {
+    return invalid_argument(op, "rope_theta=", theta, " must be finite and > 0");
   }
   auto dt = to_dtype(x.element_type());
   if (!dt) return invalid_argument(op, "x must be float32, bfloat16 or float16");
@@ -194,8 +209,10 @@ inline ffi::Error decode_decoder_call(ffi::AnyBuffer x, PositionsBuffer position
                               "(operand_output_aliases missing)");
   }
   const DecoderLayout lay = decoder_layout(d);
-  if (workspace.dimensions().size() != 1 || workspace.dimensions()[0] < lay.total) {
-    return invalid_argument(op, "workspace has ", workspace.element_count(), " bytes, needs ",
+  // Exactly the layout's size: a different size means jaxfuse/decoder.py (_workspace_bytes) and
+  // decoder_layout() no longer agree.
+  if (workspace.dimensions().size() != 1 || workspace.dimensions()[0] != lay.total) {
+    return invalid_argument(op, "workspace has ", workspace.element_count(), " bytes, expected ",
                             lay.total);
   }
   *dims = d;

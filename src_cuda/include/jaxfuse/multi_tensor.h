@@ -49,15 +49,22 @@ struct ListSource {
   int64_t offset;
 };
 
-// Decodes the buffers of each list, checking dtypes (float32, bfloat16, float16) and that every
+// The buffer behind a decoded result (results decode as Result<AnyBuffer>).
+inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> r) {
+  if (r.has_error()) return ffi::Unexpected<ffi::Error>(r.error());
+  return **r;
+}
+
+// Decodes the buffers of each list for op `op` (named in every error), checking dtypes (float32, bfloat16, float16) and that every
 // list of a tensor has the same element count. `flags` may be empty (all zero); `rets` may be
 // null when no list comes from the results.
-inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::RemainingRets* rets,
+inline ffi::Error collect_lists(const char* op, const ffi::RemainingArgs& args,
+                                const ffi::RemainingRets* rets,
                                 const ListSource* sources, int num_lists, int64_t num_tensors,
                                 ffi::Span<const uint8_t> flags, TensorLists* out) {
-  if (num_lists > kMaxLists) return internal_error("too many tensor lists");
+  if (num_lists > kMaxLists) return internal_error(op, ": too many tensor lists");
   if (flags.size() != 0 && static_cast<int64_t>(flags.size()) != num_tensors) {
-    return invalid_argument("per-tensor flag array has ", flags.size(), " entries for ",
+    return invalid_argument(op, ": per-tensor flag array has ", flags.size(), " entries for ",
                             num_tensors, " tensors");
   }
   out->num_lists = num_lists;
@@ -67,28 +74,26 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
   out->flag.assign(num_tensors, 0);
   for (int k = 0; k < num_lists; ++k) {
     const ListSource& src = sources[k];
-    if (src.from_rets && rets == nullptr) return internal_error("list '", src.name, "': no results");
+    if (src.from_rets && rets == nullptr) return internal_error(op, ": list '", src.name, "': no results");
     const int64_t available = src.from_rets ? static_cast<int64_t>(rets->size())
                                             : static_cast<int64_t>(args.size());
     if (src.offset + num_tensors > available) {
-      return invalid_argument("list '", src.name, "' needs ", num_tensors, " buffers from ",
+      return invalid_argument(op, ": list '", src.name, "' needs ", num_tensors, " buffers from ",
                               src.from_rets ? "results" : "operands", " at ", src.offset,
                               ", the call has ", available);
     }
     for (int64_t t = 0; t < num_tensors; ++t) {
-      ffi::AnyBuffer buf{nullptr};
-      if (src.from_rets) {
-        auto r = rets->get<ffi::AnyBuffer>(src.offset + t);
-        if (r.has_error()) return r.error();
-        buf = **r;
-      } else {
-        auto a = args.get<ffi::AnyBuffer>(src.offset + t);
-        if (a.has_error()) return a.error();
-        buf = *a;
+      // No placeholder AnyBuffer: its constructor asserts a non-null buffer (Debug builds).
+      ffi::ErrorOr<ffi::AnyBuffer> decoded =
+          src.from_rets ? buffer_of(rets->get<ffi::AnyBuffer>(src.offset + t))
+                        : args.get<ffi::AnyBuffer>(src.offset + t);
+      if (decoded.has_error()) {
+        return invalid_argument(op, ": list '", src.name, "' tensor ", t, ": ", decoded.error().message());
       }
+      const ffi::AnyBuffer buf = *decoded;
       auto dt = to_dtype(buf.element_type());
       if (!dt) {
-        return invalid_argument("list '", src.name, "' tensor ", t,
+        return invalid_argument(op, ": list '", src.name, "' tensor ", t,
                                 ": unsupported dtype (float32, bfloat16, float16 only)");
       }
       out->dtype[t][k] = *dt;
@@ -96,7 +101,7 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
       if (k == 0) {
         out->size[t] = n;
       } else if (n != out->size[t]) {
-        return invalid_argument("tensor ", t, ": list '", src.name, "' has ", n,
+        return invalid_argument(op, ": tensor ", t, ": list '", src.name, "' has ", n,
                                 " elements, list '", sources[0].name, "' has ", out->size[t]);
       }
       out->ptr[t][k] = buf.untyped_data();

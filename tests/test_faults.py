@@ -1,0 +1,295 @@
+"""Faults: non-finite gradients under skip_nonfinite, checkpoint and restore mid-training, and
+concurrent calls from several Python threads. Results are compared bit for bit."""
+
+import concurrent.futures
+import os
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from conftest import random_tree
+
+# A leaf above the CPU handlers' 65536-element chunk, so that a bad value can sit in a chunk
+# other than the first (and the CPU work spreads over the thread pool).
+SHAPES = [(70_001,), (33,), (4, 5), ()]
+
+
+class Snapshot:
+  """A tree's structure and every leaf's dtype, shape and raw bytes, copied to the host (so that
+  it survives the donation of the tree's buffers)."""
+
+  def __init__(self, tree):
+    self.treedef = jax.tree.structure(tree)
+    self.paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    self.leaves = []
+    for x in jax.tree.leaves(tree):
+      a = np.asarray(x)
+      self.leaves.append((a.dtype, a.shape,
+                          np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()))
+
+  def differences(self, other):
+    """Where `other` differs from this snapshot (empty when bitwise equal)."""
+    if self.treedef != other.treedef:
+      return [f"tree structure {other.treedef} != {self.treedef}"]
+    out = []
+    for path, (ed, es, eb), (ad, as_, ab) in zip(self.paths, self.leaves, other.leaves):
+      if (ed, es) != (ad, as_):
+        out.append(f"{path}: {ad}{list(as_)} != {ed}{list(es)}")
+      elif not np.array_equal(eb, ab):
+        out.append(f"{path}: {int(np.count_nonzero(eb != ab))} of {eb.size} bytes differ")
+    return out
+
+
+def assert_bitwise_equal(actual, expected, what):
+  """`actual` and `expected` (trees or Snapshots) are equal bit for bit, leaf by leaf."""
+  snap = lambda t: t if isinstance(t, Snapshot) else Snapshot(t)
+  diffs = snap(expected).differences(snap(actual))
+  assert not diffs, f"{what}: " + "; ".join(diffs)
+
+
+def _grads(rng, params, scale=1.0):
+  """Fresh random non-zero gradients with the params' dtypes, on the params' device."""
+  def one(p):
+    g = scale * (rng.standard_normal(p.shape) + 0.1)
+    return jax.device_put(jnp.asarray(g, p.dtype), p.devices().pop())
+  return jax.tree.map(one, params)
+
+
+def _with_bad_value(rng, grads, bad, leaf):
+  """`grads` with one random element of leaf number `leaf` set to `bad` (in the large leaf, past
+  its first chunk)."""
+  leaves, treedef = jax.tree.flatten(grads)
+  x = leaves[leaf]
+  flat_index = int(rng.integers(65_536, x.size)) if x.size > 65_536 else int(rng.integers(x.size))
+  leaves[leaf] = x.reshape(-1).at[flat_index].set(bad).reshape(x.shape)
+  return treedef.unflatten(leaves)
+
+
+# ---- 1. skip_nonfinite ------------------------------------------------------------------------
+
+PARAM_KINDS = {
+    "fp32": (jnp.float32, False),
+    "fp32_master": (jnp.float32, True),
+    "bf16_master": (jnp.bfloat16, True),
+}
+
+
+def _make_tx(opt, clip, master):
+  if opt == "adam":
+    inner = jaxfuse.adam(3e-2, master_weights=master, skip_nonfinite=True)
+  else:  # a schedule: its count, too, must stay put on a skipped step
+    inner = jaxfuse.adamw(optax.linear_schedule(3e-2, 1e-3, 50), weight_decay=0.1,
+                          master_weights=master, skip_nonfinite=True)
+  return optax.chain(jaxfuse.clip_by_global_norm(0.5), inner) if clip else inner
+
+
+def _split_skipped(state, chained):
+  """(state without the skipped-steps counter, the counter as an int)."""
+  adam_state = state[-1] if chained else state
+  extra = adam_state[-1]
+  assert isinstance(extra, jaxfuse.AdamExtraState)
+  rest = (*adam_state[:-1], extra._replace(skipped_steps=None))
+  rest = (*state[:-1], rest) if chained else rest
+  return rest, int(extra.skipped_steps)
+
+
+def _adam_count(state, chained):
+  return int((state[-1] if chained else state)[0].count)
+
+
+@pytest.mark.parametrize("kind", list(PARAM_KINDS))
+@pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
+@pytest.mark.parametrize("opt", ["adam", "adamw"])
+@pytest.mark.parametrize("path", ["optax", "fused"])
+def test_nonfinite_step_leaves_everything_bitwise_unchanged(device, path, opt, clip, kind):
+  dtype, master = PARAM_KINDS[kind]
+  seed = [100, ["optax", "fused"].index(path), ["adam", "adamw"].index(opt), int(clip),
+          list(PARAM_KINDS).index(kind)]
+  rng = np.random.default_rng(seed)
+  params = random_tree(seed, SHAPES, dtype=dtype, device=device)
+  tx = _make_tx(opt, clip, master)
+  state = tx.init(params)
+
+  if path == "optax":
+    update = jax.jit(tx.update)
+
+    def step(p, s, g):
+      u, s = update(g, s, p)
+      return optax.apply_updates(p, u), s
+  else:
+    # In place: params and state donated, in the order they are returned.
+    step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+
+  for _ in range(2):  # moments, count (and master params) away from their initial values
+    params, state = step(params, state, _grads(rng, params))
+  assert _adam_count(state, clip) == 2 and _split_skipped(state, clip)[1] == 0
+
+  # One bad value in the large leaf (past its first chunk), in a small leaf, in the scalar leaf;
+  # then bad values of every kind in every leaf.
+  for bad, leaves in [(jnp.nan, [0]), (jnp.inf, [1]), (-jnp.inf, [3]),
+                      ((jnp.nan, jnp.inf, -jnp.inf, jnp.nan), [0, 1, 2, 3])]:
+    grads = _grads(rng, params)
+    for i, b in zip(leaves, bad if isinstance(bad, tuple) else [bad]):
+      grads = _with_bad_value(rng, grads, b, i)
+    rest, skipped = _split_skipped(state, clip)
+    before_params, before_rest = Snapshot(params), Snapshot(rest)
+    old_leaf = jax.tree.leaves(params)[0]
+    params, state = step(params, state, grads)
+    if path == "fused":
+      assert old_leaf.is_deleted(), "the fused step did not take the donated params"
+    new_rest, new_skipped = _split_skipped(state, clip)
+    assert_bitwise_equal(before_params, params, f"params after a {bad} step")
+    assert_bitwise_equal(before_rest, new_rest, f"opt state after a {bad} step")
+    assert new_skipped == skipped + 1
+  assert _adam_count(state, clip) == 2
+
+  # A finite step afterwards moves on from where the state was.
+  before = Snapshot(params)
+  params, state = step(params, state, _grads(rng, params))
+  assert _adam_count(state, clip) == 3 and _split_skipped(state, clip)[1] == 4
+  assert any("leaf0000" in d for d in before.differences(Snapshot(params)))
+
+
+# ---- 2. checkpoint and restore ----------------------------------------------------------------
+
+
+def _save_restore(writer, tree, tmp_path, device):
+  """Writes `tree` to a checkpoint and reads it back into fresh device arrays."""
+  if writer == "pickle":
+    blob = pickle.dumps(jax.device_get(tree))
+    return jax.device_put(pickle.loads(blob), device)
+  ocp = pytest.importorskip("orbax.checkpoint")
+  path = os.path.join(tmp_path, "ckpt")
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, tree)
+    ckptr.wait_until_finished()
+  with ocp.StandardCheckpointer() as ckptr:  # a fresh reader, as after a restart
+    return ckptr.restore(path, abstract)
+
+
+CKPT_KINDS = {
+    "fp32": dict(dtype=jnp.float32, master=False, skip=False),
+    "bf16_master_skip": dict(dtype=jnp.bfloat16, master=True, skip=True),
+}
+
+
+@pytest.mark.parametrize("writer", ["pickle", "orbax"])
+@pytest.mark.parametrize("kind", list(CKPT_KINDS))
+@pytest.mark.parametrize("path", ["fused", "optax"])
+def test_restored_run_is_bitwise_the_uninterrupted_run(device, tmp_path, path, kind, writer):
+  """Train 3 steps, checkpoint, then continue both the original run and a run restored from the
+  checkpoint for 4 steps on the same gradients: params and state agree bit for bit."""
+  cfg = CKPT_KINDS[kind]
+  seed = 300 + 4 * ["fused", "optax"].index(path) + 2 * list(CKPT_KINDS).index(kind)
+  params = random_tree(seed, SHAPES, dtype=cfg["dtype"], device=device)
+  tx = optax.chain(
+      jaxfuse.clip_by_global_norm(1.0),
+      jaxfuse.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20), weight_decay=0.1,
+                    master_weights=cfg["master"], skip_nonfinite=cfg["skip"]))
+  if path == "fused":
+    step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+  else:
+    update = jax.jit(tx.update)
+
+    def step(p, s, g):
+      u, s = update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+  rng = np.random.default_rng(seed)
+  grads = [_grads(rng, params, scale=float(s)) for s in (1.0, 3.0, 0.2, 1.0, 5.0, 0.5, 1.0)]
+  state = tx.init(params)
+  for g in grads[:3]:
+    params, state = step(params, state, g)
+
+  restored = _save_restore(writer, (params, state), tmp_path, device)
+  assert jax.tree.structure(restored) == jax.tree.structure((params, state))
+  assert_bitwise_equal(restored, (params, state), "restored checkpoint")
+  r_params, r_state = restored
+
+  for t, g in enumerate(grads[3:], start=3):
+    params, state = step(params, state, g)
+    r_params, r_state = step(r_params, r_state, g)
+    assert_bitwise_equal(r_params, params, f"params after step {t + 1}")
+    assert_bitwise_equal(r_state, state, f"opt state after step {t + 1}")
+  assert int(state[-1][0].count) == 7
+
+
+# ---- 3. concurrent calls from several threads -------------------------------------------------
+
+THREADS = 8
+_DEC_CFG = jaxfuse.DecoderConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                                 head_dim=32, intermediate_size=512, max_seq_len=8)
+
+
+def _decoder_problem(seed, device, batch=2):
+  rng = np.random.default_rng(seed)
+  cfg = _DEC_CFG
+  ws = []
+  for name, shape in cfg.weight_shapes().items():
+    a = 1.0 + 0.1 * rng.standard_normal(shape) if "norm" in name else \
+        rng.standard_normal(shape) / np.sqrt(shape[1])
+    ws.append(jnp.asarray(a, jnp.float32))
+  cache = jaxfuse.KVCache(
+      *[jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), jnp.float32) for _ in range(2)])
+  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), jnp.float32)
+  pos = jnp.asarray(rng.integers(0, cfg.max_seq_len, batch), jnp.int32)
+  return jax.device_put((x, pos, jaxfuse.DecoderWeights(*ws), cache), device)
+
+
+def _make_workload(device):
+  """One function per thread index: runs jitted Adam steps (fused, donated, and the optax
+  protocol), global norms and decoder steps on inputs drawn from that index's seed, and returns
+  every result as raw bits."""
+  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, weight_decay=0.1))
+  fused = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True),
+                  donate_argnums=(0, 1))
+  adam_update = jax.jit(jaxfuse.adam(1e-2).update)
+  norm = jax.jit(jaxfuse.global_norm)
+  decode = jax.jit(lambda x, pos, w, cache: jaxfuse.persistent_decoder(x, pos, w, cache, _DEC_CFG),
+                   donate_argnums=(3,))
+
+  def work(i):
+    rng = np.random.default_rng(500 + i)
+    params = random_tree(600 + i, SHAPES, device=device)
+    state = tx.init(params)
+    adam_params = random_tree(700 + i, SHAPES[1:], device=device)
+    adam_state = jaxfuse.adam(1e-2).init(adam_params)
+    x, pos, w, cache = _decoder_problem(800 + i, device)
+    out = []
+    for _ in range(3):
+      params, state, gnorm = fused(params, state, _grads(rng, params))
+      h, cache = decode(x, pos, w, cache)
+      u, adam_state = adam_update(_grads(rng, adam_params), adam_state, adam_params)
+      adam_params = optax.apply_updates(adam_params, u)
+      out.append(Snapshot((gnorm, norm(_grads(rng, params, scale=10.0)), h)))
+      x, pos = h, (pos + 1) % _DEC_CFG.max_seq_len
+    return out + [Snapshot((params, state, adam_params, adam_state, x, cache))]
+
+  return work
+
+
+def test_concurrent_threads_match_sequential(device):
+  """8 threads run their own jitted Adam / global-norm / decoder steps at the same time (the
+  first calls compile concurrently); each thread's results equal those of the same work run
+  sequentially, bit for bit."""
+  work = _make_workload(device)
+  with concurrent.futures.ThreadPoolExecutor(max_workers=THREADS) as pool:
+    futures = [pool.submit(work, i) for i in range(THREADS)]
+    concurrent_results = [f.result(timeout=300) for f in futures]
+  # Run twice more, again concurrently, with the executables now compiled.
+  with concurrent.futures.ThreadPoolExecutor(max_workers=THREADS) as pool:
+    again = list(pool.map(work, range(THREADS)))
+  sequential = [work(i) for i in range(THREADS)]
+  for i in range(THREADS):
+    assert len(concurrent_results[i]) == len(again[i]) == len(sequential[i])
+    for k, (c, a, s) in enumerate(zip(concurrent_results[i], again[i], sequential[i])):
+      assert_bitwise_equal(c, s, f"thread {i}, result group {k}, concurrent (compiling)")
+      assert_bitwise_equal(a, s, f"thread {i}, result group {k}, concurrent (compiled)")
+  # Different seeds gave different results (the threads did not all compute the same thing).
+  assert sequential[0][-1].differences(sequential[1][-1])

@@ -1,0 +1,647 @@
+"""Bad input at the FFI layer: every jaxfuse target called directly through jax.ffi.ffi_call.
+
+The Python API checks its arguments at trace time; these tests go around it and hand each handler
+wrong operand and result counts, dtypes, shapes and attributes. Each must raise a Python exception
+whose message names the problem (never crash the process, never succeed). Errors jaxfuse's own
+decoding raises read "jaxfuse: <target>: ..."; a fixed-type operand, result or attribute of the
+wrong type is rejected by XLA's FFI binding before the handler runs, with XLA's own message.
+
+The operand/result/attribute contracts are in src_cuda/include/jaxfuse/{adam,clip,decoder}_ffi.h.
+Cases already covered in test_adam.py (test_handler_rejects_inconsistent_calls) and
+test_decoder.py (test_handler_validates_buffers) are not repeated here.
+"""
+
+import contextlib
+import itertools
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxfuse import _ffi
+from jaxfuse.clip import _NORM_SLOTS
+from jaxfuse.decoder import DecoderConfig, _workspace_bytes
+
+S = jax.ShapeDtypeStruct
+F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
+
+
+def _target(name):
+  # The CUDA-on-CPU developer build registers the CUDA handlers under other target names.
+  return getattr(_ffi, "target", lambda n: n)(name)
+
+
+@contextlib.contextmanager
+def jaxfuse_error(op, match):
+  """Expects a jaxfuse handler error "jaxfuse: <op>: ...<match>" (one line), with "jaxfuse: "
+  exactly once."""
+  with pytest.raises(Exception, match=rf"jaxfuse: {op}: .*{match}") as info:
+    yield info
+  assert str(info.value).count("jaxfuse: ") == 1, str(info.value)
+
+
+def xla_error(match):
+  """Expects an error from XLA's FFI binding (operand/result/attribute decoding)."""
+  return pytest.raises(Exception, match=match)
+
+
+def _rng_array(rng, shape, dtype):
+  if jnp.issubdtype(dtype, jnp.floating):
+    return np.asarray(rng.standard_normal(shape) + 0.5, dtype)
+  return np.asarray(rng.integers(1, 5, shape), dtype)
+
+
+def _run(call, operands, attrs):
+  """Runs an ffi_call under a fresh jit. Eager dispatch would reuse an executable compiled for
+  attributes that compare equal (np.int32(1) == np.int64(1), True == np.int64(1)), so a call
+  with an attribute of the wrong type would run the earlier, well-typed executable."""
+  return jax.block_until_ready(jax.jit(lambda *args: call(*args, **attrs))(*operands))
+
+
+def _put(device, *arrays):
+  return jax.device_put(list(arrays), device)
+
+
+# ---- jaxfuse_adam ------------------------------------------------------------------------------
+# operands: count s32[], hyper f32[8], ctrl f32[4], n each of grads, params, mu, nu, [master]
+# results:  new_count s32[], n each of [updates], mu, nu, [params], [master]
+
+
+def _adam_attrs(**over):
+  attrs = dict(num_tensors=np.int64(1), nesterov=False, write_updates=True, master=False,
+               decay_mask=np.zeros(1, np.uint8))
+  attrs.update(over)
+  return {k: v for k, v in attrs.items() if v is not None}
+
+
+def _adam_fixed(device, seed=0):
+  rng = np.random.default_rng(seed)
+  hyper = np.array([1e-3, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0], np.float32)
+  ctrl = np.array([1.0, 1.0, 1.0, 0.0], np.float32)
+  return _put(device, np.array(3, np.int32), hyper, ctrl) + [rng]
+
+
+def _adam_call(operands, results, aliases, **attrs):
+  call = jax.ffi.ffi_call(_target("jaxfuse_adam"), results, input_output_aliases=aliases)
+  return _run(call, operands, _adam_attrs(**attrs))
+
+
+def _adam_updates_mode(device, grads=F32, params=F32, mu=F32, nu=F32, updates=F32, size=4):
+  """Operands, results and aliases of a one-tensor call in updates (optax protocol) mode."""
+  count, hyper, ctrl, rng = _adam_fixed(device)
+  g, p, m, v = _put(device, *[_rng_array(rng, (size,), dt) for dt in (grads, params, mu, nu)])
+  results = [S((), I32), S((size,), updates), S((size,), mu), S((size,), nu)]
+  return [count, hyper, ctrl, g, p, m, v], results, {5: 2, 6: 3}
+
+
+def test_adam_good_call_succeeds(device):
+  """The harness itself is right: a well-formed call (both modes, two tensors) runs."""
+  count, hyper, ctrl, rng = _adam_fixed(device)
+  a4, b4, c4, d4 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
+  a3, b3, c3, d3 = _put(device, *[_rng_array(rng, (3,), BF16) for _ in range(4)])
+  ops = [count, hyper, ctrl, a4, a3, b4, b3, c4, c3, d4, d3]
+  res = [S((), I32), S((4,), F32), S((3,), BF16), S((4,), F32), S((3,), BF16), S((4,), F32),
+         S((3,), BF16)]
+  out = _adam_call(ops, res, {7: 3, 8: 4, 9: 5, 10: 6}, num_tensors=np.int64(2),
+                   decay_mask=np.array([1, 0], np.uint8))
+  assert int(out[0]) == 4
+  # Fused mode: params, mu, nu in place.
+  ops = [count, hyper, ctrl, a4, b4, c4, d4]
+  out = _adam_call(ops, [S((), I32)] + [S((4,), F32)] * 3, {5: 1, 6: 2, 4: 3},
+                   write_updates=False)
+  assert int(out[0]) == 4
+
+
+@pytest.mark.parametrize("what, operand, match", [
+    ("count_f32", 0, "Wrong buffer dtype: expected S32 but got F32"),
+    ("count_rank1", 0, "Wrong buffer rank: expected 0 but got 1"),
+    ("hyper_bf16", 1, "Wrong buffer dtype: expected F32 but got BF16"),
+    ("hyper_rank2", 1, "Wrong buffer rank: expected 1 but got 2"),
+    ("ctrl_i32", 2, "Wrong buffer dtype: expected F32 but got S32"),
+])
+def test_adam_fixed_operand_types(device, what, operand, match):
+  ops, res, aliases = _adam_updates_mode(device)
+  bad = {"count_f32": np.float32(3), "count_rank1": np.array([3], np.int32),
+         "hyper_bf16": np.zeros(8, jnp.bfloat16), "hyper_rank2": np.zeros((2, 4), np.float32),
+         "ctrl_i32": np.ones(4, np.int32)}[what]
+  ops[operand] = jax.device_put(bad, device)
+  with xla_error(match):
+    _adam_call(ops, res, aliases)
+
+
+def test_adam_count_int64(device):
+  with jax.enable_x64(True):
+    ops, res, aliases = _adam_updates_mode(device)
+    ops[0] = jax.device_put(np.array(3, np.int64), device)
+    with xla_error("Wrong buffer dtype: expected S32 but got S64"):
+      _adam_call(ops, res, aliases)
+
+
+def test_adam_ctrl_size(device):
+  ops, res, aliases = _adam_updates_mode(device)
+  ops[2] = jax.device_put(np.ones(5, np.float32), device)
+  with jaxfuse_error("jaxfuse_adam", "ctrl has 5 elements, expected 4"):
+    _adam_call(ops, res, aliases)
+
+
+@pytest.mark.parametrize("result, match", [
+    (S((), F32), "Wrong buffer dtype: expected S32 but got F32"),
+    (S((1,), I32), "Wrong buffer rank: expected 0 but got 1"),
+])
+def test_adam_new_count_result_type(device, result, match):
+  ops, res, aliases = _adam_updates_mode(device)
+  res[0] = result
+  with xla_error(match):
+    _adam_call(ops, res, aliases)
+
+
+@pytest.mark.parametrize("lst, dtype", list(itertools.product(
+    ["grads", "params", "mu", "nu", "updates"], [I32, U8, jnp.bool_])))
+def test_adam_tensor_dtype(device, lst, dtype):
+  """A non-float buffer in any list is rejected and named (list and tensor index)."""
+  ops, res, aliases = _adam_updates_mode(device, **{lst: dtype})
+  with jaxfuse_error("jaxfuse_adam", rf"list '{lst}' tensor 0: unsupported dtype"):
+    _adam_call(ops, res, aliases)
+
+
+@pytest.mark.parametrize("lst", ["grads", "params", "mu", "nu"])
+def test_adam_tensor_float64(device, lst):
+  with jax.enable_x64(True):
+    ops, res, aliases = _adam_updates_mode(device, **{lst: jnp.float64})
+    assert ops[3 + ["grads", "params", "mu", "nu"].index(lst)].dtype == jnp.float64
+    with jaxfuse_error("jaxfuse_adam", rf"list '{lst}' tensor 0: unsupported dtype"):
+      _adam_call(ops, res, aliases)
+
+
+@pytest.mark.parametrize("lst", ["params", "mu", "nu", "updates"])
+def test_adam_element_count_mismatch(device, lst):
+  """Tensor 1 of two has a list whose element count differs from its grads."""
+  count, hyper, ctrl, rng = _adam_fixed(device, seed=1)
+  sizes = {k: 3 for k in ("grads", "params", "mu", "nu", "updates")}
+  sizes[lst] = 5
+  t0 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
+  t1 = _put(device, *[_rng_array(rng, (sizes[k],), F32) for k in ("grads", "params", "mu", "nu")])
+  ops = [count, hyper, ctrl] + [x for pair in zip(t0, t1) for x in pair]
+  res = [S((), I32), S((4,), F32), S((sizes["updates"],), F32), S((4,), F32),
+         S((sizes["mu"],), F32), S((4,), F32), S((sizes["nu"],), F32)]
+  with jaxfuse_error("jaxfuse_adam", rf"tensor 1: list '{lst}' has 5 elements, list 'grads' has 3"):
+    _adam_call(ops, res, {7: 3, 8: 4, 9: 5, 10: 6}, num_tensors=np.int64(2),
+               decay_mask=np.zeros(2, np.uint8))
+
+
+@pytest.mark.parametrize("n", [-1, 0, 3, -(2**62), 2**62, 2**63 - 1])
+def test_adam_num_tensors_inconsistent(device, n):
+  ops, res, aliases = _adam_updates_mode(device)
+  with jaxfuse_error("jaxfuse_adam", rf"4 tensor operands and 3 tensor results do not fit "
+                                     rf"num_tensors={n} \(expected 4 and 3 per tensor\)"):
+    _adam_call(ops, res, aliases, num_tensors=np.int64(n),
+               decay_mask=np.zeros(max(0, min(n, 3)), np.uint8))
+
+
+def test_adam_operand_and_result_counts(device):
+  ops, res, aliases = _adam_updates_mode(device)
+  # One tensor operand too many (5 for num_tensors=1 without master params).
+  with jaxfuse_error("jaxfuse_adam", "5 tensor operands and 3 tensor results do not fit"):
+    _adam_call(ops + [ops[3]], res, aliases)
+  # One tensor result too few, and one too many.
+  with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 2 tensor results do not fit"):
+    _adam_call(ops, res[:3], {5: 2})
+  with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 4 tensor results do not fit"):
+    _adam_call(ops, res + [S((4,), F32)], aliases)
+  # Fewer than the three fixed operands.
+  with xla_error("Wrong number of arguments"):
+    _adam_call(ops[:2], [S((), I32)], {})
+  # No results at all beyond the count.
+  with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 0 tensor results do not fit"):
+    _adam_call(ops, [S((), I32)], {})
+
+
+def test_adam_master_flag_inconsistent(device):
+  ops, res, aliases = _adam_updates_mode(device)
+  # master=True but no master operand / result.
+  with jaxfuse_error("jaxfuse_adam", r"do not fit num_tensors=1 \(expected 5 and 4 per tensor\)"):
+    _adam_call(ops, res, aliases, master=True)
+  # master=False with a master operand and result.
+  master = jax.device_put(np.ones(4, np.float32), device)
+  with jaxfuse_error("jaxfuse_adam", r"do not fit num_tensors=1 \(expected 4 and 3 per tensor\)"):
+    _adam_call(ops + [master], res + [S((4,), F32)], {**aliases, 7: 4})
+
+
+def test_adam_master_params_not_float32(device):
+  ops, res, aliases = _adam_updates_mode(device)
+  master = jax.device_put(np.ones(4, jnp.bfloat16), device)
+  with jaxfuse_error("jaxfuse_adam", "master params of tensor 0 must be float32"):
+    _adam_call(ops + [master], res + [S((4,), BF16)], {**aliases, 7: 4}, master=True)
+
+
+def test_adam_in_place_outputs_must_alias(device):
+  """The fused step's params and the master params must be updated in place."""
+  ops, _, _ = _adam_updates_mode(device)
+  fused = [S((), I32)] + [S((4,), F32)] * 3
+  with jaxfuse_error("jaxfuse_adam", "output 'params' of tensor 0 is not aliased"):
+    _adam_call(ops, fused, {5: 1, 6: 2}, write_updates=False)
+  with jaxfuse_error("jaxfuse_adam", "output 'nu' of tensor 0 is not aliased"):
+    _adam_call(ops, fused, {5: 1, 4: 3}, write_updates=False)
+  master = jax.device_put(np.ones(4, np.float32), device)
+  ops_m, res_m, aliases_m = _adam_updates_mode(device)
+  with jaxfuse_error("jaxfuse_adam", "output 'master_params' of tensor 0 is not aliased"):
+    _adam_call(ops_m + [master], res_m + [S((4,), F32)], aliases_m, master=True)
+
+
+@pytest.mark.parametrize("mask, match", [
+    (np.zeros(3, np.uint8), "decay_mask has 3 entries, expected num_tensors=1"),
+    (np.zeros(0, np.uint8), "decay_mask has 0 entries, expected num_tensors=1"),
+    (np.array([7], np.uint8), "decay_mask entry 0 is 7, expected 0 or 1"),
+])
+def test_adam_decay_mask(device, mask, match):
+  ops, res, aliases = _adam_updates_mode(device)
+  with jaxfuse_error("jaxfuse_adam", match):
+    _adam_call(ops, res, aliases, decay_mask=mask)
+
+
+def test_adam_attribute_types(device):
+  ops, res, aliases = _adam_updates_mode(device)
+  with xla_error("Wrong scalar data type: expected S64 but got S32"):
+    _adam_call(ops, res, aliases, num_tensors=np.int32(1))
+  with xla_error("Wrong array data type: expected U8 but got S32"):
+    _adam_call(ops, res, aliases, decay_mask=np.zeros(1, np.int32))
+  with xla_error("Wrong attribute type: expected array but got scalar"):
+    _adam_call(ops, res, aliases, decay_mask=np.uint8(0))
+  with xla_error("Unsupported array element type for attribute: decay_mask"):
+    _adam_call(ops, res, aliases, decay_mask=np.zeros(1, bool))
+  with xla_error(r"Wrong number of attributes: expected 5 but got 4"):
+    _adam_call(ops, res, aliases, decay_mask=None)
+
+
+# ---- jaxfuse_global_norm / jaxfuse_apply_grad_ctrl -------------------------------------------
+# global_norm: operands params f32[2], n grads; results norm f32[], ctrl f32[4], partials f32[2048]
+# apply_grad_ctrl: operands ctrl f32[4], n grads; results n grads
+
+
+_NORM_RESULTS = [S((), F32), S((4,), F32), S((2 * _NORM_SLOTS,), F32)]
+
+
+def _norm_call(operands, results=_NORM_RESULTS, **attrs):
+  a = dict(clip=True, skip_nonfinite=False, clip_apply_loss_scale=True)
+  a.update(attrs)
+  call = jax.ffi.ffi_call(_target("jaxfuse_global_norm"), results)
+  return _run(call, operands, a)
+
+
+def _apply_call(operands, results):
+  call = jax.ffi.ffi_call(_target("jaxfuse_apply_grad_ctrl"), results)
+  return _run(call, operands, {})
+
+
+def _norm_operands(device, *dtypes, seed=2):
+  rng = np.random.default_rng(seed)
+  params = np.array([1.0, 1.0], np.float32)  # loss scale, max norm
+  return _put(device, params, *[_rng_array(rng, (4 + i,), dt) for i, dt in enumerate(dtypes)])
+
+
+def test_norm_good_call_succeeds(device):
+  ops = _norm_operands(device, F32, BF16)
+  norm, ctrl, _ = _norm_call(ops)
+  expect = np.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in ops[1:]))
+  np.testing.assert_allclose(float(norm), expect, rtol=1e-5)
+  assert ctrl.shape == (4,)
+  out = _apply_call([jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device), *ops[1:]],
+                    [S((4,), F32), S((5,), BF16)])
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(ops[2], np.float32))
+
+
+def test_norm_params_operand(device):
+  ops = _norm_operands(device, F32)
+  with jaxfuse_error("jaxfuse_global_norm", "params has 3 elements, expected 2"):
+    _norm_call([jax.device_put(np.ones(3, np.float32), device), *ops[1:]])
+  with xla_error("Wrong buffer dtype: expected F32 but got F16"):
+    _norm_call([jax.device_put(np.ones(2, np.float16), device), *ops[1:]])
+  with xla_error("Wrong buffer rank: expected 1 but got 2"):
+    _norm_call([jax.device_put(np.ones((1, 2), np.float32), device), *ops[1:]])
+  with xla_error("Wrong number of arguments"):  # not even the params operand
+    _run(jax.ffi.ffi_call(_target("jaxfuse_global_norm"), _NORM_RESULTS), [],
+         dict(clip=True, skip_nonfinite=False, clip_apply_loss_scale=True))
+
+
+@pytest.mark.parametrize("dtype", [I32, U8, jnp.bool_])
+def test_norm_grads_dtype(device, dtype):
+  ops = _norm_operands(device, F32, dtype)
+  with jaxfuse_error("jaxfuse_global_norm", "list 'grads' tensor 1: unsupported dtype"):
+    _norm_call(ops)
+
+
+def test_norm_grads_float64(device):
+  with jax.enable_x64(True):
+    ops = _norm_operands(device, jnp.float64)
+    assert ops[1].dtype == jnp.float64
+    with jaxfuse_error("jaxfuse_global_norm", "list 'grads' tensor 0: unsupported dtype"):
+      _norm_call(ops)
+
+
+_NORM, _CTRL, _PART = _NORM_RESULTS
+
+
+@pytest.mark.parametrize("results, match, ours", [
+    ([S((1,), F32), _CTRL, _PART], "Wrong buffer rank: expected 0 but got 1", False),
+    ([S((), BF16), _CTRL, _PART], "Wrong buffer dtype: expected F32 but got BF16", False),
+    ([_NORM, S((5,), F32), _PART], "ctrl result has 5 elements, expected 4", True),
+    ([_NORM, S((3,), F32), _PART], "ctrl result has 3 elements, expected 4", True),
+    ([_NORM, _CTRL, S((2047,), F32)], "partials workspace has 2047 elements, expected 2048", True),
+    ([_NORM, _CTRL, S((4096,), F32)], "partials workspace has 4096 elements, expected 2048", True),
+    ([_NORM, _CTRL, S((2048,), I32)], "Wrong buffer dtype: expected F32 but got S32", False),
+    ([_NORM, _CTRL], "Wrong number of results: expected 3 but got 2", False),
+    ([_NORM, _CTRL, _PART, _CTRL], "Wrong number of results: expected 3 but got 4", False),
+])
+def test_norm_results(device, results, match, ours):
+  ops = _norm_operands(device, F32)
+  with (jaxfuse_error("jaxfuse_global_norm", match) if ours else xla_error(match)):
+    _norm_call(ops, results)
+
+
+def test_norm_attributes(device):
+  ops = _norm_operands(device, F32)
+  with xla_error("Wrong scalar data type: expected PRED but got S64"):
+    _norm_call(ops, clip=np.int64(1))
+  with xla_error("Wrong number of attributes: expected 3 but got 2"):
+    _run(jax.ffi.ffi_call(_target("jaxfuse_global_norm"), _NORM_RESULTS), ops,
+         dict(clip=True, skip_nonfinite=False))
+
+
+def test_apply_grad_ctrl_ctrl_operand(device):
+  (x,) = _norm_operands(device, F32)[1:]
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "ctrl has 3 elements, expected 4"):
+    _apply_call([jax.device_put(np.ones(3, np.float32), device), x], [S((4,), F32)])
+  with xla_error("Wrong buffer dtype: expected F32 but got S32"):
+    _apply_call([jax.device_put(np.ones(4, np.int32), device), x], [S((4,), F32)])
+  with xla_error("Wrong buffer rank: expected 1 but got 0"):
+    _apply_call([jax.device_put(np.float32(1), device), x], [S((4,), F32)])
+
+
+def test_apply_grad_ctrl_lists(device):
+  ctrl = jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device)
+  x, y = _norm_operands(device, F32, F32)[1:]  # shapes (4,), (5,)
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "1 operands but 2 results"):
+    _apply_call([ctrl, x], [S((4,), F32), S((4,), F32)])
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "2 operands but 1 results"):
+    _apply_call([ctrl, x, y], [S((4,), F32)])
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "0 operands but 1 results"):
+    _apply_call([ctrl], [S((4,), F32)])
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "tensor 1: list 'scaled_grads' has 4 elements, "
+                                                "list 'grads' has 5"):
+    _apply_call([ctrl, x, y], [S((4,), F32), S((4,), F32)])
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "list 'scaled_grads' tensor 0: unsupported dtype"):
+    _apply_call([ctrl, x], [S((4,), I32)])
+  xi = jax.device_put(np.arange(1, 5, dtype=np.int32), device)
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "list 'grads' tensor 0: unsupported dtype"):
+    _apply_call([ctrl, xi], [S((4,), F32)])
+
+
+# ---- jaxfuse_decoder ---------------------------------------------------------------------------
+# operands: x, positions, 9 weights, k_cache, v_cache; results: out, k_cache, v_cache, workspace
+# attributes: the nine DecoderConfig fields. Tiny config; batch 4.
+
+_CFG = DecoderConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
+                     intermediate_size=24, max_seq_len=4)
+_B = 4
+_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def _dec_attrs(**over):
+  c = _CFG
+  attrs = dict(num_layers=np.int64(c.num_layers), hidden_size=np.int64(c.hidden_size),
+               num_heads=np.int64(c.num_heads), num_kv_heads=np.int64(c.num_kv_heads),
+               head_dim=np.int64(c.head_dim), intermediate_size=np.int64(c.intermediate_size),
+               max_seq_len=np.int64(c.max_seq_len), rms_norm_eps=np.float32(c.rms_norm_eps),
+               rope_theta=np.float64(c.rope_theta))
+  attrs.update(over)
+  return {k: v for k, v in attrs.items() if v is not None}
+
+
+def _dec_operands(device, seed=3):
+  """A well-formed call's operands as a dict (numpy, not yet on the device)."""
+  rng = np.random.default_rng(seed)
+  ops = {"x": rng.standard_normal((_B, _CFG.hidden_size)).astype(np.float32),
+         "positions": np.arange(_B, dtype=np.int32) % _CFG.max_seq_len}
+  for name, shape in _CFG.weight_shapes().items():
+    ops[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+  ops["k_cache"] = rng.standard_normal(_CFG.cache_shape(_B)).astype(np.float32)
+  ops["v_cache"] = rng.standard_normal(_CFG.cache_shape(_B)).astype(np.float32)
+  return ops
+
+
+def _dec_call(device, ops, results=None, aliases=None, operand_list=None, **attrs):
+  """Calls jaxfuse_decoder; `results` default to the shapes of x and the caches."""
+  args = operand_list if operand_list is not None else [
+      ops[k] for k in ("x", "positions", *_WEIGHTS, "k_cache", "v_cache")]
+  args = jax.device_put(args, device)
+  if results is None:
+    results = _dec_results(ops)
+  aliases = {11: 1, 12: 2} if aliases is None else aliases
+  call = jax.ffi.ffi_call(_target("jaxfuse_decoder"), results, input_output_aliases=aliases)
+  return _run(call, args, _dec_attrs(**attrs))
+
+
+def _dec_results(ops, ws_bytes=None, ws_dtype=U8):
+  x, k, v = ops["x"], ops["k_cache"], ops["v_cache"]
+  if ws_bytes is None:
+    ws_bytes = _workspace_bytes(_CFG, x.shape[0], x.dtype)
+  return [S(x.shape, x.dtype), S(k.shape, k.dtype), S(v.shape, v.dtype), S((ws_bytes,), ws_dtype)]
+
+
+def test_decoder_good_call_succeeds(device):
+  ops = _dec_operands(device)
+  out, k, _, _ = _dec_call(device, ops)
+  assert out.shape == (_B, _CFG.hidden_size) and np.isfinite(np.asarray(out)).all()
+  assert not np.array_equal(np.asarray(k), ops["k_cache"])  # the new k/v were written
+
+
+_SIZE_ATTRS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+               "intermediate_size", "max_seq_len")
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n in _SIZE_ATTRS for v in (0, -3)] +
+                         [("max_seq_len", 2**31 - 1), ("hidden_size", 2**62),
+                          ("num_layers", -(2**63))])
+def test_decoder_size_attribute_out_of_range(device, name, value):
+  with jaxfuse_error("jaxfuse_decoder", rf"{name}={value} must be a positive integer below"):
+    _dec_call(device, _dec_operands(device), **{name: np.int64(value)})
+
+
+_OVERFLOW_SCRIPT = """
+import sys
+import jax, numpy as np
+sys.path.insert(0, {tests!r})
+import test_ffi_validation as t
+device = jax.devices({platform!r})[0]
+try:
+  t._dec_call(device, t._dec_operands(device), num_heads=np.int64(2**62 + 2))
+  print("NO ERROR")
+except Exception as e:
+  print("ERROR:", e)
+"""
+
+
+def test_decoder_overflowing_sizes_are_rejected(device):
+  """num_heads = 2^62 + 2 makes num_heads * head_dim wrap around to the real 16 columns of wq, and
+  with batch 4 the workspace size wraps to the real one too: without the range check the handler
+  accepted the call and ran 2^62 heads over 2 heads' buffers (segfault). Run in a subprocess, so
+  that a regression fails this test instead of killing the test run."""
+  script = _OVERFLOW_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)),
+                                   platform=device.platform)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-2000:]}"
+  assert f"jaxfuse: jaxfuse_decoder: num_heads={2**62 + 2} must be a positive integer" in \
+      proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(head_dim=np.int64(7)), "head_dim=7 must be even"),
+    (dict(num_heads=np.int64(3), num_kv_heads=np.int64(2)),
+     "num_heads=3 is not a multiple of num_kv_heads=2"),
+    (dict(rms_norm_eps=np.float32(-1.0)), "rms_norm_eps=-1 must be finite and >= 0"),
+    (dict(rms_norm_eps=np.float32(np.nan)), "rms_norm_eps=nan must be finite and >= 0"),
+    (dict(rms_norm_eps=np.float32(np.inf)), "rms_norm_eps=inf must be finite and >= 0"),
+    (dict(rope_theta=np.float64(0.0)), "rope_theta=0 must be finite and > 0"),
+    (dict(rope_theta=np.float64(-1e4)), "rope_theta=-10000 must be finite and > 0"),
+    (dict(rope_theta=np.float64(np.inf)), "rope_theta=inf must be finite and > 0"),
+    (dict(rope_theta=np.float64(np.nan)), "rope_theta=nan must be finite and > 0"),
+])
+def test_decoder_bad_config_attributes(device, over, match):
+  with jaxfuse_error("jaxfuse_decoder", match):
+    _dec_call(device, _dec_operands(device), **over)
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(num_layers=np.int64(2)), r"attn_norm does not have shape \[2,16\]"),
+    (dict(hidden_size=np.int64(32)), r"x must have shape \[B, 32\]"),
+    (dict(num_heads=np.int64(4)), r"wq does not have shape \[1,16,32\]"),
+    (dict(num_kv_heads=np.int64(2)), r"wk does not have shape \[1,16,16\]"),
+    (dict(head_dim=np.int64(4)), r"wq does not have shape \[1,16,8\]"),
+    (dict(intermediate_size=np.int64(32)), r"w_gate does not have shape \[1,16,32\]"),
+    (dict(max_seq_len=np.int64(8)), r"k_cache does not have shape \[1,4,8,1,8\]"),
+    (dict(max_seq_len=np.int64(2)), r"k_cache does not have shape \[1,4,2,1,8\]"),
+])
+def test_decoder_attributes_inconsistent_with_operands(device, over, match):
+  with jaxfuse_error("jaxfuse_decoder", match):
+    _dec_call(device, _dec_operands(device), **over)
+
+
+def test_decoder_attribute_types(device):
+  ops = _dec_operands(device)
+  with xla_error("Wrong scalar data type: expected F32 but got F64"):
+    _dec_call(device, ops, rms_norm_eps=np.float64(1e-5))
+  with xla_error("Wrong scalar data type: expected F64 but got F32"):
+    _dec_call(device, ops, rope_theta=np.float32(1e4))
+  with xla_error("Wrong scalar data type: expected S64 but got S32"):
+    _dec_call(device, ops, num_layers=np.int32(1))
+  with xla_error("Wrong number of attributes: expected 9 attributes but got 8"):
+    _dec_call(device, ops, rope_theta=None)
+
+
+def test_decoder_x(device):
+  ops = _dec_operands(device)
+  bad = dict(ops, x=ops["x"].astype(np.int32))
+  with jaxfuse_error("jaxfuse_decoder", "x must be float32, bfloat16 or float16"):
+    _dec_call(device, bad, results=_dec_results(ops))
+  for shape in [(1, _B, 16), (_B * 16,), (_B, 17)]:
+    bad = dict(ops, x=np.ones(shape, np.float32))
+    with jaxfuse_error("jaxfuse_decoder", r"x must have shape \[B, 16\]"):
+      _dec_call(device, bad, results=[S(shape, F32)] + _dec_results(ops)[1:])
+
+
+def test_decoder_x_float64(device):
+  with jax.enable_x64(True):
+    ops = _dec_operands(device)
+    bad = dict(ops, x=ops["x"].astype(np.float64))
+    with jaxfuse_error("jaxfuse_decoder", "x must be float32, bfloat16 or float16"):
+      _dec_call(device, bad, results=[S(ops["x"].shape, jnp.float64)] + _dec_results(ops)[1:])
+
+
+def test_decoder_positions(device):
+  ops = _dec_operands(device)
+  with xla_error("Wrong buffer dtype: expected S32 but got F32"):
+    _dec_call(device, dict(ops, positions=ops["positions"].astype(np.float32)))
+  with xla_error("Wrong buffer rank: expected 1 but got 2"):
+    _dec_call(device, dict(ops, positions=ops["positions"][None]))
+  with jaxfuse_error("jaxfuse_decoder", r"positions must have shape \[4\]"):
+    _dec_call(device, dict(ops, positions=np.arange(_B + 1, dtype=np.int32)))
+  with jax.enable_x64(True):
+    with xla_error("Wrong buffer dtype: expected S32 but got S64"):
+      _dec_call(device, dict(ops, positions=ops["positions"].astype(np.int64)))
+
+
+@pytest.mark.parametrize("name", _WEIGHTS)
+def test_decoder_weight_shape_and_dtype(device, name):
+  ops = _dec_operands(device)
+  w = ops[name]
+  want = re.escape("[" + ",".join(str(s) for s in w.shape) + "]")
+  with jaxfuse_error("jaxfuse_decoder", rf"{name} does not have shape {want}"):
+    _dec_call(device, dict(ops, **{name: w[..., :-1]}))
+  with jaxfuse_error("jaxfuse_decoder", rf"{name} does not have shape"):
+    _dec_call(device, dict(ops, **{name: w.reshape(-1)}))
+  with jaxfuse_error("jaxfuse_decoder", rf"{name} has a different dtype than x \(float32\)"):
+    _dec_call(device, dict(ops, **{name: w.astype(jnp.bfloat16)}))
+
+
+def test_decoder_caches(device):
+  ops = _dec_operands(device)
+  for cache, bad in [("k_cache", ops["k_cache"][:, :2]), ("v_cache", ops["v_cache"][..., :4]),
+                     ("k_cache", ops["k_cache"][0])]:
+    bad_ops = dict(ops, **{cache: bad})
+    with jaxfuse_error("jaxfuse_decoder", rf"{cache} does not have shape \[1,4,4,1,8\]"):
+      _dec_call(device, bad_ops, results=_dec_results(bad_ops))
+  for cache, dtype in [("k_cache", jnp.bfloat16), ("v_cache", np.int32)]:
+    bad_ops = dict(ops, **{cache: ops[cache].astype(dtype)})
+    with jaxfuse_error("jaxfuse_decoder", rf"{cache} has a different dtype than x \(float32\)"):
+      _dec_call(device, bad_ops, results=_dec_results(bad_ops))
+
+
+def test_decoder_results(device):
+  ops = _dec_operands(device)
+  good = _dec_results(ops)
+  with jaxfuse_error("jaxfuse_decoder", r"out does not have shape \[4,16\]"):
+    _dec_call(device, ops, results=[S((_B, 17), F32)] + good[1:])
+  with jaxfuse_error("jaxfuse_decoder", r"out has a different dtype than x \(float32\)"):
+    _dec_call(device, ops, results=[S((_B, 16), BF16)] + good[1:])
+  with jaxfuse_error("jaxfuse_decoder", "k/v cache results are not aliased"):
+    _dec_call(device, ops, aliases={12: 2})
+  with xla_error("Wrong number of results: expected 4 but got 3"):
+    _dec_call(device, ops, results=good[:3])
+  with xla_error("Wrong number of results: expected 4 but got 5"):
+    _dec_call(device, ops, results=good + [S((1,), U8)])
+
+
+@pytest.mark.parametrize("delta", [-256, -1, 1, 4096])
+def test_decoder_workspace_size(device, delta):
+  """The workspace is exactly the layout's size: a different size means decoder.py's
+  _workspace_bytes and decoder_layout() disagree."""
+  ops = _dec_operands(device)
+  need = _workspace_bytes(_CFG, _B, jnp.float32)
+  with jaxfuse_error("jaxfuse_decoder", rf"workspace has {need + delta} bytes, expected {need}"):
+    _dec_call(device, ops, results=_dec_results(ops, ws_bytes=need + delta))
+
+
+def test_decoder_workspace_type(device):
+  ops = _dec_operands(device)
+  need = _workspace_bytes(_CFG, _B, jnp.float32)
+  with jaxfuse_error("jaxfuse_decoder", rf"workspace has 0 bytes, expected {need}"):
+    _dec_call(device, ops, results=_dec_results(ops, ws_bytes=0))
+  with xla_error("Wrong buffer dtype: expected U8 but got F32"):
+    _dec_call(device, ops, results=_dec_results(ops, ws_bytes=need // 4, ws_dtype=F32))
+  with xla_error("Wrong buffer rank: expected 1 but got 2"):
+    _dec_call(device, ops, results=_dec_results(ops)[:3] + [S((1, need), U8)])
+
+
+def test_decoder_operand_count(device):
+  ops = _dec_operands(device)
+  args = [ops[k] for k in ("x", "positions", *_WEIGHTS, "k_cache", "v_cache")]
+  with xla_error("Wrong number of arguments: expected 13 but got 14"):
+    _dec_call(device, ops, operand_list=args + [ops["x"]])
+  with xla_error("Wrong number of arguments: expected 13 but got 12"):
+    _dec_call(device, ops, operand_list=args[:10] + args[11:], aliases={10: 1, 11: 2})
