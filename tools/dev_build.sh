@@ -6,6 +6,7 @@
 # CUDA sources are compiled for the host as well (tools/cuda_on_cpu), with nvcc or without.
 dev_build() {
   local dir="$1" src="$2"; shift 2
+  mkdir -p "$(dirname "$dir")"
   python3 -c "import nanobind" 2>/dev/null || python3 -m pip install --quiet "nanobind>=2.4"
   command -v ninja >/dev/null 2>&1 || python3 -m pip install --quiet ninja
   cmake -S "$src" -B "$dir" -G Ninja -DSKBUILD_PROJECT_NAME=jaxfuse \
