@@ -11,6 +11,8 @@ Decode side:
   decoder_reference    the same step (or a multi-token prefill) in plain JAX
 """
 
+from importlib import metadata as _metadata
+
 from jaxfuse._ffi import backends
 from jaxfuse.adam import AdamExtraState, adam, adamw
 from jaxfuse.clip import clip_by_global_norm, global_norm
@@ -18,7 +20,10 @@ from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, decoder_ref
                              persistent_decoder)
 from jaxfuse.fused import fused_step
 
-__version__ = "0.1.0"
+try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
+  __version__ = _metadata.version("jaxfuse")
+except _metadata.PackageNotFoundError:  # source tree on sys.path without an install
+  __version__ = "unknown"
 
 __all__ = [
     "AdamExtraState",

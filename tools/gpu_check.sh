@@ -34,7 +34,7 @@ step build env JAXFUSE_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=16 \
   python3 -m pip install --no-build-isolation --no-deps -v -e . || { printf '%s\n' "${SUMMARY[@]}"; exit 1; }
 grep -E "spill|ptxas" "$OUT/build.log" | sort -u | head -40 > "$OUT/ptxas.txt"
 
-step backends python3 -c "import jaxfuse; b = jaxfuse.backends(); print(b); assert b['cuda']['usable'], b"
+step backends python3 -c "import jaxfuse; b = jaxfuse.backends(); print(jaxfuse.__version__, b); assert b['cuda']['usable'], b"
 step tests_gpu python3 -m pytest -q -m gpu tests -W ignore::DeprecationWarning
 step tests_all python3 -m pytest -q tests -W ignore::DeprecationWarning
 
