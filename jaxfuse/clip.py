@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxfuse import _ffi
@@ -75,7 +74,8 @@ def apply_grad_ctrl(grads: Any, ctrl: jax.Array) -> Any:
   if not leaves:
     return grads
   call = jax.ffi.ffi_call(
-      _ffi.target("jaxfuse_apply_grad_ctrl"), [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves],
+      _ffi.target("jaxfuse_apply_grad_ctrl"),
+      [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves],
       vmap_method="sequential")
   return treedef.unflatten(call(ctrl, *leaves))
 

@@ -210,14 +210,15 @@ def _jit_bind(*args, cfg):
 
 decoder_p.def_impl(_impl)
 
+
 def _lowering(ctx, *args, cfg: DecoderConfig):
   rule = jax.ffi.ffi_lowering(_ffi.target("jaxfuse_decoder"), operand_output_aliases={11: 1, 12: 2})
   return rule(ctx, *args,
-                   num_layers=np.int64(cfg.num_layers), hidden_size=np.int64(cfg.hidden_size),
-                   num_heads=np.int64(cfg.num_heads), num_kv_heads=np.int64(cfg.num_kv_heads),
-                   head_dim=np.int64(cfg.head_dim), intermediate_size=np.int64(cfg.intermediate_size),
-                   max_seq_len=np.int64(cfg.max_seq_len), rms_norm_eps=np.float32(cfg.rms_norm_eps),
-                   rope_theta=np.float64(cfg.rope_theta))
+              num_layers=np.int64(cfg.num_layers), hidden_size=np.int64(cfg.hidden_size),
+              num_heads=np.int64(cfg.num_heads), num_kv_heads=np.int64(cfg.num_kv_heads),
+              head_dim=np.int64(cfg.head_dim), intermediate_size=np.int64(cfg.intermediate_size),
+              max_seq_len=np.int64(cfg.max_seq_len), rms_norm_eps=np.float32(cfg.rms_norm_eps),
+              rope_theta=np.float64(cfg.rope_theta))
 
 
 mlir.register_lowering(decoder_p, _lowering, platform="cpu")

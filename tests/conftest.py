@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxfuse
 from jaxfuse import _ffi
 
 
@@ -41,8 +42,24 @@ def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0, device=None):
   return jax.device_put(tree, device) if device is not None else tree
 
 
-def to_device(tree, device):
-  return jax.device_put(tree, device)
+def random_decoder_problem(cfg, batch, dtype, seed, device=None):
+  """(x, weights, cache) for jaxfuse.persistent_decoder: random weights scaled so activations
+  stay O(1) (norm weights near 1, matrices by 1/sqrt(fan-in)), a random (filled) cache."""
+  rng = np.random.default_rng(seed)
+  shapes = cfg.weight_shapes()
+  ws = []
+  for name in jaxfuse.DecoderWeights._fields:
+    shape = shapes[name]
+    if "norm" in name:
+      a = 1.0 + 0.1 * rng.standard_normal(shape)
+    else:
+      a = rng.standard_normal(shape) / np.sqrt(shape[1])
+    ws.append(jnp.asarray(a, dtype))
+  cache = jaxfuse.KVCache(*[jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
+                            for _ in range(2)])
+  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
+  problem = (x, jaxfuse.DecoderWeights(*ws), cache)
+  return jax.device_put(problem, device) if device is not None else problem
 
 
 def ulp(dtype):
@@ -72,3 +89,36 @@ def count_custom_calls(hlo_text, target):
   """Custom calls to handler `target` in compiled HLO text or lowered StableHLO text."""
   target = _ffi.target(target)  # the CUDA-on-CPU check runs the suite under other target names
   return hlo_text.count(f'custom_call_target="{target}"') + hlo_text.count(f"custom_call @{target}(")
+
+
+class Snapshot:
+  """A tree's structure and every leaf's dtype, shape and raw bytes, copied to the host (so that
+  it survives the donation of the tree's buffers)."""
+
+  def __init__(self, tree):
+    self.treedef = jax.tree.structure(tree)
+    self.paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    self.leaves = []
+    for x in jax.tree.leaves(tree):
+      a = np.asarray(x)
+      self.leaves.append((a.dtype, a.shape,
+                          np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()))
+
+  def differences(self, other):
+    """Where `other` differs from this snapshot (empty when bitwise equal)."""
+    if self.treedef != other.treedef:
+      return [f"tree structure {other.treedef} != {self.treedef}"]
+    out = []
+    for path, (ed, es, eb), (ad, as_, ab) in zip(self.paths, self.leaves, other.leaves):
+      if (ed, es) != (ad, as_):
+        out.append(f"{path}: {ad}{list(as_)} != {ed}{list(es)}")
+      elif not np.array_equal(eb, ab):
+        out.append(f"{path}: {int(np.count_nonzero(eb != ab))} of {eb.size} bytes differ")
+    return out
+
+
+def assert_bitwise_equal(actual, expected, what):
+  """`actual` and `expected` (trees or Snapshots) are equal bit for bit, leaf by leaf."""
+  snap = lambda t: t if isinstance(t, Snapshot) else Snapshot(t)
+  diffs = snap(expected).differences(snap(actual))
+  assert not diffs, f"{what}: " + "; ".join(diffs)

@@ -65,8 +65,9 @@ def test_label_refuses_what_cmake_would_refuse(build_version, monkeypatch, tmp_p
   monkeypatch.setenv("CUDACXX", str(broken))
   with pytest.raises(RuntimeError, match=r"did not run"):
     build_version.cuda_label()
-  monkeypatch.setenv("JAXFUSE_CUDA", "AUTO")
-  assert build_version.cuda_label() == "cpu"  # AUTO with a compiler that does not run: CPU only
+  for auto in ("AUTO", ""):  # exported but empty: AUTO (CMakeLists.txt reads it so too)
+    monkeypatch.setenv("JAXFUSE_CUDA", auto)
+    assert build_version.cuda_label() == "cpu"  # AUTO with a compiler that does not run: CPU only
   monkeypatch.setenv("JAXFUSE_CUDA", "off")
   with pytest.raises(ValueError, match=r"JAXFUSE_CUDA must be one of AUTO, ON, OFF, not 'off'"):
     build_version.cuda_label()
@@ -107,3 +108,5 @@ def test_cmake_builds_what_the_label_promises_or_fails(tmp_path):
   kept = cmake_configure(tmp_path, "0.1.0+cpu", "-DJAXFUSE_CUDA=OFF")
   assert kept.returncode == 0, kept.stdout + kept.stderr
   assert "jaxfuse: version 0.1.0+cpu" in kept.stdout
+  bad_mode = cmake_configure(tmp_path, "0.1.0+cpu", "-DJAXFUSE_CUDA=off")
+  assert "JAXFUSE_CUDA must be AUTO, ON or OFF, not 'off'" in bad_mode.stdout + bad_mode.stderr

@@ -276,4 +276,7 @@ def test_clip_with_infinite_max_norm_follows_optax(device):
   g = jax.device_put({"a": jnp.array([1.0, jnp.inf, 2.0])}, device)
   uf, _ = jaxfuse.clip_by_global_norm(jnp.inf).update(g, optax.EmptyState())
   uo, _ = optax.clip_by_global_norm(jnp.inf).update(g, optax.EmptyState())
-  np.testing.assert_array_equal(np.isnan(np.asarray(uf["a"])), np.isnan(np.asarray(uo["a"])))
+  assert_trees_close(uf, uo, rtol=0, atol=0)  # NaN where optax has NaN, equal elsewhere
+  finite = random_tree(31, [(7,), (2, 3)], device=device)  # any finite norm is < inf: unchanged
+  uf, _ = jaxfuse.clip_by_global_norm(jnp.inf).update(finite, optax.EmptyState())
+  assert_trees_close(uf, finite, rtol=0, atol=0)

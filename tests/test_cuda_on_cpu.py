@@ -18,6 +18,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi
+from conftest import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:
   if os.environ.get("JAXFUSE_REQUIRE_CUDA_ON_CPU") == "1":
@@ -30,20 +31,6 @@ os.environ["JAXFUSE_EMU_DEVICES"] = DEVICES
 GRIDS = [pytest.param(str(i), id=f"grid{spec}") for i, spec in enumerate(DEVICES.split(","))]
 
 SIZES = [(), (0,), (1,), (3,), (5, 7), (33,), (4097,), (2, 32768 + 3)]
-
-
-def random_tree(seed, shapes, dtypes, scale=1.0):
-  rng = np.random.default_rng(seed)
-  return {f"leaf{i:02d}": jnp.asarray(scale * rng.standard_normal(s), dtype=d)
-          for i, (s, d) in enumerate(zip(shapes, dtypes))}
-
-
-def bits(tree):
-  """Each leaf's raw bits (bitwise comparison that also compares NaNs exactly)."""
-  def raw(x):
-    x = np.asarray(x)
-    return x.view(np.dtype(f"u{x.dtype.itemsize}")) if x.dtype.kind in "fV" else x
-  return jax.tree.map(raw, jax.device_get(tree))
 
 
 def on_both(fn, *args):
@@ -60,8 +47,14 @@ def emulated(fn, *args):
     return jax.device_get(jax.jit(fn)(*args))
 
 
-def assert_bitwise(a, b):
-  jax.tree.map(np.testing.assert_array_equal, bits(a), bits(b))
+def assert_same_bits_under_schedules(monkeypatch, seeds, fn, *args):
+  """fn(*args) on the emulated handlers gives the same bits under each thread-schedule seed."""
+  results = []
+  for seed in seeds:
+    monkeypatch.setenv("JAXFUSE_EMU_SEED", seed)
+    results.append(emulated(fn, *args))
+  for seed, r in zip(seeds[1:], results[1:]):
+    assert_bitwise_equal(r, results[0], f"schedule seed {seed} vs {seeds[0]}")
 
 
 # (emulated device, schedule seed) pairs: every grid size once, in-order and shuffled schedules
@@ -103,7 +96,7 @@ def adam_case(mode, dtypes):
   params = random_tree(1, SIZES, dtypes)
   grads = random_tree(2, SIZES, dtypes, scale=0.5)
   if mode == "skip":
-    grads["leaf06"] = grads["leaf06"].at[7].set(jnp.nan)
+    grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
   state = tx.init(params)
   # A second step's state: moments are then non-trivial.
   state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state, params)
@@ -125,7 +118,7 @@ def test_adam_bitwise(mode, mix, launch):
   else:
     fn = lambda g, s, p: tx.update(g, s, p)
   native, emu = on_both(fn, grads, state, params)
-  assert_bitwise(emu, native)
+  assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
 
 
 @pytest.mark.parametrize("mix", list(DTYPE_MIXES))
@@ -137,15 +130,9 @@ def test_global_norm(mix, launch):
   np.testing.assert_allclose(native, exact, rtol=2e-6)
 
 
-def test_global_norm_same_bits_under_every_schedule(grid):
+def test_global_norm_same_bits_under_every_schedule(grid, monkeypatch):
   tree = random_tree(5, SIZES, DTYPE_MIXES["mixed"])
-  results = []
-  for seed in ("0", "1", "99"):
-    os.environ["JAXFUSE_EMU_SEED"] = seed
-    results.append(emulated(jaxfuse.global_norm, tree))
-  del os.environ["JAXFUSE_EMU_SEED"]
-  for r in results[1:]:
-    assert_bitwise(r, results[0])
+  assert_same_bits_under_schedules(monkeypatch, ("0", "1", "99"), jaxfuse.global_norm, tree)
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e9])
@@ -178,17 +165,9 @@ def test_clip_by_global_norm_alone(launch):
 def decoder_case(dtype, batch=3, seq=40):
   cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                               head_dim=32, intermediate_size=256, max_seq_len=seq)
-  rng = np.random.default_rng(9)
-  shapes = cfg.weight_shapes()
-  w = jaxfuse.DecoderWeights(*[
-      jnp.asarray((1.0 if "norm" in name else 0.05) * rng.standard_normal(shapes[name])
-                  + (1.0 if "norm" in name else 0.0), dtype)
-      for name in jaxfuse.DecoderWeights._fields])
-  k = jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
-  v = jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
-  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
+  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=9)
   positions = jnp.asarray([5, seq - 1, 17][:batch], jnp.int32)
-  return cfg, x, positions, w, jaxfuse.KVCache(k, v)
+  return cfg, x, positions, w, cache
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -203,19 +182,14 @@ def test_decoder(dtype, launch):
   for new_e, new_n, old in zip(c_e, c_n, cache):
     np.testing.assert_allclose(np.asarray(new_e, np.float32)[written],
                                np.asarray(new_n, np.float32)[written], rtol=tol, atol=tol)
-    assert_bitwise(np.asarray(new_e)[~written], np.asarray(old)[~written])  # nothing else written
+    assert_bitwise_equal(np.asarray(new_e)[~written], np.asarray(old)[~written],
+                         "cache rows the step must not write")
 
 
-def test_decoder_same_bits_under_every_schedule(grid):
+def test_decoder_same_bits_under_every_schedule(grid, monkeypatch):
   cfg, x, positions, w, cache = decoder_case(jnp.float32)
   fn = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
-  results = []
-  for seed in ("0", "3", "4242"):
-    os.environ["JAXFUSE_EMU_SEED"] = seed
-    results.append(emulated(fn, x, positions, w, cache))
-  del os.environ["JAXFUSE_EMU_SEED"]
-  for r in results[1:]:
-    assert_bitwise(r, results[0])
+  assert_same_bits_under_schedules(monkeypatch, ("0", "3", "4242"), fn, x, positions, w, cache)
 
 
 def test_failed_launch_does_not_poison_later_calls(monkeypatch):

@@ -1,7 +1,5 @@
 """jaxfuse.persistent_decoder against the pure-JAX reference, on every available backend."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +8,8 @@ from jax import lax
 
 import jaxfuse
 from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
+from jaxfuse import _ffi
+from conftest import random_decoder_problem
 
 
 def _gpu_available():
@@ -32,25 +32,6 @@ def device(request):
 # summation order (~1e-6 here); 16-bit results by one rounding of the output and of the cached
 # k/v (bf16 has 8 mantissa bits: 2^-8 = 4e-3 per rounding, a few compounding across layers).
 TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
-
-
-def make_problem(cfg, batch, dtype, seed, device):
-  """Random weights scaled so activations stay O(1); a random (filled) cache."""
-  rng = np.random.default_rng(seed)
-  shapes = cfg.weight_shapes()
-  ws = []
-  for name in DecoderWeights._fields:
-    shape = shapes[name]
-    if "norm" in name:
-      a = 1.0 + 0.1 * rng.standard_normal(shape)
-    else:
-      a = rng.standard_normal(shape) / np.sqrt(shape[1])
-    ws.append(a)
-  w = DecoderWeights(*[jnp.asarray(a, dtype) for a in ws])
-  cache = KVCache(jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype),
-                  jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype))
-  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
-  return jax.device_put((x, w, cache), device)
 
 
 def rel_err(a, b):
@@ -83,7 +64,7 @@ CONFIGS = {
                                         ("mqa_hd32", 2), ("gqa2_hd128", 4), ("mqa_many", 5)])
 def test_matches_reference(device, name, batch, dtype):
   cfg = DecoderConfig(*CONFIGS[name], rms_norm_eps=1e-5, rope_theta=10000.0)
-  x, w, cache = make_problem(cfg, batch, dtype, seed=hash(name) % 1000, device=device)
+  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=hash(name) % 1000, device=device)
   pos = jax.device_put(positions_for(batch, cfg.max_seq_len), device)
   out, new = fused(x, pos, w, cache, cfg)
   ref, ref_cache = reference(x, pos, w, cache, cfg)
@@ -101,7 +82,7 @@ def test_matches_reference(device, name, batch, dtype):
 
 def test_float16_and_rope_theta(device):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 64, rms_norm_eps=1e-6, rope_theta=500000.0)
-  x, w, cache = make_problem(cfg, 2, jnp.float16, 7, device)
+  x, w, cache = random_decoder_problem(cfg, 2, jnp.float16, 7, device)
   pos = jax.device_put(np.array([63, 10], np.int32), device)
   out, _ = fused(x, pos, w, cache, cfg)
   ref, _ = reference(x, pos, w, cache, cfg)
@@ -111,7 +92,7 @@ def test_float16_and_rope_theta(device):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_consecutive_steps_feed_cache(device, dtype):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
-  x, w, cache = make_problem(cfg, 3, dtype, 3, device)
+  x, w, cache = random_decoder_problem(cfg, 3, dtype, 3, device)
   pos = np.array([0, 5, 12], np.int32)
   c_fused, c_ref = cache, cache
   h_fused, h_ref = x, x
@@ -129,7 +110,7 @@ def test_consecutive_steps_feed_cache(device, dtype):
 def test_prefill_reference_matches_steps(device):
   """decoder_reference's multi-token prefill equals T single-token fused steps."""
   cfg = DecoderConfig(2, 64, 4, 1, 16, 64, 12)
-  _, w, cache = make_problem(cfg, 2, jnp.float32, 11, device)
+  _, w, cache = random_decoder_problem(cfg, 2, jnp.float32, 11, device)
   T = 5
   xs = jax.device_put(np.random.default_rng(0).standard_normal((2, T, 64)).astype(np.float32), device)
   start = np.array([0, 4], np.int32)
@@ -145,7 +126,7 @@ def test_prefill_reference_matches_steps(device):
 def test_future_positions_not_read(device):
   """Cache slots after p hold NaN: a kernel reading past p would produce NaN."""
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 40)
-  x, w, cache = make_problem(cfg, 4, jnp.float32, 5, device)
+  x, w, cache = random_decoder_problem(cfg, 4, jnp.float32, 5, device)
   pos = np.array([0, 17, 39, 8], np.int32)
   k, v = np.array(cache.k), np.array(cache.v)
   for b, p in enumerate(pos):
@@ -162,7 +143,7 @@ def test_future_positions_not_read(device):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_out_of_range_positions(device, dtype):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
-  x, w, cache = make_problem(cfg, 4, dtype, 9, device)
+  x, w, cache = random_decoder_problem(cfg, 4, dtype, 9, device)
   pos = np.array([-1, 16, 7, -2147483648], np.int32)
   out, new = fused(x, jax.device_put(pos, device), w, cache, cfg)
   out = np.asarray(out, np.float32)
@@ -180,7 +161,7 @@ def test_vmap_folds_into_batch(device):
   V, B = 3, 2
   xs, caches = [], []
   for i in range(V):
-    x, w, c = make_problem(cfg, B, jnp.float32, 20 + i, device)
+    x, w, c = random_decoder_problem(cfg, B, jnp.float32, 20 + i, device)
     xs.append(x)
     caches.append(c)
   x = jnp.stack(xs)
@@ -206,7 +187,7 @@ def test_vmap_folds_into_batch(device):
 
 def test_scan_and_while_loop(device):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
-  x, w, cache = make_problem(cfg, 2, jnp.float32, 30, device)
+  x, w, cache = random_decoder_problem(cfg, 2, jnp.float32, 30, device)
   pos0 = jax.device_put(np.array([0, 6], np.int32), device)
 
   def run(step_fn, steps=5):
@@ -236,7 +217,7 @@ def test_scan_and_while_loop(device):
 
 def test_jit_with_donation(device):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
-  x, w, cache = make_problem(cfg, 2, jnp.bfloat16, 40, device)
+  x, w, cache = random_decoder_problem(cfg, 2, jnp.bfloat16, 40, device)
   pos = jax.device_put(np.array([2, 11], np.int32), device)
   ref, ref_cache = reference(x, pos, w, cache, cfg)
   # (a numpy view of the cache itself would hold an external reference and block donation)
@@ -256,7 +237,7 @@ def test_jit_with_donation(device):
 
 def _small(device):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
-  x, w, cache = make_problem(cfg, 2, jnp.float32, 1, device)
+  x, w, cache = random_decoder_problem(cfg, 2, jnp.float32, 1, device)
   return cfg, x, jnp.array([1, 2], jnp.int32), w, cache
 
 
@@ -326,7 +307,7 @@ def test_handler_validates_buffers(device):
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.k.shape, x.dtype),
               jax.ShapeDtypeStruct(cache.v.shape, x.dtype),
               jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8))
-    f = jax.ffi.ffi_call("jaxfuse_decoder", shapes, input_output_aliases={11: 1, 12: 2})
+    f = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), shapes, input_output_aliases={11: 1, 12: 2})
     return jax.jit(lambda *args: f(*args, **a))(x, pos, *w, cache.k, cache.v)
 
   good = _workspace_bytes(cfg, 2, jnp.float32)

@@ -12,44 +12,11 @@ import optax
 import pytest
 
 import jaxfuse
-from conftest import random_tree
+from conftest import Snapshot, assert_bitwise_equal, random_decoder_problem, random_tree
 
 # A leaf above the CPU handlers' 65536-element chunk, so that a bad value can sit in a chunk
 # other than the first (and the CPU work spreads over the thread pool).
 SHAPES = [(70_001,), (33,), (4, 5), ()]
-
-
-class Snapshot:
-  """A tree's structure and every leaf's dtype, shape and raw bytes, copied to the host (so that
-  it survives the donation of the tree's buffers)."""
-
-  def __init__(self, tree):
-    self.treedef = jax.tree.structure(tree)
-    self.paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-    self.leaves = []
-    for x in jax.tree.leaves(tree):
-      a = np.asarray(x)
-      self.leaves.append((a.dtype, a.shape,
-                          np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()))
-
-  def differences(self, other):
-    """Where `other` differs from this snapshot (empty when bitwise equal)."""
-    if self.treedef != other.treedef:
-      return [f"tree structure {other.treedef} != {self.treedef}"]
-    out = []
-    for path, (ed, es, eb), (ad, as_, ab) in zip(self.paths, self.leaves, other.leaves):
-      if (ed, es) != (ad, as_):
-        out.append(f"{path}: {ad}{list(as_)} != {ed}{list(es)}")
-      elif not np.array_equal(eb, ab):
-        out.append(f"{path}: {int(np.count_nonzero(eb != ab))} of {eb.size} bytes differ")
-    return out
-
-
-def assert_bitwise_equal(actual, expected, what):
-  """`actual` and `expected` (trees or Snapshots) are equal bit for bit, leaf by leaf."""
-  snap = lambda t: t if isinstance(t, Snapshot) else Snapshot(t)
-  diffs = snap(expected).differences(snap(actual))
-  assert not diffs, f"{what}: " + "; ".join(diffs)
 
 
 def _grads(rng, params, scale=1.0):
@@ -208,7 +175,6 @@ def test_restored_run_is_bitwise_the_uninterrupted_run(device, tmp_path, path, k
     params, state = step(params, state, g)
 
   restored = _save_restore(writer, (params, state), tmp_path, device)
-  assert jax.tree.structure(restored) == jax.tree.structure((params, state))
   assert_bitwise_equal(restored, (params, state), "restored checkpoint")
   r_params, r_state = restored
 
@@ -228,18 +194,9 @@ _DEC_CFG = jaxfuse.DecoderConfig(num_layers=2, hidden_size=128, num_heads=4, num
 
 
 def _decoder_problem(seed, device, batch=2):
-  rng = np.random.default_rng(seed)
-  cfg = _DEC_CFG
-  ws = []
-  for name, shape in cfg.weight_shapes().items():
-    a = 1.0 + 0.1 * rng.standard_normal(shape) if "norm" in name else \
-        rng.standard_normal(shape) / np.sqrt(shape[1])
-    ws.append(jnp.asarray(a, jnp.float32))
-  cache = jaxfuse.KVCache(
-      *[jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), jnp.float32) for _ in range(2)])
-  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), jnp.float32)
-  pos = jnp.asarray(rng.integers(0, cfg.max_seq_len, batch), jnp.int32)
-  return jax.device_put((x, pos, jaxfuse.DecoderWeights(*ws), cache), device)
+  x, w, cache = random_decoder_problem(_DEC_CFG, batch, jnp.float32, seed, device)
+  pos = jnp.asarray(np.random.default_rng(seed).integers(0, _DEC_CFG.max_seq_len, batch), jnp.int32)
+  return x, jax.device_put(pos, device), w, cache
 
 
 def _make_workload(device):

@@ -31,11 +31,6 @@ S = jax.ShapeDtypeStruct
 F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
 
 
-def _target(name):
-  # The CUDA-on-CPU developer build registers the CUDA handlers under other target names.
-  return getattr(_ffi, "target", lambda n: n)(name)
-
-
 @contextlib.contextmanager
 def jaxfuse_error(op, match):
   """Expects a jaxfuse handler error "jaxfuse: <op>: ...<match>" (one line), with "jaxfuse: "
@@ -87,7 +82,7 @@ def _adam_fixed(device, seed=0):
 
 
 def _adam_call(operands, results, aliases, **attrs):
-  call = jax.ffi.ffi_call(_target("jaxfuse_adam"), results, input_output_aliases=aliases)
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, input_output_aliases=aliases)
   return _run(call, operands, _adam_attrs(**attrs))
 
 
@@ -289,12 +284,12 @@ _NORM_RESULTS = [S((), F32), S((4,), F32), S((2 * _NORM_SLOTS,), F32)]
 def _norm_call(operands, results=_NORM_RESULTS, **attrs):
   a = dict(clip=True, skip_nonfinite=False, clip_apply_loss_scale=True)
   a.update(attrs)
-  call = jax.ffi.ffi_call(_target("jaxfuse_global_norm"), results)
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), results)
   return _run(call, operands, a)
 
 
 def _apply_call(operands, results):
-  call = jax.ffi.ffi_call(_target("jaxfuse_apply_grad_ctrl"), results)
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_apply_grad_ctrl"), results)
   return _run(call, operands, {})
 
 
@@ -324,7 +319,7 @@ def test_norm_params_operand(device):
   with xla_error("Wrong buffer rank: expected 1 but got 2"):
     _norm_call([jax.device_put(np.ones((1, 2), np.float32), device), *ops[1:]])
   with xla_error("Wrong number of arguments"):  # not even the params operand
-    _run(jax.ffi.ffi_call(_target("jaxfuse_global_norm"), _NORM_RESULTS), [],
+    _run(jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), _NORM_RESULTS), [],
          dict(clip=True, skip_nonfinite=False, clip_apply_loss_scale=True))
 
 
@@ -368,7 +363,7 @@ def test_norm_attributes(device):
   with xla_error("Wrong scalar data type: expected PRED but got S64"):
     _norm_call(ops, clip=np.int64(1))
   with xla_error("Wrong number of attributes: expected 3 but got 2"):
-    _run(jax.ffi.ffi_call(_target("jaxfuse_global_norm"), _NORM_RESULTS), ops,
+    _run(jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), _NORM_RESULTS), ops,
          dict(clip=True, skip_nonfinite=False))
 
 
@@ -442,7 +437,7 @@ def _dec_call(device, ops, results=None, aliases=None, operand_list=None, **attr
   if results is None:
     results = _dec_results(ops)
   aliases = {11: 1, 12: 2} if aliases is None else aliases
-  call = jax.ffi.ffi_call(_target("jaxfuse_decoder"), results, input_output_aliases=aliases)
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), results, input_output_aliases=aliases)
   return _run(call, args, _dec_attrs(**attrs))
 
 

@@ -73,7 +73,8 @@ def dynamic_metadata(field: str, settings: Mapping[str, Any]) -> str:
   if field != "version":
     raise ValueError(f"tools/build_version.py provides the version only, not {field!r}")
   if set(settings) != {"base"} or not isinstance(settings["base"], str):
-    raise ValueError(f"tools/build_version.py takes one setting, base (a string); got {dict(settings)}")
+    raise ValueError("tools/build_version.py takes one setting, base (a string); "
+                     f"got {dict(settings)}")
   plain = os.environ.get("JAXFUSE_PLAIN_VERSION", "")
   if plain not in ("", "0", "1"):
     raise ValueError(f"JAXFUSE_PLAIN_VERSION must be 0 or 1, not {plain!r}")

@@ -43,7 +43,7 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   for tool in memcheck racecheck synccheck; do
     step "sanitizer_$tool" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
       compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
-      python3 -m pytest -q -x -m gpu $SAN_TESTS -k "not thousand and not large" -W ignore::DeprecationWarning
+      python3 -m pytest -q -x -m gpu $SAN_TESTS -m "not slow" -W ignore::DeprecationWarning
   done
 else
   SUMMARY+=("| sanitizers | compute-sanitizer not found | - |")

@@ -55,10 +55,10 @@ inline ffi::Error cuda_failure(const char* what, cudaError_t err) {
                         detail);
 }
 
-#define JF_CUDA_RETURN_IF_ERROR(expr)                                         \
-  do {                                                                        \
-    const cudaError_t jf_cuda_err_ = (expr);                                  \
-    if (jf_cuda_err_ != cudaSuccess) return ::jaxfuse::cuda_failure(#expr, jf_cuda_err_); \
+#define JF_CUDA_RETURN_IF_ERROR(expr)                                                       \
+  do {                                                                                      \
+    const cudaError_t jf_cuda_err_ = (expr);                                                \
+    if (jf_cuda_err_ != cudaSuccess) return ::jaxfuse::cuda_failure(#expr, jf_cuda_err_);   \
   } while (0)
 
 // Launches kernel<<<grid, block, 0, stream>>>(args...), as a cooperative launch (all blocks

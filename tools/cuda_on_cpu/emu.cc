@@ -146,15 +146,12 @@ struct Fiber {
   Wait wait = Wait::kRunnable;
   const char* file = "";
   int line = 0;
-  long warp_gen = 0;
   void* fake_stack = nullptr;
 };
 
 struct WarpState {
   int arrived = 0;
   long gen = 0;
-  const char* file = "";
-  int line = 0;
   uint64_t slots[2][kWarpSize] = {};  // values of generation gen % 2
 };
 
@@ -293,10 +290,13 @@ bool release_barrier(Block& b, Wait kind, std::string* error) {
   }
   if (kind == Wait::kGridSync) {
     Launch& L = *b.launch;
+    const auto at = [&] { return "grid sync at " + where(first.file, first.line); };
+    const auto blocks_exited = [&] {
+      return at() + " cannot complete: " + std::to_string(L.blocks_exited) + " blocks exited";
+    };
     std::unique_lock<std::mutex> lock(L.mu);
     if (L.blocks_exited > 0) {
-      *error = "grid sync at " + where(first.file, first.line) + " cannot complete: " +
-               std::to_string(L.blocks_exited) + " blocks exited";
+      *error = blocks_exited();
       return false;
     }
     const long gen = L.grid_gen;
@@ -310,9 +310,7 @@ bool release_barrier(Block& b, Wait kind, std::string* error) {
       });
       if (L.grid_gen == gen) {
         if (L.aborted) return false;
-        *error = woke ? "grid sync at " + where(first.file, first.line) + " cannot complete: " +
-                            std::to_string(L.blocks_exited) + " blocks exited"
-                      : "grid sync at " + where(first.file, first.line) + " timed out: deadlock";
+        *error = woke ? blocks_exited() : at() + " timed out: deadlock";
         return false;
       }
     }
@@ -468,7 +466,7 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const c
   return cudaSuccess;
 }
 
-int occupancy(const char*, int) { return devices()[std::max(0, current_device())].blocks_per_sm; }
+int blocks_per_sm() { return devices()[std::max(0, current_device())].blocks_per_sm; }
 
 
 void sync_block(const char* file, int line) {

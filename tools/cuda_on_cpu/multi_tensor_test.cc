@@ -65,12 +65,6 @@ struct SumOp : MultiTensorOpBase {
 
 constexpr unsigned char kGuard = 0xA5;
 
-float round_to_storage(DType t, float v) {
-  if (t == DType::kBF16) return bf16_to_float(float_to_bf16(v));
-  if (t == DType::kF16) return f16_to_float(float_to_f16(v));
-  return v;
-}
-
 // A buffer of exactly n elements at `offset` bytes past an allocation, guard bytes before it.
 struct Buffer {
   DType dtype;
@@ -143,7 +137,7 @@ void test_affine(int repeat_tensors, bool small) {
     const Buffer& b = *out[k];
     int64_t bad = 0;
     for (int64_t i = 0; i < a.n; ++i) {
-      const float expect = round_to_storage(b.dtype, 2.0f * load_as_float(a.data(), a.dtype, i) + 1.0f);
+      const float expect = round_to(b.dtype, 2.0f * load_as_float(a.data(), a.dtype, i) + 1.0f);
       const float got = load_as_float(b.data(), b.dtype, i);
       if (!(got == expect)) ++bad;
     }
@@ -210,13 +204,26 @@ __global__ void grid_sync_kernel(float* out) {
   cooperative_groups::this_grid().sync();
 }
 
+__global__ void grid_sync_after_exit_kernel(float* out) {
+  if (blockIdx.x == 0) return;  // the other blocks wait at a grid sync block 0 never reaches
+  cooperative_groups::this_grid().sync();
+  out[blockIdx.x] = 1.0f;
+}
+
 int expect_fault(const char* which) {
   std::vector<float> out(1024);
+  const std::string name = which;
   ffi::Error err = ffi::Error::Success();
-  if (std::string(which) == "divergent_sync") {
-    err = launch_kernel("divergent_sync", divergent_sync_kernel, dim3(2), dim3(128), nullptr, false, out.data());
+  if (name == "divergent_sync") {
+    err = launch_kernel(which, divergent_sync_kernel, dim3(2), dim3(128), nullptr, false, out.data());
+  } else if (name == "grid_sync") {  // grid sync in a launch that is not cooperative
+    err = launch_kernel(which, grid_sync_kernel, dim3(4), dim3(64), nullptr, false, out.data());
+  } else if (name == "grid_sync_after_exit") {
+    err = launch_kernel(which, grid_sync_after_exit_kernel, dim3(4), dim3(64), nullptr, true,
+                        out.data());
   } else {
-    err = launch_kernel("grid_sync", grid_sync_kernel, dim3(4), dim3(64), nullptr, false, out.data());
+    std::fprintf(stderr, "unknown fault '%s'\n", which);
+    return 2;
   }
   const bool caught = !err.success() && err.message().find("cudaErrorLaunchFailure") != std::string::npos;
   std::printf("%s: %s (%s)\n", which, caught ? "caught" : "NOT CAUGHT", err.message().c_str());

@@ -106,13 +106,4 @@ JF_HD float quiet_nan_f32() { return bits_float(0x7fc00000u); }
 // Whether a decode position may be used (else: cache untouched, output row NaN).
 JF_HD bool position_valid(int32_t p, int64_t max_seq_len) { return p >= 0 && int64_t(p) < max_seq_len; }
 
-// Round-trips an fp32 value through the storage dtype (what the KV cache will hold).
-JF_HD float round_to(DType t, float v) {
-  switch (t) {
-    case DType::kF32: return v;
-    case DType::kBF16: return bf16_to_float(float_to_bf16(v));
-    default: return f16_to_float(float_to_f16(v));
-  }
-}
-
 }  // namespace jaxfuse

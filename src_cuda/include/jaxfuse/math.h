@@ -115,6 +115,15 @@ JF_HD void store_from_float(void* base, DType t, int64_t i, float v) {
   }
 }
 
+// Round-trips an fp32 value through storage dtype `t` (what a buffer of that dtype will hold).
+JF_HD float round_to(DType t, float v) {
+  switch (t) {
+    case DType::kF32: return v;
+    case DType::kBF16: return bf16_to_float(float_to_bf16(v));
+    default: return f16_to_float(float_to_f16(v));
+  }
+}
+
 // ---- Adam / AdamW ------------------------------------------------------------------------
 //
 // The hyperparameter vector, a f32[kAdamHyperSize] device buffer built in JAX (so schedules,

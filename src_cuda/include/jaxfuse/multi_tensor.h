@@ -55,9 +55,9 @@ inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyB
   return **r;
 }
 
-// Decodes the buffers of each list for op `op` (named in every error), checking dtypes (float32, bfloat16, float16) and that every
-// list of a tensor has the same element count. `flags` may be empty (all zero); `rets` may be
-// null when no list comes from the results.
+// Decodes the buffers of each list for op `op` (named in every error), checking dtypes (float32,
+// bfloat16, float16) and that every list of a tensor has the same element count. `flags` may be
+// empty (all zero); `rets` may be null when no list comes from the results.
 inline ffi::Error collect_lists(const char* op, const ffi::RemainingArgs& args,
                                 const ffi::RemainingRets* rets,
                                 const ListSource* sources, int num_lists, int64_t num_tensors,
@@ -74,7 +74,9 @@ inline ffi::Error collect_lists(const char* op, const ffi::RemainingArgs& args,
   out->flag.assign(num_tensors, 0);
   for (int k = 0; k < num_lists; ++k) {
     const ListSource& src = sources[k];
-    if (src.from_rets && rets == nullptr) return internal_error(op, ": list '", src.name, "': no results");
+    if (src.from_rets && rets == nullptr) {
+      return internal_error(op, ": list '", src.name, "': no results");
+    }
     const int64_t available = src.from_rets ? static_cast<int64_t>(rets->size())
                                             : static_cast<int64_t>(args.size());
     if (src.offset + num_tensors > available) {
@@ -88,7 +90,8 @@ inline ffi::Error collect_lists(const char* op, const ffi::RemainingArgs& args,
           src.from_rets ? buffer_of(rets->get<ffi::AnyBuffer>(src.offset + t))
                         : args.get<ffi::AnyBuffer>(src.offset + t);
       if (decoded.has_error()) {
-        return invalid_argument(op, ": list '", src.name, "' tensor ", t, ": ", decoded.error().message());
+        return invalid_argument(op, ": list '", src.name, "' tensor ", t, ": ",
+                                decoded.error().message());
       }
       const ffi::AnyBuffer buf = *decoded;
       auto dt = to_dtype(buf.element_type());

@@ -104,7 +104,8 @@ namespace cuemu {
 // Runs `body` (one kernel invocation) for every thread of the launch; see the file comment.
 cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const char* kernel,
                    const std::function<void()>& body);
-int occupancy(const char* kernel, int block_threads);
+// Co-resident blocks per SM of the current emulated device, for every kernel and block size.
+int blocks_per_sm();
 
 void sync_block(const char* file, int line);
 void sync_grid(const char* file, int line);
@@ -142,10 +143,8 @@ cudaError_t cudaRuntimeGetVersion(int* version);
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream);
 
 template <typename Kernel>
-cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int block_threads,
-                                                         size_t dynamic_smem) {
-  (void)dynamic_smem;
-  *blocks = cuemu::occupancy(__PRETTY_FUNCTION__, block_threads);
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, size_t) {
+  *blocks = cuemu::blocks_per_sm();
   return cudaSuccess;
 }
 
