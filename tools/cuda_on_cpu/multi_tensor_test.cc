@@ -3,6 +3,7 @@
 // dtypes, bases that defeat vector access, and buffers allocated to their exact size (ASan sees
 // any overrun) with guard bytes in front. XLA never hands the handlers such pointers; users of
 // the driver might. Exit status 0 when every check passes.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -73,7 +74,8 @@ struct Buffer {
   char* alloc = nullptr;
 
   Buffer(DType t, int64_t count, int off) : dtype(t), n(count), offset(off) {
-    alloc = static_cast<char*>(std::malloc(size_t(n * dtype_bytes(t) + off) + 1));
+    // Exactly the guard and the data: one byte past the last element is out of bounds for ASan.
+    alloc = static_cast<char*>(std::malloc(std::max<size_t>(1, size_t(n * dtype_bytes(t) + off))));
     std::memset(alloc, kGuard, size_t(off));
   }
   Buffer(const Buffer&) = delete;
