@@ -13,15 +13,17 @@ Two developer switches, read at import (tools/sanitize.sh and tools/cuda_on_cpu.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import glob
 import importlib
 import importlib.util
 import os
 from types import ModuleType
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 
 # CPU-platform handler sets and the suffix of their target names.
 _CPU_TARGET_SUFFIX = {"native": "", "cuda_on_cpu": "_cuda_on_cpu"}
@@ -82,6 +84,47 @@ _register()
 def target(name: str) -> str:
   """The XLA target name for handler `name` under the current CPU handler set."""
   return name + _CPU_TARGET_SUFFIX[_cpu_targets]
+
+
+@dataclasses.dataclass(frozen=True)
+class Contract:
+  """What an op's C++ side says Python must agree with (``contract()`` in the op's header under
+  src_cuda/include/jaxfuse/): ``numbers`` (e.g. a slot count), ``names`` (ordered name lists:
+  operand layouts, the fields of a device vector) and ``functions`` (layouts that depend on the
+  call, e.g. a workspace size; integer keyword arguments in, a Contract's numbers and names out).
+  """
+
+  numbers: dict[str, int]
+  names: dict[str, tuple[str, ...]]
+  functions: dict[str, Callable[..., dict]]
+
+  def call(self, function: str, **args: int) -> "Contract":
+    out = self.functions[function](**{k: int(v) for k, v in args.items()})
+    return Contract(out["numbers"], out["names"], {})
+
+
+@functools.cache
+def contract(op: str) -> Contract:
+  """The contract of target ``op`` (e.g. "jaxfuse_adam"), from the always-built CPU module."""
+  c = _jaxfuse_cpu.contract()[op]
+  return Contract(dict(c["numbers"]), dict(c["names"]), dict(c["functions"]))
+
+
+def device_vector(field_names: Sequence[str], **values: Any) -> jax.Array:
+  """A small f32 device vector whose layout C++ defines (a contract's field-name list), built
+  from one value per field name."""
+  if set(values) != set(field_names):
+    raise ValueError(f"jaxfuse: vector fields {sorted(values)} do not match the kernel's "
+                     f"layout {list(field_names)}")
+  return jnp.stack([jnp.asarray(values[name], jnp.float32) for name in field_names])
+
+
+def aliases(operands: Sequence[str], results: Sequence[str], size: int = 1,
+            operand_offset: int = 0, result_offset: int = 0) -> dict[int, int]:
+  """input_output_aliases for a call whose operand and result groups are named (``size``
+  buffers each, after the offsets): a name in both is updated in place."""
+  return {operand_offset + i * size + t: result_offset + results.index(name) * size + t
+          for i, name in enumerate(operands) if name in results for t in range(size)}
 
 
 @contextlib.contextmanager

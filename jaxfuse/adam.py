@@ -57,6 +57,8 @@ ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
 # compilation near-linear; on the GPU a call of 256 leaves is one launch.
 MAX_LEAVES_PER_CALL = 256
 
+_CONTRACT = _ffi.contract("jaxfuse_adam")
+
 
 class AdamExtraState(NamedTuple):
   """jaxfuse's additions to the optax state, appended only when an opt-in feature is on.
@@ -71,7 +73,7 @@ class AdamExtraState(NamedTuple):
   skipped_steps: Any = None
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class AdamSpec:
   """Everything a jaxfuse Adam transform was built with (read by :func:`jaxfuse.fused_step`)."""
 
@@ -111,8 +113,8 @@ class AdamSpec:
       master = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params)
       mu_dtype = self.mu_dtype if self.mu_dtype is not None else jnp.float32
       adam_state = adam_state._replace(
-          mu=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), mu_dtype), params),
-          nu=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params))
+          mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
+          nu=optax.tree_utils.tree_zeros_like(params, dtype=jnp.float32))
     if self.skip_nonfinite:
       skipped = jnp.zeros([], jnp.int32)
     return (adam_state, *state[1:], AdamExtraState(master, skipped))
@@ -136,8 +138,10 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
-  return _transform(AdamSpec(learning_rate, b1, b2, eps, eps_root, mu_dtype, None, None,
-                             nesterov, master_weights, skip_nonfinite))
+  return _transform(AdamSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                             eps_root=eps_root, mu_dtype=mu_dtype, weight_decay=None, mask=None,
+                             nesterov=nesterov, master_weights=master_weights,
+                             skip_nonfinite=skip_nonfinite))
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -163,8 +167,10 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
-  return _transform(AdamSpec(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-                             nesterov, master_weights, skip_nonfinite))
+  return _transform(AdamSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
+                             eps_root=eps_root, mu_dtype=mu_dtype, weight_decay=weight_decay,
+                             mask=mask, nesterov=nesterov, master_weights=master_weights,
+                             skip_nonfinite=skip_nonfinite))
 
 
 def _transform(spec: AdamSpec) -> optax.GradientTransformationExtraArgs:
@@ -175,8 +181,7 @@ def _transform(spec: AdamSpec) -> optax.GradientTransformationExtraArgs:
     del extra_args
     if params is None:
       raise ValueError("jaxfuse.adam/adamw: update() needs params (as optax.adamw does)")
-    return apply_adam(spec, updates, state, params, write_updates=True,
-                      grad_ctrl=grad_ctrl_for(spec, updates, grad_scale)[1])
+    return adam_updates(spec, updates, state, params, grad_ctrl_for(spec, updates, grad_scale)[1])
 
   # fused_step finds the spec here, also inside optax.chain (which keeps ExtraArgs transforms).
   update_fn.jaxfuse_spec = spec
@@ -210,19 +215,19 @@ def _one_minus(b: Any) -> Any:
 
 
 def hyper_vector(spec: AdamSpec, count: jax.Array) -> jax.Array:
-  """The f32[8] hyperparameter vector the kernels read (layout: enum AdamHyper in math.h)."""
+  """The hyperparameter vector the kernels read (its layout is AdamHyper in adam_math.h)."""
   wd = 0.0 if spec.weight_decay is None else spec.weight_decay
-  values = [spec.learning_rate, spec.b1, _one_minus(spec.b1), spec.b2, _one_minus(spec.b2),
-            spec.eps, spec.eps_root, wd]
-  return jnp.stack([_scalar(v, count) for v in values])
+  values = dict(learning_rate=spec.learning_rate, b1=spec.b1, one_minus_b1=_one_minus(spec.b1),
+                b2=spec.b2, one_minus_b2=_one_minus(spec.b2), eps=spec.eps,
+                eps_root=spec.eps_root, weight_decay=wd)
+  return _ffi.device_vector(_CONTRACT.names["hyper"],
+                            **{k: _scalar(v, count) for k, v in values.items()})
 
 
 def default_grad_ctrl(grad_scale: Any = None) -> jax.Array:
-  """Gradient control (GradCtrl in math.h): a loss scale (default 1), no clipping, no skip."""
-  if grad_scale is None:
-    return jnp.array([1.0, 1.0, 1.0, 0.0], jnp.float32)
-  one = jnp.ones((), jnp.float32)
-  return jnp.stack([jnp.asarray(grad_scale, jnp.float32), one, one, 0 * one])
+  """Gradient control (GradCtrl in norm_math.h): a loss scale (default 1), no clipping, no skip."""
+  return _ffi.device_vector(_CONTRACT.names["grad_ctrl"], clip_div=1.0, clip_mul=1.0, skip=0.0,
+                            loss_scale=1.0 if grad_scale is None else grad_scale)
 
 
 def grad_ctrl_for(spec: AdamSpec, grads: Any, grad_scale: Any = None, *,
@@ -231,144 +236,152 @@ def grad_ctrl_for(spec: AdamSpec, grads: Any, grad_scale: Any = None, *,
   only when something needs it (clipping, the non-finite check, or the norm itself); a bare loss
   scale goes into the vector directly."""
   if clip_max_norm is not None or spec.skip_nonfinite or need_norm:
-    from jaxfuse.clip import norm_and_ctrl  # the finite check is the global-norm op's
+    from jaxfuse.clip import norm_and_grad_ctrl  # the finite check is the global-norm op's
 
-    return norm_and_ctrl(grads, max_norm=clip_max_norm, grad_scale=grad_scale,
-                         skip_nonfinite=spec.skip_nonfinite)
+    return norm_and_grad_ctrl(grads, max_norm=clip_max_norm, grad_scale=grad_scale,
+                              skip_nonfinite=spec.skip_nonfinite)
   return None, default_grad_ctrl(grad_scale)
 
 
-def _advance_counts(state: Any, new_count: jax.Array) -> Any:
-  """Every optax `count` field in the state (Adam's, the schedules') moves together."""
+class _Leaves(NamedTuple):
+  """The flat per-leaf lists of one Adam step, by kernel list name (adam.h)."""
 
-  def replace(path, leaf):
-    last = path[-1] if path else None
-    if isinstance(last, jax.tree_util.GetAttrKey) and last.name == "count":
-      return new_count
-    return leaf
-
-  return jax.tree_util.tree_map_with_path(replace, state)
+  grads: list
+  params: list
+  mu: list
+  nu: list
+  master_params: Optional[list]
 
 
-def _adam_ffi(count, hyper, ctrl, g, p, m, v, master, *, decay, nesterov, write_updates,
-              update_dtypes):
-  """One jaxfuse_adam FFI call. Returns
-  (new_count, updates or new params, new mu, new nu, new master or None)."""
-  n = len(g)
-  operands = [count, hyper, ctrl, *g, *p, *m, *v, *(master or [])]
-  sds = lambda x, dt=None: jax.ShapeDtypeStruct(jnp.shape(x), dt or x.dtype)
-  results = [jax.ShapeDtypeStruct((), jnp.int32)]
-  if write_updates:
-    results += [sds(x, dt) for x, dt in zip(g, update_dtypes)]
-  results += [sds(x) for x in m] + [sds(x) for x in v]
-  if not write_updates:
-    results += [sds(x) for x in p]
-  if master:
-    results += [sds(x) for x in master]
-  # In-place: mu, nu, (fused) params and master params alias their inputs.
-  first_out = 1 + (n if write_updates else 0)
-  aliases = {3 + 2 * n + i: first_out + i for i in range(n)}            # mu
-  aliases.update({3 + 3 * n + i: first_out + n + i for i in range(n)})  # nu
-  next_out = first_out + 2 * n
-  if not write_updates:
-    aliases.update({3 + n + i: next_out + i for i in range(n)})         # params
-    next_out += n
-  if master:
-    aliases.update({3 + 4 * n + i: next_out + i for i in range(n)})     # master params
+def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, write_updates,
+              output_dtypes) -> tuple[jax.Array, dict[str, list]]:
+  """One jaxfuse_adam FFI call over `leaves` (operands and results laid out as the op's
+  contract says). Returns (new count, result leaves by list name)."""
+  n = len(leaves.grads)
+  master = leaves.master_params is not None
+  layout = _CONTRACT.call("layout", write_updates=write_updates, master=master).names
+  fixed = dict(count=count, hyper=hyper, grad_ctrl=grad_ctrl)
+  operands = [fixed[name] for name in _CONTRACT.names["fixed_operands"]]
+  operands += [x for name in layout["operands"] for x in getattr(leaves, name)]
+  like = lambda name: leaves.grads if name == "updates" else getattr(leaves, name)
+  results = [jax.ShapeDtypeStruct((), jnp.int32)]  # the fixed result: the new count
+  for name in layout["results"]:
+    dtypes = output_dtypes if name == "updates" else [x.dtype for x in like(name)]
+    results += [jax.ShapeDtypeStruct(jnp.shape(x), dt) for x, dt in zip(like(name), dtypes)]
+  aliases = _ffi.aliases(layout["operands"], layout["results"], n,
+                         operand_offset=len(_CONTRACT.names["fixed_operands"]),
+                         result_offset=len(_CONTRACT.names["fixed_results"]))
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(*operands, num_tensors=np.int64(n), nesterov=bool(nesterov),
-             write_updates=bool(write_updates), master=bool(master),
+             write_updates=bool(write_updates), master=master,
              decay_mask=np.asarray(decay, np.uint8))
-  new_count, rest = out[0], list(out[1:])
-  first = rest[:n]
-  if write_updates:
-    rest = rest[n:]
-  new_m, new_v = rest[:n], rest[n:2 * n]
-  rest = rest[2 * n:]
-  if not write_updates:
-    first, rest = rest[:n], rest[n:]
-  new_master = rest[:n] if master else None
-  return new_count, first, new_m, new_v, new_master
+  lists = {name: list(out[1 + i * n:1 + (i + 1) * n]) for i, name in enumerate(layout["results"])}
+  return out[0], lists
 
 
-def apply_adam(spec: AdamSpec, grads: Any, state: Any, params: Any, *, write_updates: bool,
-               grad_ctrl: Optional[jax.Array] = None) -> tuple[Any, Any]:
-  """Runs the fused kernel. Returns (updates, new_state) when `write_updates`, else
-  (new_params, new_state) with params, moments and master params updated in place.
+class _Step(NamedTuple):
+  """What one step over a whole tree computed: the leaves of the kernel's per-leaf output
+  (updates or params), the new moments and master params, the new count and the skip flag."""
 
-  `grad_ctrl` is the f32[4] gradient-control vector (loss scale, clip divisor and multiplier,
-  skip flag) that the global-norm kernel produces; None means plain Adam. With
-  `skip_nonfinite`, the caller must pass the vector of a norm call made with it."""
+  outputs: list
+  mu: list
+  nu: list
+  master_params: Optional[list]
+  count: jax.Array
+  skip: jax.Array
+
+
+def _decay_flags(spec: AdamSpec, params: Any, n: int) -> list[bool]:
+  if spec.weight_decay is None:
+    return [False] * n
+  if spec.mask is None:
+    return [True] * n
+  return _trees.static_bool_mask(spec.mask, params)
+
+
+def _output_dtype(spec: AdamSpec, leaves: _Leaves, i: int):
+  # optax builds the update from the grads and the moments (before casting them back).
+  if spec.master_weights:
+    return jnp.dtype(jnp.float32)
+  return jnp.result_type(leaves.grads[i].dtype, leaves.mu[i].dtype, leaves.nu[i].dtype)
+
+
+def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Optional[jax.Array],
+              *, write_updates: bool) -> _Step:
+  """Checks the arguments and runs the kernel over every leaf, one FFI call per
+  MAX_LEAVES_PER_CALL non-empty leaves, whatever their dtypes."""
   _trees.check_float_leaves(params, "params")
   _trees.check_same_structure(params, grads, "params", "grads")
   _trees.check_float_leaves(grads, "grads")
   _check_state(spec, state, params)
-
-  adam_state = state[0]
-  extra = state[-1] if spec.has_extra_state else None
-  count = adam_state.count
   if grad_ctrl is None:
     if spec.skip_nonfinite:
       raise ValueError("jaxfuse: skip_nonfinite needs the control vector of a norm call")
     grad_ctrl = default_grad_ctrl()
-  hyper = hyper_vector(spec, count)
-
-  treedef = jax.tree.structure(params)
-  p_leaves = jax.tree.leaves(params)
-  g_leaves = jax.tree.leaves(grads)
-  m_leaves = treedef.flatten_up_to(adam_state.mu)
-  v_leaves = treedef.flatten_up_to(adam_state.nu)
-  master_leaves = treedef.flatten_up_to(extra.master_params) if spec.master_weights else None
-  if spec.weight_decay is None:
-    decay = [False] * len(p_leaves)
-  elif spec.mask is None:
-    decay = [True] * len(p_leaves)
-  else:
-    decay = _trees.static_bool_mask(spec.mask, params)
-
-  def update_dtype(i):
-    # optax builds the update from the grads and the moments (before casting them back).
-    if spec.master_weights:
-      return jnp.dtype(jnp.float32)
-    return jnp.result_type(g_leaves[i].dtype, m_leaves[i].dtype, v_leaves[i].dtype)
-
-  n = len(p_leaves)
-  first_out: list[Any] = [None] * n
-  new_m: list[Any] = list(m_leaves)
-  new_v: list[Any] = list(v_leaves)
-  new_master = list(master_leaves) if master_leaves is not None else None
-  new_count = None
-  # One FFI call per MAX_LEAVES_PER_CALL non-empty leaves, whatever their dtypes.
-  live = [i for i in range(n) if np.size(p_leaves[i]) > 0]
-  for i in range(n):
-    if np.size(p_leaves[i]) == 0:
-      first_out[i] = (jnp.zeros(jnp.shape(p_leaves[i]), update_dtype(i)) if write_updates
-                      else p_leaves[i])
+  adam_state, treedef = state[0], jax.tree.structure(params)
+  leaves = _Leaves(jax.tree.leaves(grads), jax.tree.leaves(params),
+                   treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu),
+                   treedef.flatten_up_to(state[-1].master_params) if spec.master_weights else None)
+  n = len(leaves.params)
+  decay = _decay_flags(spec, params, n)
+  hyper = hyper_vector(spec, adam_state.count)
+  step = _Step([None] * n, list(leaves.mu), list(leaves.nu),
+               None if leaves.master_params is None else list(leaves.master_params),
+               None, grad_ctrl[_CONTRACT.names["grad_ctrl"].index("skip")] != 0)
+  live = [i for i in range(n) if np.size(leaves.params[i]) > 0]
+  for i in set(range(n)) - set(live):  # empty leaves: nothing to compute
+    step.outputs[i] = (jnp.zeros(jnp.shape(leaves.params[i]), _output_dtype(spec, leaves, i))
+                       if write_updates else leaves.params[i])
   for start in range(0, len(live), MAX_LEAVES_PER_CALL):
     idx = live[start:start + MAX_LEAVES_PER_CALL]
-    c, first, gm, gv, gmaster = _adam_ffi(
-        count, hyper, grad_ctrl, [g_leaves[i] for i in idx], [p_leaves[i] for i in idx],
-        [m_leaves[i] for i in idx], [v_leaves[i] for i in idx],
-        [master_leaves[i] for i in idx] if master_leaves is not None else None,
-        decay=[decay[i] for i in idx], nesterov=spec.nesterov, write_updates=write_updates,
-        update_dtypes=[update_dtype(i) for i in idx])
-    new_count = c if new_count is None else new_count
+    part = _Leaves(*[None if x is None else [x[i] for i in idx] for x in leaves])
+    count, out = _adam_ffi(adam_state.count, hyper, grad_ctrl, part,
+                           decay=[decay[i] for i in idx], nesterov=spec.nesterov,
+                           write_updates=write_updates,
+                           output_dtypes=[_output_dtype(spec, leaves, i) for i in idx])
+    step = step._replace(count=count if step.count is None else step.count)
     for k, i in enumerate(idx):
-      first_out[i], new_m[i], new_v[i] = first[k], gm[k], gv[k]
-      if new_master is not None:
-        new_master[i] = gmaster[k]
-  skip = grad_ctrl[3] != 0
-  if new_count is None:  # no element anywhere: the count still advances, as in optax
-    new_count = jnp.where(skip, count, optax.safe_increment(count))
+      step.outputs[i] = out["updates" if write_updates else "params"][k]
+      step.mu[i], step.nu[i] = out["mu"][k], out["nu"][k]
+      if step.master_params is not None:
+        step.master_params[i] = out["master_params"][k]
+  if step.count is None:  # no element anywhere: the count still advances, as in optax
+    step = step._replace(count=jnp.where(step.skip, adam_state.count,
+                                         optax.safe_increment(adam_state.count)))
+  return step
 
-  new_adam = adam_state._replace(count=new_count, mu=treedef.unflatten(new_m),
-                                 nu=treedef.unflatten(new_v))
-  new_state = _advance_counts((new_adam, *state[1:-1 if spec.has_extra_state else None]),
-                              new_count)
+
+def _new_state(spec: AdamSpec, state: Any, params: Any, step: _Step) -> Any:
+  """The state after `step`: moments, master params and skip count replaced, and every optax
+  `count` in it (Adam's, the schedules') advanced together."""
+  treedef = jax.tree.structure(params)
+  adam_state = state[0]._replace(mu=treedef.unflatten(step.mu), nu=treedef.unflatten(step.nu))
+  new_state = (adam_state, *state[1:-1 if spec.has_extra_state else None])
   if spec.has_extra_state:
-    new_extra = AdamExtraState(
-        treedef.unflatten(new_master) if new_master is not None else None,
-        extra.skipped_steps + skip.astype(jnp.int32) if spec.skip_nonfinite else None)
-    new_state = (*new_state, new_extra)
-  return treedef.unflatten(first_out), new_state
+    extra = state[-1]
+    new_state = (*new_state, AdamExtraState(
+        treedef.unflatten(step.master_params) if spec.master_weights else None,
+        extra.skipped_steps + step.skip.astype(jnp.int32) if spec.skip_nonfinite else None))
+  return optax.tree_utils.tree_set(new_state, count=step.count)
+
+
+def adam_updates(spec: AdamSpec, grads: Any, state: Any, params: Any,
+                 grad_ctrl: Optional[jax.Array] = None) -> tuple[Any, Any]:
+  """The optax protocol: (updates, new_state), params untouched.
+
+  `grad_ctrl` is the gradient-control vector (loss scale, clip divisor and multiplier, skip
+  flag) that the global-norm kernel produces; None means plain Adam. With `skip_nonfinite`, the
+  caller must pass the vector of a norm call made with it."""
+  step = _run_step(spec, grads, state, params, grad_ctrl, write_updates=True)
+  updates = jax.tree.structure(params).unflatten(step.outputs)
+  return updates, _new_state(spec, state, params, step)
+
+
+def adam_in_place(spec: AdamSpec, grads: Any, state: Any, params: Any,
+                  grad_ctrl: Optional[jax.Array] = None) -> tuple[Any, Any]:
+  """The fused step: (new_params, new_state), params, moments and master params updated in
+  place (see adam_updates for `grad_ctrl`)."""
+  step = _run_step(spec, grads, state, params, grad_ctrl, write_updates=False)
+  new_params = jax.tree.structure(params).unflatten(step.outputs)
+  return new_params, _new_state(spec, state, params, step)

@@ -30,7 +30,7 @@ import optax
 from jaxfuse import _ffi
 from jaxfuse import _trees
 
-_NORM_SLOTS = 1024  # kNormSlots in src_cuda/include/jaxfuse/clip_ffi.h
+_CONTRACT = _ffi.contract("jaxfuse_global_norm")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -40,35 +40,34 @@ class ClipSpec:
   max_norm: Any
 
 
-def norm_and_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = None,
-                  skip_nonfinite: bool = False,
-                  clip_apply_loss_scale: bool = True) -> tuple[jax.Array, jax.Array]:
-  """One jaxfuse_global_norm call: the global norm of ``grads / grad_scale`` and the f32[4]
-  gradient-control vector (GradCtrl in math.h) that the Adam and clip kernels read. With
+def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = None,
+                       skip_nonfinite: bool = False,
+                       clip_apply_loss_scale: bool = True) -> tuple[jax.Array, jax.Array]:
+  """One jaxfuse_global_norm call: the global norm of ``grads / grad_scale`` and the
+  gradient-control vector (GradCtrl in norm_math.h) that the Adam and clip kernels read. With
   ``max_norm`` None the vector does not clip."""
   leaves = _trees.check_float_leaves(grads, "grads")
-  params = jnp.stack([
-      jnp.asarray(1.0 if grad_scale is None else grad_scale, jnp.float32),
-      jnp.asarray(math.inf if max_norm is None else max_norm, jnp.float32),
-  ])
+  params = _ffi.device_vector(_CONTRACT.names["norm_params"],
+                              loss_scale=1.0 if grad_scale is None else grad_scale,
+                              max_norm=math.inf if max_norm is None else max_norm)
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   call = jax.ffi.ffi_call(
       _ffi.target("jaxfuse_global_norm"),
-      [jax.ShapeDtypeStruct((), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32),
-       jax.ShapeDtypeStruct((2 * _NORM_SLOTS,), jnp.float32)],
+      [f32(), f32(len(_CONTRACT.names["grad_ctrl"])), f32(2 * _CONTRACT.numbers["norm_slots"])],
       vmap_method="sequential")
-  norm, ctrl, _ = call(params, *leaves, clip=max_norm is not None,
-                       skip_nonfinite=bool(skip_nonfinite),
-                       clip_apply_loss_scale=bool(clip_apply_loss_scale))
-  return norm, ctrl
+  norm, grad_ctrl, _ = call(params, *leaves, clip=max_norm is not None,
+                            skip_nonfinite=bool(skip_nonfinite),
+                            clip_apply_loss_scale=bool(clip_apply_loss_scale))
+  return norm, grad_ctrl
 
 
 def global_norm(tree: Any, *, grad_scale: Optional[Any] = None) -> jax.Array:
   """L2 norm over all leaves of ``tree`` (of ``tree / grad_scale`` if given), as a 0-d fp32
   device array. Matches ``optax.global_norm`` to fp32 rounding; deterministic."""
-  return norm_and_ctrl(tree, grad_scale=grad_scale)[0]
+  return norm_and_grad_ctrl(tree, grad_scale=grad_scale)[0]
 
 
-def apply_grad_ctrl(grads: Any, ctrl: jax.Array) -> Any:
+def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
   """Scales every leaf as the control vector says (one jaxfuse_apply_grad_ctrl call)."""
   leaves, treedef = jax.tree.flatten(grads)
   if not leaves:
@@ -77,7 +76,7 @@ def apply_grad_ctrl(grads: Any, ctrl: jax.Array) -> Any:
       _ffi.target("jaxfuse_apply_grad_ctrl"),
       [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves],
       vmap_method="sequential")
-  return treedef.unflatten(call(ctrl, *leaves))
+  return treedef.unflatten(call(grad_ctrl, *leaves))
 
 
 def clip_by_global_norm(max_norm: Any) -> optax.GradientTransformationExtraArgs:
@@ -98,9 +97,9 @@ def clip_by_global_norm(max_norm: Any) -> optax.GradientTransformationExtraArgs:
 
   def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
     del params, extra_args
-    _, ctrl = norm_and_ctrl(updates, max_norm=max_norm, grad_scale=grad_scale,
-                            clip_apply_loss_scale=False)
-    return apply_grad_ctrl(updates, ctrl), state
+    _, grad_ctrl = norm_and_grad_ctrl(updates, max_norm=max_norm, grad_scale=grad_scale,
+                                      clip_apply_loss_scale=False)
+    return apply_grad_ctrl(updates, grad_ctrl), state
 
   update_fn.jaxfuse_spec = spec
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -24,6 +24,15 @@ are unaffected.
 
 The cache is updated in place when it is donated (``jax.jit(..., donate_argnums=...)``); the
 k/v operands are aliased to the k/v results of the custom call.
+
+Implementation notes. The op is built from public APIs only: :func:`jax.ffi.ffi_call` (the custom
+call, with ``input_output_aliases`` for the cache), wrapped in
+:class:`jax.custom_batching.custom_vmap` (vmap folds the mapped axis into the kernel's batch
+dimension; the weights must be unmapped) and in :class:`jax.custom_jvp` (whose rule raises: the
+kernel is not differentiable). The call's C++/Python contract, defined once on the C++ side
+(``DecoderOp::contract()`` in src_cuda/include/jaxfuse/decoder.h), is read at import: operand and
+result names in call order (a name in both is aliased), the attribute names (the
+:class:`DecoderConfig` fields) and their types, and the workspace size.
 """
 
 from __future__ import annotations
@@ -36,8 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
 
 from jaxfuse import _ffi
 
@@ -48,7 +55,7 @@ _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.flo
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-  """Static shape and hyperparameters of the decoder stack (hashable: it is a primitive param)."""
+  """Static shape and hyperparameters of the decoder stack (hashable: a static jit argument)."""
 
   num_layers: int
   hidden_size: int
@@ -76,9 +83,11 @@ class DecoderConfig:
       raise ValueError(f"DecoderConfig: num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
     if self.head_dim % 2:
-      raise ValueError(f"DecoderConfig: head_dim={self.head_dim} must be even (RoPE rotates halves)")
+      raise ValueError(f"DecoderConfig: head_dim={self.head_dim} must be even "
+                       "(RoPE rotates halves)")
     if not self.rms_norm_eps >= 0.0 or not np.isfinite(self.rms_norm_eps):
-      raise ValueError(f"DecoderConfig: rms_norm_eps must be finite and >= 0, got {self.rms_norm_eps}")
+      raise ValueError("DecoderConfig: rms_norm_eps must be finite and >= 0, got "
+                       f"{self.rms_norm_eps}")
     if not self.rope_theta > 0.0 or not np.isfinite(self.rope_theta):
       raise ValueError(f"DecoderConfig: rope_theta must be finite and > 0, got {self.rope_theta}")
     if self.max_seq_len >= 2**31 - 1:
@@ -119,178 +128,250 @@ class DecoderWeights(NamedTuple):
 
 
 class KVCache(NamedTuple):
+  """The per-layer key and value cache, in the dtype of ``x`` and the weights."""
+
   k: jax.Array  # [L, B, max_seq_len, KV, hd]
   v: jax.Array  # [L, B, max_seq_len, KV, hd]
 
 
-_WEIGHT_NAMES = DecoderWeights._fields
+# ---- the C++ contract (DecoderOp::contract() in src_cuda/include/jaxfuse/decoder.h) -------------
 
-# ---- workspace layout (mirror of decoder_layout() in src_cuda/include/jaxfuse/decoder_ffi.h) ----
-_MAX_GEMV_ITEMS = 1024
-_MAX_ATTN_SPLITS = 64
-_HEAD_CHUNK = 4
-_ALIGN = 256
+_CONTRACT = _ffi.contract("jaxfuse_decoder")
+_NON_WEIGHT_OPERANDS = ("x", "positions", "k_cache", "v_cache")
+_RESULTS = ("out", "k_cache", "v_cache", "workspace")
+
+
+def _check_contract(contract: _ffi.Contract) -> None:
+  """Checks that the C++ contract of ``jaxfuse_decoder`` names what this module passes.
+
+  Operands and results are passed by name, in the contract's order, so what must agree is the
+  names: the operands are x, positions, the :class:`DecoderWeights` fields (in field order) and the
+  two caches; the results are out, the two caches (aliased in place) and the workspace; the
+  attributes are the :class:`DecoderConfig` fields.
+
+  Args:
+    contract: the contract, from ``jaxfuse._ffi.contract("jaxfuse_decoder")``.
+
+  Raises:
+    ImportError: the contract and this module disagree (a C++ change not made here, or a stale
+      build).
+  """
+  names = contract.names
+  operands, results = names["operands"], names["results"]
+  weights = tuple(n for n in operands if n not in _NON_WEIGHT_OPERANDS)
+  attrs = names["size_attrs"] + names["f32_attrs"] + names["f64_attrs"]
+  fields = tuple(f.name for f in dataclasses.fields(DecoderConfig))
+  problems = []
+  if (weights != DecoderWeights._fields or len(operands) != len(weights) + 4
+      or not set(_NON_WEIGHT_OPERANDS) <= set(operands)):
+    problems.append(f"operands {operands} are not x, positions, the DecoderWeights fields "
+                    f"{DecoderWeights._fields} in that order, k_cache and v_cache")
+  if sorted(results) != sorted(_RESULTS):
+    problems.append(f"results {results} are not {_RESULTS} in some order")
+  if sorted(attrs) != sorted(fields):
+    problems.append(f"attributes {attrs} are not the DecoderConfig fields {fields}")
+  if problems:
+    raise ImportError("jaxfuse.decoder: the C++ contract of jaxfuse_decoder disagrees with "
+                      f"jaxfuse/decoder.py: {'; '.join(problems)} (rebuild jaxfuse, or update "
+                      "decoder.py to match src_cuda/include/jaxfuse/decoder.h)")
+
+
+_check_contract(_CONTRACT)
+# The k/v cache operands alias the k/v cache results (the names in both lists).
+_ALIASES = _ffi.aliases(_CONTRACT.names["operands"], _CONTRACT.names["results"])
 
 
 def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype) -> int:
-  itemsize = jnp.dtype(dtype).itemsize
-  tile = 32 * (16 // itemsize)
-  tiles = lambda n: -(-n // tile)
-  B, L, D, I = batch, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
-  H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  qd, kvd = cfg.q_dim, cfg.kv_dim
-  nt_d, nt_qkv, nt_i = tiles(D), tiles(qd) + 2 * tiles(kvd), tiles(I)
-  max_tiles = max(nt_qkv, nt_d, 2 * nt_i)
-  head_chunks = -(-(H // KV) // _HEAD_CHUNK)
-  num_counters = L * nt_qkv + L * nt_d + L * nt_i + L * nt_d + L * B * KV * head_chunks
-  regions = [B * D * 4, B * nt_d * 4, B * (qd + 2 * kvd) * 4, B * qd * 4, B * I * 4,
-             B * H * _MAX_ATTN_SPLITS * (hd + 2) * 4, max(_MAX_GEMV_ITEMS, max_tiles) * B * tile * 4,
-             num_counters * 4]
-  off = 0
-  for r in regions:
-    off = -(-(off + r) // _ALIGN) * _ALIGN
-  return off
+  """The size of the kernel's scratch buffer, from the C++ layout (``decoder_layout()``).
+
+  Args:
+    cfg: the decoder configuration.
+    batch: the number of rows of one call.
+    dtype: the dtype of ``x``, the weights and the cache.
+
+  Returns:
+    The workspace size in bytes.
+  """
+  sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
+  layout = _CONTRACT.call("workspace", batch=batch, dtype_bytes=jnp.dtype(dtype).itemsize, **sizes)
+  return layout.numbers["bytes"]
 
 
-# ---- the primitive -----------------------------------------------------------------------------
+def _attributes(cfg: DecoderConfig) -> dict[str, np.generic]:
+  """The custom call's attributes: the config fields the contract names, in the contract's types."""
+  names = _CONTRACT.names
+  return {**{name: np.int64(getattr(cfg, name)) for name in names["size_attrs"]},
+          **{name: np.float32(getattr(cfg, name)) for name in names["f32_attrs"]},
+          **{name: np.float64(getattr(cfg, name)) for name in names["f64_attrs"]}}
 
-decoder_p = Primitive("jaxfuse_decoder")
-decoder_p.multiple_results = True
+
+# ---- trace-time validation ---------------------------------------------------------------------
+
+_SHARED_DTYPE = " (x, the weights and the cache share one dtype)"
+_CACHE_AXES = " (layers, batch, max_seq_len, kv_heads, head_dim)"
+_NOT_DIFFERENTIABLE = ("persistent_decoder is an inference kernel and is not differentiable; use "
+                       "jaxfuse.decoder_reference (pure JAX) for gradients")
 
 
 def _fmt(shape) -> str:
+  """A shape as Python prints a tuple: ``(2, 3)``, ``(2,)``."""
   return "(" + ", ".join(str(int(s)) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def _abstract_eval(x, positions, *rest, cfg: DecoderConfig):
-  weights, k, v = rest[:9], rest[9], rest[10]
+def _check_structure(w, cache, cfg) -> None:
+  """Checks the container types of the weights, the cache and the config."""
+  for name, value, kind in (("cfg", cfg, DecoderConfig), ("w", w, DecoderWeights),
+                            ("cache", cache, KVCache)):
+    if not isinstance(value, kind):
+      raise TypeError(f"persistent_decoder: {name} must be a jaxfuse.{kind.__name__}, got "
+                      f"{type(value).__name__}")
+
+
+def _expect(name: str, a, shape, dtype, shape_note: str = "", dtype_note: str = "") -> None:
+  """Raises ValueError unless ``a`` has ``shape``, then TypeError unless it has ``dtype``."""
+  if a.shape != tuple(shape):
+    raise ValueError(f"persistent_decoder: {name} has shape {_fmt(a.shape)}, expected "
+                     f"{_fmt(shape)}{shape_note}")
+  if jnp.dtype(a.dtype) != dtype:
+    raise TypeError(f"persistent_decoder: {name} has dtype {a.dtype}, expected {dtype}{dtype_note}")
+
+
+def _check_operands(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig) -> None:
+  """Validates the shapes and dtypes of one (unbatched) step against ``cfg``, at trace time."""
   if x.ndim != 2 or x.shape[1] != cfg.hidden_size:
     raise ValueError(f"persistent_decoder: x has shape {_fmt(x.shape)}, expected (B, "
                      f"{cfg.hidden_size}) (batch, hidden_size)")
   dtype = jnp.dtype(x.dtype)
   if dtype not in _SUPPORTED:
-    raise TypeError(f"persistent_decoder: x has dtype {dtype}, expected float32, bfloat16 or float16")
-  B = x.shape[0]
-  if positions.shape != (B,):
-    raise ValueError(f"persistent_decoder: positions has shape {_fmt(positions.shape)}, "
-                     f"expected {_fmt((B,))}")
-  if jnp.dtype(positions.dtype) != jnp.int32:
-    raise TypeError(f"persistent_decoder: positions has dtype {positions.dtype}, expected int32")
+    raise TypeError(f"persistent_decoder: x has dtype {dtype}, expected float32, bfloat16 or "
+                    "float16")
+  batch = x.shape[0]
+  _expect("positions", positions, (batch,), jnp.dtype(jnp.int32))
   shapes = cfg.weight_shapes()
-  for name, a in zip(_WEIGHT_NAMES, weights):
-    if a.shape != shapes[name]:
-      raise ValueError(f"persistent_decoder: {name} has shape {_fmt(a.shape)}, expected "
-                       f"{_fmt(shapes[name])}")
-    if jnp.dtype(a.dtype) != dtype:
-      raise TypeError(f"persistent_decoder: {name} has dtype {a.dtype}, expected {dtype} "
-                      "(x, the weights and the cache share one dtype)")
-  for name, a in (("cache.k", k), ("cache.v", v)):
-    if a.shape != cfg.cache_shape(B):
-      raise ValueError(f"persistent_decoder: {name} has shape {_fmt(a.shape)}, expected "
-                       f"{_fmt(cfg.cache_shape(B))} (layers, batch, max_seq_len, kv_heads, head_dim)")
-    if jnp.dtype(a.dtype) != dtype:
-      raise TypeError(f"persistent_decoder: {name} has dtype {a.dtype}, expected {dtype} "
-                      "(x, the weights and the cache share one dtype)")
-  ws = jax.core.ShapedArray((_workspace_bytes(cfg, B, dtype),), jnp.uint8)
-  return (jax.core.ShapedArray(x.shape, dtype), jax.core.ShapedArray(k.shape, dtype),
-          jax.core.ShapedArray(v.shape, dtype), ws)
+  for name, a in zip(DecoderWeights._fields, w):
+    _expect(name, a, shapes[name], dtype, dtype_note=_SHARED_DTYPE)
+  for name, a in (("cache.k", cache.k), ("cache.v", cache.v)):
+    _expect(name, a, cfg.cache_shape(batch), dtype, _CACHE_AXES, _SHARED_DTYPE)
 
 
-decoder_p.def_abstract_eval(_abstract_eval)
+# ---- the custom call, its vmap rule and its (absent) derivative ---------------------------------
+
+def _call_kernel(cfg: DecoderConfig, x, positions, weights: DecoderWeights, k_cache, v_cache):
+  """One ``jaxfuse_decoder`` custom call on validated operands; returns (out, k_cache, v_cache).
+
+  Operands and results are matched to the call's slots by name, in the contract's order; the
+  cache operands alias the cache results, and the workspace result is dropped.
+  """
+  names = _CONTRACT.names
+  operands = {"x": x, "positions": positions, **weights._asdict(), "k_cache": k_cache,
+              "v_cache": v_cache}
+  workspace = (_workspace_bytes(cfg, x.shape[0], x.dtype),)
+  results = {"out": jax.ShapeDtypeStruct(x.shape, x.dtype),
+             "k_cache": jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+             "v_cache": jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+             "workspace": jax.ShapeDtypeStruct(workspace, jnp.uint8)}
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), [results[n] for n in names["results"]],
+                          input_output_aliases=_ALIASES)
+  outs = call(*[operands[n] for n in names["operands"]], **_attributes(cfg))
+  outs = dict(zip(names["results"], outs))
+  return outs["out"], outs["k_cache"], outs["v_cache"]
 
 
-def _impl(*args, cfg):
-  return _jit_bind(*args, cfg=cfg)
+def _fold(size: int, a, batched: bool, axis: int):
+  """[size, ...] (broadcast from [...] when unmapped) -> the size axis merged into ``axis``."""
+  if not batched:
+    a = jnp.broadcast_to(a, (size,) + a.shape)
+  a = jnp.moveaxis(a, 0, axis)
+  return a.reshape(a.shape[:axis] + (a.shape[axis] * a.shape[axis + 1],) + a.shape[axis + 2:])
 
 
-@functools.partial(jax.jit, static_argnames="cfg")
-def _jit_bind(*args, cfg):
-  return decoder_p.bind(*args, cfg=cfg)
+def _unfold(size: int, batch: int, a, axis: int):
+  """The inverse of :func:`_fold`: ``axis`` split into (size, batch), size moved first."""
+  return jnp.moveaxis(a.reshape(a.shape[:axis] + (size, batch) + a.shape[axis + 1:]), axis, 0)
 
 
-decoder_p.def_impl(_impl)
+def _vmap_rule(cfg: DecoderConfig, step, axis_size: int, in_batched, x, positions,
+               weights: DecoderWeights, k_cache, v_cache):
+  """The ``custom_vmap`` rule: vmap folds the mapped axis into the kernel's batch dimension.
 
+  Mapped operands arrive with the mapped axis first; an unmapped x, positions or cache is
+  broadcast. The mapped axis becomes the major part of the batch axis (axis 0 of x and positions,
+  axis 1 of the caches [L, B, S, KV, hd]), so one call runs ``axis_size * B`` rows, and the results
+  are split back with the mapped axis first. A nested vmap folds one more axis the same way.
 
-def _lowering(ctx, *args, cfg: DecoderConfig):
-  rule = jax.ffi.ffi_lowering(_ffi.target("jaxfuse_decoder"), operand_output_aliases={11: 1, 12: 2})
-  return rule(ctx, *args,
-              num_layers=np.int64(cfg.num_layers), hidden_size=np.int64(cfg.hidden_size),
-              num_heads=np.int64(cfg.num_heads), num_kv_heads=np.int64(cfg.num_kv_heads),
-              head_dim=np.int64(cfg.head_dim), intermediate_size=np.int64(cfg.intermediate_size),
-              max_seq_len=np.int64(cfg.max_seq_len), rms_norm_eps=np.float32(cfg.rms_norm_eps),
-              rope_theta=np.float64(cfg.rope_theta))
-
-
-mlir.register_lowering(decoder_p, _lowering, platform="cpu")
-mlir.register_lowering(decoder_p, _lowering, platform="cuda")
-
-
-def _batching_rule(args, dims, *, cfg: DecoderConfig):
-  """vmap folds the mapped axis into the kernel's batch dimension (weights must be unmapped)."""
-  x, positions, *weights, k, v = args
-  xd, pd, *wd, kd, vd = dims
-  for name, d in zip(_WEIGHT_NAMES, wd):
-    if d is not None:
+  Raises:
+    NotImplementedError: a weight is mapped.
+  """
+  x_b, positions_b, weights_b, k_b, v_b = in_batched
+  for name, batched in zip(DecoderWeights._fields, weights_b):
+    if batched:
       raise NotImplementedError(
           f"persistent_decoder: vmap over the weights ({name}) is not supported; map only x, "
           "positions and the cache (their mapped axis is folded into the batch)")
-  size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-
-  def put(a, d, axis):  # the mapped axis at `axis` (broadcast when unmapped)
-    if d is None:
-      a = jnp.expand_dims(a, axis)
-      return jnp.broadcast_to(a, a.shape[:axis] + (size,) + a.shape[axis + 1:])
-    return jnp.moveaxis(a, d, axis)
-
-  x = put(x, xd, 0)
-  B = x.shape[1]
-  x = x.reshape(size * B, cfg.hidden_size)
-  positions = put(positions, pd, 0).reshape(size * B)
-  cache_shape = cfg.cache_shape(size * B)
-  k = put(k, kd, 1).reshape(cache_shape)
-  v = put(v, vd, 1).reshape(cache_shape)
-  out, k2, v2, ws = decoder_p.bind(x, positions, *weights, k, v, cfg=cfg)
-  unfold = (cfg.num_layers, size, B) + cache_shape[2:]
-  return (out.reshape(size, B, cfg.hidden_size), k2.reshape(unfold), v2.reshape(unfold), ws), \
-      (0, 1, 1, None)
+  batch = x.shape[-2]
+  fold = functools.partial(_fold, axis_size)
+  out, k_cache, v_cache = step(fold(x, x_b, 0), fold(positions, positions_b, 0), weights,
+                               fold(k_cache, k_b, 1), fold(v_cache, v_b, 1))
+  unfold = functools.partial(_unfold, axis_size, batch)
+  return (unfold(out, 0), unfold(k_cache, 1), unfold(v_cache, 1)), (True, True, True)
 
 
-batching.primitive_batchers[decoder_p] = _batching_rule
+def _not_differentiable(primals, tangents):
+  """The ``custom_jvp`` rule: the kernel has no derivative (its math is in decoder_reference)."""
+  del primals, tangents
+  raise NotImplementedError(_NOT_DIFFERENTIABLE)
 
 
-def _jvp_rule(primals, tangents, *, cfg):
-  raise NotImplementedError(
-      "persistent_decoder is an inference kernel and is not differentiable; use "
-      "jaxfuse.decoder_reference (pure JAX) for gradients")
+@functools.cache
+def _decoder_step(cfg: DecoderConfig):
+  """The decode step for ``cfg``: ``(x, positions, weights, k_cache, v_cache) -> (out, k, v)``.
 
-
-ad.primitive_jvps[decoder_p] = _jvp_rule
+  The custom call with a vmap rule (:class:`jax.custom_batching.custom_vmap`) inside a
+  :class:`jax.custom_jvp` whose rule raises, so that jax.grad, jax.jvp, jax.vjp and friends fail
+  with a clear message, also under vmap, instead of "Differentiation rule for 'ffi_call' not
+  implemented". The custom_jvp is outermost, as ``custom_vmap`` has no reverse mode of its own.
+  The whole is jitted so that an eager call is one cached dispatch (not a retrace of both custom
+  wrappers per call); inside an outer jit the inner one is inlined, aliasing included.
+  """
+  step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg))
+  step.def_vmap(functools.partial(_vmap_rule, cfg, step))
+  differentiable = jax.custom_jvp(step)
+  differentiable.defjvp(_not_differentiable)
+  return jax.jit(differentiable)
 
 
 # ---- public API --------------------------------------------------------------------------------
 
-def _check_structure(w, cache, cfg):
-  if not isinstance(cfg, DecoderConfig):
-    raise TypeError(f"persistent_decoder: cfg must be a jaxfuse.DecoderConfig, got {type(cfg).__name__}")
-  if not isinstance(w, DecoderWeights):
-    raise TypeError(f"persistent_decoder: w must be a jaxfuse.DecoderWeights, got {type(w).__name__}")
-  if not isinstance(cache, KVCache):
-    raise TypeError(f"persistent_decoder: cache must be a jaxfuse.KVCache, got {type(cache).__name__}")
-
-
 def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig):
-  """One decode step of every layer: returns ``(h_out [B, D], new_cache)``.
+  """One decode step of every layer of the stack, in one custom call.
 
-  ``x``: [B, D] hidden state of the new token per row; ``positions``: int32 [B], the cache slot
-  each row writes and attends up to (inclusive). See the module docstring for the math and the
-  handling of out-of-range positions. Works under jit (donate the cache for in-place updates),
-  vmap (mapped over x, positions and the cache), lax.scan and lax.while_loop; not differentiable.
+  See the module docstring for the math and the handling of out-of-range positions. Works under
+  jit (donate the cache for in-place updates), vmap (mapped over x, positions and the cache; the
+  mapped axis is folded into the batch), lax.scan, lax.while_loop and eagerly.
+
+  Args:
+    x: [B, D] hidden state of the new token per row (float32, bfloat16 or float16).
+    positions: int32 [B], the cache slot each row writes and attends up to (inclusive).
+    w: the stacked layer weights, in the dtype of ``x``.
+    cache: the KV cache, [L, B, max_seq_len, KV, hd] each, in the dtype of ``x``.
+    cfg: the static configuration of the stack.
+
+  Returns:
+    ``(h_out, new_cache)``: the [B, D] hidden state after the last layer and the updated cache.
+
+  Raises:
+    TypeError: an argument has the wrong type or dtype.
+    ValueError: an argument has the wrong shape.
+    NotImplementedError: when differentiated (use :func:`decoder_reference`), or vmapped over
+      the weights.
   """
   _check_structure(w, cache, cfg)
-  x = jnp.asarray(x)
-  positions = jnp.asarray(positions)
-  out, k, v, _ = decoder_p.bind(x, positions, *w, cache.k, cache.v, cfg=cfg)
-  return out, KVCache(k, v)
+  x, positions = jnp.asarray(x), jnp.asarray(positions)
+  w = DecoderWeights(*(jnp.asarray(a) for a in w))
+  cache = KVCache(jnp.asarray(cache.k), jnp.asarray(cache.v))
+  _check_operands(x, positions, w, cache, cfg)
+  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, w, cache.k, cache.v)
+  return out, KVCache(k_cache, v_cache)
 
 
 def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig, *,
@@ -304,6 +385,18 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
   By default every GEMV input is fp32 (as in the kernels); ``activation_dtype`` (e.g. bfloat16)
   instead rounds GEMV and attention inputs to that dtype with fp32 accumulation, the usual way a
   plain JAX decoder is written (used as the speed baseline in the benchmark).
+
+  Args:
+    x: [B, D] (one step) or [B, T, D] (prefill) hidden states.
+    positions: [B] or [B, T] cache slots.
+    w: the stacked layer weights.
+    cache: the KV cache.
+    cfg: the static configuration of the stack.
+    activation_dtype: ``None`` (fp32 GEMV inputs) or the dtype GEMV and attention inputs are
+      rounded to.
+
+  Returns:
+    ``(h_out, new_cache)``, ``h_out`` of the rank of ``x``.
   """
   _check_structure(w, cache, cfg)
   x = jnp.asarray(x)
@@ -311,39 +404,16 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
   single = x.ndim == 2
   if single:
     x, positions = x[:, None, :], positions[:, None]
-  B, T, D = x.shape
+  B, T, _ = x.shape
   dt = x.dtype
-  f32 = jnp.float32
   L, H, KV, hd, S = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.max_seq_len
-  G, half = H // KV, hd // 2
-  hi = lax.Precision.HIGHEST
-
-  def mm(a, wl):  # [B, T, K] @ [K, N] -> fp32
-    if activation_dtype is None:
-      return jnp.einsum("btk,kn->btn", a, wl.astype(f32), precision=hi)
-    return jnp.einsum("btk,kn->btn", a.astype(activation_dtype), wl.astype(activation_dtype),
-                      preferred_element_type=f32)
-
-  def rmsnorm(h, wn):
-    return (h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + f32(cfg.rms_norm_eps))) * \
-        wn.astype(f32)
-
-  inv_freq = (np.float64(cfg.rope_theta) ** (-2.0 * np.arange(half) / hd)).astype(np.float32)
-  angle = positions.astype(f32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
-  cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
-
-  def rope(t):  # [B, T, heads, hd]
-    x1, x2 = t[..., :half], t[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
+  mm = functools.partial(_ref_matmul, activation_dtype=activation_dtype)
+  rmsnorm = functools.partial(_ref_rmsnorm, eps=cfg.rms_norm_eps)
+  rope = _ref_rope(positions, cfg)
   valid = (positions >= 0) & (positions < S)  # [B, T]
   slot = jnp.where(valid, positions, S)  # out of bounds -> dropped by the scatter
   rows = jnp.arange(B)[:, None]
-  mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
-  # Slots after every token's position are never read (whatever they hold, even NaN).
-  seen = (jnp.arange(S)[None, :] <= positions.max(axis=1)[:, None])[:, :, None, None]  # [B, S, 1, 1]
-  scale = f32(1.0 / np.sqrt(hd))
-  h = x.astype(f32)
+  h = x.astype(jnp.float32)
   kc, vc = cache.k, cache.v
   for l in range(L):
     a = rmsnorm(h, w.attn_norm[l])
@@ -353,22 +423,7 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
     kl = kc[l].at[rows, slot].set(k.astype(dt), mode="drop")  # [B, S, KV, hd]
     vl = vc[l].at[rows, slot].set(v.astype(dt), mode="drop")
     kc, vc = kc.at[l].set(kl), vc.at[l].set(vl)
-    qg = q.reshape(B, T, KV, G, hd)
-    if activation_dtype is None:
-      s = jnp.einsum("btkgd,bskd->btkgs", qg, kl.astype(f32), precision=hi)
-    else:
-      s = jnp.einsum("btkgd,bskd->btkgs", qg.astype(activation_dtype), kl.astype(activation_dtype),
-                     preferred_element_type=f32)
-    s = jnp.where(mask[:, :, None, None, :], s * scale, -jnp.inf)
-    s = jnp.where(valid[:, :, None, None, None], s, 0.0)  # keep invalid rows finite
-    p = jax.nn.softmax(s, axis=-1)
-    if activation_dtype is None:
-      o = jnp.einsum("btkgs,bskd->btkgd", p, jnp.where(seen, vl.astype(f32), 0.0), precision=hi)
-    else:
-      o = jnp.einsum("btkgs,bskd->btkgd", p.astype(activation_dtype),
-                     jnp.where(seen, vl, 0).astype(activation_dtype),
-                     preferred_element_type=f32)
-    o = jnp.where(valid[:, :, None, None, None], o, 0.0).reshape(B, T, H * hd)
+    o = _ref_attention(q, kl, vl, positions, valid, cfg, activation_dtype)
     h = h + mm(o, w.wo[l])
     m = rmsnorm(h, w.mlp_norm[l])
     g, u = mm(m, w.w_gate[l]), mm(m, w.w_up[l])
@@ -377,3 +432,60 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
   if single:
     out = out[:, 0]
   return out, KVCache(kc, vc)
+
+
+def _ref_matmul(a, wl, activation_dtype):
+  """[B, T, K] @ [K, N] -> fp32 (fp32 inputs, or inputs rounded to ``activation_dtype``)."""
+  if activation_dtype is None:
+    return jnp.einsum("btk,kn->btn", a, wl.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+  return jnp.einsum("btk,kn->btn", a.astype(activation_dtype), wl.astype(activation_dtype),
+                    preferred_element_type=jnp.float32)
+
+
+def _ref_rmsnorm(h, wn, eps: float):
+  """RMSNorm in fp32 of ``h`` [..., D] with the weight ``wn`` [D]."""
+  f32 = jnp.float32
+  return (h * lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + f32(eps))) * wn.astype(f32)
+
+
+def _ref_rope(positions, cfg: DecoderConfig):
+  """The RoPE of ``positions`` [B, T]: a function of [B, T, heads, hd] ("rotate half")."""
+  hd = cfg.head_dim
+  half = hd // 2
+  inv_freq = (np.float64(cfg.rope_theta) ** (-2.0 * np.arange(half) / hd)).astype(np.float32)
+  angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
+  cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+
+  def rope(t):  # [B, T, heads, hd]
+    x1, x2 = t[..., :half], t[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+  return rope
+
+
+def _ref_attention(q, kl, vl, positions, valid, cfg: DecoderConfig, activation_dtype):
+  """Grouped-query attention of ``q`` [B, T, H, hd] over one layer's cache [B, S, KV, hd], each
+  token up to its own position; returns [B, T, H * hd] in fp32 (zero for invalid tokens)."""
+  f32, hi = jnp.float32, lax.Precision.HIGHEST
+  B, T, H, hd = q.shape
+  KV, S = cfg.num_kv_heads, cfg.max_seq_len
+  mask = jnp.arange(S)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+  # Slots after every token's position are never read (whatever they hold, even NaN).
+  seen = jnp.arange(S)[None, :] <= positions.max(axis=1)[:, None]
+  seen = seen[:, :, None, None]  # [B, S, 1, 1]
+  scale = f32(1.0 / np.sqrt(hd))
+  qg = q.reshape(B, T, KV, H // KV, hd)
+  if activation_dtype is None:
+    s = jnp.einsum("btkgd,bskd->btkgs", qg, kl.astype(f32), precision=hi)
+  else:
+    s = jnp.einsum("btkgd,bskd->btkgs", qg.astype(activation_dtype), kl.astype(activation_dtype),
+                   preferred_element_type=f32)
+  s = jnp.where(mask[:, :, None, None, :], s * scale, -jnp.inf)
+  s = jnp.where(valid[:, :, None, None, None], s, 0.0)  # keep invalid rows finite
+  p = jax.nn.softmax(s, axis=-1)
+  if activation_dtype is None:
+    o = jnp.einsum("btkgs,bskd->btkgd", p, jnp.where(seen, vl.astype(f32), 0.0), precision=hi)
+  else:
+    o = jnp.einsum("btkgs,bskd->btkgd", p.astype(activation_dtype),
+                   jnp.where(seen, vl, 0).astype(activation_dtype), preferred_element_type=f32)
+  return jnp.where(valid[:, :, None, None, None], o, 0.0).reshape(B, T, H * hd)

@@ -7,7 +7,7 @@ from typing import Any, Optional
 import jax
 import optax
 
-from jaxfuse.adam import AdamSpec, apply_adam, grad_ctrl_for
+from jaxfuse.adam import AdamSpec, adam_in_place, grad_ctrl_for
 from jaxfuse.clip import ClipSpec
 
 
@@ -65,12 +65,11 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
   if chained and not (isinstance(opt_state, tuple) and len(opt_state) == len(specs)):
     raise ValueError(f"jaxfuse.fused_step: opt_state is not the state of a {len(specs)}-transform "
                      f"chain (got {type(opt_state).__name__})")
-  norm, ctrl = grad_ctrl_for(spec, grads, grad_scale,
-                             clip_max_norm=clip.max_norm if clip is not None else None,
-                             need_norm=return_grad_norm)
+  norm, grad_ctrl = grad_ctrl_for(spec, grads, grad_scale,
+                                  clip_max_norm=clip.max_norm if clip is not None else None,
+                                  need_norm=return_grad_norm)
   adam_state = opt_state[-1] if chained else opt_state
-  new_params, new_adam_state = apply_adam(spec, grads, adam_state, params, write_updates=False,
-                                          grad_ctrl=ctrl)
+  new_params, new_adam_state = adam_in_place(spec, grads, adam_state, params, grad_ctrl)
   new_state = (*opt_state[:-1], new_adam_state) if chained else new_adam_state
   if return_grad_norm:
     return new_params, new_state, norm

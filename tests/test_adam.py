@@ -11,7 +11,7 @@ import pytest
 import jaxfuse
 from jaxfuse import _ffi
 from jaxfuse.adam import MAX_LEAVES_PER_CALL
-from conftest import assert_trees_close, count_custom_calls, random_tree, ulp
+from helpers import assert_trees_close, count_custom_calls, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]
 F32_EPS = ulp(jnp.float32)
@@ -436,22 +436,25 @@ def test_nonfinite_grads_do_not_touch_state_in_skip_mode(device):
 
 def test_handler_rejects_inconsistent_calls():
   """The FFI handler validates what it receives and fails with a message, never a crash."""
-  x = jnp.ones((4,))
-  count, hyper, ctrl = jnp.zeros((), jnp.int32), jnp.zeros((8,)), jnp.zeros((4,))
+  xs = [jnp.ones((4,))] * 4  # grads, params, mu, nu of one tensor
+  layout = _ffi.contract("jaxfuse_adam").names
+  count = jnp.zeros((), jnp.int32)
+  hyper, grad_ctrl = jnp.zeros((len(layout["hyper"]),)), jnp.zeros((len(layout["grad_ctrl"]),))
   results = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct((4,), jnp.float32)] * 3
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, vmap_method="sequential")
   attrs = dict(nesterov=False, write_updates=True, master=False, decay_mask=np.zeros(1, np.uint8))
+  one = dict(attrs, num_tensors=np.int64(1))
   with pytest.raises(Exception, match="do not fit num_tensors=2"):
-    jax.block_until_ready(call(count, hyper, ctrl, x, x, x, x, num_tensors=np.int64(2), **attrs))
+    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, num_tensors=np.int64(2), **attrs))
   with pytest.raises(Exception, match="hyper has 3 elements"):
-    jax.block_until_ready(call(count, jnp.zeros((3,)), ctrl, x, x, x, x, num_tensors=np.int64(1), **attrs))
+    jax.block_until_ready(call(count, jnp.zeros((3,)), grad_ctrl, *xs, **one))
   with pytest.raises(Exception, match="not aliased"):  # mu/nu must be updated in place
-    jax.block_until_ready(call(count, hyper, ctrl, x, x, x, x, num_tensors=np.int64(1), **attrs))
+    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, **one))
   bad = [jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.float32)] + \
       [jax.ShapeDtypeStruct((4,), jnp.float32)] * 2
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), bad, input_output_aliases={5: 2, 6: 3})
   with pytest.raises(Exception, match="has 5 elements"):
-    jax.block_until_ready(call(count, hyper, ctrl, x, x, x, x, num_tensors=np.int64(1), **attrs))
+    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, **one))
 
 
 def test_vmap_over_an_ensemble(device):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxfuse
-from conftest import assert_trees_close, count_custom_calls, random_tree, ulp
+from helpers import assert_trees_close, count_custom_calls, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5)]
 # optax's global norm (optax.tree.norm in newer optax, optax.global_norm before).

@@ -3,9 +3,9 @@
 Runs only where that build is loaded (JAXFUSE_EXTENSION_DIR holding _jaxfuse_cuda_on_cpu); the
 script sets JAXFUSE_REQUIRE_CUDA_ON_CPU=1 so that a missing build fails instead of skipping.
 Element-wise results (Adam in every mode, the gradient-control apply) must be bitwise equal to
-the CPU handlers': both run the shared math of math.h. Reductions (global norm, decoder) sum in
-another order: they are compared within fp32 rounding, and must be bitwise the same under every
-thread schedule and on every emulated grid size.
+the CPU handlers': both run the shared math of src_cuda/include/jaxfuse/{adam,norm}_math.h.
+Reductions (global norm, decoder) sum in another order: they are compared within fp32 rounding,
+and must be bitwise the same under every thread schedule and on every emulated grid size.
 """
 
 import os
@@ -18,7 +18,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi
-from conftest import assert_bitwise_equal, random_decoder_problem, random_tree
+from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:
   if os.environ.get("JAXFUSE_REQUIRE_CUDA_ON_CPU") == "1":
@@ -197,7 +197,8 @@ def test_failed_launch_does_not_poison_later_calls(monkeypatch):
   cfg, x, positions, w, cache = decoder_case(jnp.float32, batch=1)
   decode = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
   monkeypatch.setenv("JAXFUSE_EMU_FAIL_COOPERATIVE", "1")
-  with pytest.raises(Exception, match="launch of jaxfuse_decoder failed: cudaErrorCooperativeLaunchTooLarge"):
+  with pytest.raises(Exception, match="jaxfuse_decoder: launch of the decoder kernel failed: "
+                                      "cudaErrorCooperativeLaunchTooLarge"):
     emulated(decode, x, positions, w, cache)
   monkeypatch.delenv("JAXFUSE_EMU_FAIL_COOPERATIVE")
   tree = random_tree(10, [(5,), (7,)], [jnp.float32] * 2)

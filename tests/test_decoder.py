@@ -6,26 +6,9 @@ import numpy as np
 import pytest
 from jax import lax
 
-import jaxfuse
 from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
 from jaxfuse import _ffi
-from conftest import random_decoder_problem
-
-
-def _gpu_available():
-  if not jaxfuse.backends()["cuda"]["built"]:
-    return False
-  try:
-    return len(jax.devices("gpu")) > 0
-  except RuntimeError:
-    return False
-
-
-@pytest.fixture(params=["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
-def device(request):
-  if request.param == "gpu" and not _gpu_available():
-    pytest.skip("no CUDA device (or jaxfuse built without CUDA)")
-  return jax.devices(request.param)[0]
+from helpers import random_decoder_problem, stable_seed
 
 
 # Tolerance on max|out - ref| / max|ref|, from the storage dtype: fp32 results differ only by
@@ -64,7 +47,7 @@ CONFIGS = {
                                         ("mqa_hd32", 2), ("gqa2_hd128", 4), ("mqa_many", 5)])
 def test_matches_reference(device, name, batch, dtype):
   cfg = DecoderConfig(*CONFIGS[name], rms_norm_eps=1e-5, rope_theta=10000.0)
-  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=hash(name) % 1000, device=device)
+  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=stable_seed(name), device=device)
   pos = jax.device_put(positions_for(batch, cfg.max_seq_len), device)
   out, new = fused(x, pos, w, cache, cfg)
   ref, ref_cache = reference(x, pos, w, cache, cfg)

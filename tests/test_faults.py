@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import jaxfuse
-from conftest import Snapshot, assert_bitwise_equal, random_decoder_problem, random_tree
+from helpers import Snapshot, assert_bitwise_equal, random_decoder_problem, random_tree
 
 # A leaf above the CPU handlers' 65536-element chunk, so that a bad value can sit in a chunk
 # other than the first (and the CPU work spreads over the thread pool).

@@ -3,10 +3,14 @@
 The Python API checks its arguments at trace time; these tests go around it and hand each handler
 wrong operand and result counts, dtypes, shapes and attributes. Each must raise a Python exception
 whose message names the problem (never crash the process, never succeed). Errors jaxfuse's own
-decoding raises read "jaxfuse: <target>: ..."; a fixed-type operand, result or attribute of the
-wrong type is rejected by XLA's FFI binding before the handler runs, with XLA's own message.
+decoding raises read "<target>: ..." (the handler names its op once, in front); a fixed-type
+operand, result or attribute of the wrong type is rejected by XLA's FFI binding before the
+handler runs, with XLA's own message.
 
-The operand/result/attribute contracts are in src_cuda/include/jaxfuse/{adam,clip,decoder}_ffi.h.
+The operand/result/attribute contracts are in src_cuda/include/jaxfuse/{adam,clip,decoder}.h;
+the vector layouts and sizes Python shares with them come from _ffi.contract(). The tests below
+build those vectors by position on purpose: they pin the wire contract
+(test_vector_layouts_are_pinned checks that the positions are the contract's).
 Cases already covered in test_adam.py (test_handler_rejects_inconsistent_calls) and
 test_decoder.py (test_handler_validates_buffers) are not repeated here.
 """
@@ -24,7 +28,6 @@ import numpy as np
 import pytest
 
 from jaxfuse import _ffi
-from jaxfuse.clip import _NORM_SLOTS
 from jaxfuse.decoder import DecoderConfig, _workspace_bytes
 
 S = jax.ShapeDtypeStruct
@@ -33,11 +36,11 @@ F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
 
 @contextlib.contextmanager
 def jaxfuse_error(op, match):
-  """Expects a jaxfuse handler error "jaxfuse: <op>: ...<match>" (one line), with "jaxfuse: "
-  exactly once."""
-  with pytest.raises(Exception, match=rf"jaxfuse: {op}: .*{match}") as info:
+  """Expects a jaxfuse handler error "<op>: ...<match>" (one line), with the op's name exactly
+  once (the handler prefixes it; nothing below it may prefix it again)."""
+  with pytest.raises(Exception, match=rf"{op}: .*{match}") as info:
     yield info
-  assert str(info.value).count("jaxfuse: ") == 1, str(info.value)
+  assert str(info.value).count(op) == 1, str(info.value)
 
 
 def xla_error(match):
@@ -63,7 +66,7 @@ def _put(device, *arrays):
 
 
 # ---- jaxfuse_adam ------------------------------------------------------------------------------
-# operands: count s32[], hyper f32[8], ctrl f32[4], n each of grads, params, mu, nu, [master]
+# operands: count s32[], hyper f32[8], grad_ctrl f32[4], n each of grads, params, mu, nu, [master]
 # results:  new_count s32[], n each of [updates], mu, nu, [params], [master]
 
 
@@ -74,11 +77,35 @@ def _adam_attrs(**over):
   return {k: v for k, v in attrs.items() if v is not None}
 
 
+# The device vectors by position (test_vector_layouts_are_pinned holds them to the contract).
+_HYPER = ("learning_rate", "b1", "one_minus_b1", "b2", "one_minus_b2", "eps", "eps_root",
+          "weight_decay")
+_GRAD_CTRL = ("loss_scale", "clip_div", "clip_mul", "skip")
+_NORM_PARAMS = ("loss_scale", "max_norm")
+
+
+def test_vector_layouts_are_pinned():
+  """The layouts these tests build by position are the C++ contract's, and so is the Adam and
+  decoder operand/result order."""
+  adam = _ffi.contract("jaxfuse_adam")
+  norm = _ffi.contract("jaxfuse_global_norm")
+  assert adam.names["hyper"] == _HYPER
+  assert adam.names["grad_ctrl"] == _GRAD_CTRL
+  assert adam.names["fixed_operands"] == ("count", "hyper", "grad_ctrl")
+  assert adam.names["fixed_results"] == ("count",)
+  assert norm.names["norm_params"] == _NORM_PARAMS
+  assert norm.names["grad_ctrl"] == _GRAD_CTRL
+  assert _ffi.contract("jaxfuse_apply_grad_ctrl").names["grad_ctrl"] == _GRAD_CTRL
+  dec = _ffi.contract("jaxfuse_decoder")
+  assert dec.names["operands"] == ("x", "positions", *_WEIGHTS, "k_cache", "v_cache")
+  assert dec.names["results"] == ("out", "k_cache", "v_cache", "workspace")
+
+
 def _adam_fixed(device, seed=0):
   rng = np.random.default_rng(seed)
-  hyper = np.array([1e-3, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0], np.float32)
-  ctrl = np.array([1.0, 1.0, 1.0, 0.0], np.float32)
-  return _put(device, np.array(3, np.int32), hyper, ctrl) + [rng]
+  hyper = np.array([1e-3, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0], np.float32)  # _HYPER
+  grad_ctrl = np.array([1.0, 1.0, 1.0, 0.0], np.float32)  # _GRAD_CTRL
+  return _put(device, np.array(3, np.int32), hyper, grad_ctrl) + [rng]
 
 
 def _adam_call(operands, results, aliases, **attrs):
@@ -88,25 +115,25 @@ def _adam_call(operands, results, aliases, **attrs):
 
 def _adam_updates_mode(device, grads=F32, params=F32, mu=F32, nu=F32, updates=F32, size=4):
   """Operands, results and aliases of a one-tensor call in updates (optax protocol) mode."""
-  count, hyper, ctrl, rng = _adam_fixed(device)
+  count, hyper, grad_ctrl, rng = _adam_fixed(device)
   g, p, m, v = _put(device, *[_rng_array(rng, (size,), dt) for dt in (grads, params, mu, nu)])
   results = [S((), I32), S((size,), updates), S((size,), mu), S((size,), nu)]
-  return [count, hyper, ctrl, g, p, m, v], results, {5: 2, 6: 3}
+  return [count, hyper, grad_ctrl, g, p, m, v], results, {5: 2, 6: 3}
 
 
 def test_adam_good_call_succeeds(device):
   """The harness itself is right: a well-formed call (both modes, two tensors) runs."""
-  count, hyper, ctrl, rng = _adam_fixed(device)
+  count, hyper, grad_ctrl, rng = _adam_fixed(device)
   a4, b4, c4, d4 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
   a3, b3, c3, d3 = _put(device, *[_rng_array(rng, (3,), BF16) for _ in range(4)])
-  ops = [count, hyper, ctrl, a4, a3, b4, b3, c4, c3, d4, d3]
+  ops = [count, hyper, grad_ctrl, a4, a3, b4, b3, c4, c3, d4, d3]
   res = [S((), I32), S((4,), F32), S((3,), BF16), S((4,), F32), S((3,), BF16), S((4,), F32),
          S((3,), BF16)]
   out = _adam_call(ops, res, {7: 3, 8: 4, 9: 5, 10: 6}, num_tensors=np.int64(2),
                    decay_mask=np.array([1, 0], np.uint8))
   assert int(out[0]) == 4
   # Fused mode: params, mu, nu in place.
-  ops = [count, hyper, ctrl, a4, b4, c4, d4]
+  ops = [count, hyper, grad_ctrl, a4, b4, c4, d4]
   out = _adam_call(ops, [S((), I32)] + [S((4,), F32)] * 3, {5: 1, 6: 2, 4: 3},
                    write_updates=False)
   assert int(out[0]) == 4
@@ -117,13 +144,13 @@ def test_adam_good_call_succeeds(device):
     ("count_rank1", 0, "Wrong buffer rank: expected 0 but got 1"),
     ("hyper_bf16", 1, "Wrong buffer dtype: expected F32 but got BF16"),
     ("hyper_rank2", 1, "Wrong buffer rank: expected 1 but got 2"),
-    ("ctrl_i32", 2, "Wrong buffer dtype: expected F32 but got S32"),
+    ("grad_ctrl_i32", 2, "Wrong buffer dtype: expected F32 but got S32"),
 ])
 def test_adam_fixed_operand_types(device, what, operand, match):
   ops, res, aliases = _adam_updates_mode(device)
   bad = {"count_f32": np.float32(3), "count_rank1": np.array([3], np.int32),
          "hyper_bf16": np.zeros(8, jnp.bfloat16), "hyper_rank2": np.zeros((2, 4), np.float32),
-         "ctrl_i32": np.ones(4, np.int32)}[what]
+         "grad_ctrl_i32": np.ones(4, np.int32)}[what]
   ops[operand] = jax.device_put(bad, device)
   with xla_error(match):
     _adam_call(ops, res, aliases)
@@ -137,10 +164,10 @@ def test_adam_count_int64(device):
       _adam_call(ops, res, aliases)
 
 
-def test_adam_ctrl_size(device):
+def test_adam_grad_ctrl_size(device):
   ops, res, aliases = _adam_updates_mode(device)
   ops[2] = jax.device_put(np.ones(5, np.float32), device)
-  with jaxfuse_error("jaxfuse_adam", "ctrl has 5 elements, expected 4"):
+  with jaxfuse_error("jaxfuse_adam", "grad_ctrl has 5 elements, expected 4"):
     _adam_call(ops, res, aliases)
 
 
@@ -176,12 +203,12 @@ def test_adam_tensor_float64(device, lst):
 @pytest.mark.parametrize("lst", ["params", "mu", "nu", "updates"])
 def test_adam_element_count_mismatch(device, lst):
   """Tensor 1 of two has a list whose element count differs from its grads."""
-  count, hyper, ctrl, rng = _adam_fixed(device, seed=1)
+  count, hyper, grad_ctrl, rng = _adam_fixed(device, seed=1)
   sizes = {k: 3 for k in ("grads", "params", "mu", "nu", "updates")}
   sizes[lst] = 5
   t0 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
   t1 = _put(device, *[_rng_array(rng, (sizes[k],), F32) for k in ("grads", "params", "mu", "nu")])
-  ops = [count, hyper, ctrl] + [x for pair in zip(t0, t1) for x in pair]
+  ops = [count, hyper, grad_ctrl] + [x for pair in zip(t0, t1) for x in pair]
   res = [S((), I32), S((4,), F32), S((sizes["updates"],), F32), S((4,), F32),
          S((sizes["mu"],), F32), S((4,), F32), S((sizes["nu"],), F32)]
   with jaxfuse_error("jaxfuse_adam", rf"tensor 1: list '{lst}' has 5 elements, list 'grads' has 3"):
@@ -274,11 +301,13 @@ def test_adam_attribute_types(device):
 
 
 # ---- jaxfuse_global_norm / jaxfuse_apply_grad_ctrl -------------------------------------------
-# global_norm: operands params f32[2], n grads; results norm f32[], ctrl f32[4], partials f32[2048]
-# apply_grad_ctrl: operands ctrl f32[4], n grads; results n grads
+# global_norm: operands norm_params f32[2], n grads;
+#              results norm f32[], grad_ctrl f32[4], partials f32[2 * norm_slots]
+# apply_grad_ctrl: operands grad_ctrl f32[4], n grads; results n grads
 
-
-_NORM_RESULTS = [S((), F32), S((4,), F32), S((2 * _NORM_SLOTS,), F32)]
+# The partials workspace: two floats per slot, the slot count from the C++ contract.
+_PARTIALS = 2 * _ffi.contract("jaxfuse_global_norm").numbers["norm_slots"]
+_NORM_RESULTS = [S((), F32), S((4,), F32), S((_PARTIALS,), F32)]
 
 
 def _norm_call(operands, results=_NORM_RESULTS, **attrs):
@@ -295,16 +324,16 @@ def _apply_call(operands, results):
 
 def _norm_operands(device, *dtypes, seed=2):
   rng = np.random.default_rng(seed)
-  params = np.array([1.0, 1.0], np.float32)  # loss scale, max norm
-  return _put(device, params, *[_rng_array(rng, (4 + i,), dt) for i, dt in enumerate(dtypes)])
+  norm_params = np.array([1.0, 1.0], np.float32)  # _NORM_PARAMS: loss scale, max norm
+  return _put(device, norm_params, *[_rng_array(rng, (4 + i,), dt) for i, dt in enumerate(dtypes)])
 
 
 def test_norm_good_call_succeeds(device):
   ops = _norm_operands(device, F32, BF16)
-  norm, ctrl, _ = _norm_call(ops)
+  norm, grad_ctrl, _ = _norm_call(ops)
   expect = np.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in ops[1:]))
   np.testing.assert_allclose(float(norm), expect, rtol=1e-5)
-  assert ctrl.shape == (4,)
+  assert grad_ctrl.shape == (4,)
   out = _apply_call([jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device), *ops[1:]],
                     [S((4,), F32), S((5,), BF16)])
   np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(ops[2], np.float32))
@@ -312,13 +341,13 @@ def test_norm_good_call_succeeds(device):
 
 def test_norm_params_operand(device):
   ops = _norm_operands(device, F32)
-  with jaxfuse_error("jaxfuse_global_norm", "params has 3 elements, expected 2"):
+  with jaxfuse_error("jaxfuse_global_norm", "norm_params has 3 elements, expected 2"):
     _norm_call([jax.device_put(np.ones(3, np.float32), device), *ops[1:]])
   with xla_error("Wrong buffer dtype: expected F32 but got F16"):
     _norm_call([jax.device_put(np.ones(2, np.float16), device), *ops[1:]])
   with xla_error("Wrong buffer rank: expected 1 but got 2"):
     _norm_call([jax.device_put(np.ones((1, 2), np.float32), device), *ops[1:]])
-  with xla_error("Wrong number of arguments"):  # not even the params operand
+  with xla_error("Wrong number of arguments"):  # not even the norm_params operand
     _run(jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), _NORM_RESULTS), [],
          dict(clip=True, skip_nonfinite=False, clip_apply_loss_scale=True))
 
@@ -338,19 +367,21 @@ def test_norm_grads_float64(device):
       _norm_call(ops)
 
 
-_NORM, _CTRL, _PART = _NORM_RESULTS
+_NORM, _GCTRL, _PART = _NORM_RESULTS
 
 
 @pytest.mark.parametrize("results, match, ours", [
-    ([S((1,), F32), _CTRL, _PART], "Wrong buffer rank: expected 0 but got 1", False),
-    ([S((), BF16), _CTRL, _PART], "Wrong buffer dtype: expected F32 but got BF16", False),
-    ([_NORM, S((5,), F32), _PART], "ctrl result has 5 elements, expected 4", True),
-    ([_NORM, S((3,), F32), _PART], "ctrl result has 3 elements, expected 4", True),
-    ([_NORM, _CTRL, S((2047,), F32)], "partials workspace has 2047 elements, expected 2048", True),
-    ([_NORM, _CTRL, S((4096,), F32)], "partials workspace has 4096 elements, expected 2048", True),
-    ([_NORM, _CTRL, S((2048,), I32)], "Wrong buffer dtype: expected F32 but got S32", False),
-    ([_NORM, _CTRL], "Wrong number of results: expected 3 but got 2", False),
-    ([_NORM, _CTRL, _PART, _CTRL], "Wrong number of results: expected 3 but got 4", False),
+    ([S((1,), F32), _GCTRL, _PART], "Wrong buffer rank: expected 0 but got 1", False),
+    ([S((), BF16), _GCTRL, _PART], "Wrong buffer dtype: expected F32 but got BF16", False),
+    ([_NORM, S((5,), F32), _PART], "grad_ctrl result has 5 elements, expected 4", True),
+    ([_NORM, S((3,), F32), _PART], "grad_ctrl result has 3 elements, expected 4", True),
+    ([_NORM, _GCTRL, S((_PARTIALS - 1,), F32)],
+     f"partials workspace has {_PARTIALS - 1} elements, expected {_PARTIALS}", True),
+    ([_NORM, _GCTRL, S((2 * _PARTIALS,), F32)],
+     f"partials workspace has {2 * _PARTIALS} elements, expected {_PARTIALS}", True),
+    ([_NORM, _GCTRL, S((_PARTIALS,), I32)], "Wrong buffer dtype: expected F32 but got S32", False),
+    ([_NORM, _GCTRL], "Wrong number of results: expected 3 but got 2", False),
+    ([_NORM, _GCTRL, _PART, _GCTRL], "Wrong number of results: expected 3 but got 4", False),
 ])
 def test_norm_results(device, results, match, ours):
   ops = _norm_operands(device, F32)
@@ -367,9 +398,9 @@ def test_norm_attributes(device):
          dict(clip=True, skip_nonfinite=False))
 
 
-def test_apply_grad_ctrl_ctrl_operand(device):
+def test_apply_grad_ctrl_grad_ctrl_operand(device):
   (x,) = _norm_operands(device, F32)[1:]
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "ctrl has 3 elements, expected 4"):
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl has 3 elements, expected 4"):
     _apply_call([jax.device_put(np.ones(3, np.float32), device), x], [S((4,), F32)])
   with xla_error("Wrong buffer dtype: expected F32 but got S32"):
     _apply_call([jax.device_put(np.ones(4, np.int32), device), x], [S((4,), F32)])
@@ -378,22 +409,22 @@ def test_apply_grad_ctrl_ctrl_operand(device):
 
 
 def test_apply_grad_ctrl_lists(device):
-  ctrl = jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device)
+  grad_ctrl = jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device)
   x, y = _norm_operands(device, F32, F32)[1:]  # shapes (4,), (5,)
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "1 operands but 2 results"):
-    _apply_call([ctrl, x], [S((4,), F32), S((4,), F32)])
+    _apply_call([grad_ctrl, x], [S((4,), F32), S((4,), F32)])
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "2 operands but 1 results"):
-    _apply_call([ctrl, x, y], [S((4,), F32)])
+    _apply_call([grad_ctrl, x, y], [S((4,), F32)])
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "0 operands but 1 results"):
-    _apply_call([ctrl], [S((4,), F32)])
+    _apply_call([grad_ctrl], [S((4,), F32)])
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "tensor 1: list 'scaled_grads' has 4 elements, "
                                                 "list 'grads' has 5"):
-    _apply_call([ctrl, x, y], [S((4,), F32), S((4,), F32)])
+    _apply_call([grad_ctrl, x, y], [S((4,), F32), S((4,), F32)])
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "list 'scaled_grads' tensor 0: unsupported dtype"):
-    _apply_call([ctrl, x], [S((4,), I32)])
+    _apply_call([grad_ctrl, x], [S((4,), I32)])
   xi = jax.device_put(np.arange(1, 5, dtype=np.int32), device)
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "list 'grads' tensor 0: unsupported dtype"):
-    _apply_call([ctrl, xi], [S((4,), F32)])
+    _apply_call([grad_ctrl, xi], [S((4,), F32)])
 
 
 # ---- jaxfuse_decoder ---------------------------------------------------------------------------
@@ -491,8 +522,9 @@ def test_decoder_overflowing_sizes_are_rejected(device):
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                         timeout=300)
   assert proc.returncode == 0, f"exit status {proc.returncode}\n{proc.stderr[-2000:]}"
-  assert f"jaxfuse: jaxfuse_decoder: num_heads={2**62 + 2} must be a positive integer" in \
-      proc.stdout, proc.stdout + proc.stderr[-2000:]
+  assert f"jaxfuse_decoder: num_heads={2**62 + 2} must be a positive integer" in proc.stdout, \
+      proc.stdout + proc.stderr[-2000:]
+  assert proc.stdout.count("jaxfuse_decoder") == 1, proc.stdout
 
 
 @pytest.mark.parametrize("over, match", [

@@ -1,99 +1,94 @@
 // jaxfuse_adam, CUDA: every leaf's Adam/AdamW update in one multi-tensor launch (a few for very
-// many leaves). The element math is adam_element() in math.h, shared with the CPU handler.
-#include "jaxfuse/adam_ffi.h"
+// many leaves). Each thread runs adam_group() (adam_math.h, the CPU's program too) on groups of
+// 4 elements held in registers, with 16-byte (fp32) or 8-byte (16-bit) accesses when aligned.
+#include "jaxfuse/adam.h"
 #include "multi_tensor.cuh"
 
 namespace jaxfuse {
 namespace {
 
+// AdamLists as compile-time constants: each mode is its own kernel, with no branches on it.
 template <bool kWriteUpdates, bool kMaster>
-struct AdamOp : MultiTensorOpBase {
-  static constexpr int kLists = 4 + int(kWriteUpdates) + int(kMaster);
-  static constexpr int kUpdates = kWriteUpdates ? 4 : -1;
-  static constexpr int kMasterList = kMaster ? 4 + int(kWriteUpdates) : -1;
-  // Where the math reads the param value from: the fp32 master copy when present.
-  static constexpr int kParamSource = kMaster ? kMasterList : int(kParams);
+struct StaticAdamLists {
+  static constexpr int updates = kWriteUpdates ? kAdamFixedLists : -1;
+  static constexpr int master = kMaster ? kAdamFixedLists + int(kWriteUpdates) : -1;
+  static constexpr int kCount = kAdamFixedLists + int(kWriteUpdates) + int(kMaster);
+  static constexpr int param_source() { return kMaster ? master : int(kParams); }
+};
+
+// adam_group()'s view of 4 consecutive elements of one chunk.
+template <int kLists>
+struct RegisterGroup {
+  using Values = float[4];
+  const ChunkRef<kLists>& chunk;
+  int64_t i;  // first element
+  int n;      // valid elements (the others are computed and dropped)
+  bool vec;   // vector access allowed
+
+  static constexpr int size() { return 4; }
+  __device__ void load(int list, float* x) const {
+    load_group(chunk.ptr[list], chunk.dtype[list], i, n, vec, x);
+  }
+  __device__ void store(int list, const float* x) const {
+    store_group(chunk.ptr[list], chunk.dtype[list], i, n, vec, x);
+  }
+  __device__ void update(const AdamStep& s, const float* g, const float* p, float* m, float* v,
+                         float* u) const {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) u[j] = adam_element(s, g[j], p[j], chunk.mask, m[j], v[j]);
+  }
+};
+
+template <bool kWriteUpdates, bool kMaster>
+struct AdamChunkOp : MultiTensorOpBase {
+  using Lists = StaticAdamLists<kWriteUpdates, kMaster>;
+  static constexpr int kLists = Lists::kCount;
 
   const int32_t* count;
   int32_t* new_count;
   const float* hyper;
-  const float* ctrl;
+  const float* grad_ctrl;
   bool nesterov;
   AdamStep step;
 
   __device__ void prepare() {
     const int32_t c = *count;
-    step = make_adam_step(hyper, ctrl, c, nesterov);
+    step = make_adam_step(hyper, grad_ctrl, c, nesterov);
     if (blockIdx.x == 0 && threadIdx.x == 0) *new_count = adam_next_count(c, step.grad.skip);
   }
 
-  __device__ void operator()(const ChunkRef<kLists>& r) const {
-    const DType* dt = r.dtype;
-    for_each_group(r, [&](int64_t i, int n, bool vec) {
-      float u[4] = {0.f, 0.f, 0.f, 0.f};
-      if (step.grad.skip) {
-        // Non-finite step: state untouched; the optax path reports a zero update.
-        if constexpr (kWriteUpdates) store_group(r.ptr[kUpdates], dt[kUpdates], i, n, vec, u);
-        return;
-      }
-      float g[4], p[4], m[4], v[4];
-      load_group(r.ptr[kGrads], dt[kGrads], i, n, vec, g);
-      load_group(r.ptr[kParamSource], dt[kParamSource], i, n, vec, p);
-      load_group(r.ptr[kMu], dt[kMu], i, n, vec, m);
-      load_group(r.ptr[kNu], dt[kNu], i, n, vec, v);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) u[j] = adam_element(step, step.grad.apply(g[j]), p[j], r.flag, m[j], v[j]);
-      store_group(r.ptr[kMu], dt[kMu], i, n, vec, m);
-      store_group(r.ptr[kNu], dt[kNu], i, n, vec, v);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) p[j] = p[j] + u[j];  // new (master) params
-      if constexpr (kWriteUpdates) {
-        if constexpr (kMaster) {
-          // Update that moves the low-precision params onto the new master value.
-          float p_low[4];
-          load_group(r.ptr[kParams], dt[kParams], i, n, vec, p_low);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) u[j] = p[j] - p_low[j];
-          store_group(r.ptr[kMasterList], DType::kF32, i, n, vec, p);
-        }
-        store_group(r.ptr[kUpdates], dt[kUpdates], i, n, vec, u);
-      } else {
-        if constexpr (kMaster) store_group(r.ptr[kMasterList], DType::kF32, i, n, vec, p);
-        store_group(r.ptr[kParams], dt[kParams], i, n, vec, p);
-      }
+  __device__ void operator()(const ChunkRef<kLists>& chunk) const {
+    for_each_group(chunk, [&](int64_t i, int n, bool vec) {
+      // A short group (n < 4) computes all 4 lanes and stores n.
+      const RegisterGroup<kLists> group{chunk, i, n, vec};
+      adam_group(step, Lists{}, group);
     });
   }
 };
 
 template <bool kWriteUpdates, bool kMaster>
-ffi::Error launch_adam(cudaStream_t stream, const AdamCall& call) {
-  using Op = AdamOp<kWriteUpdates, kMaster>;
+ffi::Error launch_adam(cudaStream_t stream, const AdamOp::Call& call) {
+  using Op = AdamChunkOp<kWriteUpdates, kMaster>;
   Op op;
   op.count = call.count;
   op.new_count = call.new_count;
   op.hyper = call.hyper;
-  op.ctrl = call.ctrl;
+  op.grad_ctrl = call.grad_ctrl;
   op.nesterov = call.nesterov;
-  return multi_tensor_apply<Op::kLists>(stream, call.lists, op, "jaxfuse_adam");
+  return multi_tensor_apply<Op::kLists>(stream, call.tensors, op);
 }
 
-ffi::Error AdamCuda(cudaStream_t stream, CountBuffer count,
-                    HyperBuffer hyper, HyperBuffer ctrl,
-                    ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
-                    ffi::RemainingRets rets, int64_t num_tensors, bool nesterov,
-                    bool write_updates, bool master, ffi::Span<const uint8_t> decay_mask) {
-  AdamCall call;
-  JF_RETURN_IF_ERROR(decode_adam_call(count, hyper, ctrl, args, new_count, rets, num_tensors,
-                                      nesterov, write_updates, master, decay_mask, &call));
-  if (write_updates) {
+}  // namespace
+
+template <>
+ffi::Error AdamOp::run<Cuda>(cudaStream_t stream, const Call& call) {
+  const bool master = call.lists.master >= 0;
+  if (call.lists.updates >= 0) {
     return master ? launch_adam<true, true>(stream, call) : launch_adam<true, false>(stream, call);
   }
   return master ? launch_adam<false, true>(stream, call) : launch_adam<false, false>(stream, call);
 }
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseAdamCuda, AdamCuda, adam_binding<ffi::PlatformStream<cudaStream_t>>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAXFUSE_REGISTER_OP(AdamOp, Cuda);
 
 }  // namespace jaxfuse

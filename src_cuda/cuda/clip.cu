@@ -3,7 +3,7 @@
 // squares, non-finite marker) to a fixed slot; stage 2 is one block that sums the slots in a
 // fixed order and writes the norm and the gradient-control vector. No atomics: the result is
 // bitwise the same on every run on a given device. Nothing leaves the device.
-#include "jaxfuse/clip_ffi.h"
+#include "jaxfuse/clip.h"
 #include "multi_tensor.cuh"
 
 namespace jaxfuse {
@@ -12,24 +12,7 @@ namespace {
 constexpr int kFinishThreads = 1024;
 static_assert(kNormSlots <= kFinishThreads, "one finishing thread per partial slot");
 
-// Sum over the block in a fixed order: warp shuffles, then the first warp over warp results.
-template <int kThreads>
-__device__ float block_sum(float x, float* shared) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // `shared` may still be read by a previous call
-  if (lane == 0) shared[warp] = x;
-  __syncthreads();
-  x = threadIdx.x < kThreads / 32 ? shared[threadIdx.x] : 0.0f;
-  if (warp == 0) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_down_sync(0xffffffffu, x, offset);
-  }
-  return x;  // valid in thread 0
-}
-
-struct NormOp : MultiTensorOpBase {
+struct NormChunkOp : MultiTensorOpBase {
   float* partials;
   float sumsq = 0.0f;
   float nonfinite = 0.0f;
@@ -39,10 +22,7 @@ struct NormOp : MultiTensorOpBase {
       float x[4] = {0.f, 0.f, 0.f, 0.f};
       load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        sumsq += x[j] * x[j];
-        nonfinite += x[j] - x[j];
-      }
+      for (int j = 0; j < 4; ++j) norm_accumulate(x[j], sumsq, nonfinite);
     });
   }
 
@@ -58,71 +38,63 @@ struct NormOp : MultiTensorOpBase {
 };
 
 __global__ void __launch_bounds__(kFinishThreads)
-    norm_finish_kernel(const float* partials, int num_partials, const float* params, bool clip,
-                       bool skip_nonfinite, bool clip_apply_loss_scale, float* norm, float* ctrl) {
+    norm_finish_kernel(const float* partials, int num_partials, const float* norm_params,
+                       bool clip, bool skip_nonfinite, bool clip_apply_loss_scale, float* norm,
+                       float* grad_ctrl) {
   __shared__ float scratch[kFinishThreads / 32];
   const int i = threadIdx.x;
   const float s = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i] : 0.0f, scratch);
-  const float b = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i + 1] : 0.0f, scratch);
-  if (i == 0) finish_norm(s, b, params, clip, skip_nonfinite, clip_apply_loss_scale, norm, ctrl);
-}
-
-ffi::Error GlobalNormCuda(cudaStream_t stream, NormParamsBuffer params, ffi::RemainingArgs args,
-                          ffi::Result<ScalarF32Buffer> norm, ffi::Result<HyperCtrlBuffer> ctrl,
-                          ffi::Result<HyperCtrlBuffer> partials, bool clip,
-                          bool skip_nonfinite, bool clip_apply_loss_scale) {
-  TensorLists lists;
-  JF_RETURN_IF_ERROR(decode_norm_call(params, args, ctrl, partials, &lists));
-  NormOp op;
-  op.partials = partials->typed_data();
-  // Slots are shared out among the launches (one unless the tree has very many leaves).
-  const int64_t launches = multi_tensor_launches<1>(lists);
-  if (launches > kNormSlots) {
-    return invalid_argument("jaxfuse_global_norm: too many leaves (", lists.num_tensors(), ")");
+  const float b =
+      block_sum<kFinishThreads>(i < num_partials ? partials[2 * i + 1] : 0.0f, scratch);
+  if (i == 0) {
+    finish_norm(s, b, norm_params, clip, skip_nonfinite, clip_apply_loss_scale, norm, grad_ctrl);
   }
-  int blocks = 0;
-  JF_RETURN_IF_ERROR(multi_tensor_apply<1>(stream, lists, op, "jaxfuse_global_norm",
-                                           static_cast<int>(kNormSlots / launches), &blocks));
-  return launch_kernel("jaxfuse_global_norm finish", norm_finish_kernel, dim3(1),
-                       dim3(kFinishThreads), stream, /*cooperative=*/false, op.partials, blocks,
-                       params.typed_data(), clip, skip_nonfinite, clip_apply_loss_scale,
-                       norm->typed_data(), ctrl->typed_data());
 }
 
-struct ApplyGradCtrlOp : MultiTensorOpBase {
-  const float* ctrl;
+struct ScaleChunkOp : MultiTensorOpBase {
+  const float* grad_ctrl;
   GradScaling scaling;
 
-  __device__ void prepare() { scaling = make_grad_scaling(ctrl); }
+  __device__ void prepare() { scaling = make_grad_scaling(grad_ctrl); }
 
   __device__ void operator()(const ChunkRef<2>& r) const {
     for_each_group(r, [&](int64_t i, int n, bool vec) {
       float x[4] = {0.f, 0.f, 0.f, 0.f};
       load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) x[j] = scaling.apply(x[j]);
+      scale_group(scaling, 4, x);
       store_group(r.ptr[1], r.dtype[1], i, n, vec, x);
     });
   }
 };
 
-ffi::Error ApplyGradCtrlCuda(cudaStream_t stream, HyperCtrlBuffer ctrl, ffi::RemainingArgs args,
-                             ffi::RemainingRets rets) {
-  TensorLists lists;
-  JF_RETURN_IF_ERROR(decode_apply_grad_ctrl_call(ctrl, args, rets, &lists));
-  ApplyGradCtrlOp op;
-  op.ctrl = ctrl.typed_data();
-  return multi_tensor_apply<2>(stream, lists, op, "jaxfuse_apply_grad_ctrl");
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseGlobalNormCuda, GlobalNormCuda,
-                              global_norm_binding<ffi::PlatformStream<cudaStream_t>>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+template <>
+ffi::Error GlobalNormOp::run<Cuda>(cudaStream_t stream, const Call& call) {
+  NormChunkOp op;
+  op.partials = call.partials;
+  // Slots are shared out among the launches (one unless the tree has very many leaves).
+  const int64_t launches = multi_tensor_launches<1>(call.grads);
+  if (launches > kNormSlots) {
+    return invalid_argument("too many leaves (", call.grads.num_tensors(), ")");
+  }
+  int blocks = 0;
+  JF_RETURN_IF_ERROR(multi_tensor_apply<1>(stream, call.grads, op,
+                                           static_cast<int>(kNormSlots / launches), &blocks));
+  return launch_kernel("the norm finishing kernel", norm_finish_kernel, dim3(1),
+                       dim3(kFinishThreads), stream, /*cooperative=*/false, call.partials, blocks,
+                       call.norm_params, call.clip, call.skip_nonfinite,
+                       call.clip_apply_loss_scale, call.norm, call.grad_ctrl);
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseApplyGradCtrlCuda, ApplyGradCtrlCuda,
-                              apply_grad_ctrl_binding<ffi::PlatformStream<cudaStream_t>>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+template <>
+ffi::Error ApplyGradCtrlOp::run<Cuda>(cudaStream_t stream, const Call& call) {
+  ScaleChunkOp op;
+  op.grad_ctrl = call.grad_ctrl;
+  return multi_tensor_apply<2>(stream, call.grads, op);
+}
+
+JAXFUSE_REGISTER_OP(GlobalNormOp, Cuda);
+JAXFUSE_REGISTER_OP(ApplyGradCtrlOp, Cuda);
 
 }  // namespace jaxfuse

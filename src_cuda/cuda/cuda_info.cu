@@ -1,7 +1,7 @@
 // What backends() reports about the CUDA side: the runtime jaxfuse was built with, the driver,
 // and why the driver cannot run the kernels (empty when it can).
-#include "jaxfuse/handlers.h"
-#include "launch.cuh"
+#include "jaxfuse/cuda_info.h"
+#include "cuda_common.cuh"
 
 namespace jaxfuse {
 

@@ -2,36 +2,38 @@
 // cooperative kernel launch.
 //
 // Launch: cooperative (launch_kernel), kThreads threads per block, grid = co-resident blocks
-// (occupancy x SMs, at most kMaxBlocksPerSm per SM; cached per device). Stages are separated by
-// cooperative-groups grid syncs (acquire/release at grid scope):
+// (occupancy x SMs, at most kMaxBlocksPerSm per SM; cached per device). The kernel is a sequence
+// of stages, one struct each, separated by cooperative-groups grid syncs (acquire/release at grid
+// scope):
 //
-//   pre:   h = float(x), per-tile sums of squares of h                              | sync
+//   EmbedStage:      h = float(x), per-tile sums of squares of h                          | sync
 //   per layer l:
-//   QKV:   [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv]                             | sync
-//   ATT:   RoPE on q, k; append k, v at [l, b, p]; flash-decoding over 0..p          | sync
-//   O:     h += attn @ wo; sums of squares of h                                      | sync
-//   GU:    act = silu(m @ w_gate) * (m @ w_up), m = rmsnorm(h) * mlp_norm             | sync
-//   DOWN:  h += act @ w_down; sums of squares (last layer: out = h, NaN rows for bad p) | sync
+//   QkvStage:        [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv]                         | sync
+//   AttentionStage:  RoPE on q, k; append k, v at [l, b, p]; flash-decoding over 0..p      | sync
+//   OProjStage:      h += attn_out @ wo; sums of squares of h                              | sync
+//   GateUpStage:     mlp_act = silu(m @ w_gate) * (m @ w_up), m = rmsnorm(h) * mlp_norm    | sync
+//   DownStage:       h += mlp_act @ w_down; sums of squares (last layer: out = h, NaN rows
+//                    for bad p)                                                            | sync
 //
-// GEMV (weights [K, N], N contiguous): a column tile is 32 lanes x one 16-byte vector (256
-// columns of a 16-bit dtype, 128 of fp32), so every warp load is 512 contiguous bytes. A work
-// item is (tile, split of K); the 8 warps of a block take interleaved groups of kUnroll rows (8
-// independent 16-byte loads in flight per lane), accumulate fp32 for up to kBatchPass batch rows
-// (more rows: another pass over the same, now L1/L2-resident, weight slice), reduce across
-// warps in shared memory and write one partial per (item, batch row) to the workspace. The last
-// block to finish a tile (an atomic counter, release/acquire by __threadfence) sums the partials
-// of all splits in a fixed order, so results are deterministic, and applies the epilogue
-// (residual add, SwiGLU, sums of squares for the next RMSNorm). No extra grid sync is needed for
-// the split-K reduction.
+// GEMV stages (weights [K, N], N contiguous; run_gemv): a column tile is 32 lanes x one 16-byte
+// vector (256 columns of a 16-bit dtype, 128 of fp32), so every warp load is 512 contiguous
+// bytes. A work item is (tile, split of K); the 8 warps of a block take interleaved groups of
+// kUnroll rows (8 independent 16-byte loads in flight per lane), accumulate fp32 for up to
+// kBatchPass batch rows (more rows: another pass over the same, now L1/L2-resident, weight
+// slice), reduce across warps in shared memory and write one partial per (item, batch row) to
+// the workspace. The last block to finish a tile (an atomic counter, release/acquire by
+// __threadfence) sums the partials of all splits in a fixed order, so results are
+// deterministic, and runs the stage's finish() (residual add, SwiGLU, sums of squares for the
+// next RMSNorm). No extra grid sync is needed for the split-K reduction.
 //
 // Attention (flash-decoding): a work item is (batch row, kv head, chunk of <= 4 query heads of
 // its group, split of 0..p); warps stride over positions, lanes split head_dim; online softmax
 // per warp, merged across warps in shared memory, one partial (m, l, o) per split; the last
 // split to finish (counter) merges all splits in a fixed order. The current token's k/v are used
-// from registers/shared memory (rounded to the cache dtype, exactly what the cache will hold),
-// and written to the cache by one item per (b, kv head); no block reads [l, b, p] from memory.
+// from shared memory (rounded to the cache dtype, exactly what the cache will hold), and written
+// to the cache by one item per (b, kv head); no block reads [l, b, p] from memory.
 //
-// Workspace: the workspace result (decoder_ffi.h layout) holds every fp32 activation, the
+// Workspace: the workspace result (decoder.h: DecoderWorkspace) holds every fp32 activation, the
 // partial sums and the counters. The counters are reset with cudaMemsetAsync on the stream each
 // call, so the handler does no allocation and no synchronization, and is command-buffer (CUDA
 // graph) compatible. Workspace data written by other blocks is read with ld.global.cg (L2), so
@@ -40,11 +42,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cmath>
 #include <initializer_list>
 
-#include "jaxfuse/decoder_ffi.h"
-#include "launch.cuh"
+#include "jaxfuse/decoder.h"
+#include "cuda_common.cuh"
 
 namespace jaxfuse {
 namespace {
@@ -57,56 +59,52 @@ constexpr int kBatchPass = 4;     // batch rows accumulated per pass over a weig
 constexpr int kUnroll = 8;        // rows (16-byte loads) in flight per lane
 constexpr int kKChunk = 256;      // GEMV input rows staged in shared memory at a time
 constexpr int kMaxHeadDim = 256;  // lanes hold head_dim / 32 <= 8 elements
-constexpr int kEpl = kMaxHeadDim / 32;
+constexpr int kLaneElems = kMaxHeadDim / 32;  // head elements of a lane: lane + 32 * e
 constexpr int kHeadChunk = int(kDecHeadChunk);
 constexpr int kMaxBlocksPerSm = 2;
 constexpr int kMaxTile = 256;  // columns per tile for 16-bit dtypes
+constexpr int kStaged = 2048;  // floats of the shared staging area
 
 static_assert(kHeadChunk == 4, "attention accumulators are sized for 4 heads");
 
-struct DecParams {
-  const void* x;
-  const int32_t* pos;
-  const void* attn_norm;
-  const void* wq;
-  const void* wk;
-  const void* wv;
-  const void* wo;
-  const void* mlp_norm;
-  const void* w_gate;
-  const void* w_up;
-  const void* w_down;
-  void* kc;
-  void* vc;
-  void* out;
-  float* h;
-  float* ss;
-  float* qkv;
-  float* attn;
-  float* act;
-  float* attn_part;
-  float* part;
-  int* counters;
-  int L, B, D, H, KV, hd, I, S;
-  int nt_d, nt_q, nt_kv, nt_i;
-  int s_qkv, s_o, s_gu, s_down;  // K splits per GEMV stage
-  int ns;                        // attention splits
-  int hc;                        // head chunks per kv head
-  int c_qkv, c_o, c_gu, c_down, c_attn;  // counter bases
-  float eps;
-  float scale;
-  double theta;
+// ---- kernel parameters -----------------------------------------------------------------------
+
+// The sizes as ints (run<Cuda> checks the kernel limits) and the counts derived from them.
+struct KernelDims {
+  int layers, batch, hidden, kv_heads, head_dim, intermediate, max_seq_len;
+  int q_dim, kv_dim;  // heads * head_dim, kv_heads * head_dim
+  int group;          // query heads per kv head
+  int head_chunks;    // chunks of <= kHeadChunk query heads per kv head
+  int hidden_tiles, q_tiles, kv_tiles, mlp_tiles;  // GEMV column tiles of each output width
+  float rms_eps;
+  float attn_scale;  // 1 / sqrt(head_dim)
+  double rope_theta;
 };
 
-// ---- storage types -------------------------------------------------------------------------
+// How this launch splits the work over its grid (launch_plan()).
+struct LaunchPlan {
+  int qkv_splits, o_proj_splits, gate_up_splits, down_splits;  // K splits per GEMV stage
+  int attn_splits;  // flash-decoding splits of the positions 0..p
+};
 
+struct DecoderParams {
+  KernelDims dims;
+  DecoderBuffers io;  // operands and results
+  DecoderWorkspace ws;
+  LaunchPlan plan;
+};
+
+// ---- device helpers ----------------------------------------------------------------------------
+
+// The GEMV column tile of storage dtype kT: one 16-byte vector per lane of a warp.
 template <DType kT>
-struct Storage {
+struct GemvTile {
   static constexpr int kBytes = kT == DType::kF32 ? 4 : 2;
   static constexpr int kVec = 16 / kBytes;  // elements per 16-byte vector
-  static constexpr int kTile = 32 * kVec;   // GEMV tile columns
+  static constexpr int kColumns = 32 * kVec;
 };
 
+// The kVec elements of one 16-byte vector of dtype kT, as fp32.
 template <DType kT>
 __device__ __forceinline__ void unpack16(const uint4& r, float* o) {
   const uint32_t w[4] = {r.x, r.y, r.z, r.w};
@@ -116,55 +114,15 @@ __device__ __forceinline__ void unpack16(const uint4& r, float* o) {
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint16_t lo = uint16_t(w[i] & 0xffffu), hi = uint16_t(w[i] >> 16);
-      if constexpr (kT == DType::kBF16) {
-        o[2 * i] = bf16_to_float(lo);
-        o[2 * i + 1] = bf16_to_float(hi);
-      } else {
-        o[2 * i] = f16_to_float(lo);
-        o[2 * i + 1] = f16_to_float(hi);
-      }
+      o[2 * i] = Storage<kT>::to_float(uint16_t(w[i] & 0xffffu));
+      o[2 * i + 1] = Storage<kT>::to_float(uint16_t(w[i] >> 16));
     }
   }
 }
 
-template <DType kT>
-__device__ __forceinline__ float ld_elem(const void* base, int64_t i) {
-  return load_as_float(base, kT, i);
-}
-
-template <DType kT>
-__device__ __forceinline__ void st_elem(void* base, int64_t i, float v) {
-  store_from_float(base, kT, i, v);
-}
-
-template <DType kT>
-__device__ __forceinline__ const void* elem_ptr(const void* base, int64_t i) {
-  return static_cast<const char*>(base) + i * Storage<kT>::kBytes;
-}
-
 // Workspace values written by other blocks in this launch: read from L2, never a stale L1 line.
-__device__ __forceinline__ float ld_ws(const float* p) { return __ldcg(p); }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
-// Sum over the block; the result is valid in thread 0. `scratch` holds kWarps floats.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-  v = warp_sum(v);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch may still be read from a previous call
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float r = 0.0f;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) r += scratch[w];
-  }
-  return r;
-}
+__device__ __forceinline__ float ws_load(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ void ws_store(float* p, float v) { __stcg(p, v); }
 
 // Release this block's writes and count its arrival; true in every thread of the last block
 // to arrive (which then sees every arrived block's writes).
@@ -178,620 +136,781 @@ __device__ __forceinline__ bool arrive_last(int* counter, int expected, int* fla
   return last;
 }
 
-// ---- shared memory ---------------------------------------------------------------------------
+// ---- shared memory -----------------------------------------------------------------------------
 
+// A block's shared memory; the stages reuse the arrays (a grid sync separates them).
 struct Smem {
-  float red[kWarps * kBatchPass * kMaxTile];  // cross-warp GEMV reduction / attention warp states
-  float stage[2048];                          // staged GEMV inputs / q, k_new, v_new
-  float ml[2 * kWarps * kHeadChunk];          // attention warp (m, l)
+  float warp_sums[kWarps * kBatchPass * kMaxTile];  // per-warp GEMV column sums / attention o
+  float staged[kStaged];                             // GEMV inputs / attention q, k_new, v_new
+  float warp_ml[2 * kWarps * kHeadChunk];            // per-warp attention (m, l)
   float inv_rms[kBatchPass];
-  float scratch[kWarps];
-  int flag;
+  float scratch[kWarps];  // block_sum
+  int flag;               // arrive_last
+
+  // GEMV: warp w's column sums for batch row bb of the pass, in tiles of `columns`.
+  __device__ float* gemv_warp_sums(int w, int bb, int columns) {
+    return warp_sums + (w * kBatchPass + bb) * columns;
+  }
+  // Attention: q of head g of the chunk [head_dim], the new k and v [head_dim].
+  __device__ float* attn_q(int g, int head_dim) { return staged + g * head_dim; }
+  __device__ float* attn_k_new() { return staged + kHeadChunk * kMaxHeadDim; }
+  __device__ float* attn_v_new() { return attn_k_new() + kMaxHeadDim; }
+  // Attention: warp w's o [head_dim] and (m, l) for head g of the chunk.
+  __device__ float* attn_warp_o(int w, int g) {
+    return warp_sums + (w * kHeadChunk + g) * kMaxHeadDim;
+  }
+  __device__ float* attn_warp_ml(int w, int g) { return warp_ml + (w * kHeadChunk + g) * 2; }
 };
-static_assert(kBatchPass * kKChunk <= 2048, "staging area too small");
-static_assert(kHeadChunk * kMaxHeadDim + 2 * kMaxHeadDim <= 2048, "attention staging too small");
+static_assert(kBatchPass * kKChunk <= kStaged, "staging area too small");
+static_assert(kHeadChunk * kMaxHeadDim + 2 * kMaxHeadDim <= kStaged, "attention staging too small");
 static_assert(kWarps * kHeadChunk * kMaxHeadDim <= kWarps * kBatchPass * kMaxTile,
               "attention merge area too small");
 
-// ---- GEMV stage --------------------------------------------------------------------------------
-
-struct GemvStage {
-  const void* w[3];  // this layer's [K, n[m]] matrices
-  int n[3];          // columns of each matrix
-  int tiles[3];      // column tiles of each matrix
-  int nmat;
-  int K;
-  int splits;
-  bool paired;  // matrices 0 and 1 (gate, up): tile c of both shares one reducer
-  int* counters;
-};
-
-// Input functors: prepare(bc0, nb, inv) runs on threads < nb before staging; value(b, k).
-struct NormInput {  // rmsnorm(h) * norm
-  const float* h;
-  const float* ss;
-  const void* norm;
-  int D, nt_d;
-  float eps;
-};
-
-struct PlainInput {  // a fp32 workspace matrix [B, K]
-  const float* a;
-  int K;
-};
-
-template <DType kT>
-__device__ __forceinline__ void prepare_input(const NormInput& in, int b, float* inv) {
-  float s = 0.0f;
-  for (int j = 0; j < in.nt_d; ++j) s += ld_ws(in.ss + int64_t(b) * in.nt_d + j);
-  *inv = rms_inv(s, in.D, in.eps);
-}
-template <DType kT>
-__device__ __forceinline__ void prepare_input(const PlainInput&, int, float*) {}
-
-template <DType kT>
-__device__ __forceinline__ float input_value(const NormInput& in, int b, int k, float inv) {
-  return rms_apply(ld_ws(in.h + int64_t(b) * in.D + k), inv, ld_elem<kT>(in.norm, k));
-}
-template <DType kT>
-__device__ __forceinline__ float input_value(const PlainInput& in, int b, int k, float) {
-  return ld_ws(in.a + int64_t(b) * in.K + k);
+// The block's sum of `sq` (fixed order) as row b's sum of squares of h over column tile `tile`.
+__device__ __forceinline__ void store_tile_sumsq(const DecoderParams& p, Smem& sm, int b, int tile,
+                                                 float sq) {
+  const float total = block_sum<kThreads>(sq, sm.scratch);
+  if (threadIdx.x == 0) ws_store(p.ws.row_sumsq.at(b, tile), total);
 }
 
-// Runs a GEMV stage. `reduce(g, tile_of_group...)` is called by the whole last block of group g:
-// reduce(group, sm) with the partials complete; it uses tile_sum() to read them.
-template <DType kT, typename Input, typename Reduce>
-__device__ void gemv_stage(const DecParams& P, Smem& sm, const GemvStage& st, const Input& in,
-                           const Reduce& reduce) {
-  constexpr int kVec = Storage<kT>::kVec;
-  constexpr int kTile = Storage<kT>::kTile;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int ntiles = st.tiles[0] + (st.nmat > 1 ? st.tiles[1] : 0) + (st.nmat > 2 ? st.tiles[2] : 0);
-  const int S = st.splits;
-  const int items = ntiles * S;
-  const int B = P.B;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int t = item / S, s = item % S;
-    int m = 0, lt = t;
-    while (lt >= st.tiles[m]) lt -= st.tiles[m++];
-    const int N = st.n[m];
-    const int col = lt * kTile + lane * kVec;
-    const bool cvalid = col < N;  // N % kVec == 0 (checked on the host)
-    const char* W = static_cast<const char*>(st.w[m]);
-    const int k0 = int(int64_t(st.K) * s / S), k1 = int(int64_t(st.K) * (s + 1) / S);
-    for (int bc0 = 0; bc0 < B; bc0 += kBatchPass) {
-      const int nb = min(kBatchPass, B - bc0);
-      float acc[kBatchPass][kVec];
+// ---- the GEMV engine ---------------------------------------------------------------------------
+
+// One matrix of a GEMV stage: this layer's [k_rows, columns] slice of a stacked weight.
+struct GemvMatrix {
+  const void* weights;
+  int columns;
+  int tiles;  // column tiles
+};
+
+// A GEMV stage's work: the fp32 input rows [B, k_rows] times up to three matrices side by side
+// ([wq|wk|wv], [w_gate|w_up]); work item = (column tile, split of k_rows).
+struct GemvJob {
+  GemvMatrix matrix[3];
+  int matrices;
+  int k_rows;
+  int splits;   // K splits per tile
+  bool paired;  // matrices 0 and 1 (gate, up): tile t of both is finished by one block
+
+  __device__ int total_tiles() const {
+    return matrix[0].tiles + (matrices > 1 ? matrix[1].tiles : 0) +
+           (matrices > 2 ? matrix[2].tiles : 0);
+  }
+  // The tile group that one counter (and one finishing block) covers.
+  __device__ int group(int tile) const { return paired ? tile % matrix[0].tiles : tile; }
+  __device__ int arrivals() const { return paired ? 2 * splits : splits; }
+};
+
+// Stage tile `tile` as (matrix, tile of that matrix).
+struct MatrixTile {
+  int matrix, tile;
+};
+__device__ __forceinline__ MatrixTile locate_tile(const GemvJob& job, int tile) {
+  int m = 0;
+  while (tile >= job.matrix[m].tiles) tile -= job.matrix[m++].tiles;
+  return {m, tile};
+}
+
+// GEMV input rows rmsnorm(h) * norm (QKV, gate/up).
+template <DType kT>
+struct NormedHidden {
+  static constexpr bool kNormalized = true;
+  const DecoderParams& p;
+  const void* norm;  // this layer's norm weights [hidden]
+
+  __device__ float inv_rms(int b) const {
+    float s = 0.0f;
+    for (int j = 0; j < p.dims.hidden_tiles; ++j) s += ws_load(p.ws.row_sumsq.at(b, j));
+    return rms_inv(s, p.dims.hidden, p.dims.rms_eps);
+  }
+  __device__ float value(int b, int k, float inv_rms) const {
+    return rms_apply(ws_load(p.ws.hidden.at(b, k)), inv_rms, load_as_float(norm, kT, k));
+  }
+};
+
+// GEMV input rows as they are in the workspace (attention output, MLP activations).
+struct WorkspaceInput {
+  static constexpr bool kNormalized = false;
+  WorkspaceRows rows;
+
+  __device__ float value(int b, int k, float) const { return ws_load(rows.at(b, k)); }
+};
+
+// Stages input rows [r0, r0 + rows) of batch rows b0 .. b0 + nb - 1 in shared memory as
+// staged[bb][r] (zero past `rows`).
+template <typename Input>
+__device__ __forceinline__ void stage_inputs(Smem& sm, const Input& in, int b0, int nb, int r0,
+                                             int rows) {
+  __syncthreads();  // previous readers of the staging area are done
+  if constexpr (Input::kNormalized) {
+    if (threadIdx.x < nb) sm.inv_rms[threadIdx.x] = in.inv_rms(b0 + threadIdx.x);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nb * kKChunk; i += kThreads) {
+    const int bb = i / kKChunk, r = i % kKChunk;
+    sm.staged[i] = r < rows ? in.value(b0 + bb, r0 + r, sm.inv_rms[bb]) : 0.0f;
+  }
+  __syncthreads();
+}
+
+// The weight vectors a lane multiplies: columns [column, column + kVec) of a [K, columns] matrix.
+struct LaneColumns {
+  const char* matrix;
+  int columns;
+  int column;
+  bool valid;  // column < columns (columns % kVec == 0, checked on the host)
+};
+
+template <DType kT>
+using GemvAcc = float[kBatchPass][GemvTile<kT>::kVec];
+
+// acc[bb][v] += staged[bb][r] * W[r0 + r][column + v] over this warp's staged rows: groups of
+// kUnroll rows, interleaved over the warps, all loads of a group issued first.
+template <DType kT>
+__device__ __forceinline__ void accumulate_rows(const Smem& sm, const LaneColumns& lc, int r0,
+                                                int rows, int nb, GemvAcc<kT>& acc) {
+  constexpr int kVec = GemvTile<kT>::kVec;
+  for (int rb = threadIdx.x / 32 * kUnroll; rb < rows; rb += kWarps * kUnroll) {
+    uint4 raw[kUnroll];
 #pragma unroll
-      for (int bb = 0; bb < kBatchPass; ++bb)
+    for (int u = 0; u < kUnroll; ++u) {
+      const int r = rb + u;
+      const int64_t at = int64_t(r0 + r) * lc.columns + lc.column;
+      raw[u] = lc.valid && r < rows
+                   ? __ldg(reinterpret_cast<const uint4*>(lc.matrix + at * GemvTile<kT>::kBytes))
+                   : make_uint4(0u, 0u, 0u, 0u);
+    }
 #pragma unroll
-        for (int v = 0; v < kVec; ++v) acc[bb][v] = 0.0f;
-      for (int r0 = k0; r0 < k1; r0 += kKChunk) {
-        const int rl = min(kKChunk, k1 - r0);
-        __syncthreads();  // previous readers of the staging area are done
-        if (threadIdx.x < nb) prepare_input<kT>(in, bc0 + threadIdx.x, &sm.inv_rms[threadIdx.x]);
-        __syncthreads();
-        for (int i = threadIdx.x; i < nb * kKChunk; i += kThreads) {
-          const int bb = i / kKChunk, r = i % kKChunk;
-          sm.stage[i] = r < rl ? input_value<kT>(in, bc0 + bb, r0 + r, sm.inv_rms[bb]) : 0.0f;
+    for (int u = 0; u < kUnroll; ++u) {
+      float wf[kVec];
+      unpack16<kT>(raw[u], wf);
+      const int r = min(rb + u, kKChunk - 1);  // rows past `rows` have zero weights
+#pragma unroll
+      for (int bb = 0; bb < kBatchPass; ++bb) {
+        if (bb < nb) {
+          const float a = sm.staged[bb * kKChunk + r];
+#pragma unroll
+          for (int v = 0; v < kVec; ++v) acc[bb][v] = fmaf(a, wf[v], acc[bb][v]);
         }
-        __syncthreads();
-        for (int rb = warp * kUnroll; rb < rl; rb += kWarps * kUnroll) {
-          uint4 raw[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int r = rb + u;
-            if (cvalid && r < rl) {
-              raw[u] = __ldg(reinterpret_cast<const uint4*>(
-                  W + (int64_t(r0 + r) * N + col) * Storage<kT>::kBytes));
-            } else {
-              raw[u] = make_uint4(0u, 0u, 0u, 0u);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            float wf[kVec];
-            unpack16<kT>(raw[u], wf);
-            const int r = min(rb + u, kKChunk - 1);  // rows past rl have zero weights
-#pragma unroll
-            for (int bb = 0; bb < kBatchPass; ++bb) {
-              if (bb < nb) {
-                const float a = sm.stage[bb * kKChunk + r];
-#pragma unroll
-                for (int v = 0; v < kVec; ++v) acc[bb][v] = fmaf(a, wf[v], acc[bb][v]);
-              }
-            }
-          }
-        }
-      }
-      // Cross-warp reduction, then one partial per (item, batch row).
-      __syncthreads();
-#pragma unroll
-      for (int bb = 0; bb < kBatchPass; ++bb)
-#pragma unroll
-        for (int v = 0; v < kVec; ++v) sm.red[(warp * kBatchPass + bb) * kTile + lane * kVec + v] = acc[bb][v];
-      __syncthreads();
-      for (int i = threadIdx.x; i < nb * kTile; i += kThreads) {
-        const int bb = i / kTile, c = i % kTile;
-        float sum = 0.0f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += sm.red[(w * kBatchPass + bb) * kTile + c];
-        __stcg(P.part + (int64_t(item) * B + bc0 + bb) * kTile + c, sum);
       }
     }
-    const int group = st.paired ? (t % st.tiles[0]) : t;
-    const int expected = st.paired ? 2 * S : S;
-    if (arrive_last(st.counters + group, expected, &sm.flag)) reduce(group, sm);
   }
 }
 
-// Sum over splits (fixed order) of the partials of tile t at (b, c).
+// Sums acc over the warps (fixed order) and writes one partial per (work item, batch row).
 template <DType kT>
-__device__ __forceinline__ float tile_sum(const DecParams& P, int t, int S, int b, int c) {
-  constexpr int kTile = Storage<kT>::kTile;
+__device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
+                                               const GemvAcc<kT>& acc, int item, int b0, int nb) {
+  constexpr int kVec = GemvTile<kT>::kVec;
+  constexpr int kColumns = GemvTile<kT>::kColumns;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();
+#pragma unroll
+  for (int bb = 0; bb < kBatchPass; ++bb) {
+    float* sums = sm.gemv_warp_sums(warp, bb, kColumns) + lane * kVec;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) sums[v] = acc[bb][v];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < nb * kColumns; i += kThreads) {
+    const int bb = i / kColumns, c = i % kColumns;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += sm.gemv_warp_sums(w, bb, kColumns)[c];
+    ws_store(p.ws.gemv_partial(item, b0 + bb, c), sum);
+  }
+}
+
+// Work item `item` of a GEMV job: one column tile's partial sums over one split of K, for every
+// batch row (kBatchPass rows per pass over the weight slice).
+template <DType kT, typename Input>
+__device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, const GemvJob& job,
+                                          const Input& in, int item) {
+  constexpr int kVec = GemvTile<kT>::kVec;
+  const int split = item % job.splits;
+  const MatrixTile mt = locate_tile(job, item / job.splits);
+  const GemvMatrix& m = job.matrix[mt.matrix];
+  const int column = mt.tile * GemvTile<kT>::kColumns + threadIdx.x % 32 * kVec;
+  const LaneColumns lc{static_cast<const char*>(m.weights), m.columns, column, column < m.columns};
+  const int k0 = int(int64_t(job.k_rows) * split / job.splits);
+  const int k1 = int(int64_t(job.k_rows) * (split + 1) / job.splits);
+  for (int b0 = 0; b0 < p.dims.batch; b0 += kBatchPass) {
+    const int nb = min(kBatchPass, p.dims.batch - b0);
+    GemvAcc<kT> acc;
+#pragma unroll
+    for (int bb = 0; bb < kBatchPass; ++bb)
+#pragma unroll
+      for (int v = 0; v < kVec; ++v) acc[bb][v] = 0.0f;
+    for (int r0 = k0; r0 < k1; r0 += kKChunk) {
+      const int rows = min(kKChunk, k1 - r0);
+      stage_inputs(sm, in, b0, nb, r0, rows);
+      accumulate_rows<kT>(sm, lc, r0, rows, nb, acc);
+    }
+    write_partials<kT>(p, sm, acc, item, b0, nb);
+  }
+}
+
+// Runs a GEMV stage: its work items over the grid; the last block to finish a tile group (all
+// its splits) calls stage.finish(job, group), which reads the partials with split_sum().
+template <DType kT, typename Stage>
+__device__ __forceinline__ void run_gemv(const Stage& stage) {
+  const GemvJob job = stage.job();
+  const auto input = stage.input();
+  const int items = job.total_tiles() * job.splits;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    gemv_item<kT>(stage.p, stage.sm, job, input, item);
+    const int group = job.group(item / job.splits);
+    if (arrive_last(stage.counter(group), job.arrivals(), &stage.sm.flag)) {
+      stage.finish(job, group);
+    }
+  }
+}
+
+// Sum over the splits (fixed order: deterministic) of stage tile `tile`'s partials at (b, c).
+__device__ __forceinline__ float split_sum(const DecoderParams& p, int tile, int splits, int b,
+                                           int c) {
   float y = 0.0f;
-  for (int s = 0; s < S; ++s) y += ld_ws(P.part + (int64_t(t * S + s) * P.B + b) * kTile + c);
+  for (int s = 0; s < splits; ++s) y += ws_load(p.ws.gemv_partial(tile * splits + s, b, c));
   return y;
 }
 
-// Reducer for a residual GEMV (O and DOWN): h += y over the tile, sums of squares per tile, and
-// after the last layer the output row.
+// Finishes a residual GEMV tile (O and down projections): h += y, the tile's sums of squares
+// for the next RMSNorm, and after the last layer the output rows.
 template <DType kT>
-__device__ void residual_reduce(const DecParams& P, Smem& sm, int t, int S, bool last_layer) {
-  constexpr int kTile = Storage<kT>::kTile;
+__device__ void add_residual(const DecoderParams& p, Smem& sm, int tile, int splits,
+                             bool last_layer) {
+  constexpr int kColumns = GemvTile<kT>::kColumns;
   const int c = threadIdx.x;
-  const int col = t * kTile + c;
-  for (int b = 0; b < P.B; ++b) {
+  const int col = tile * kColumns + c;
+  for (int b = 0; b < p.dims.batch; ++b) {
     float sq = 0.0f;
-    if (c < kTile && col < P.D) {
-      const int64_t i = int64_t(b) * P.D + col;
-      const float hn = ld_ws(P.h + i) + tile_sum<kT>(P, t, S, b, c);
-      __stcg(P.h + i, hn);
+    if (c < kColumns && col < p.dims.hidden) {
+      float* h = p.ws.hidden.at(b, col);
+      const float hn = ws_load(h) + split_sum(p, tile, splits, b, c);
+      ws_store(h, hn);
       sq = hn * hn;
-      if (last_layer) st_elem<kT>(P.out, i, position_valid(P.pos[b], P.S) ? hn : quiet_nan_f32());
+      if (last_layer) {
+        const bool valid = position_valid(p.io.positions[b], p.dims.max_seq_len);
+        store_from_float(p.io.out, kT, int64_t(b) * p.dims.hidden + col,
+                         valid ? hn : quiet_nan_f32());
+      }
     }
-    const float total = block_sum(sq, sm.scratch);
-    if (threadIdx.x == 0) __stcg(P.ss + int64_t(b) * P.nt_d + t, total);
+    store_tile_sumsq(p, sm, b, tile, sq);
   }
 }
 
-// ---- attention stage ---------------------------------------------------------------------------
+// ---- the stages ---------------------------------------------------------------------------------
 
+// h = float(x) and its sums of squares per column tile (the first RMSNorm's input).
 template <DType kT>
-__device__ void attention_stage(const DecParams& P, Smem& sm, int l) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int hd = P.hd, half = hd / 2, G = P.H / P.KV, NS = P.ns;
-  const int QD = P.H * hd, KVD = P.KV * hd, QKV = QD + 2 * KVD;
-  const int items = P.B * P.KV * P.hc * NS;
-  float* q_s = sm.stage;                        // [kHeadChunk][hd]
-  float* kn_s = sm.stage + kHeadChunk * kMaxHeadDim;  // [hd]
-  float* vn_s = kn_s + kMaxHeadDim;             // [hd]
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const int s = item % NS;
-    int rest = item / NS;
-    const int hc = rest % P.hc;
-    rest /= P.hc;
-    const int kvh = rest % P.KV;
-    const int b = rest / P.KV;
-    const int qh0 = kvh * G + hc * kHeadChunk;
-    const int nh = min(kHeadChunk, G - hc * kHeadChunk);
-    const int32_t p = P.pos[b];
-    if (!position_valid(p, P.S)) {
-      // Invalid position: no cache access; attention output 0 (the row's output becomes NaN).
-      if (s == 0) {
-        for (int i = threadIdx.x; i < nh * hd; i += kThreads) {
-          __stcg(P.attn + int64_t(b) * QD + int64_t(qh0) * hd + i, 0.0f);
-        }
-      }
-      continue;
-    }
-    const int len = p + 1;
-    const int chunk = (len + NS - 1) / NS;
-    const int t0 = min(len, s * chunk), t1 = min(len, t0 + chunk);
-    const float* qkv = P.qkv + int64_t(b) * QKV;
+struct EmbedStage {
+  const DecoderParams& p;
+  Smem& sm;
 
+  __device__ void run() const {
+    constexpr int kColumns = GemvTile<kT>::kColumns;
+    const int tiles = p.dims.hidden_tiles;
+    for (int item = blockIdx.x; item < p.dims.batch * tiles; item += gridDim.x) {
+      const int b = item / tiles, tile = item % tiles;
+      const int col = tile * kColumns + threadIdx.x;
+      float sq = 0.0f;
+      if (threadIdx.x < kColumns && col < p.dims.hidden) {
+        const float v = load_as_float(p.io.x, kT, int64_t(b) * p.dims.hidden + col);
+        ws_store(p.ws.hidden.at(b, col), v);
+        sq = v * v;
+      }
+      store_tile_sumsq(p, sm, b, tile, sq);
+    }
+  }
+};
+
+// [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv]
+template <DType kT>
+struct QkvStage {
+  const DecoderParams& p;
+  Smem& sm;
+  int layer;
+
+  __device__ GemvJob job() const {
+    const KernelDims& d = p.dims;
+    const DecoderWeights& w = p.io.weights;
+    const int64_t q_size = int64_t(d.hidden) * d.q_dim, kv_size = int64_t(d.hidden) * d.kv_dim;
+    GemvJob job{};
+    job.matrix[0] = {layer_slice(w.wq, kT, layer, q_size), d.q_dim, d.q_tiles};
+    job.matrix[1] = {layer_slice(w.wk, kT, layer, kv_size), d.kv_dim, d.kv_tiles};
+    job.matrix[2] = {layer_slice(w.wv, kT, layer, kv_size), d.kv_dim, d.kv_tiles};
+    job.matrices = 3;
+    job.k_rows = d.hidden;
+    job.splits = p.plan.qkv_splits;
+    return job;
+  }
+  __device__ NormedHidden<kT> input() const {
+    return {p, layer_slice(p.io.weights.attn_norm, kT, layer, p.dims.hidden)};
+  }
+  __device__ int* counter(int tile) const { return p.ws.qkv_counter(layer, tile); }
+  __device__ void finish(const GemvJob& job, int tile) const {
+    constexpr int kColumns = GemvTile<kT>::kColumns;
+    const MatrixTile mt = locate_tile(job, tile);
+    const int c = threadIdx.x, col = mt.tile * kColumns + c;
+    if (c < kColumns && col < job.matrix[mt.matrix].columns) {
+      for (int b = 0; b < p.dims.batch; ++b) {
+        ws_store(p.ws.qkv.column(b, mt.matrix, col), split_sum(p, tile, job.splits, b, c));
+      }
+    }
+  }
+  __device__ void run() const { run_gemv<kT>(*this); }
+};
+
+// One attention work item: batch row b, kv head, a chunk of its query heads, a split of 0..p.
+struct AttnItem {
+  int b, kv_head, chunk, split;
+  int first_head, heads;  // the chunk's query heads: first_head .. first_head + heads - 1
+  int32_t position;       // p, the new token's cache slot
+  bool valid;             // position_valid(p): else no cache access, output 0 (row becomes NaN)
+  int t0, t1;             // this split's positions [t0, t1) (valid items)
+  int64_t cache_head;     // element index of [layer, b, 0, kv_head] in the caches (valid items)
+};
+
+// One warp's online softmax state per head of the chunk; lanes hold elements lane + 32 * e.
+struct WarpSoftmax {
+  float m[kHeadChunk], l[kHeadChunk], o[kHeadChunk][kLaneElems];
+};
+
+// Attention with RoPE and the cache append, flash-decoding style (see the file comment).
+template <DType kT>
+struct AttentionStage {
+  const DecoderParams& p;
+  Smem& sm;
+  int layer;
+
+  __device__ void run() const {
+    const KernelDims& d = p.dims;
+    const int items = d.batch * d.kv_heads * d.head_chunks * p.plan.attn_splits;
+    for (int i = blockIdx.x; i < items; i += gridDim.x) {
+      const AttnItem it = item(i);
+      if (!it.valid) {
+        zero_output(it);
+        continue;
+      }
+      load_query_and_new_kv(it);
+      if (it.split == 0 && it.chunk == 0) append_new_kv(it);
+      WarpSoftmax state;
+      attend(it, state);
+      write_split_partial(it, state);
+      int* counter = p.ws.attn_counter(layer, it.b, it.kv_head, it.chunk);
+      if (arrive_last(counter, p.plan.attn_splits, &sm.flag)) merge_splits(it);
+    }
+  }
+
+  // Work item i: split fastest, then head chunk, kv head, batch row.
+  __device__ AttnItem item(int i) const {
+    const KernelDims& d = p.dims;
+    const int splits = p.plan.attn_splits;
+    AttnItem it;
+    it.split = i % splits;
+    i /= splits;
+    it.chunk = i % d.head_chunks;
+    i /= d.head_chunks;
+    it.kv_head = i % d.kv_heads;
+    it.b = i / d.kv_heads;
+    it.first_head = it.kv_head * d.group + it.chunk * kHeadChunk;
+    it.heads = min(kHeadChunk, d.group - it.chunk * kHeadChunk);
+    it.position = p.io.positions[it.b];
+    it.valid = position_valid(it.position, d.max_seq_len);
+    if (it.valid) {
+      const int len = it.position + 1;
+      const int per_split = (len + splits - 1) / splits;
+      it.t0 = min(len, it.split * per_split);
+      it.t1 = min(len, it.t0 + per_split);
+      it.cache_head = (int64_t(layer) * d.batch + it.b) * d.max_seq_len * d.kv_dim +
+                      int64_t(it.kv_head) * d.head_dim;
+    } else {
+      it.t0 = it.t1 = 0;
+      it.cache_head = 0;
+    }
+    return it;
+  }
+
+  // Element index of the item's kv head at position t in the caches [L, B, S, KV, hd].
+  __device__ int64_t cache_index(const AttnItem& it, int t) const {
+    return it.cache_head + int64_t(t) * p.dims.kv_dim;
+  }
+
+  // Out-of-range position: attention output 0 (the row's output becomes NaN).
+  __device__ void zero_output(const AttnItem& it) const {
+    if (it.split != 0) return;
+    float* out = p.ws.attn_out.head(it.b, it.first_head);
+    for (int i = threadIdx.x; i < it.heads * p.dims.head_dim; i += kThreads) {
+      ws_store(out + i, 0.0f);
+    }
+  }
+
+  // Shared memory: q of the chunk's heads and the kv head's new k, with RoPE, and the new v;
+  // k and v rounded to the cache dtype (exactly what the cache will hold).
+  __device__ void load_query_and_new_kv(const AttnItem& it) const {
+    const int hd = p.dims.head_dim, half = hd / 2;
     __syncthreads();  // the staging area may still be read by the previous item
-    for (int i = threadIdx.x; i < (nh + 1) * half; i += kThreads) {
+    for (int i = threadIdx.x; i < (it.heads + 1) * half; i += kThreads) {
       const int g = i / half, j = i % half;
       float c, sn;
-      rope_cos_sin(rope_angle(p, j, hd, P.theta), &c, &sn);
-      if (g < nh) {
-        const float* q = qkv + int64_t(qh0 + g) * hd;
-        float x1 = ld_ws(q + j), x2 = ld_ws(q + j + half);
-        rope_rotate(x1, x2, c, sn);
-        q_s[g * hd + j] = x1;
-        q_s[g * hd + j + half] = x2;
-      } else {  // the kv head's new key, rounded to what the cache holds
-        const float* k = qkv + QD + int64_t(kvh) * hd;
-        float x1 = ld_ws(k + j), x2 = ld_ws(k + j + half);
-        rope_rotate(x1, x2, c, sn);
-        kn_s[j] = round_to(kT, x1);
-        kn_s[j + half] = round_to(kT, x2);
+      rope_cos_sin(rope_angle(it.position, j, hd, p.dims.rope_theta), &c, &sn);
+      const bool query = g < it.heads;  // else the kv head's new key
+      const float* x = query ? p.ws.qkv.q(it.b, it.first_head + g) : p.ws.qkv.k(it.b, it.kv_head);
+      float x1 = ws_load(x + j), x2 = ws_load(x + j + half);
+      rope_rotate(x1, x2, c, sn);
+      if (query) {
+        float* q = sm.attn_q(g, hd);
+        q[j] = x1;
+        q[j + half] = x2;
+      } else {
+        sm.attn_k_new()[j] = round_to(kT, x1);
+        sm.attn_k_new()[j + half] = round_to(kT, x2);
       }
     }
+    const float* v = p.ws.qkv.v(it.b, it.kv_head);
     for (int j = threadIdx.x; j < hd; j += kThreads) {
-      vn_s[j] = round_to(kT, ld_ws(qkv + QD + KVD + int64_t(kvh) * hd + j));
+      sm.attn_v_new()[j] = round_to(kT, ws_load(v + j));
     }
     __syncthreads();
-    const int64_t row0 = ((int64_t(l) * P.B + b) * P.S) * KVD + int64_t(kvh) * hd;  // position 0
-    if (s == 0 && hc == 0) {
-      for (int j = threadIdx.x; j < hd; j += kThreads) {
-        st_elem<kT>(P.kc, row0 + int64_t(p) * KVD + j, kn_s[j]);
-        st_elem<kT>(P.vc, row0 + int64_t(p) * KVD + j, vn_s[j]);
-      }
-    }
+  }
 
-    float m[kHeadChunk], lsum[kHeadChunk], o[kHeadChunk][kEpl];
+  // The new k and v into the caches at [layer, b, p] (one item per (b, kv head) does it).
+  __device__ void append_new_kv(const AttnItem& it) const {
+    const int64_t at = cache_index(it, it.position);
+    for (int j = threadIdx.x; j < p.dims.head_dim; j += kThreads) {
+      store_from_float(p.io.k_cache, kT, at + j, sm.attn_k_new()[j]);
+      store_from_float(p.io.v_cache, kT, at + j, sm.attn_v_new()[j]);
+    }
+  }
+
+  // This warp's online softmax over its positions of the split (every kWarps-th).
+  __device__ void attend(const AttnItem& it, WarpSoftmax& s) const {
 #pragma unroll
     for (int g = 0; g < kHeadChunk; ++g) {
-      m[g] = neg_inf_f32();
-      lsum[g] = 0.0f;
+      s.m[g] = neg_inf_f32();
+      s.l[g] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < kEpl; ++e) o[g][e] = 0.0f;
+      for (int e = 0; e < kLaneElems; ++e) s.o[g][e] = 0.0f;
     }
-    for (int t = t0 + warp; t < t1; t += kWarps) {
-      float kf[kEpl], vf[kEpl];
-      const int64_t at = row0 + int64_t(t) * KVD;
+    for (int t = it.t0 + threadIdx.x / 32; t < it.t1; t += kWarps) {
+      float k[kLaneElems], v[kLaneElems];
+      load_kv(it, t, k, v);
+      fold_position(it, k, v, s);
+    }
+  }
+
+  // This lane's elements of position t's k and v; the new token's from shared memory.
+  __device__ void load_kv(const AttnItem& it, int t, float (&k)[kLaneElems],
+                          float (&v)[kLaneElems]) const {
+    const int64_t at = cache_index(it, t);
 #pragma unroll
-      for (int e = 0; e < kEpl; ++e) {
-        const int j = lane + 32 * e;
-        if (j < hd) {
-          kf[e] = t == p ? kn_s[j] : ld_elem<kT>(P.kc, at + j);
-          vf[e] = t == p ? vn_s[j] : ld_elem<kT>(P.vc, at + j);
-        } else {
-          kf[e] = 0.0f;
-          vf[e] = 0.0f;
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < kHeadChunk; ++g) {
-        if (g < nh) {
-          float dot = 0.0f;
-#pragma unroll
-          for (int e = 0; e < kEpl; ++e) {
-            const int j = lane + 32 * e;
-            if (j < hd) dot = fmaf(q_s[g * hd + j], kf[e], dot);
-          }
-          dot = warp_sum(dot);
-          float pw;
-          const float alpha = online_softmax_step(m[g], lsum[g], dot * P.scale, &pw);
-#pragma unroll
-          for (int e = 0; e < kEpl; ++e) o[g][e] = o[g][e] * alpha + pw * vf[e];
-        }
+    for (int e = 0; e < kLaneElems; ++e) {
+      const int j = threadIdx.x % 32 + 32 * e;
+      if (j < p.dims.head_dim) {
+        k[e] = t == it.position ? sm.attn_k_new()[j] : load_as_float(p.io.k_cache, kT, at + j);
+        v[e] = t == it.position ? sm.attn_v_new()[j] : load_as_float(p.io.v_cache, kT, at + j);
+      } else {
+        k[e] = 0.0f;
+        v[e] = 0.0f;
       }
     }
-    // Merge the warps' states (fixed order) and write this split's partial.
+  }
+
+  // Folds one position (this lane's k and v elements) into each head's softmax state.
+  __device__ void fold_position(const AttnItem& it, const float (&k)[kLaneElems],
+                                const float (&v)[kLaneElems], WarpSoftmax& s) const {
+    const int hd = p.dims.head_dim;
+#pragma unroll
+    for (int g = 0; g < kHeadChunk; ++g) {
+      if (g < it.heads) {
+        const float* q = sm.attn_q(g, hd);
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) {
+          const int j = threadIdx.x % 32 + 32 * e;
+          if (j < hd) dot = fmaf(q[j], k[e], dot);
+        }
+        dot = warp_sum(dot);
+        float pw;
+        const float alpha = online_softmax_step(s.m[g], s.l[g], dot * p.dims.attn_scale, &pw);
+#pragma unroll
+        for (int e = 0; e < kLaneElems; ++e) s.o[g][e] = s.o[g][e] * alpha + pw * v[e];
+      }
+    }
+  }
+
+  // Merges the warps' states (fixed order) into this split's partial (m, l, o) per head.
+  __device__ void write_split_partial(const AttnItem& it, const WarpSoftmax& s) const {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = p.dims.head_dim;
     __syncthreads();
 #pragma unroll
     for (int g = 0; g < kHeadChunk; ++g) {
       if (lane == 0) {
-        sm.ml[(warp * kHeadChunk + g) * 2] = m[g];
-        sm.ml[(warp * kHeadChunk + g) * 2 + 1] = lsum[g];
+        sm.attn_warp_ml(warp, g)[0] = s.m[g];
+        sm.attn_warp_ml(warp, g)[1] = s.l[g];
       }
 #pragma unroll
-      for (int e = 0; e < kEpl; ++e) {
+      for (int e = 0; e < kLaneElems; ++e) {
         const int j = lane + 32 * e;
-        if (j < hd) sm.red[(warp * kHeadChunk + g) * kMaxHeadDim + j] = o[g][e];
+        if (j < hd) sm.attn_warp_o(warp, g)[j] = s.o[g][e];
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < nh * hd; i += kThreads) {
+    for (int i = threadIdx.x; i < it.heads * hd; i += kThreads) {
       const int g = i / hd, j = i % hd;
-      float M = neg_inf_f32(), Lw = 0.0f, O = 0.0f;
+      float m = neg_inf_f32(), l = 0.0f, o = 0.0f;
       for (int w = 0; w < kWarps; ++w) {
-        float a, bw;
-        online_softmax_merge(M, Lw, sm.ml[(w * kHeadChunk + g) * 2], sm.ml[(w * kHeadChunk + g) * 2 + 1],
-                             &a, &bw);
-        O = O * a + sm.red[(w * kHeadChunk + g) * kMaxHeadDim + j] * bw;
+        const float* ml = sm.attn_warp_ml(w, g);
+        float a, b;
+        online_softmax_merge(m, l, ml[0], ml[1], &a, &b);
+        o = o * a + sm.attn_warp_o(w, g)[j] * b;
       }
-      float* dst = P.attn_part + ((int64_t(b) * P.H + qh0 + g) * NS + s) * (hd + 2);
+      const AttnPartial partial = p.ws.attn_partial(it.b, it.first_head + g, it.split);
       if (j == 0) {
-        __stcg(dst, M);
-        __stcg(dst + 1, Lw);
+        ws_store(partial.m(), m);
+        ws_store(partial.l(), l);
       }
-      __stcg(dst + 2 + j, O);
+      ws_store(partial.o(j), o);
     }
-    int* counter = P.counters + P.c_attn + ((int64_t(l) * P.B + b) * P.KV + kvh) * P.hc + hc;
-    if (arrive_last(counter, NS, &sm.flag)) {
-      for (int i = threadIdx.x; i < nh * hd; i += kThreads) {
-        const int g = i / hd, j = i % hd;
-        const float* src = P.attn_part + ((int64_t(b) * P.H + qh0 + g) * NS) * (hd + 2);
-        float M = neg_inf_f32(), Lw = 0.0f, O = 0.0f;
-        for (int k = 0; k < NS; ++k) {
-          const float* sp = src + int64_t(k) * (hd + 2);
-          float a, bw;
-          online_softmax_merge(M, Lw, ld_ws(sp), ld_ws(sp + 1), &a, &bw);
-          O = O * a + ld_ws(sp + 2 + j) * bw;
-        }
-        __stcg(P.attn + int64_t(b) * QD + int64_t(qh0 + g) * hd + j, O / Lw);
+  }
+
+  // The last split to finish: merges all splits' partials (fixed order) into attn_out.
+  __device__ void merge_splits(const AttnItem& it) const {
+    const int hd = p.dims.head_dim;
+    for (int i = threadIdx.x; i < it.heads * hd; i += kThreads) {
+      const int g = i / hd, j = i % hd;
+      float m = neg_inf_f32(), l = 0.0f, o = 0.0f;
+      for (int s = 0; s < p.plan.attn_splits; ++s) {
+        const AttnPartial partial = p.ws.attn_partial(it.b, it.first_head + g, s);
+        float a, b;
+        online_softmax_merge(m, l, ws_load(partial.m()), ws_load(partial.l()), &a, &b);
+        o = o * a + ws_load(partial.o(j)) * b;
+      }
+      ws_store(p.ws.attn_out.head(it.b, it.first_head + g) + j, o / l);
+    }
+  }
+};
+
+// The residual GEMV stages: h += attn_out @ wo (the O projection, kDown false) and
+// h += mlp_act @ w_down (kDown true; after the last layer it also writes out = h).
+template <DType kT, bool kDown>
+struct ResidualStage {
+  const DecoderParams& p;
+  Smem& sm;
+  int layer;
+
+  __device__ GemvJob job() const {
+    const KernelDims& d = p.dims;
+    const int k_rows = kDown ? d.intermediate : d.q_dim;
+    const void* w = kDown ? p.io.weights.w_down : p.io.weights.wo;
+    GemvJob job{};
+    job.matrix[0] = {layer_slice(w, kT, layer, int64_t(k_rows) * d.hidden), d.hidden,
+                     d.hidden_tiles};
+    job.matrices = 1;
+    job.k_rows = k_rows;
+    job.splits = kDown ? p.plan.down_splits : p.plan.o_proj_splits;
+    return job;
+  }
+  __device__ WorkspaceInput input() const {
+    if constexpr (kDown) return {p.ws.mlp_act};
+    else return {p.ws.attn_out};
+  }
+  __device__ int* counter(int tile) const {
+    return kDown ? p.ws.down_counter(layer, tile) : p.ws.o_proj_counter(layer, tile);
+  }
+  __device__ void finish(const GemvJob& job, int tile) const {
+    add_residual<kT>(p, sm, tile, job.splits, kDown && layer == p.dims.layers - 1);
+  }
+  __device__ void run() const { run_gemv<kT>(*this); }
+};
+template <DType kT>
+using OProjStage = ResidualStage<kT, false>;
+template <DType kT>
+using DownStage = ResidualStage<kT, true>;
+
+// mlp_act = silu(m @ w_gate) * (m @ w_up), m = rmsnorm(h) * mlp_norm
+template <DType kT>
+struct GateUpStage {
+  const DecoderParams& p;
+  Smem& sm;
+  int layer;
+
+  __device__ GemvJob job() const {
+    const KernelDims& d = p.dims;
+    const DecoderWeights& w = p.io.weights;
+    const int64_t size = int64_t(d.hidden) * d.intermediate;
+    GemvJob job{};
+    job.matrix[0] = {layer_slice(w.w_gate, kT, layer, size), d.intermediate, d.mlp_tiles};
+    job.matrix[1] = {layer_slice(w.w_up, kT, layer, size), d.intermediate, d.mlp_tiles};
+    job.matrices = 2;
+    job.k_rows = d.hidden;
+    job.splits = p.plan.gate_up_splits;
+    job.paired = true;
+    return job;
+  }
+  __device__ NormedHidden<kT> input() const {
+    return {p, layer_slice(p.io.weights.mlp_norm, kT, layer, p.dims.hidden)};
+  }
+  __device__ int* counter(int tile) const { return p.ws.gate_up_counter(layer, tile); }
+  // Gate tile `tile` and its up tile (mlp_tiles further).
+  __device__ void finish(const GemvJob& job, int tile) const {
+    const int c = threadIdx.x, col = tile * GemvTile<kT>::kColumns + c;
+    if (c < GemvTile<kT>::kColumns && col < p.dims.intermediate) {
+      for (int b = 0; b < p.dims.batch; ++b) {
+        const float gate = split_sum(p, tile, job.splits, b, c);
+        const float up = split_sum(p, p.dims.mlp_tiles + tile, job.splits, b, c);
+        ws_store(p.ws.mlp_act.at(b, col), swiglu(gate, up));
       }
     }
   }
-}
+  __device__ void run() const { run_gemv<kT>(*this); }
+};
 
-// ---- the kernel ----------------------------------------------------------------------------------
+// ---- the kernel ---------------------------------------------------------------------------------
 
-template <DType kT>
 // Min blocks per SM pinned: without it ptxas may use up to 168 registers (one block per SM).
-__global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm) decoder_kernel(const __grid_constant__ DecParams P) {
-  constexpr int kTile = Storage<kT>::kTile;
+template <DType kT>
+__global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
+    decoder_kernel(const __grid_constant__ DecoderParams p) {
   __shared__ Smem sm;
   cg::grid_group grid = cg::this_grid();
-  const int QD = P.H * P.hd, KVD = P.KV * P.hd;
-
-  // pre: h = float(x) and its per-tile sums of squares.
-  for (int item = blockIdx.x; item < P.B * P.nt_d; item += gridDim.x) {
-    const int b = item / P.nt_d, t = item % P.nt_d;
-    const int col = t * kTile + threadIdx.x;
-    float sq = 0.0f;
-    if (threadIdx.x < kTile && col < P.D) {
-      const int64_t i = int64_t(b) * P.D + col;
-      const float v = ld_elem<kT>(P.x, i);
-      __stcg(P.h + i, v);
-      sq = v * v;
-    }
-    const float total = block_sum(sq, sm.scratch);
-    if (threadIdx.x == 0) __stcg(P.ss + int64_t(b) * P.nt_d + t, total);
-  }
+  EmbedStage<kT>{p, sm}.run();
   grid.sync();
-
-  for (int l = 0; l < P.L; ++l) {
-    const bool last_layer = l == P.L - 1;
-    const NormInput attn_in{P.h, P.ss, elem_ptr<kT>(P.attn_norm, int64_t(l) * P.D), P.D, P.nt_d, P.eps};
-    const NormInput mlp_in{P.h, P.ss, elem_ptr<kT>(P.mlp_norm, int64_t(l) * P.D), P.D, P.nt_d, P.eps};
-
-    // QKV
-    {
-      GemvStage st{};
-      st.w[0] = elem_ptr<kT>(P.wq, int64_t(l) * P.D * QD);
-      st.w[1] = elem_ptr<kT>(P.wk, int64_t(l) * P.D * KVD);
-      st.w[2] = elem_ptr<kT>(P.wv, int64_t(l) * P.D * KVD);
-      st.n[0] = QD;
-      st.n[1] = KVD;
-      st.n[2] = KVD;
-      st.tiles[0] = P.nt_q;
-      st.tiles[1] = P.nt_kv;
-      st.tiles[2] = P.nt_kv;
-      st.nmat = 3;
-      st.K = P.D;
-      st.splits = P.s_qkv;
-      st.paired = false;
-      st.counters = P.counters + P.c_qkv + l * (P.nt_q + 2 * P.nt_kv);
-      const int S = st.splits;
-      gemv_stage<kT>(P, sm, st, attn_in, [&](int t, Smem&) {
-        int m = 0, lt = t;
-        while (lt >= st.tiles[m]) lt -= st.tiles[m++];
-        const int off = m == 0 ? 0 : (m == 1 ? QD : QD + KVD);
-        const int c = threadIdx.x, col = lt * kTile + c;
-        if (c < kTile && col < st.n[m]) {
-          for (int b = 0; b < P.B; ++b) {
-            __stcg(P.qkv + int64_t(b) * (QD + 2 * KVD) + off + col, tile_sum<kT>(P, t, S, b, c));
-          }
-        }
-      });
-    }
+  for (int layer = 0; layer < p.dims.layers; ++layer) {
+    QkvStage<kT>{p, sm, layer}.run();
     grid.sync();
-
-    attention_stage<kT>(P, sm, l);
+    AttentionStage<kT>{p, sm, layer}.run();
     grid.sync();
-
-    // O projection + residual
-    {
-      GemvStage st{};
-      st.w[0] = elem_ptr<kT>(P.wo, int64_t(l) * QD * P.D);
-      st.n[0] = P.D;
-      st.tiles[0] = P.nt_d;
-      st.nmat = 1;
-      st.K = QD;
-      st.splits = P.s_o;
-      st.counters = P.counters + P.c_o + l * P.nt_d;
-      const PlainInput in{P.attn, QD};
-      gemv_stage<kT>(P, sm, st, in, [&](int t, Smem& s) { residual_reduce<kT>(P, s, t, st.splits, false); });
-    }
+    OProjStage<kT>{p, sm, layer}.run();
     grid.sync();
-
-    // gate/up + SwiGLU
-    {
-      GemvStage st{};
-      st.w[0] = elem_ptr<kT>(P.w_gate, int64_t(l) * P.D * P.I);
-      st.w[1] = elem_ptr<kT>(P.w_up, int64_t(l) * P.D * P.I);
-      st.n[0] = P.I;
-      st.n[1] = P.I;
-      st.tiles[0] = P.nt_i;
-      st.tiles[1] = P.nt_i;
-      st.nmat = 2;
-      st.K = P.D;
-      st.splits = P.s_gu;
-      st.paired = true;
-      st.counters = P.counters + P.c_gu + l * P.nt_i;
-      const int S = st.splits;
-      gemv_stage<kT>(P, sm, st, mlp_in, [&](int g, Smem&) {
-        const int c = threadIdx.x, col = g * kTile + c;
-        if (c < kTile && col < P.I) {
-          for (int b = 0; b < P.B; ++b) {
-            const float yg = tile_sum<kT>(P, g, S, b, c);
-            const float yu = tile_sum<kT>(P, P.nt_i + g, S, b, c);
-            __stcg(P.act + int64_t(b) * P.I + col, swiglu(yg, yu));
-          }
-        }
-      });
-    }
+    GateUpStage<kT>{p, sm, layer}.run();
     grid.sync();
-
-    // down projection + residual
-    {
-      GemvStage st{};
-      st.w[0] = elem_ptr<kT>(P.w_down, int64_t(l) * P.I * P.D);
-      st.n[0] = P.D;
-      st.tiles[0] = P.nt_d;
-      st.nmat = 1;
-      st.K = P.I;
-      st.splits = P.s_down;
-      st.counters = P.counters + P.c_down + l * P.nt_d;
-      const PlainInput in{P.act, P.I};
-      gemv_stage<kT>(P, sm, st, in,
-                     [&](int t, Smem& s) { residual_reduce<kT>(P, s, t, st.splits, last_layer); });
-    }
-    if (!last_layer) grid.sync();
+    DownStage<kT>{p, sm, layer}.run();
+    if (layer + 1 < p.dims.layers) grid.sync();
   }
 }
 
-// ---- host side -----------------------------------------------------------------------------------
+// ---- host side ----------------------------------------------------------------------------------
 
-// Co-resident grid for the kernel of one dtype on the current device (cached per device).
-template <DType kT>
-cudaError_t decoder_grid(int device, int* blocks) {
-  static std::atomic<int> cached[64];
-  if (device >= 0 && device < 64) {
-    const int c = cached[device].load(std::memory_order_relaxed);
-    if (c > 0) {
-      *blocks = c;
-      return cudaSuccess;
-    }
-  }
-  int coop = 0, sms = 0, per_sm = 0;
-  cudaError_t err = cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device);
-  if (err != cudaSuccess) return err;
-  if (!coop) return cudaErrorNotSupported;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, decoder_kernel<kT>, kThreads, 0);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
-  *blocks = sms * std::min(per_sm, kMaxBlocksPerSm);
-  if (device >= 0 && device < 64) cached[device].store(*blocks, std::memory_order_relaxed);
-  return cudaSuccess;
-}
-
-// K splits for a GEMV stage: enough items to cover the grid, at most kDecMaxGemvItems partial
-// slots, at least 16 rows per split.
-int gemv_splits(int grid, int ntiles, int K) {
-  const int budget = int(std::min<int64_t>(grid, kDecMaxGemvItems));
-  int s = std::max(1, budget / ntiles);
-  s = std::min(s, std::max(1, K / 16));
-  return s;
-}
-
-template <DType kT>
-ffi::Error launch_decoder(cudaStream_t stream, const DecoderDims& d, DecParams P) {
-  int device = 0;
-  JF_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  int grid = 0;
-  const cudaError_t gerr = decoder_grid<kT>(device, &grid);
-  if (gerr == cudaErrorNotSupported) {
-    return internal_error("jaxfuse_decoder: device ", device, " does not support cooperative launch");
-  }
-  JF_CUDA_RETURN_IF_ERROR(gerr);
-  const DecoderLayout lay = decoder_layout(d);
-  P.s_qkv = gemv_splits(grid, P.nt_q + 2 * P.nt_kv, P.D);
-  P.s_o = gemv_splits(grid, P.nt_d, P.H * P.hd);
-  P.s_gu = gemv_splits(grid, 2 * P.nt_i, P.D);
-  P.s_down = gemv_splits(grid, P.nt_d, P.I);
-  const int64_t attn_base = int64_t(P.B) * P.KV * P.hc;
-  P.ns = int(std::clamp<int64_t>(grid / std::max<int64_t>(1, attn_base), 1, kDecMaxAttnSplits));
-  P.ns = std::min<int>(P.ns, std::max(1, P.S / 16));
-  JF_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(P.counters, 0, size_t(lay.num_counters) * sizeof(int), stream));
-  return launch_kernel("jaxfuse_decoder", decoder_kernel<kT>, dim3(grid), dim3(kThreads), stream,
-                       /*cooperative=*/true, P);
-}
-
-ffi::Error DecoderCuda(cudaStream_t stream, ffi::AnyBuffer x, PositionsBuffer positions,
-                       ffi::AnyBuffer attn_norm, ffi::AnyBuffer wq, ffi::AnyBuffer wk,
-                       ffi::AnyBuffer wv, ffi::AnyBuffer wo, ffi::AnyBuffer mlp_norm,
-                       ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
-                       ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
-                       ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<WorkspaceBuffer> workspace,
-                       DecoderAttrs attrs) {
-  const ffi::AnyBuffer weights[9] = {attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down};
-  DecoderDims d;
-  JF_RETURN_IF_ERROR(decode_decoder_call(x, positions, weights, k_cache, v_cache, *out, *k_out,
-                                         *v_out, *workspace, attrs, &d));
-  if (d.B == 0) return ffi::Error::Success();
-  // Kernel limits: 16-byte weight vectors, lane-split heads, 32-bit indices within a matrix.
+// Kernel limits: 16-byte weight vectors, lane-split heads, 32-bit indices within a matrix.
+ffi::Error check_kernel_limits(const DecoderDims& d) {
   const int64_t vec = d.vec();
   if (d.D % vec || d.I % vec || d.q_dim() % vec || d.kv_dim() % vec) {
-    return invalid_argument("jaxfuse_decoder (CUDA): hidden_size, intermediate_size, num_heads*head_dim "
-                            "and num_kv_heads*head_dim must be multiples of ", vec, " for ",
-                            dtype_name(d.dtype));
+    return invalid_argument("the CUDA kernel needs hidden_size, intermediate_size, "
+                            "num_heads*head_dim and num_kv_heads*head_dim to be multiples of ",
+                            vec, " for ", dtype_name(d.dtype));
   }
   if (d.hd > kMaxHeadDim) {
-    return invalid_argument("jaxfuse_decoder (CUDA): head_dim must be <= ", kMaxHeadDim);
+    return invalid_argument("the CUDA kernel needs head_dim <= ", kMaxHeadDim);
   }
   const int64_t big = std::max({d.L * d.D * std::max({d.q_dim(), d.I}), d.L * d.I * d.D,
                                 d.L * d.B * d.S * d.kv_dim()});
   // Headroom below INT32_MAX: attention chunk bounds add up to one chunk to a position.
   if (big >= (int64_t(1) << 62) / 4 || d.B * std::max(d.D, d.I) >= INT32_MAX ||
       d.S >= INT32_MAX / 2) {
-    return invalid_argument("jaxfuse_decoder (CUDA): sizes too large");
+    return invalid_argument("sizes too large for the CUDA kernel");
   }
-  // 16-byte vector loads of the weights need 16-byte aligned buffers (XLA's are; a view may
-  // not be). A misaligned load would be a sticky device fault, not an error we can return.
-  for (const ffi::AnyBuffer* b : {&x, &wq, &wk, &wv, &wo, &w_gate, &w_up, &w_down, &k_cache, &v_cache}) {
-    if (reinterpret_cast<uintptr_t>(b->untyped_data()) % 16 != 0) {
-      return invalid_argument("jaxfuse_decoder (CUDA): operand buffers must be 16-byte aligned");
+  return ffi::Error::Success();
+}
+
+// 16-byte vector loads of the weights need 16-byte aligned buffers (XLA's are; a view may
+// not be). A misaligned load would be a sticky device fault, not an error we can return.
+ffi::Error check_alignment(const DecoderBuffers& b) {
+  const DecoderWeights& w = b.weights;
+  for (const void* p : {b.x, w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down,
+                        static_cast<const void*>(b.k_cache), static_cast<const void*>(b.v_cache)}) {
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
+      return invalid_argument("the CUDA kernel needs 16-byte aligned operand buffers");
     }
   }
-  char* ws = reinterpret_cast<char*>(workspace->typed_data());
-  const DecoderLayout lay = decoder_layout(d);
-  DecParams P{};
-  P.x = x.untyped_data();
-  P.pos = positions.typed_data();
-  P.attn_norm = attn_norm.untyped_data();
-  P.wq = wq.untyped_data();
-  P.wk = wk.untyped_data();
-  P.wv = wv.untyped_data();
-  P.wo = wo.untyped_data();
-  P.mlp_norm = mlp_norm.untyped_data();
-  P.w_gate = w_gate.untyped_data();
-  P.w_up = w_up.untyped_data();
-  P.w_down = w_down.untyped_data();
-  P.kc = k_out->untyped_data();
-  P.vc = v_out->untyped_data();
-  P.out = out->untyped_data();
-  P.h = reinterpret_cast<float*>(ws + lay.h);
-  P.ss = reinterpret_cast<float*>(ws + lay.ss);
-  P.qkv = reinterpret_cast<float*>(ws + lay.qkv);
-  P.attn = reinterpret_cast<float*>(ws + lay.attn);
-  P.act = reinterpret_cast<float*>(ws + lay.act);
-  P.attn_part = reinterpret_cast<float*>(ws + lay.attn_part);
-  P.part = reinterpret_cast<float*>(ws + lay.gemv_part);
-  P.counters = reinterpret_cast<int*>(ws + lay.counters);
-  P.L = int(d.L);
-  P.B = int(d.B);
-  P.D = int(d.D);
-  P.H = int(d.H);
-  P.KV = int(d.KV);
-  P.hd = int(d.hd);
-  P.I = int(d.I);
-  P.S = int(d.S);
-  P.nt_d = int(d.tiles(d.D));
-  P.nt_q = int(d.tiles(d.q_dim()));
-  P.nt_kv = int(d.tiles(d.kv_dim()));
-  P.nt_i = int(d.tiles(d.I));
-  P.hc = int(d.head_chunks());
-  P.c_qkv = int(lay.c_qkv);
-  P.c_o = int(lay.c_o);
-  P.c_gu = int(lay.c_gu);
-  P.c_down = int(lay.c_down);
-  P.c_attn = int(lay.c_attn);
-  P.eps = d.eps;
-  P.scale = 1.0f / std::sqrt(float(d.hd));
-  P.theta = d.theta;
-  switch (d.dtype) {
-    case DType::kF32: return launch_decoder<DType::kF32>(stream, d, P);
-    case DType::kBF16: return launch_decoder<DType::kBF16>(stream, d, P);
-    default: return launch_decoder<DType::kF16>(stream, d, P);
+  return ffi::Error::Success();
+}
+
+KernelDims kernel_dims(const DecoderDims& d) {
+  KernelDims k;
+  k.layers = int(d.L);
+  k.batch = int(d.B);
+  k.hidden = int(d.D);
+  k.kv_heads = int(d.KV);
+  k.head_dim = int(d.hd);
+  k.intermediate = int(d.I);
+  k.max_seq_len = int(d.S);
+  k.q_dim = int(d.q_dim());
+  k.kv_dim = int(d.kv_dim());
+  k.group = int(d.group());
+  k.head_chunks = int(d.head_chunks());
+  k.hidden_tiles = int(d.tiles(d.D));
+  k.q_tiles = int(d.tiles(d.q_dim()));
+  k.kv_tiles = int(d.tiles(d.kv_dim()));
+  k.mlp_tiles = int(d.tiles(d.I));
+  k.rms_eps = d.eps;
+  k.attn_scale = 1.0f / std::sqrt(float(d.hd));
+  k.rope_theta = d.theta;
+  return k;
+}
+
+// K splits for a GEMV stage: enough items to cover the grid, at most kDecMaxGemvItems partial
+// slots, at least 16 rows per split.
+int gemv_splits(int blocks, int tiles, int k_rows) {
+  const int budget = int(std::min<int64_t>(blocks, kDecMaxGemvItems));
+  int s = std::max(1, budget / tiles);
+  s = std::min(s, std::max(1, k_rows / 16));
+  return s;
+}
+
+LaunchPlan launch_plan(int blocks, const KernelDims& d) {
+  LaunchPlan plan;
+  plan.qkv_splits = gemv_splits(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden);
+  plan.o_proj_splits = gemv_splits(blocks, d.hidden_tiles, d.q_dim);
+  plan.gate_up_splits = gemv_splits(blocks, 2 * d.mlp_tiles, d.hidden);
+  plan.down_splits = gemv_splits(blocks, d.hidden_tiles, d.intermediate);
+  // Attention: enough splits to cover the grid, at most kDecMaxAttnSplits, >= 16 positions each.
+  const int64_t items = int64_t(d.batch) * d.kv_heads * d.head_chunks;
+  plan.attn_splits =
+      int(std::clamp<int64_t>(blocks / std::max<int64_t>(1, items), 1, kDecMaxAttnSplits));
+  plan.attn_splits = std::min<int>(plan.attn_splits, std::max(1, d.max_seq_len / 16));
+  return plan;
+}
+
+template <DType kT>
+ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
+  int device = 0;
+  JF_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  int cooperative = 0;
+  JF_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&cooperative, cudaDevAttrCooperativeLaunch, device));
+  if (!cooperative) {
+    return internal_error("device ", device, " does not support cooperative launch");
   }
+  int blocks = 0;
+  JF_CUDA_RETURN_IF_ERROR(resident_blocks<decoder_kernel<kT>>(kThreads, kMaxBlocksPerSm, &blocks));
+  const KernelDims dims = kernel_dims(call.dims);
+  const LaunchPlan plan = launch_plan(blocks, dims);
+  const DecoderParams params{dims, call.buffers,
+                             DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
+                             plan};
+  const StageCounters& counters = params.ws.counters;
+  JF_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(counters.data, 0, size_t(counters.size) * sizeof(int), stream));
+  return launch_kernel("the decoder kernel", decoder_kernel<kT>, dim3(blocks), dim3(kThreads),
+                       stream, /*cooperative=*/true, params);
 }
 
 }  // namespace
 
+template <>
+ffi::Error DecoderOp::run<Cuda>(cudaStream_t stream, const Call& call) {
+  if (call.dims.B == 0) return ffi::Error::Success();
+  JF_RETURN_IF_ERROR(check_kernel_limits(call.dims));
+  JF_RETURN_IF_ERROR(check_alignment(call.buffers));
+  // visit_dtype is host+device: a constexpr lambda (--expt-relaxed-constexpr) may be called there.
+  const auto launch = visit_dtype(call.dims.dtype, [](auto tag) constexpr {
+    return &launch_decoder<decltype(tag)::value>;
+  });
+  return launch(stream, call);
+}
+
 // Command-buffer compatible: a memset and one kernel on the given stream, no allocation, no
 // host synchronization; temporaries live in the workspace result.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxfuseDecoderCuda, DecoderCuda,
-                              decoder_binding<ffi::PlatformStream<cudaStream_t>>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+JAXFUSE_REGISTER_OP(DecoderOp, Cuda);
 
 }  // namespace jaxfuse

@@ -11,8 +11,8 @@
 #include <atomic>
 #include <cstdint>
 
-#include "jaxfuse/multi_tensor.h"
-#include "launch.cuh"
+#include "cuda_common.cuh"
+#include "jaxfuse/tensor_lists.h"
 
 namespace jaxfuse {
 
@@ -33,7 +33,7 @@ inline constexpr int kTableBytes = JAXFUSE_MT_TABLE_BYTES;
 template <int kLists>
 struct TableCapacity {
   static constexpr int kHeader = 64;
-  // Per tensor: kLists pointers and dtypes, element count, chunk prefix, flag.
+  // Per tensor: kLists pointers and dtypes, element count, chunk prefix, mask.
   static constexpr int value = (kTableBytes - kHeader) / (9 * kLists + 4 + 4 + 1);
 };
 
@@ -44,7 +44,7 @@ struct TensorTable {
   int32_t size[kCap];             // elements of each entry (a tensor or a <2^31 slice of one)
   int32_t chunk_start[kCap + 1];  // prefix sum of chunks
   DType dtype[kLists][kCap];
-  uint8_t flag[kCap];
+  uint8_t mask[kCap];
   int32_t num_tensors;
 };
 static_assert(sizeof(TensorTable<6>) <= kTableBytes, "table exceeds the kernel parameter budget");
@@ -56,7 +56,7 @@ struct ChunkRef {
   DType dtype[kLists];
   int64_t start;  // first element of the chunk within the tensor
   int n;          // elements in the chunk
-  bool flag;
+  bool mask;      // the tensor's entry of TensorLists::mask
   bool aligned;   // every list's pointer allows 4-element vector access
 };
 
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kMultiTensorThreads)
     const int local = c - table.chunk_start[e];
     ref.start = int64_t(local) * kMultiTensorChunk;
     ref.n = min(kMultiTensorChunk, table.size[e] - local * kMultiTensorChunk);
-    ref.flag = table.flag[e] != 0;
+    ref.mask = table.mask[e] != 0;
     bool aligned = true;
 #pragma unroll
     for (int k = 0; k < kLists; ++k) {
@@ -103,27 +103,6 @@ struct MultiTensorOpBase {
   __device__ void prepare() {}
   __device__ void finish(int block) {}
 };
-
-// Occupancy-sized grid for a kernel on the current device, cached per (kernel, device).
-template <typename Kernel>
-cudaError_t resident_blocks(Kernel kernel, int* blocks) {
-  static std::atomic<int> cached[64];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  if (device < 64 && cached[device].load(std::memory_order_relaxed) > 0) {
-    *blocks = cached[device].load(std::memory_order_relaxed);
-    return cudaSuccess;
-  }
-  int sms = 0, per_sm = 0;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMultiTensorThreads, 0);
-  if (err != cudaSuccess) return err;
-  *blocks = std::max(1, sms * per_sm);
-  if (device < 64) cached[device].store(*blocks, std::memory_order_relaxed);
-  return cudaSuccess;
-}
 
 // Largest table entry: a whole number of chunks below 2^31 elements.
 #ifndef JAXFUSE_MT_MAX_SLICE_CHUNKS
@@ -146,13 +125,12 @@ int64_t multi_tensor_launches(const TensorLists& lists) {
 // receives the number of blocks of all launches together.
 template <int kLists, typename Op>
 ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, const Op& op,
-                              const char* name, int max_blocks_per_launch = 0,
-                              int* blocks_used = nullptr) {
-  if (lists.num_lists != kLists) return internal_error(name, ": list count mismatch");
+                              int max_blocks_per_launch = 0, int* blocks_used = nullptr) {
+  if (lists.num_lists != kLists) return internal_error("list count mismatch");
   using Table = TensorTable<kLists>;
-  auto kernel = multi_tensor_kernel<kLists, Op>;
+  constexpr auto kernel = multi_tensor_kernel<kLists, Op>;
   int max_grid = 0;
-  JF_CUDA_RETURN_IF_ERROR(resident_blocks(kernel, &max_grid));
+  JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kMultiTensorThreads, 0, &max_grid));
   if (max_blocks_per_launch > 0) max_grid = std::min(max_grid, max_blocks_per_launch);
   int block_offset = 0;
 
@@ -165,7 +143,8 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
     const int chunks = table.chunk_start[table.num_tensors];
     if (chunks == 0 && launched) return ffi::Error::Success();
     const int grid = std::max(1, std::min(chunks, max_grid));
-    JF_RETURN_IF_ERROR(launch_kernel(name, kernel, dim3(grid), dim3(kMultiTensorThreads), stream,
+    JF_RETURN_IF_ERROR(launch_kernel("the multi-tensor kernel", kernel, dim3(grid),
+                                     dim3(kMultiTensorThreads), stream,
                                      /*cooperative=*/false, table, op, block_offset));
     block_offset += grid;
     launched = true;
@@ -181,7 +160,7 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
         table.dtype[k][e] = lists.dtype[t][k];
       }
       table.size[e] = static_cast<int32_t>(n);
-      table.flag[e] = lists.flag[t];
+      table.mask[e] = lists.mask[t];
       table.chunk_start[e + 1] =
           table.chunk_start[e] + static_cast<int32_t>((n + kMultiTensorChunk - 1) / kMultiTensorChunk);
       table.num_tensors = e + 1;
@@ -194,11 +173,12 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
 }
 
 // ---- vectorized element access for ops ------------------------------------------------------
-// Four consecutive elements of any storage dtype as fp32: one 16-byte (fp32) or 8-byte (16-bit)
-// access when the chunk is aligned.
+// Four consecutive elements of dtype kT as fp32: one 16-byte (fp32) or 8-byte (16-bit) access.
 
-__device__ __forceinline__ void load4(const void* base, DType t, int64_t i, float out[4]) {
-  if (t == DType::kF32) {
+template <DType kT>
+__device__ __forceinline__ void load4(const void* base, int64_t i, float out[4]) {
+  using S = Storage<kT>;
+  if constexpr (kT == DType::kF32) {
     const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
     out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
   } else {
@@ -206,17 +186,19 @@ __device__ __forceinline__ void load4(const void* base, DType t, int64_t i, floa
     const uint16_t h[4] = {uint16_t(raw.x & 0xffffu), uint16_t(raw.x >> 16),
                            uint16_t(raw.y & 0xffffu), uint16_t(raw.y >> 16)};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) out[j] = t == DType::kBF16 ? bf16_to_float(h[j]) : f16_to_float(h[j]);
+    for (int j = 0; j < 4; ++j) out[j] = S::to_float(h[j]);
   }
 }
 
-__device__ __forceinline__ void store4(void* base, DType t, int64_t i, const float in[4]) {
-  if (t == DType::kF32) {
+template <DType kT>
+__device__ __forceinline__ void store4(void* base, int64_t i, const float in[4]) {
+  using S = Storage<kT>;
+  if constexpr (kT == DType::kF32) {
     *reinterpret_cast<float4*>(static_cast<float*>(base) + i) = make_float4(in[0], in[1], in[2], in[3]);
   } else {
     uint16_t h[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = t == DType::kBF16 ? float_to_bf16(in[j]) : float_to_f16(in[j]);
+    for (int j = 0; j < 4; ++j) h[j] = S::from_float(in[j]);
     *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + i) =
         make_uint2(uint32_t(h[0]) | (uint32_t(h[1]) << 16), uint32_t(h[2]) | (uint32_t(h[3]) << 16));
   }
@@ -226,7 +208,7 @@ __device__ __forceinline__ void store4(void* base, DType t, int64_t i, const flo
 __device__ __forceinline__ void load_group(const void* base, DType t, int64_t i, int n, bool vec,
                                            float out[4]) {
   if (vec) {
-    load4(base, t, i, out);
+    visit_dtype(t, [&](auto tag) { load4<decltype(tag)::value>(base, i, out); });
   } else {
     for (int j = 0; j < n; ++j) out[j] = load_as_float(base, t, i + j);
   }
@@ -235,7 +217,7 @@ __device__ __forceinline__ void load_group(const void* base, DType t, int64_t i,
 __device__ __forceinline__ void store_group(void* base, DType t, int64_t i, int n, bool vec,
                                             const float in[4]) {
   if (vec) {
-    store4(base, t, i, in);
+    visit_dtype(t, [&](auto tag) { store4<decltype(tag)::value>(base, i, in); });
   } else {
     for (int j = 0; j < n; ++j) store_from_float(base, t, i + j, in[j]);
   }

@@ -127,12 +127,12 @@ void test_affine(int repeat_tensors, bool small) {
       lists.ptr.push_back({in.back()->data(), out.back()->data()});
       lists.dtype.push_back({din, dout});
       lists.size.push_back(n);
-      lists.flag.push_back(0);
+      lists.mask.push_back(0);
       ++t;
     }
   }
   int blocks = 0;
-  const ffi::Error err = multi_tensor_apply<2>(nullptr, lists, AffineOp{}, "affine", 0, &blocks);
+  const ffi::Error err = multi_tensor_apply<2>(nullptr, lists, AffineOp{}, 0, &blocks);
   check(err.success(), "affine: launch failed: " + err.message());
   for (size_t k = 0; k < in.size(); ++k) {
     const Buffer& a = *in[k];
@@ -168,7 +168,7 @@ void test_sum(int repeat_tensors, bool small) {
       lists.ptr.push_back({bufs.back()->data()});
       lists.dtype.push_back({d});
       lists.size.push_back(n);
-      lists.flag.push_back(0);
+      lists.mask.push_back(0);
       ++t;
     }
   }
@@ -179,7 +179,7 @@ void test_sum(int repeat_tensors, bool small) {
     SumOp op;
     op.partials = partials.data();
     int blocks = 0;
-    const ffi::Error err = multi_tensor_apply<1>(nullptr, lists, op, "sum", 64, &blocks);
+    const ffi::Error err = multi_tensor_apply<1>(nullptr, lists, op, 64, &blocks);
     check(err.success(), "sum: launch failed: " + err.message());
     check(blocks > 0 && blocks <= 4096, "sum: blocks used " + std::to_string(blocks));
     partials.resize(size_t(std::max(blocks, 0)));

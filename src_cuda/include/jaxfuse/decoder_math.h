@@ -7,7 +7,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "jaxfuse/math.h"
+#include "jaxfuse/dtype.h"
 
 namespace jaxfuse {
 
@@ -104,6 +104,8 @@ JF_HD void online_softmax_merge(float& m, float& l, float m2, float l2, float* a
 JF_HD float quiet_nan_f32() { return bits_float(0x7fc00000u); }
 
 // Whether a decode position may be used (else: cache untouched, output row NaN).
-JF_HD bool position_valid(int32_t p, int64_t max_seq_len) { return p >= 0 && int64_t(p) < max_seq_len; }
+JF_HD bool position_valid(int32_t p, int64_t max_seq_len) {
+  return p >= 0 && int64_t(p) < max_seq_len;
+}
 
 }  // namespace jaxfuse

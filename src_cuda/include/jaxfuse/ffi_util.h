@@ -1,4 +1,5 @@
-// Small helpers shared by every XLA FFI handler: dtype mapping and error construction.
+// Helpers shared by every XLA FFI handler: dtype mapping and error construction. Errors carry
+// no op name: the op's handler (op.h) prefixes it once.
 #pragma once
 
 #include <cstdint>
@@ -7,7 +8,7 @@
 #include <string>
 #include <utility>
 
-#include "jaxfuse/math.h"
+#include "jaxfuse/dtype.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxfuse {
@@ -24,11 +25,8 @@ inline std::optional<DType> to_dtype(ffi::DataType t) {
 }
 
 inline const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kF32: return "float32";
-    case DType::kBF16: return "bfloat16";
-    default: return "float16";
-  }
+  constexpr const char* kNames[] = {"float32", "bfloat16", "float16"};
+  return kNames[static_cast<int>(t)];
 }
 
 template <typename... Parts>
@@ -40,12 +38,12 @@ std::string str_cat(Parts&&... parts) {
 
 template <typename... Parts>
 ffi::Error invalid_argument(Parts&&... parts) {
-  return ffi::Error::InvalidArgument(str_cat("jaxfuse: ", std::forward<Parts>(parts)...));
+  return ffi::Error::InvalidArgument(str_cat(std::forward<Parts>(parts)...));
 }
 
 template <typename... Parts>
 ffi::Error internal_error(Parts&&... parts) {
-  return ffi::Error::Internal(str_cat("jaxfuse: ", std::forward<Parts>(parts)...));
+  return ffi::Error::Internal(str_cat(std::forward<Parts>(parts)...));
 }
 
 #define JF_RETURN_IF_ERROR(expr)                 \

@@ -1,4 +1,5 @@
-// Kernel launches and CUDA error handling for every CUDA handler.
+// What every CUDA handler shares: the platform (op.h), kernel launches and CUDA error
+// handling, the occupancy-sized grid, and the block reduction.
 //
 // Every launch goes through launch_kernel() (the type-safe cudaLaunchKernelEx), which returns
 // this launch's own error code. Nothing reads the thread's last-error slot: it may hold an error
@@ -10,11 +11,21 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <utility>
 
-#include "jaxfuse/ffi_util.h"
+#include "jaxfuse/op.h"
 
 namespace jaxfuse {
+
+// The CUDA platform of op.h: handlers enqueue work on XLA's stream and never synchronize or
+// allocate, so XLA may capture them into command buffers (CUDA graphs).
+struct Cuda {
+  using Context = ffi::PlatformStream<cudaStream_t>;
+  using Arg = cudaStream_t;
+  static constexpr bool kCommandBufferCompatible = true;
+};
 
 // Lowest NVIDIA driver branch for a CUDA major version (CUDA minor-version compatibility).
 inline int min_driver_branch(int cuda_major) { return cuda_major >= 13 ? 580 : 525; }
@@ -79,6 +90,58 @@ ffi::Error launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid,
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) return cuda_failure(str_cat("launch of ", name).c_str(), err);
   return ffi::Error::Success();
+}
+
+// Blocks of `kernel` (launched with `threads` threads, no dynamic shared memory) that fit on the
+// current device at once, at most `max_per_sm` per SM (0: no limit); cached per kernel and
+// device (the template parameter makes one cache per kernel).
+template <auto kKernel>
+cudaError_t resident_blocks(int threads, int max_per_sm, int* blocks) {
+  static std::atomic<int> cached[64];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  const bool cacheable = device >= 0 && device < 64;
+  if (cacheable && cached[device].load(std::memory_order_relaxed) > 0) {
+    *blocks = cached[device].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  int sms = 0, per_sm = 0;
+  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return err;
+  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, 0);
+  if (err != cudaSuccess) return err;
+  if (per_sm < 1) return cudaErrorInvalidConfiguration;
+  if (max_per_sm > 0) per_sm = std::min(per_sm, max_per_sm);
+  *blocks = sms * per_sm;
+  if (cacheable) cached[device].store(*blocks, std::memory_order_relaxed);
+  return cudaSuccess;
+}
+
+// ---- device helpers ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Sum over a block of kThreads threads in a fixed order (warp butterflies, then the warp sums in
+// order by thread 0): deterministic. The result is valid in thread 0; `scratch` holds
+// kThreads / 32 floats (back-to-back calls may share it: each call syncs first).
+template <int kThreads>
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch may still be read by a previous call
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float r = 0.0f;
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kThreads / 32; ++w) r += scratch[w];
+  }
+  return r;
 }
 
 }  // namespace jaxfuse

@@ -1,0 +1,124 @@
+// What every CPU handler shares: the platform (XLA's intra-op thread pool), the parallel-for
+// and multi-tensor chunk driver over it, converting tile copies, and the ISA multiversioning of
+// hot loops.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "jaxfuse/op.h"
+#include "jaxfuse/tensor_lists.h"
+
+// CPU hot loops are compiled for several x86 ISA levels and picked at load time (ifunc), so one
+// wheel runs everywhere and still uses AVX2 / AVX-512 where the machine has them, as XLA's own
+// code does.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#define JF_CPU_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define JF_CPU_MULTIVERSION
+#endif
+
+namespace jaxfuse {
+
+// The CPU platform of op.h: handlers run on XLA's intra-op thread pool.
+struct Cpu {
+  using Context = ffi::ThreadPool;
+  using Arg = ffi::ThreadPool;
+  static constexpr bool kCommandBufferCompatible = false;
+};
+
+// Eight fp32 lanes (a GCC vector type): full-width SIMD with the same lanes, so the same
+// rounding, on every ISA level, where a loop over a lane array may not vectorize.
+typedef float F32x8 __attribute__((vector_size(32)));
+
+// Runs fn(item) for item in [0, num_items) on the calling thread and up to
+// pool.num_threads() pool workers. Items are claimed from a shared counter, and the caller only
+// waits for workers that actually started, so it cannot deadlock when the pool is busy or when
+// the caller is itself a pool thread. Workers that start after all items are claimed exit
+// without touching `fn`. A null pool runs everything on the calling thread.
+template <typename Fn>
+void parallel_for(ffi::ThreadPool* pool, int64_t num_items, const Fn& fn) {
+  const int64_t helpers =
+      pool == nullptr ? 0 : std::min<int64_t>(pool->num_threads(), num_items - 1);
+  if (helpers <= 0) {
+    for (int64_t i = 0; i < num_items; ++i) fn(i);
+    return;
+  }
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    std::mutex mu;
+    std::condition_variable done;
+  };
+  auto shared = std::make_shared<Shared>();
+  const Fn* fn_ptr = &fn;
+  for (int64_t w = 0; w < helpers; ++w) {
+    pool->Schedule([shared, fn_ptr, num_items]() {
+      shared->active.fetch_add(1);
+      for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) {
+        (*fn_ptr)(i);
+      }
+      if (shared->active.fetch_sub(1) == 1) {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        shared->done.notify_all();
+      }
+    });
+  }
+  for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) fn(i);
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->done.wait(lock, [&] { return shared->active.load() == 0; });
+}
+
+// The chunks of every tensor of `lists`, `chunk` elements each (the last one shorter): chunk c
+// of all tensors together belongs to the tensor t with first[t] <= c < first[t + 1].
+struct ChunkIndex {
+  std::vector<int64_t> first;  // [num_tensors + 1], prefix sum of chunk counts
+  int64_t chunk;
+
+  ChunkIndex(const TensorLists& lists, int64_t chunk_elements) : chunk(chunk_elements) {
+    first.assign(lists.num_tensors() + 1, 0);
+    for (int64_t t = 0; t < lists.num_tensors(); ++t) {
+      first[t + 1] = first[t] + (lists.size[t] + chunk - 1) / chunk;
+    }
+  }
+  int64_t total() const { return first.back(); }
+  int64_t tensor_of(int64_t c) const {
+    return std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
+  }
+};
+
+// Runs fn(tensor, first_element, count, chunk_number) over all chunks of all tensors in parallel.
+template <typename Fn>
+void for_each_chunk(ffi::ThreadPool* pool, const TensorLists& lists, const ChunkIndex& chunks,
+                    const Fn& fn) {
+  parallel_for(pool, chunks.total(), [&](int64_t c) {
+    const int64_t t = chunks.tensor_of(c);
+    const int64_t start = (c - chunks.first[t]) * chunks.chunk;
+    fn(t, start, std::min(chunks.chunk, lists.size[t] - start), c);
+  });
+}
+
+// Converting tile copies: load a run of any storage dtype into fp32 scratch and store it back.
+// Plain loops over typed pointers, so the compiler vectorizes each dtype's case.
+inline void load_tile(const void* base, DType t, int64_t start, int64_t n, float* out) {
+  visit_dtype(t, [&](auto tag) {
+    using S = typename decltype(tag)::S;
+    const typename S::Bits* p = static_cast<const typename S::Bits*>(base) + start;
+    for (int64_t i = 0; i < n; ++i) out[i] = S::to_float(p[i]);
+  });
+}
+
+inline void store_tile(void* base, DType t, int64_t start, int64_t n, const float* in) {
+  visit_dtype(t, [&](auto tag) {
+    using S = typename decltype(tag)::S;
+    typename S::Bits* p = static_cast<typename S::Bits*>(base) + start;
+    for (int64_t i = 0; i < n; ++i) p[i] = S::from_float(in[i]);
+  });
+}
+
+}  // namespace jaxfuse

@@ -1,0 +1,492 @@
+// The jaxfuse_decoder op: FFI signature, operand and workspace layout, decoding and
+// validation, shared by the CPU and CUDA handlers (op.h), and the workspace's typed views
+// (DecoderWorkspace) that both run steps use. The element math is decoder_math.h; the run steps
+// are src_cuda/{cpu/decoder.cc,cuda/decoder.cu}.
+//
+// Operands (all float operands share one dtype T: f32, bf16 or f16), in kDecoderOperands order:
+//   x T[B, D], positions s32[B], then the stacked layer weights attn_norm T[L, D],
+//   wq T[L, D, H*hd], wk T[L, D, KV*hd], wv T[L, D, KV*hd], wo T[L, H*hd, D], mlp_norm T[L, D],
+//   w_gate T[L, D, I], w_up T[L, D, I], w_down T[L, I, D], then k_cache and v_cache
+//   T[L, B, S, KV, hd].
+// Results, in kDecoderResults order: out T[B, D]; k_cache and v_cache, aliased to their operands
+//   (updated in place at [l, b, positions[b]]); workspace u8[decoder_layout(...).total]: fp32
+//   activations, partial sums and counters.
+// Attributes: the DecoderAttrs fields (the names of jaxfuse.DecoderConfig's fields).
+// Python reads all of these names and the workspace size from DecoderOp::contract().
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <iterator>
+#include <string>
+#include <utility>
+
+#include "jaxfuse/decoder_math.h"
+#include "jaxfuse/op.h"
+#include "jaxfuse/vector_layout.h"
+
+namespace jaxfuse {
+
+using PositionsBuffer = ffi::Buffer<ffi::S32, 1>;
+using WorkspaceBuffer = ffi::Buffer<ffi::U8, 1>;
+
+// Constants of the workspace layout.
+inline constexpr int64_t kDecMaxGemvItems = 1024;  // partial-sum slots per GEMV stage
+inline constexpr int64_t kDecMaxAttnSplits = 64;   // flash-decoding splits of the cache length
+inline constexpr int64_t kDecHeadChunk = 4;        // query heads per attention work item
+inline constexpr int64_t kDecAlign = 256;          // byte alignment of workspace regions
+
+// The sizes of one call (DecoderAttrs and the batch), in the names of the operand shapes above.
+struct DecoderDims {
+  int64_t L = 0;   // layers
+  int64_t B = 0;   // batch rows
+  int64_t D = 0;   // hidden size
+  int64_t H = 0;   // query heads
+  int64_t KV = 0;  // key/value heads
+  int64_t hd = 0;  // head_dim
+  int64_t I = 0;   // intermediate (MLP) size
+  int64_t S = 0;   // max_seq_len: cache positions
+  float eps = 0.f;
+  double theta = 0.0;
+  DType dtype = DType::kF32;
+
+  int64_t q_dim() const { return H * hd; }
+  int64_t kv_dim() const { return KV * hd; }
+  int64_t qkv_dim() const { return q_dim() + 2 * kv_dim(); }
+  int64_t group() const { return H / KV; }  // query heads per kv head
+  int64_t head_chunks() const { return (group() + kDecHeadChunk - 1) / kDecHeadChunk; }
+  // GEMV column tile: one 16-byte vector per lane of a warp.
+  int64_t vec() const { return 16 / dtype_bytes(dtype); }
+  int64_t tile() const { return 32 * vec(); }
+  int64_t tiles(int64_t n) const { return (n + tile() - 1) / tile(); }
+  int64_t hidden_tiles() const { return tiles(D); }
+  int64_t qkv_tiles() const { return tiles(q_dim()) + 2 * tiles(kv_dim()); }
+  int64_t mlp_tiles() const { return tiles(I); }
+};
+
+// Byte offsets of the workspace regions (in this order, each aligned to kDecAlign) and the
+// first counter of each stage (int32 index from `counters`).
+struct DecoderLayout {
+  int64_t hidden, row_sumsq, qkv, attn_out, mlp_act, attn_partials, gemv_partials, counters;
+  int64_t total;  // bytes
+  int64_t qkv_counters, o_proj_counters, gate_up_counters, down_counters, attn_counters;
+  int64_t num_counters;
+};
+
+inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+inline DecoderLayout decoder_layout(const DecoderDims& d) {
+  DecoderLayout w{};
+  int64_t off = 0;
+  auto region = [&](int64_t bytes) {
+    const int64_t at = off;
+    off = align_up(off + bytes, kDecAlign);
+    return at;
+  };
+  const int64_t f = 4;
+  const int64_t max_tiles = std::max({d.qkv_tiles(), d.hidden_tiles(), 2 * d.mlp_tiles()});
+  w.hidden = region(d.B * d.D * f);
+  w.row_sumsq = region(d.B * d.hidden_tiles() * f);
+  w.qkv = region(d.B * d.qkv_dim() * f);
+  w.attn_out = region(d.B * d.q_dim() * f);
+  w.mlp_act = region(d.B * d.I * f);
+  w.attn_partials = region(d.B * d.H * kDecMaxAttnSplits * (d.hd + 2) * f);
+  w.gemv_partials = region(std::max(kDecMaxGemvItems, max_tiles) * d.B * d.tile() * f);
+  w.qkv_counters = 0;
+  w.o_proj_counters = w.qkv_counters + d.L * d.qkv_tiles();
+  w.gate_up_counters = w.o_proj_counters + d.L * d.hidden_tiles();
+  w.down_counters = w.gate_up_counters + d.L * d.mlp_tiles();
+  w.attn_counters = w.down_counters + d.L * d.hidden_tiles();
+  w.num_counters = w.attn_counters + d.L * d.B * d.KV * d.head_chunks();
+  w.counters = region(w.num_counters * 4);
+  w.total = off;
+  return w;
+}
+
+// ---- typed views of the workspace, for the CPU and CUDA run steps ----------------------------
+
+// fp32 rows [rows][width].
+struct WorkspaceRows {
+  float* data = nullptr;
+  int64_t width = 0;
+
+  JF_HD float* row(int64_t r) const { return data + r * width; }
+  JF_HD float* at(int64_t r, int64_t i) const { return data + r * width + i; }
+};
+
+// Rows of query heads [rows][heads][head_dim].
+struct HeadRows : WorkspaceRows {
+  int64_t head_dim = 0;
+
+  JF_HD float* head(int64_t r, int64_t h) const { return row(r) + h * head_dim; }
+};
+
+// The projections of each batch row, [rows][q heads | k heads | v heads] (before RoPE).
+struct QkvRows : HeadRows {
+  int64_t q_dim = 0, kv_dim = 0;
+
+  JF_HD float* q(int64_t b, int64_t q_head) const { return head(b, q_head); }
+  JF_HD float* k(int64_t b, int64_t kv_head) const { return row(b) + q_dim + kv_head * head_dim; }
+  JF_HD float* v(int64_t b, int64_t kv_head) const {
+    return row(b) + q_dim + kv_dim + kv_head * head_dim;
+  }
+  // Column `c` of projection `m` (0: q, 1: k, 2: v) of row b.
+  JF_HD float* column(int64_t b, int m, int64_t c) const {
+    return row(b) + (m == 0 ? 0 : (m == 1 ? q_dim : q_dim + kv_dim)) + c;
+  }
+};
+
+// One split's flash-decoding state of one query head: max score m, sum l, output o[head_dim].
+struct AttnPartial {
+  float* record;
+
+  JF_HD float* m() const { return record; }
+  JF_HD float* l() const { return record + 1; }
+  JF_HD float* o(int64_t j) const { return record + 2 + j; }
+};
+
+// Arrival counters of the split work items, zero at the start of each call: per GEMV stage
+// [L][tile groups], for attention [L][B][KV][head chunks].
+struct StageCounters {
+  int* data = nullptr;
+  int64_t size = 0;  // all stages' counters
+  int64_t qkv_first = 0, o_proj_first = 0, gate_up_first = 0, down_first = 0, attn_first = 0;
+  int64_t qkv_tiles = 0, hidden_tiles = 0, mlp_tiles = 0;
+  int64_t batch = 0, kv_heads = 0, head_chunks = 0;
+};
+
+// Flash-decoding partial results, [B][H][splits] records (m, l, o[head_dim]).
+struct AttnPartials {
+  float* data = nullptr;
+  int64_t heads = 0, head_dim = 0, splits = 0;
+};
+
+// Split-K GEMV partial sums, [work item][B][tile].
+struct GemvPartials {
+  float* data = nullptr;
+  int64_t capacity = 0;  // floats
+  int64_t batch = 0, tile = 0;
+};
+
+// The workspace as typed views (decoder_layout's regions). Attention partials are packed for the
+// `attn_splits` in use (at most kDecMaxAttnSplits).
+struct DecoderWorkspace {
+  WorkspaceRows hidden;     // [B][D]: h, the residual stream
+  WorkspaceRows row_sumsq;  // [B][hidden tiles]: sum of h^2 per GEMV column tile (for RMSNorm)
+  QkvRows qkv;              // [B][q | k | v]
+  HeadRows attn_out;        // [B][H][hd]: attention output
+  WorkspaceRows mlp_act;    // [B][I]: silu(x @ w_gate) * (x @ w_up)
+  AttnPartials attn_partials;
+  GemvPartials gemv_partials;
+  StageCounters counters;
+
+  DecoderWorkspace(const DecoderDims& d, char* base, int64_t attn_splits = kDecMaxAttnSplits);
+
+  JF_HD AttnPartial attn_partial(int64_t b, int64_t head, int64_t split) const {
+    const AttnPartials& a = attn_partials;
+    return {a.data + ((b * a.heads + head) * a.splits + split) * (a.head_dim + 2)};
+  }
+  JF_HD float* gemv_partial(int64_t item, int64_t b, int64_t column) const {
+    const GemvPartials& g = gemv_partials;
+    return g.data + (item * g.batch + b) * g.tile + column;
+  }
+  JF_HD int* qkv_counter(int64_t layer, int64_t tile) const {
+    return counter(counters.qkv_first, layer, counters.qkv_tiles, tile);
+  }
+  JF_HD int* o_proj_counter(int64_t layer, int64_t tile) const {
+    return counter(counters.o_proj_first, layer, counters.hidden_tiles, tile);
+  }
+  JF_HD int* gate_up_counter(int64_t layer, int64_t tile) const {
+    return counter(counters.gate_up_first, layer, counters.mlp_tiles, tile);
+  }
+  JF_HD int* down_counter(int64_t layer, int64_t tile) const {
+    return counter(counters.down_first, layer, counters.hidden_tiles, tile);
+  }
+  JF_HD int* attn_counter(int64_t layer, int64_t b, int64_t kv_head, int64_t head_chunk) const {
+    const StageCounters& c = counters;
+    const int64_t item = (layer * c.batch + b) * c.kv_heads + kv_head;
+    return counter(c.attn_first, item, c.head_chunks, head_chunk);
+  }
+
+ private:
+  // Counter `index` of row `row` (rows of `width` counters) of the stage starting at `first`.
+  JF_HD int* counter(int64_t first, int64_t row, int64_t width, int64_t index) const {
+    return counters.data + first + row * width + index;
+  }
+};
+
+inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
+                                          int64_t attn_splits) {
+  const DecoderLayout lay = decoder_layout(d);
+  auto floats = [&](int64_t offset) { return reinterpret_cast<float*>(base + offset); };
+  hidden = {floats(lay.hidden), d.D};
+  row_sumsq = {floats(lay.row_sumsq), d.hidden_tiles()};
+  qkv = {{{floats(lay.qkv), d.qkv_dim()}, d.hd}, d.q_dim(), d.kv_dim()};
+  attn_out = {{floats(lay.attn_out), d.q_dim()}, d.hd};
+  mlp_act = {floats(lay.mlp_act), d.I};
+  attn_partials = {floats(lay.attn_partials), d.H, d.hd, attn_splits};
+  gemv_partials = {floats(lay.gemv_partials), (lay.counters - lay.gemv_partials) / 4, d.B,
+                   d.tile()};
+  counters = {reinterpret_cast<int*>(base + lay.counters), lay.num_counters,
+              lay.qkv_counters, lay.o_proj_counters, lay.gate_up_counters, lay.down_counters,
+              lay.attn_counters,
+              d.qkv_tiles(), d.hidden_tiles(), d.mlp_tiles(),
+              d.B, d.KV, d.head_chunks()};
+}
+
+// Operand and result names in call order; a name in both lists is updated in place.
+inline constexpr const char* kDecoderOperands[] = {
+    "x", "positions", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up",
+    "w_down", "k_cache", "v_cache"};
+inline constexpr const char* kDecoderResults[] = {"out", "k_cache", "v_cache", "workspace"};
+inline constexpr int kDecoderWeights = 9;  // attn_norm .. w_down
+
+// The call's attributes (DecoderConfig), decoded as one struct.
+#define JAXFUSE_DECODER_SIZE_ATTRS(X)                                                      \
+  X(num_layers) X(hidden_size) X(num_heads) X(num_kv_heads) X(head_dim) X(intermediate_size) \
+  X(max_seq_len)
+struct DecoderAttrs {
+#define JF_DECODER_I64_FIELD(name) int64_t name;
+  JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_I64_FIELD)
+#undef JF_DECODER_I64_FIELD
+  float rms_norm_eps;
+  double rope_theta;
+};
+inline constexpr const char* kDecoderSizeAttrs[] = {JAXFUSE_DECODER_SIZE_ATTRS(JF_VECTOR_NAME)};
+
+// The stacked layer weights (kDecoderOperands order), [L, ...] each.
+struct DecoderWeights {
+  const void* attn_norm;  // [L, D]
+  const void* wq;         // [L, D, H*hd]
+  const void* wk;         // [L, D, KV*hd]
+  const void* wv;         // [L, D, KV*hd]
+  const void* wo;         // [L, H*hd, D]
+  const void* mlp_norm;   // [L, D]
+  const void* w_gate;     // [L, D, I]
+  const void* w_up;       // [L, D, I]
+  const void* w_down;     // [L, I, D]
+};
+
+// Layer `layer` of a stacked weight whose layers hold `layer_size` elements of dtype t.
+JF_HD const void* layer_slice(const void* stacked, DType t, int64_t layer, int64_t layer_size) {
+  return element_ptr(stacked, t, layer * layer_size);
+}
+
+// The operand buffers, by role.
+struct DecoderBuffers {
+  const void* x;
+  const int32_t* positions;
+  DecoderWeights weights;
+  void* k_cache;  // the results (aliased to the operands)
+  void* v_cache;
+  void* out;
+  char* workspace;
+};
+
+namespace decoder_detail {
+
+// Each size in [1, INT32_MAX) (max_seq_len: positions are int32), so that no product of two
+// sizes overflows int64: a wrapped product (e.g. num_heads * head_dim) could otherwise match
+// the operand shapes and the workspace size and send the kernels far out of bounds.
+inline ffi::Error check_attrs(const DecoderAttrs& a) {
+  const int64_t sizes[] = {
+#define JF_DECODER_SIZE_VALUE(name) a.name,
+      JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_SIZE_VALUE)
+#undef JF_DECODER_SIZE_VALUE
+  };
+  for (size_t i = 0; i < std::size(sizes); ++i) {
+    if (sizes[i] < 1 || sizes[i] >= INT32_MAX) {
+      return invalid_argument(kDecoderSizeAttrs[i], "=", sizes[i],
+                              " must be a positive integer below ", INT32_MAX);
+    }
+  }
+  if (a.num_heads % a.num_kv_heads != 0) {
+    return invalid_argument("num_heads=", a.num_heads, " is not a multiple of num_kv_heads=",
+                            a.num_kv_heads);
+  }
+  if (a.head_dim % 2 != 0) return invalid_argument("head_dim=", a.head_dim, " must be even");
+  if (!(a.rms_norm_eps >= 0.0f) || !std::isfinite(a.rms_norm_eps)) {
+    return invalid_argument("rms_norm_eps=", a.rms_norm_eps, " must be finite and >= 0");
+  }
+  if (!(a.rope_theta > 0.0) || !std::isfinite(a.rope_theta)) {
+    return invalid_argument("rope_theta=", a.rope_theta, " must be finite and > 0");
+  }
+  return ffi::Error::Success();
+}
+
+inline DecoderDims dims_of(const DecoderAttrs& a, int64_t batch, DType dtype) {
+  DecoderDims d;
+  d.L = a.num_layers;
+  d.B = batch;
+  d.D = a.hidden_size;
+  d.H = a.num_heads;
+  d.KV = a.num_kv_heads;
+  d.hd = a.head_dim;
+  d.I = a.intermediate_size;
+  d.S = a.max_seq_len;
+  d.eps = a.rms_norm_eps;
+  d.theta = a.rope_theta;
+  d.dtype = dtype;
+  return d;
+}
+
+// Buffer `name` must have x's dtype and exactly `shape`.
+inline ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& b, DType dtype,
+                              std::initializer_list<int64_t> shape) {
+  if (to_dtype(b.element_type()) != dtype) {
+    return invalid_argument(name, " has a different dtype than x (", dtype_name(dtype), ")");
+  }
+  const auto dims = b.dimensions();
+  if (dims.size() == shape.size() && std::equal(shape.begin(), shape.end(), dims.begin())) {
+    return ffi::Error::Success();
+  }
+  std::string want = "[";
+  for (int64_t s : shape) want += std::to_string(s) + ",";
+  want.back() = ']';
+  return invalid_argument(name, " does not have shape ", want);
+}
+
+inline ffi::Error check_weights(const DecoderDims& d, const ffi::AnyBuffer* weights) {
+  const std::initializer_list<int64_t> shapes[kDecoderWeights] = {
+      {d.L, d.D},           {d.L, d.D, d.q_dim()},  {d.L, d.D, d.kv_dim()},
+      {d.L, d.D, d.kv_dim()}, {d.L, d.q_dim(), d.D}, {d.L, d.D},
+      {d.L, d.D, d.I},      {d.L, d.D, d.I},        {d.L, d.I, d.D}};
+  for (int i = 0; i < kDecoderWeights; ++i) {
+    JF_RETURN_IF_ERROR(check_buffer(kDecoderOperands[2 + i], weights[i], d.dtype, shapes[i]));
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_caches(const DecoderDims& d, const ffi::AnyBuffer& k_cache,
+                               const ffi::AnyBuffer& v_cache, const ffi::AnyBuffer& k_out,
+                               const ffi::AnyBuffer& v_out) {
+  const std::initializer_list<int64_t> shape = {d.L, d.B, d.S, d.KV, d.hd};
+  JF_RETURN_IF_ERROR(check_buffer("k_cache", k_cache, d.dtype, shape));
+  JF_RETURN_IF_ERROR(check_buffer("v_cache", v_cache, d.dtype, shape));
+  JF_RETURN_IF_ERROR(check_buffer("k_cache result", k_out, d.dtype, shape));
+  JF_RETURN_IF_ERROR(check_buffer("v_cache result", v_out, d.dtype, shape));
+  if (k_out.untyped_data() != k_cache.untyped_data() ||
+      v_out.untyped_data() != v_cache.untyped_data()) {
+    return internal_error("k/v cache results are not aliased to their operands "
+                          "(operand_output_aliases missing)");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace decoder_detail
+
+struct DecoderOp {
+  static constexpr const char* kName = "jaxfuse_decoder";
+
+  struct Call {
+    DecoderDims dims;
+    DecoderBuffers buffers;
+  };
+
+  template <typename Context>
+  static auto binding() {
+    auto b = ffi::Ffi::Bind().Ctx<Context>().template Arg<ffi::AnyBuffer>()  // x
+                 .template Arg<PositionsBuffer>();                         // positions
+    return std::move(b)
+        .template Arg<ffi::AnyBuffer>()  // attn_norm
+        .template Arg<ffi::AnyBuffer>()  // wq
+        .template Arg<ffi::AnyBuffer>()  // wk
+        .template Arg<ffi::AnyBuffer>()  // wv
+        .template Arg<ffi::AnyBuffer>()  // wo
+        .template Arg<ffi::AnyBuffer>()  // mlp_norm
+        .template Arg<ffi::AnyBuffer>()  // w_gate
+        .template Arg<ffi::AnyBuffer>()  // w_up
+        .template Arg<ffi::AnyBuffer>()  // w_down
+        .template Arg<ffi::AnyBuffer>()  // k_cache
+        .template Arg<ffi::AnyBuffer>()  // v_cache
+        .template Ret<ffi::AnyBuffer>()   // out
+        .template Ret<ffi::AnyBuffer>()   // k_cache (aliased)
+        .template Ret<ffi::AnyBuffer>()   // v_cache (aliased)
+        .template Ret<WorkspaceBuffer>()  // workspace
+        .template Attrs<DecoderAttrs>();
+  }
+
+  static ffi::Error decode(ffi::AnyBuffer x, PositionsBuffer positions, ffi::AnyBuffer attn_norm,
+                           ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::AnyBuffer wv,
+                           ffi::AnyBuffer wo, ffi::AnyBuffer mlp_norm, ffi::AnyBuffer w_gate,
+                           ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer v_cache, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                           ffi::Result<WorkspaceBuffer> workspace, DecoderAttrs attrs,
+                           Call* call) {
+    using namespace decoder_detail;
+    JF_RETURN_IF_ERROR(check_attrs(attrs));
+    const auto dtype = to_dtype(x.element_type());
+    if (!dtype) return invalid_argument("x must be float32, bfloat16 or float16");
+    const auto x_dims = x.dimensions();
+    if (x_dims.size() != 2 || x_dims[1] != attrs.hidden_size) {
+      return invalid_argument("x must have shape [B, ", attrs.hidden_size, "]");
+    }
+    const DecoderDims d = dims_of(attrs, x_dims[0], *dtype);
+    if (positions.dimensions().size() != 1 || positions.dimensions()[0] != d.B) {
+      return invalid_argument("positions must have shape [", d.B, "]");
+    }
+    const ffi::AnyBuffer weights[kDecoderWeights] = {attn_norm, wq,     wk,   wv,    wo,
+                                                     mlp_norm,  w_gate, w_up, w_down};
+    JF_RETURN_IF_ERROR(check_weights(d, weights));
+    JF_RETURN_IF_ERROR(check_caches(d, k_cache, v_cache, *k_out, *v_out));
+    JF_RETURN_IF_ERROR(check_buffer("out", *out, d.dtype, {d.B, d.D}));
+    // Exactly the layout's size (Python sizes it from the same decoder_layout()).
+    const int64_t need = decoder_layout(d).total;
+    if (workspace->dimensions().size() != 1 || workspace->dimensions()[0] != need) {
+      return invalid_argument("workspace has ", workspace->element_count(), " bytes, expected ",
+                              need);
+    }
+    call->dims = d;
+    DecoderBuffers& b = call->buffers;
+    b.x = x.untyped_data();
+    b.positions = positions.typed_data();
+    b.weights = {attn_norm.untyped_data(), wq.untyped_data(),   wk.untyped_data(),
+                 wv.untyped_data(),        wo.untyped_data(),   mlp_norm.untyped_data(),
+                 w_gate.untyped_data(),    w_up.untyped_data(), w_down.untyped_data()};
+    b.k_cache = k_out->untyped_data();
+    b.v_cache = v_out->untyped_data();
+    b.out = out->untyped_data();
+    b.workspace = reinterpret_cast<char*>(workspace->typed_data());
+    return ffi::Error::Success();
+  }
+
+  template <typename Platform>
+  static ffi::Error run(typename Platform::Arg ctx, const Call& call);
+
+  static Contract contract() {
+    Contract c;
+    c.names["operands"] = name_list(kDecoderOperands);
+    c.names["results"] = name_list(kDecoderResults);
+    c.names["size_attrs"] = name_list(kDecoderSizeAttrs);
+    c.names["f32_attrs"] = {"rms_norm_eps"};
+    c.names["f64_attrs"] = {"rope_theta"};
+    // workspace(batch=, dtype_bytes=, <size attrs>=) -> numbers["bytes"]
+    c.functions["workspace"] = [](const std::map<std::string, int64_t>& args) {
+      DecoderAttrs a{};
+#define JF_DECODER_READ_ARG(name) a.name = contract_arg(args, #name);
+      JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_READ_ARG)
+#undef JF_DECODER_READ_ARG
+      const int64_t bytes = contract_arg(args, "dtype_bytes");
+      // The layout depends on the dtype only through its width (f16 and bf16 lay out alike).
+      const DType dtype = bytes == 4 ? DType::kF32 : DType::kBF16;
+      ContractValues v;
+      const DecoderDims d = decoder_detail::dims_of(a, contract_arg(args, "batch"), dtype);
+      v.numbers["bytes"] = decoder_layout(d).total;
+      return v;
+    };
+    return c;
+  }
+};
+
+}  // namespace jaxfuse
+
+// Members in DecoderAttrs order (the struct is built from them in order).
+#define JF_DECODER_I64_MEMBER(name) ::xla::ffi::StructMember<int64_t>(#name),
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxfuse::DecoderAttrs,
+                                      JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_I64_MEMBER)
+                                      ::xla::ffi::StructMember<float>("rms_norm_eps"),
+                                      ::xla::ffi::StructMember<double>("rope_theta"));
+#undef JF_DECODER_I64_MEMBER

@@ -1,0 +1,177 @@
+// Storage dtypes and their conversions to and from fp32, one definition compiled for the host
+// (CPU handlers) and the device (CUDA kernels). Arithmetic is always fp32; 16-bit values are
+// converted with round-to-nearest-even, NaN preserved, so both sides store the same bits.
+//
+// Rounding note for all jaxfuse math headers: nvcc contracts a*b+c into FMA (faster and more
+// accurate); the CPU build does not (-ffp-contract=off), so that it rounds like XLA's CPU code.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#define JF_HD __host__ __device__ __forceinline__
+#else
+#define JF_HD inline
+#endif
+
+namespace jaxfuse {
+
+// Floating-point storage types the kernels read and write.
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+JF_HD int dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// ---- scalar conversions -------------------------------------------------------------------
+
+JF_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+JF_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+JF_HD float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+
+JF_HD uint16_t float_to_bf16(float f) {
+#if defined(__CUDA_ARCH__)
+  __nv_bfloat16 b = __float2bfloat16_rn(f);
+  return *reinterpret_cast<uint16_t*>(&b);
+#else
+  uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+#endif
+}
+
+JF_HD float f16_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(*reinterpret_cast<const __half*>(&h));
+#else
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_float(sign | 0x7f800000u | (man << 13));  // inf / nan
+  if (exp == 0) {
+    if (man == 0) return bits_float(sign);
+    // Subnormal half: value = man * 2^-24, exact in fp32.
+    float v = float(man) * 5.9604644775390625e-8f;
+    return sign ? -v : v;
+  }
+  return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+#endif
+}
+
+JF_HD uint16_t float_to_f16(float f) {
+#if defined(__CUDA_ARCH__)
+  __half h = __float2half_rn(f);
+  return *reinterpret_cast<uint16_t*>(&h);
+#else
+  const uint32_t u = float_bits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {
+    // Result is subnormal (or zero) in fp16: round |f| * 2^24 to an integer, nearest even.
+    // Adding 0.5 (2^-1) forces rounding at the right bit; the float add rounds to even.
+    float v = bits_float(a) + 0.5f;
+    return uint16_t(sign | uint16_t(float_bits(v) - 0x3f000000u));
+  }
+  // Normal: rebias exponent, round mantissa 23 -> 10 bits to nearest even.
+  uint32_t r = a + 0xc8000fffu + ((a >> 13) & 1u);  // 0xc8000000 == (15 - 127) << 23
+  return uint16_t(sign | uint16_t(r >> 13));
+#endif
+}
+
+// ---- typed storage and dispatch --------------------------------------------------------------
+
+// Storage<kT>: the bits type of dtype kT and its conversions, for code specialized per dtype.
+template <DType kT>
+struct Storage;
+
+template <>
+struct Storage<DType::kF32> {
+  using Bits = float;
+  static JF_HD float to_float(float x) { return x; }
+  static JF_HD float from_float(float x) { return x; }
+};
+
+template <>
+struct Storage<DType::kBF16> {
+  using Bits = uint16_t;
+  static JF_HD float to_float(uint16_t x) { return bf16_to_float(x); }
+  static JF_HD uint16_t from_float(float x) { return float_to_bf16(x); }
+};
+
+template <>
+struct Storage<DType::kF16> {
+  using Bits = uint16_t;
+  static JF_HD float to_float(uint16_t x) { return f16_to_float(x); }
+  static JF_HD uint16_t from_float(float x) { return float_to_f16(x); }
+};
+
+template <DType kT>
+struct DTypeTag {
+  static constexpr DType value = kT;
+  using S = Storage<kT>;
+};
+
+// Calls fn(DTypeTag<t>{}): the one switch over storage dtypes; everything that needs per-dtype
+// code (vectorizable CPU loops, kernel instantiations) goes through it.
+template <typename Fn>
+JF_HD decltype(auto) visit_dtype(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::kF32: return fn(DTypeTag<DType::kF32>{});
+    case DType::kBF16: return fn(DTypeTag<DType::kBF16>{});
+    default: return fn(DTypeTag<DType::kF16>{});
+  }
+}
+
+JF_HD float load_as_float(const void* base, DType t, int64_t i) {
+  return visit_dtype(t, [&](auto tag) -> float {
+    using S = typename decltype(tag)::S;
+    return S::to_float(static_cast<const typename S::Bits*>(base)[i]);
+  });
+}
+
+JF_HD void store_from_float(void* base, DType t, int64_t i, float v) {
+  visit_dtype(t, [&](auto tag) {
+    using S = typename decltype(tag)::S;
+    static_cast<typename S::Bits*>(base)[i] = S::from_float(v);
+  });
+}
+
+// Round-trips an fp32 value through storage dtype `t` (what a buffer of that dtype will hold).
+JF_HD float round_to(DType t, float v) {
+  return visit_dtype(t, [&](auto tag) -> float {
+    using S = typename decltype(tag)::S;
+    return S::to_float(S::from_float(v));
+  });
+}
+
+// The address of element i of a buffer of dtype t.
+JF_HD const void* element_ptr(const void* base, DType t, int64_t i) {
+  return static_cast<const char*>(base) + i * dtype_bytes(t);
+}
+JF_HD void* element_ptr(void* base, DType t, int64_t i) {
+  return static_cast<char*>(base) + i * dtype_bytes(t);
+}
+
+}  // namespace jaxfuse

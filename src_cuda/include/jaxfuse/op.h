@@ -1,0 +1,109 @@
+// What an op is, and the one handler every op gets on every platform.
+//
+// An op is a struct (see adam.h, clip.h, decoder.h) with
+//   kName                     the XLA target name, e.g. "jaxfuse_adam";
+//   Call                      the decoded, validated call (pointers, sizes, flags);
+//   binding<Context>()        its FFI signature after the platform context;
+//   decode(operands..., Call*) validation shared by all platforms;
+//   run<Platform>(ctx, call)  declared only; each platform file defines its own;
+//   contract()                the numbers and layouts Python must agree with, exported by the
+//                             nanobind module so that each is written once, here in C++.
+// A platform file defines run<Platform> and registers the op with JAXFUSE_REGISTER_OP; the
+// module (src_cuda/module.cc) hands every registered op's handler and contract to Python.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "jaxfuse/ffi_util.h"
+
+namespace jaxfuse {
+
+// Numbers and ordered name lists (operand layouts, vector fields) shared with Python.
+struct ContractValues {
+  std::map<std::string, int64_t> numbers;
+  std::map<std::string, std::vector<std::string>> names;
+};
+
+// Layouts that depend on the call (e.g. the workspace size for a batch): named integer
+// arguments in, values out.
+using ContractFunction = std::function<ContractValues(const std::map<std::string, int64_t>&)>;
+
+struct Contract : ContractValues {
+  std::map<std::string, ContractFunction> functions;
+};
+
+// Reads integer argument `name` of a contract function (a missing one is a programming error on
+// the Python side, reported as a C++ exception that nanobind turns into a Python one).
+int64_t contract_arg(const std::map<std::string, int64_t>& args, const char* name);
+
+template <size_t N>
+std::vector<std::string> name_list(const char* const (&names)[N]) {
+  return std::vector<std::string>(names, names + N);
+}
+
+// Operand types most ops share (aliases keep commas out of macros).
+using CountBuffer = ffi::Buffer<ffi::S32, 0>;
+using F32Vector = ffi::Buffer<ffi::F32, 1>;  // a small f32 vector (hyper, grad_ctrl, ...)
+
+inline ffi::Error check_f32_vector(const char* name, int64_t size, int64_t expected) {
+  if (size == expected) return ffi::Error::Success();
+  return invalid_argument(name, " has ", size, " elements, expected ", expected);
+}
+
+// ---- registration -----------------------------------------------------------------------------
+
+struct RegisteredOp {
+  const char* name;
+  XLA_FFI_Handler* handler;
+  Contract (*contract)();
+};
+
+// The ops linked into this module (defined in src_cuda/module.cc).
+std::vector<RegisteredOp>& registered_ops();
+
+inline bool register_op(RegisteredOp op) {
+  registered_ops().push_back(op);
+  return true;
+}
+
+// The op's name, once, in front of every error its handler returns.
+inline ffi::Error with_op_name(const char* op, ffi::Error err) {
+  if (err.success()) return err;
+  return ffi::Error(*err.errc(), str_cat(op, ": ", err.message()));
+}
+
+// The handler of `Op` on `Platform`: decode (shared), then the platform's run step. `Platform`
+// names its FFI context (Context), what that context decodes to (Arg) and whether the handler
+// may be captured into command buffers (kCommandBufferCompatible).
+template <typename Op, typename Platform>
+XLA_FFI_Error* ffi_handler(XLA_FFI_CallFrame* frame) {
+  auto impl = [](typename Platform::Arg ctx, auto... operands) -> ffi::Error {
+    typename Op::Call call;
+    ffi::Error err = Op::decode(operands..., &call);
+    if (err.success()) err = Op::template run<Platform>(ctx, call);
+    return with_op_name(Op::kName, std::move(err));
+  };
+  static auto* handler = [&] {
+    auto binding = Op::template binding<typename Platform::Context>();
+    if constexpr (Platform::kCommandBufferCompatible) {
+      return binding.To(impl, {ffi::Traits::kCmdBufferCompatible}).release();
+    } else {
+      return binding.To(impl).release();
+    }
+  }();
+  return handler->Call(frame);
+}
+
+#define JF_CONCAT_INNER(a, b) a##b
+#define JF_CONCAT(a, b) JF_CONCAT_INNER(a, b)
+
+// Registers Op's handler for Platform in this module (one line in the op's platform file).
+#define JAXFUSE_REGISTER_OP(Op, Platform)                                                      \
+  static const bool JF_CONCAT(jf_registered_, __LINE__) = ::jaxfuse::register_op(             \
+      {Op::kName, &::jaxfuse::ffi_handler<Op, Platform>, &Op::contract})
+
+}  // namespace jaxfuse

@@ -1,0 +1,107 @@
+// Multi-tensor apply, host side: the tensor lists an FFI call hands over, decoded once and
+// shared by the CPU driver (src_cuda/cpu/cpu_common.h) and the CUDA driver
+// (src_cuda/cuda/multi_tensor.cuh), which packs them into kernel-parameter tables.
+//
+// A "list" is one role in an element-wise op (grads, params, mu, ...); list k of tensor t is
+// the k-th operand of leaf t. Each buffer has its own storage dtype (so one call covers a tree of
+// mixed dtypes); all lists of a tensor have the same element count.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "jaxfuse/ffi_util.h"
+
+namespace jaxfuse {
+
+inline constexpr int kMaxLists = 8;
+
+struct TensorLists {
+  int num_lists = 0;
+  std::vector<std::array<void*, kMaxLists>> ptr;    // [tensor][list]
+  std::vector<std::array<DType, kMaxLists>> dtype;  // [tensor][list]
+  std::vector<int64_t> size;                        // elements per tensor
+  std::vector<uint8_t> mask;                        // per-tensor choice of the op (Adam: decay)
+
+  int64_t num_tensors() const { return static_cast<int64_t>(size.size()); }
+};
+
+// Where list `k` comes from: `num_tensors` consecutive buffers of the call's remaining
+// arguments (`from_rets == false`) or remaining results, starting at `offset`.
+struct ListSource {
+  const char* name;
+  bool from_rets;
+  int64_t offset;
+};
+
+// The buffer behind a decoded result (results decode as Result<AnyBuffer>).
+inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> r) {
+  if (r.has_error()) return ffi::Unexpected<ffi::Error>(r.error());
+  return **r;
+}
+
+// Decodes buffer t of list `src`, checking its dtype (float32, bfloat16, float16).
+inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
+                                                const ffi::RemainingRets* rets,
+                                                const ListSource& src, int64_t t) {
+  // No placeholder AnyBuffer: its constructor asserts a non-null buffer (Debug builds).
+  ffi::ErrorOr<ffi::AnyBuffer> decoded = src.from_rets
+                                             ? buffer_of(rets->get<ffi::AnyBuffer>(src.offset + t))
+                                             : args.get<ffi::AnyBuffer>(src.offset + t);
+  if (decoded.has_error()) {
+    return ffi::Unexpected<ffi::Error>(invalid_argument(
+        "list '", src.name, "' tensor ", t, ": ", decoded.error().message()));
+  }
+  if (!to_dtype(decoded->element_type())) {
+    return ffi::Unexpected<ffi::Error>(invalid_argument(
+        "list '", src.name, "' tensor ", t, ": unsupported dtype (float32, bfloat16, float16 only)"));
+  }
+  return decoded;
+}
+
+// Decodes the buffers of each list, checking dtypes and that every list of a tensor has the
+// same element count. `mask` may be empty (all zero); `rets` may be null when no list comes from
+// the results.
+inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::RemainingRets* rets,
+                                const ListSource* sources, int num_lists, int64_t num_tensors,
+                                ffi::Span<const uint8_t> mask, TensorLists* out) {
+  if (num_lists > kMaxLists) return internal_error("too many tensor lists");
+  if (mask.size() != 0 && static_cast<int64_t>(mask.size()) != num_tensors) {
+    return invalid_argument("per-tensor mask has ", mask.size(), " entries for ", num_tensors,
+                            " tensors");
+  }
+  out->num_lists = num_lists;
+  out->ptr.assign(num_tensors, {});
+  out->dtype.assign(num_tensors, {});
+  out->size.assign(num_tensors, 0);
+  out->mask.assign(num_tensors, 0);
+  for (int k = 0; k < num_lists; ++k) {
+    const ListSource& src = sources[k];
+    if (src.from_rets && rets == nullptr) return internal_error("list '", src.name, "': no results");
+    const int64_t available = src.from_rets ? static_cast<int64_t>(rets->size())
+                                            : static_cast<int64_t>(args.size());
+    if (src.offset + num_tensors > available) {
+      return invalid_argument("list '", src.name, "' needs ", num_tensors, " buffers from ",
+                              src.from_rets ? "results" : "operands", " at ", src.offset,
+                              ", the call has ", available);
+    }
+    for (int64_t t = 0; t < num_tensors; ++t) {
+      ffi::ErrorOr<ffi::AnyBuffer> buf = list_buffer(args, rets, src, t);
+      if (buf.has_error()) return buf.error();
+      out->dtype[t][k] = *to_dtype(buf->element_type());
+      const int64_t n = static_cast<int64_t>(buf->element_count());
+      if (k == 0) {
+        out->size[t] = n;
+      } else if (n != out->size[t]) {
+        return invalid_argument("tensor ", t, ": list '", src.name, "' has ", n,
+                                " elements, list '", sources[0].name, "' has ", out->size[t]);
+      }
+      out->ptr[t][k] = buf->untyped_data();
+    }
+  }
+  for (int64_t t = 0; t < num_tensors && mask.size() != 0; ++t) out->mask[t] = mask[t];
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxfuse

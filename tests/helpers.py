@@ -1,0 +1,113 @@
+"""Helpers shared by the test modules (imported as `from helpers import ...`; pytest puts tests/
+on sys.path through tests/conftest.py, and running a single test file does the same). Fixtures
+and hooks live in conftest.py."""
+
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse
+from jaxfuse import _ffi
+
+
+def stable_seed(*parts):
+  """A random seed derived from `parts` (strings, numbers) that is the same in every run.
+
+  Python's hash() of a str changes from one interpreter to the next (PYTHONHASHSEED), so a seed
+  taken from it would make a failure impossible to reproduce."""
+  return zlib.crc32("/".join(str(p) for p in parts).encode())
+
+
+def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0, device=None):
+  """A dict pytree of fresh random normal leaves (never zeros) with the given shapes."""
+  rng = np.random.default_rng(seed)
+  dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
+  tree = {
+      f"leaf{i:04d}": jnp.asarray(scale * rng.standard_normal(shape), dtype=dt)
+      for i, (shape, dt) in enumerate(zip(shapes, dtypes))
+  }
+  return jax.device_put(tree, device) if device is not None else tree
+
+
+def random_decoder_problem(cfg, batch, dtype, seed, device=None):
+  """(x, weights, cache) for jaxfuse.persistent_decoder: random weights scaled so activations
+  stay O(1) (norm weights near 1, matrices by 1/sqrt(fan-in)), a random (filled) cache."""
+  rng = np.random.default_rng(seed)
+  shapes = cfg.weight_shapes()
+  ws = []
+  for name in jaxfuse.DecoderWeights._fields:
+    shape = shapes[name]
+    if "norm" in name:
+      a = 1.0 + 0.1 * rng.standard_normal(shape)
+    else:
+      a = rng.standard_normal(shape) / np.sqrt(shape[1])
+    ws.append(jnp.asarray(a, dtype))
+  cache = jaxfuse.KVCache(*[jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
+                            for _ in range(2)])
+  x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
+  problem = (x, jaxfuse.DecoderWeights(*ws), cache)
+  return jax.device_put(problem, device) if device is not None else problem
+
+
+def ulp(dtype):
+  """Relative spacing of floats of `dtype` (2^-23 for fp32, 2^-7 for bf16, 2^-10 for fp16)."""
+  return float(jnp.finfo(dtype).eps)
+
+
+def assert_trees_close(actual, expected, rtol, atol, what=""):
+  """Leaf-wise |actual - expected| <= atol + rtol * max|expected leaf|.
+
+  The bound is relative to the leaf's largest magnitude, not element-wise: an element that is the
+  small difference of large terms (mu = (1-b1) g + b1 mu) carries the rounding error of those
+  terms, not of itself. NaNs must match."""
+  paths = jax.tree_util.tree_flatten_with_path(expected)[0]
+  assert len(paths) == len(jax.tree.leaves(actual)), what
+  for (path, e), a in zip(paths, jax.tree.leaves(actual)):
+    a32 = np.asarray(jnp.asarray(a, jnp.float32))
+    e32 = np.asarray(jnp.asarray(e, jnp.float32))
+    assert a32.shape == e32.shape, (what, jax.tree_util.keystr(path))
+    finite = np.isfinite(e32)
+    scale = float(np.max(np.abs(e32[finite]))) if finite.any() else 0.0
+    np.testing.assert_allclose(a32, e32, rtol=0, atol=atol + rtol * scale, equal_nan=True,
+                               err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+def count_custom_calls(hlo_text, target):
+  """Custom calls to handler `target` in compiled HLO text or lowered StableHLO text."""
+  target = _ffi.target(target)  # the CUDA-on-CPU check runs the suite under other target names
+  return hlo_text.count(f'custom_call_target="{target}"') + hlo_text.count(f"custom_call @{target}(")
+
+
+class Snapshot:
+  """A tree's structure and every leaf's dtype, shape and raw bytes, copied to the host (so that
+  it survives the donation of the tree's buffers)."""
+
+  def __init__(self, tree):
+    self.treedef = jax.tree.structure(tree)
+    self.paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    self.leaves = []
+    for x in jax.tree.leaves(tree):
+      a = np.asarray(x)
+      self.leaves.append((a.dtype, a.shape,
+                          np.ascontiguousarray(a).reshape(-1).view(np.uint8).copy()))
+
+  def differences(self, other):
+    """Where `other` differs from this snapshot (empty when bitwise equal)."""
+    if self.treedef != other.treedef:
+      return [f"tree structure {other.treedef} != {self.treedef}"]
+    out = []
+    for path, (ed, es, eb), (ad, as_, ab) in zip(self.paths, self.leaves, other.leaves):
+      if (ed, es) != (ad, as_):
+        out.append(f"{path}: {ad}{list(as_)} != {ed}{list(es)}")
+      elif not np.array_equal(eb, ab):
+        out.append(f"{path}: {int(np.count_nonzero(eb != ab))} of {eb.size} bytes differ")
+    return out
+
+
+def assert_bitwise_equal(actual, expected, what):
+  """`actual` and `expected` (trees or Snapshots) are equal bit for bit, leaf by leaf."""
+  snap = lambda t: t if isinstance(t, Snapshot) else Snapshot(t)
+  diffs = snap(expected).differences(snap(actual))
+  assert not diffs, f"{what}: " + "; ".join(diffs)
