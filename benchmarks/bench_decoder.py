@@ -80,79 +80,56 @@ def time_steps(step, x, pos, w, cache, steps, warmup):
   return (time.perf_counter() - t0) / steps, cache
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--quick", action="store_true", help="fewer cases and steps (CPU < 1 min)")
-  ap.add_argument("--out", help="also write the markdown table to this file")
-  ap.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu when usable")
-  ap.add_argument("--steps", type=int, default=None)
-  args = ap.parse_args()
-
-  device = pick_device(args.device)
-  on_gpu = device.platform == "gpu"
-  dtype = jnp.bfloat16
+def plan(args, on_gpu):
+  """What to measure on this device: shapes, batches, contexts, steps, copy-reference size."""
   if on_gpu:
-    base = dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
-                intermediate_size=8192)
-    batches, contexts = [1, 4, 16], [128, 1024, 4096]
-    steps, warmup = args.steps or 50, 5
-    title = "Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192), bf16"
-    copy_bytes, copy_reps = 1 << 30, 10
-  else:
-    base = dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
-                intermediate_size=1536)
-    batches, contexts = ([1, 4], [128]) if args.quick else ([1, 4], [128, 512])
-    steps, warmup = args.steps or (3 if args.quick else 8), 2
-    title = "small config (4 x D512, 8/2 heads, hd 64, I 1536), bf16"
-    copy_bytes, copy_reps = 1 << 28, 5
-  if args.quick and on_gpu:
-    batches, contexts, steps = [1, 16], [1024], args.steps or 20
+    p = dict(base=dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                       intermediate_size=8192),
+             batches=[1, 4, 16], contexts=[128, 1024, 4096], steps=args.steps or 50, warmup=5,
+             title="Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192), bf16",
+             copy_bytes=1 << 30, copy_reps=10)
+    if args.quick:
+      p.update(batches=[1, 16], contexts=[1024], steps=args.steps or 20)
+    return p
+  return dict(base=dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                        intermediate_size=1536),
+              batches=[1, 4], contexts=[128] if args.quick else [128, 512],
+              steps=args.steps or (3 if args.quick else 8), warmup=2,
+              title="small config (4 x D512, 8/2 heads, hd 64, I 1536), bf16",
+              copy_bytes=1 << 28, copy_reps=5)
 
-  log(f"device: {device} ({device.device_kind}); {title}")
-  copy_gbs = copy_bandwidth(device, copy_bytes, copy_reps)
-  log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s")
 
-  rows = []
-  weights_cache = {}
-  for ctx in contexts:
-    cfg = DecoderConfig(**base, max_seq_len=ctx)
-    wkey = tuple(sorted(base.items()))
-    if wkey not in weights_cache:
-      log("initializing weights ...")
-      weights_cache[wkey] = make_weights(cfg, dtype, device)
-    w = weights_cache[wkey]
-    weight_bytes = sum(a.size * a.dtype.itemsize for a in w)
-    fused = jax.jit(lambda x, p, w, c, cfg=cfg: persistent_decoder(x, p, w, c, cfg), donate_argnums=(3,))
-    plain16 = jax.jit(lambda x, p, w, c, cfg=cfg: decoder_reference(x, p, w, c, cfg, activation_dtype=dtype),
-                      donate_argnums=(3,))
-    plain32 = jax.jit(lambda x, p, w, c, cfg=cfg: decoder_reference(x, p, w, c, cfg), donate_argnums=(3,))
-    for B in batches:
-      log(f"context {ctx}, batch {B}: ...")
-      rng = np.random.default_rng(B)
-      x = jax.device_put(jnp.asarray(rng.standard_normal((B, cfg.hidden_size)), dtype), device)
-      pos = jax.device_put(np.full((B,), ctx - 1, np.int32), device)
+def measure_case(cfg, w, B, ctx, dtype, device, steps, warmup, copy_gbs):
+  """One (batch, context) case: jaxfuse and both plain-JAX baselines, cache donated; a row."""
+  fused = jax.jit(lambda x, p, w, c: persistent_decoder(x, p, w, c, cfg), donate_argnums=(3,))
+  plain16 = jax.jit(lambda x, p, w, c: decoder_reference(x, p, w, c, cfg, activation_dtype=dtype),
+                    donate_argnums=(3,))
+  plain32 = jax.jit(lambda x, p, w, c: decoder_reference(x, p, w, c, cfg), donate_argnums=(3,))
+  rng = np.random.default_rng(B)
+  x = jax.device_put(jnp.asarray(rng.standard_normal((B, cfg.hidden_size)), dtype), device)
+  pos = jax.device_put(np.full((B,), ctx - 1, np.int32), device)
 
-      def fresh_cache():
-        with jax.default_device(device):
-          k = jax.random.normal(jax.random.PRNGKey(1), cfg.cache_shape(B), jnp.float32).astype(dtype)
-          return jax.device_put(KVCache(k, k * 0.5), device)
+  def fresh_cache():
+    with jax.default_device(device):
+      k = jax.random.normal(jax.random.PRNGKey(1), cfg.cache_shape(B), jnp.float32).astype(dtype)
+      return jax.device_put(KVCache(k, k * 0.5), device)
 
-      t_fused, c = time_steps(fused, x, pos, w, fresh_cache(), steps, warmup)
-      del c
-      log(f"  jaxfuse  {t_fused * 1e3:8.3f} ms/step")
-      t_p16, c = time_steps(plain16, x, pos, w, fresh_cache(), steps, warmup)
-      del c
-      log(f"  plain-bf16 {t_p16 * 1e3:8.3f} ms/step")
-      t_p32, c = time_steps(plain32, x, pos, w, fresh_cache(), steps, warmup)
-      del c
-      log(f"  plain-f32  {t_p32 * 1e3:8.3f} ms/step")
-      t_plain = min(t_p16, t_p32)
-      kv_bytes = cfg.num_layers * B * ctx * cfg.kv_dim * 2 * jnp.dtype(dtype).itemsize
-      moved = weight_bytes + kv_bytes
-      gbs = moved / t_fused / 1e9
-      rows.append((B, ctx, t_fused * 1e3, t_p16 * 1e3, t_p32 * 1e3, t_plain / t_fused, B / t_fused,
-                   moved / 1e9, gbs, 100 * gbs / copy_gbs, moved / t_plain / 1e9))
+  times = {}
+  for name, fn in (("jaxfuse", fused), ("plain-bf16", plain16), ("plain-f32", plain32)):
+    times[name], c = time_steps(fn, x, pos, w, fresh_cache(), steps, warmup)
+    del c
+    log(f"  {name:10s} {times[name] * 1e3:8.3f} ms/step")
+  t_fused, t_plain = times["jaxfuse"], min(times["plain-bf16"], times["plain-f32"])
+  weight_bytes = sum(a.size * a.dtype.itemsize for a in w)
+  kv_bytes = cfg.num_layers * B * ctx * cfg.kv_dim * 2 * jnp.dtype(dtype).itemsize
+  moved = weight_bytes + kv_bytes
+  gbs = moved / t_fused / 1e9
+  return (B, ctx, t_fused * 1e3, times["plain-bf16"] * 1e3, times["plain-f32"] * 1e3,
+          t_plain / t_fused, B / t_fused, moved / 1e9, gbs, 100 * gbs / copy_gbs,
+          moved / t_plain / 1e9)
 
+
+def table(rows, title, device, copy_gbs, steps):
   lines = [
       f"### persistent decoder, {title}",
       f"device: {device.device_kind} ({device.platform}); copy bandwidth measured here: "
@@ -166,7 +143,32 @@ def main():
   for r in rows:
     lines.append(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.2f}x | {r[6]:.0f} | "
                  f"{r[7]:.3f} | {r[8]:.1f} | {r[9]:.0f}% | {r[10]:.1f} |")
-  emit_table("\n".join(lines), args.out)
+  return "\n".join(lines)
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="fewer cases and steps (CPU < 1 min)")
+  ap.add_argument("--out", help="also write the markdown table to this file")
+  ap.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu when usable")
+  ap.add_argument("--steps", type=int, default=None)
+  args = ap.parse_args()
+  device = pick_device(args.device)
+  p = plan(args, device.platform == "gpu")
+  dtype = jnp.bfloat16
+  log(f"device: {device} ({device.device_kind}); {p['title']}")
+  copy_gbs = copy_bandwidth(device, p["copy_bytes"], p["copy_reps"])
+  log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s")
+  rows, w = [], None
+  for ctx in p["contexts"]:
+    cfg = DecoderConfig(**p["base"], max_seq_len=ctx)
+    if w is None:  # the weights do not depend on the context
+      log("initializing weights ...")
+      w = make_weights(cfg, dtype, device)
+    for B in p["batches"]:
+      log(f"context {ctx}, batch {B}: ...")
+      rows.append(measure_case(cfg, w, B, ctx, dtype, device, p["steps"], p["warmup"], copy_gbs))
+  emit_table(table(rows, p["title"], device, copy_gbs, p["steps"]), args.out)
 
 
 if __name__ == "__main__":

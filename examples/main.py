@@ -29,7 +29,7 @@ from train_char_lm import (PRESETS, build_model_config, count_params, init_param
                            plot_history, save_params, train)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
   here = os.path.dirname(os.path.abspath(__file__))
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps (<1 min)")
@@ -42,16 +42,11 @@ def main() -> None:
   parser.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (0.8)")
   parser.add_argument("--greedy", action="store_true", help="argmax decoding (temperature 0)")
   parser.add_argument("--seed", type=int, default=0, help="init, data and sampling seed (0)")
-  args = parser.parse_args()
-  preset = PRESETS["quick" if args.quick else "default"]
-  t_start = time.perf_counter()
+  return parser.parse_args()
 
-  device = jax.devices()[0]
-  print(f"device: {device} ({device.platform}, {device.device_kind}) | "
-        f"jaxfuse {jaxfuse.__version__}")
 
-  # 1. Train.
-  corpus = load_corpus(seed=args.seed)
+def train_model(args, preset, corpus, device):
+  """1. Train; saves the loss plot and the params. Returns (params, cfg, history)."""
   cfg = build_model_config(vocab_size=256, dim=preset["dim"], n_layers=preset["layers"],
                            n_heads=preset["heads"], n_kv_heads=preset["kv_heads"],
                            max_seq_len=preset["seq_len"])
@@ -67,9 +62,12 @@ def main() -> None:
            f"D={cfg.dim} H={cfg.n_heads} KV={cfg.n_kv_heads}, jaxfuse AdamW on {device.platform}")
   print(f"loss plot: {plot_history(history, os.path.join(args.out_dir, 'loss.png'), title)}")
   print(f"params:    {save_params(params, cfg, args.out_dir)}")
+  return params, cfg, history
 
-  # 2. Check that the decoders compute the trained model: two full-context windows from the end
-  # of the corpus (the validation split).
+
+def check_model(params, cfg, corpus) -> None:
+  """2. The decoders compute the trained model: two full-context windows from the end of the
+  corpus (the validation split) against the training forward's logits."""
   windows = np.frombuffer(corpus[-2 * cfg.max_seq_len:], np.uint8).reshape(2, cfg.max_seq_len)
   diffs = check_decoders(params, cfg, windows)
   print(f"\n== check: max |logits - training forward logits| over 2 x {cfg.max_seq_len} "
@@ -79,33 +77,47 @@ def main() -> None:
   if max(diffs["prefill"], diffs["steps"]) > tol:
     raise SystemExit(f"decoder logits differ from the training forward by more than {tol:.1e}")
 
-  # 3. Generate with both decoders.
-  prompts = [p.encode() for p in (args.prompt or DEFAULT_PROMPTS)]
-  n_new = args.max_new or max(16, cfg.max_seq_len - max(len(p) for p in prompts))
-  print("\n== generate")
-  results = compare(params, cfg, prompts, n_new, seed=args.seed,
-                    temperature=0.0 if args.greedy else args.temperature)
 
+def print_summary(history, results, n_prompts, n_new, log_every, wall_s, platform) -> None:
   fused, ref = results["jaxfuse"], results["reference"]
   same = sum(np.array_equal(a, b) for a, b in zip(fused["tokens"], ref["tokens"]))
-  last = preset["log_every"]
   rows = [
-      ("train loss (mean of last %d steps)" % last,
-       f"{np.mean(history['loss'][-last:]):.3f} nats/byte (from {history['loss'][0]:.3f})"),
+      ("train loss (mean of last %d steps)" % log_every,
+       f"{np.mean(history['loss'][-log_every:]):.3f} nats/byte (from {history['loss'][0]:.3f})"),
       ("val loss", f"{history['val_loss'][-1]:.3f} nats/byte (from {history['val_loss'][0]:.3f})"),
       ("train step (jaxfuse AdamW)", f"{history['ms_per_step']:.1f} ms/step"),
       ("train throughput", f"{history['tokens_per_s']:,.0f} tokens/s"),
       ("decode, jaxfuse.persistent_decoder", f"{fused['tokens_per_s']:,.0f} tokens/s"),
       ("decode, decoder_reference (plain JAX)", f"{ref['tokens_per_s']:,.0f} tokens/s"),
       ("decode speedup, jaxfuse / reference",
-       f"{fused['tokens_per_s'] / ref['tokens_per_s']:.2f}x ({len(prompts)} x {n_new} tokens)"),
-      ("texts identical (jaxfuse vs reference)", f"{same}/{len(prompts)}"),
-      ("wall time", f"{time.perf_counter() - t_start:.0f} s on {device.platform}"),
+       f"{fused['tokens_per_s'] / ref['tokens_per_s']:.2f}x ({n_prompts} x {n_new} tokens)"),
+      ("texts identical (jaxfuse vs reference)", f"{same}/{n_prompts}"),
+      ("wall time", f"{wall_s:.0f} s on {platform}"),
   ]
   width = max(len(name) for name, _ in rows)
   print("\n== summary")
   for name, value in rows:
     print(f"  {name:{width}s}  {value}")
+
+
+def main() -> None:
+  args = parse_args()
+  preset = PRESETS["quick" if args.quick else "default"]
+  t_start = time.perf_counter()
+  device = jax.devices()[0]
+  print(f"device: {device} ({device.platform}, {device.device_kind}) | "
+        f"jaxfuse {jaxfuse.__version__}")
+  corpus = load_corpus(seed=args.seed)
+  params, cfg, history = train_model(args, preset, corpus, device)
+  check_model(params, cfg, corpus)
+  # 3. Generate with both decoders.
+  prompts = [p.encode() for p in (args.prompt or DEFAULT_PROMPTS)]
+  n_new = args.max_new or max(16, cfg.max_seq_len - max(len(p) for p in prompts))
+  print("\n== generate")
+  results = compare(params, cfg, prompts, n_new, seed=args.seed,
+                    temperature=0.0 if args.greedy else args.temperature)
+  print_summary(history, results, len(prompts), n_new, preset["log_every"],
+                time.perf_counter() - t_start, device.platform)
 
 
 if __name__ == "__main__":

@@ -273,6 +273,48 @@ def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.1
   return tx, schedule
 
 
+def split_corpus(corpus: bytes, batch: int, seq_len: int, eval_max_batches: int,
+                 val_fraction: float, device: jax.Device):
+  """Holds out the tail of the corpus for validation. The training split lives on the device and
+  batches are sampled there, so a step needs nothing from the host."""
+  data = np.frombuffer(corpus, np.uint8)
+  n_val = int(len(data) * val_fraction)
+  train_data = jax.device_put(data[:-n_val], device)
+  val_sets = [jax.device_put(b, device)
+              for b in eval_batches(data[-n_val:], batch, seq_len, eval_max_batches)]
+  return train_data, val_sets
+
+
+def make_train_step(cfg: ModelConfig, tx, batch: int, seq_len: int):
+  """The whole step as one jitted function: sample a batch, forward + backward, then clipping
+  and AdamW through fused_step. params and opt_state are donated, so fused_step's kernels update
+  them in place; the global gradient norm is a by-product of the clip."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def train_step(params, opt_state, rng, data):
+    rng, key = jax.random.split(rng)
+    tokens = sample_batch(data, key, batch, seq_len)
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg)
+    params, opt_state, grad_norm = jaxfuse.fused_step(tx, grads, opt_state, params,
+                                                      return_grad_norm=True)
+    return params, opt_state, rng, loss, grad_norm
+
+  return train_step
+
+
+def record_steps(history: dict[str, Any], pending: list, step: int, lrs: np.ndarray) -> str:
+  """Reads the queued (loss, grad_norm) device scalars of the steps up to `step` into history
+  (the loop's only host sync: it waits for every step so far); returns the log line's start."""
+  values = np.asarray(jax.device_get(pending))  # [n, 2]: loss, grad_norm
+  first = step - len(pending) + 1
+  history["step"] += list(range(first, step + 1))
+  history["loss"] += values[:, 0].tolist()
+  history["grad_norm"] += values[:, 1].tolist()
+  history["lr"] += lrs[first - 1: step].tolist()
+  return (f"step {step:5d} | loss {values[:, 0].mean():.4f} | "
+          f"grad norm {values[:, 1].mean():6.3f} | lr {lrs[step - 1]:.2e}")
+
+
 def train(cfg: ModelConfig, corpus: bytes, *, steps: int, batch: int, seq_len: int,
           lr: float = 3e-3, warmup: int | None = None, log_every: int = 25,
           eval_every: int | None = None, eval_max_batches: int = 16, val_fraction: float = 0.05,
@@ -290,15 +332,8 @@ def train(cfg: ModelConfig, corpus: bytes, *, steps: int, batch: int, seq_len: i
   warmup = warmup if warmup is not None else max(1, steps // 10)
   # By default, evaluate about eight times, at log steps (evaluation syncs with the host anyway).
   eval_every = eval_every or log_every * max(1, round(steps / 8 / log_every))
-
-  # Hold out the tail of the corpus for validation. The training split lives on the device and
-  # batches are sampled there, so a step needs nothing from the host.
-  data = np.frombuffer(corpus, np.uint8)
-  n_val = int(len(data) * val_fraction)
-  train_data = jax.device_put(data[:-n_val], device)
-  val_sets = [jax.device_put(b, device)
-              for b in eval_batches(data[-n_val:], batch, seq_len, eval_max_batches)]
-
+  train_data, val_sets = split_corpus(corpus, batch, seq_len, eval_max_batches, val_fraction,
+                                      device)
   tx, schedule = make_optimizer(lr, steps, warmup)
   lrs = np.asarray(jax.jit(jax.vmap(schedule))(jnp.arange(steps)))  # step s uses lrs[s - 1]
   # Commit everything the step takes to the device: an uncommitted input (tx.init's step count
@@ -306,32 +341,15 @@ def train(cfg: ModelConfig, corpus: bytes, *, steps: int, batch: int, seq_len: i
   params = jax.device_put(init_params(cfg, jax.random.key(seed)), device)
   opt_state = jax.device_put(tx.init(params), device)
   rng = jax.device_put(jax.random.key(seed + 1), device)
-
-  # The whole step is one jitted function: sample a batch, forward + backward, then clipping and
-  # AdamW through fused_step. params and opt_state are donated, so fused_step's kernels update
-  # them in place; the global gradient norm is a by-product of the clip.
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def train_step(params, opt_state, rng, data):
-    rng, key = jax.random.split(rng)
-    tokens = sample_batch(data, key, batch, seq_len)
-    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, cfg)
-    params, opt_state, grad_norm = jaxfuse.fused_step(tx, grads, opt_state, params,
-                                                      return_grad_norm=True)
-    return params, opt_state, rng, loss, grad_norm
-
+  train_step = make_train_step(cfg, tx, batch, seq_len)
   eval_loss = jax.jit(functools.partial(loss_fn, cfg=cfg))
-
-  def evaluate(params) -> float:
-    return float(np.mean(jax.device_get([eval_loss(params, b) for b in val_sets])))
+  evaluate = lambda p: float(np.mean(jax.device_get([eval_loss(p, b) for b in val_sets])))
 
   history: dict[str, Any] = {"step": [], "loss": [], "grad_norm": [], "lr": [],
                              "val_step": [0], "val_loss": [evaluate(params)]}
   print(f"step {0:5d} | val loss {history['val_loss'][0]:.4f}", flush=True)
-
-  tokens_per_step = batch * seq_len
   pending: list[tuple[jax.Array, jax.Array]] = []  # (loss, grad_norm) device scalars, unread
-  next_eval = eval_every
-  timed_steps, timed_s = 0, 0.0
+  next_eval, timed_steps, timed_s = eval_every, 0, 0.0
   t0 = time.perf_counter()
   for step in range(1, steps + 1):
     params, opt_state, rng, loss, grad_norm = train_step(params, opt_state, rng, train_data)
@@ -342,34 +360,24 @@ def train(cfg: ModelConfig, corpus: bytes, *, steps: int, batch: int, seq_len: i
       window_start, window_steps = time.perf_counter(), 0
     else:
       window_steps += 1
-
-    if step % log_every == 0 or step == steps:
-      # The loop's only host sync: reading the queued losses waits for every step so far.
-      values = np.asarray(jax.device_get(pending))  # [n, 2]: loss, grad_norm
-      window_s = time.perf_counter() - window_start
-      first = step - len(pending) + 1
-      pending = []
-      history["step"] += list(range(first, step + 1))
-      history["loss"] += values[:, 0].tolist()
-      history["grad_norm"] += values[:, 1].tolist()
-      history["lr"] += lrs[first - 1: step].tolist()
-      msg = (f"step {step:5d} | loss {values[:, 0].mean():.4f} | "
-             f"grad norm {values[:, 1].mean():6.3f} | lr {lrs[step - 1]:.2e}")
-      if window_steps:
-        timed_steps, timed_s = timed_steps + window_steps, timed_s + window_s
-        ms = 1e3 * window_s / window_steps
-        msg += f" | {ms:6.1f} ms/step | {1e3 * tokens_per_step / ms:8.0f} tok/s"
-      if step >= next_eval or step == steps:
-        history["val_step"].append(step)
-        history["val_loss"].append(evaluate(params))
-        msg += f" | val loss {history['val_loss'][-1]:.4f}"
-        while next_eval <= step:
-          next_eval += eval_every
-      print(msg, flush=True)
-      window_start, window_steps = time.perf_counter(), 0  # evaluation time is not counted
+    if step % log_every and step != steps:
+      continue
+    msg = record_steps(history, pending, step, lrs)
+    window_s, pending = time.perf_counter() - window_start, []
+    if window_steps:
+      timed_steps, timed_s = timed_steps + window_steps, timed_s + window_s
+      ms = 1e3 * window_s / window_steps
+      msg += f" | {ms:6.1f} ms/step | {1e3 * batch * seq_len / ms:8.0f} tok/s"
+    if step >= next_eval or step == steps:
+      history["val_step"].append(step)
+      history["val_loss"].append(evaluate(params))
+      msg += f" | val loss {history['val_loss'][-1]:.4f}"
+      next_eval += eval_every * (1 + (step - next_eval) // eval_every)
+    print(msg, flush=True)
+    window_start, window_steps = time.perf_counter(), 0  # evaluation time is not counted
 
   history["ms_per_step"] = 1e3 * timed_s / max(1, timed_steps)
-  history["tokens_per_s"] = tokens_per_step * timed_steps / max(timed_s, 1e-9)
+  history["tokens_per_s"] = batch * seq_len * timed_steps / max(timed_s, 1e-9)
   return params, history
 
 

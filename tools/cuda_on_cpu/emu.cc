@@ -319,18 +319,16 @@ bool release_barrier(Block& b, Wait kind, std::string* error) {
   return true;
 }
 
-void run_block(Launch& L, uint3 bid) {
-  Block b;
-  b.launch = &L;
-  b.bid = bid;
-  const int threads = int(L.block.x * L.block.y * L.block.z);
+// The block's threads as fibers, each at the start of the kernel body.
+void make_fibers(Block& b, const dim3& block) {
+  const int threads = int(block.x * block.y * block.z);
   b.fibers.resize(threads);
   b.warps.resize((threads + kWarpSize - 1) / kWarpSize);
   for (int i = 0; i < threads; ++i) {
     Fiber& f = b.fibers[i];
     f.linear = i;
-    f.tid = uint3{unsigned(i % L.block.x), unsigned(i / L.block.x % L.block.y),
-                  unsigned(i / (L.block.x * L.block.y))};
+    f.tid = uint3{unsigned(i % block.x), unsigned(i / block.x % block.y),
+                  unsigned(i / (block.x * block.y))};
     f.stack = take_stack();
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack + kGuardBytes;
@@ -338,15 +336,39 @@ void run_block(Launch& L, uint3 bid) {
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, fiber_main, 0);
   }
-  this_block = &b;
-  blockIdx = bid;
-  blockDim = L.block;
-  gridDim = L.grid;
-  std::mt19937_64 rng(uint64_t(L.seed) * 0x9e3779b97f4a7c15ull + bid.x * 7919u + bid.y * 104729u + bid.z);
-  std::vector<int> order(threads);
-  std::iota(order.begin(), order.end(), 0);
+}
 
+// When no fiber can run: "" if all exited (the block is done); otherwise releases the barrier
+// every fiber waits at and returns "" to go on, or says why it cannot (a deadlock, a fault).
+std::string settle_block(Block& b, bool* done) {
+  int exited = 0, block_sync = 0, grid_sync = 0;
+  for (const Fiber& f : b.fibers) {
+    exited += f.wait == Wait::kExited;
+    block_sync += f.wait == Wait::kBlockSync;
+    grid_sync += f.wait == Wait::kGridSync;
+  }
+  const int threads = int(b.fibers.size());
+  *done = exited == threads;
+  if (*done) return "";
+  const Wait kind = block_sync == threads ? Wait::kBlockSync
+                    : grid_sync == threads ? Wait::kGridSync
+                                           : Wait::kRunnable;
+  if (kind == Wait::kRunnable) return "deadlock: " + describe_waits(b);
   std::string error;
+  if (!release_barrier(b, kind, &error)) {
+    *done = true;
+    return error;
+  }
+  return "";
+}
+
+// Runs the block's fibers round-robin (shuffled per round when the launch has a seed) until all
+// exit; returns the block's fault, or "".
+std::string schedule_block(Launch& L, Block& b) {
+  const uint3 bid = b.bid;
+  std::mt19937_64 rng(uint64_t(L.seed) * 0x9e3779b97f4a7c15ull + bid.x * 7919u + bid.y * 104729u + bid.z);
+  std::vector<int> order(b.fibers.size());
+  std::iota(order.begin(), order.end(), 0);
   while (!L.aborted) {
     if (L.seed != 0) std::shuffle(order.begin(), order.end(), rng);
     bool ran = false;
@@ -357,23 +379,23 @@ void run_block(Launch& L, uint3 bid) {
       if (L.aborted) break;
     }
     if (ran || L.aborted) continue;
-    // Nobody can run: everyone exited, or everyone waits at one block or grid barrier.
-    int exited = 0, block_sync = 0, grid_sync = 0;
-    for (const Fiber& f : b.fibers) {
-      exited += f.wait == Wait::kExited;
-      block_sync += f.wait == Wait::kBlockSync;
-      grid_sync += f.wait == Wait::kGridSync;
-    }
-    if (exited == threads) break;
-    const Wait kind = block_sync == threads ? Wait::kBlockSync
-                      : grid_sync == threads ? Wait::kGridSync
-                                             : Wait::kRunnable;
-    if (kind == Wait::kRunnable) {
-      error = "deadlock: " + describe_waits(b);
-      break;
-    }
-    if (!release_barrier(b, kind, &error)) break;
+    bool done = false;
+    std::string error = settle_block(b, &done);
+    if (!error.empty() || done) return error;
   }
+  return "";
+}
+
+void run_block(Launch& L, uint3 bid) {
+  Block b;
+  b.launch = &L;
+  b.bid = bid;
+  make_fibers(b, L.block);
+  this_block = &b;
+  blockIdx = bid;
+  blockDim = L.block;
+  gridDim = L.grid;
+  const std::string error = schedule_block(L, b);
   if (!error.empty()) {
     std::ostringstream os;
     os << error << " [block (" << bid.x << "," << bid.y << "," << bid.z << ")]";
@@ -399,6 +421,54 @@ std::string kernel_name(const char* pretty) {
   return at == std::string::npos ? s : s.substr(at, std::min<size_t>(160, s.size() - at));
 }
 
+// Why a launch configuration cannot run (as the CUDA runtime would refuse it), or cudaSuccess.
+cudaError_t check_launch(const cudaLaunchConfig_t& config, size_t param_bytes, bool cooperative) {
+  const dim3 g = config.gridDim, t = config.blockDim;
+  const long total_blocks = long(g.x) * g.y * g.z;
+  const long threads = long(t.x) * t.y * t.z;
+  if (total_blocks < 1 || threads < 1 || threads > 1024 || config.dynamicSmemBytes > 0) {
+    return cudaErrorInvalidConfiguration;
+  }
+  if (threads % kWarpSize != 0) {
+    std::fprintf(stderr, "cuda_on_cpu: blocks of %ld threads: only whole warps are emulated\n", threads);
+    return cudaErrorInvalidConfiguration;
+  }
+  if (param_bytes > kMaxParamBytes) {
+    std::fprintf(stderr, "cuda_on_cpu: %zu bytes of kernel parameters (limit %zu)\n", param_bytes,
+                 kMaxParamBytes);
+    return cudaErrorInvalidValue;
+  }
+  if (cooperative) {
+    const Device d = devices()[current_device()];
+    if (env_long("JAXFUSE_EMU_FAIL_COOPERATIVE", 0) != 0 || total_blocks > long(d.sms) * d.blocks_per_sm) {
+      return cudaErrorCooperativeLaunchTooLarge;
+    }
+  }
+  return cudaSuccess;
+}
+
+// Runs every block of L on worker threads (all blocks at once when cooperative, so a grid sync
+// has every block resident), in a shuffled order when the launch has a seed.
+void run_blocks(Launch& L) {
+  const int total_blocks = L.total_blocks;
+  std::vector<int> block_order(total_blocks);
+  std::iota(block_order.begin(), block_order.end(), 0);
+  if (L.seed != 0) std::shuffle(block_order.begin(), block_order.end(), std::mt19937_64(L.seed));
+  const int workers = L.cooperative ? total_blocks
+                                    : int(std::clamp<long>(env_long("JAXFUSE_EMU_WORKERS", 4), 1, total_blocks));
+  std::atomic<int> next{0};
+  std::vector<std::thread> pool;
+  pool.reserve(workers);
+  for (int w = 0; w < workers; ++w) {
+    pool.emplace_back([&] {
+      for (int i = next.fetch_add(1); i < total_blocks && !L.aborted; i = next.fetch_add(1)) {
+        run_block(L, block_of(L.grid, block_order[i]));
+      }
+    });
+  }
+  for (std::thread& th : pool) th.join();
+}
+
 }  // namespace
 
 // ---- the runtime API ---------------------------------------------------------------------------------
@@ -410,54 +480,17 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const c
   for (unsigned i = 0; i < config.numAttrs; ++i) {
     if (config.attrs[i].id == cudaLaunchAttributeCooperative) cooperative = config.attrs[i].val.cooperative != 0;
   }
-  const dim3 g = config.gridDim, t = config.blockDim;
-  const long total_blocks = long(g.x) * g.y * g.z;
-  const long threads = long(t.x) * t.y * t.z;
-  if (total_blocks < 1 || threads < 1 || threads > 1024 || config.dynamicSmemBytes > 0) {
-    return fail(cudaErrorInvalidConfiguration);
-  }
-  if (threads % kWarpSize != 0) {
-    std::fprintf(stderr, "cuda_on_cpu: blocks of %ld threads: only whole warps are emulated\n", threads);
-    return fail(cudaErrorInvalidConfiguration);
-  }
-  if (param_bytes > kMaxParamBytes) {
-    std::fprintf(stderr, "cuda_on_cpu: %zu bytes of kernel parameters (limit %zu)\n", param_bytes,
-                 kMaxParamBytes);
-    return fail(cudaErrorInvalidValue);
-  }
-  if (cooperative) {
-    const Device d = devices()[current_device()];
-    if (env_long("JAXFUSE_EMU_FAIL_COOPERATIVE", 0) != 0 || total_blocks > long(d.sms) * d.blocks_per_sm) {
-      return fail(cudaErrorCooperativeLaunchTooLarge);
-    }
-  }
-
+  if (const cudaError_t err = check_launch(config, param_bytes, cooperative)) return fail(err);
   Launch L;
   L.body = &body;
   L.kernel = kernel_name(kernel);
-  L.grid = g;
-  L.block = t;
+  L.grid = config.gridDim;
+  L.block = config.blockDim;
   L.cooperative = cooperative;
   L.seed = env_long("JAXFUSE_EMU_SEED", 0);
-  L.total_blocks = int(total_blocks);
+  L.total_blocks = int(long(L.grid.x) * L.grid.y * L.grid.z);
   L.grid_timeout = std::chrono::seconds(env_long("JAXFUSE_EMU_GRID_SYNC_TIMEOUT", 60));
-
-  std::vector<int> block_order(total_blocks);
-  std::iota(block_order.begin(), block_order.end(), 0);
-  if (L.seed != 0) std::shuffle(block_order.begin(), block_order.end(), std::mt19937_64(L.seed));
-  const int workers = cooperative ? int(total_blocks)
-                                  : int(std::clamp<long>(env_long("JAXFUSE_EMU_WORKERS", 4), 1, total_blocks));
-  std::atomic<int> next{0};
-  std::vector<std::thread> pool;
-  pool.reserve(workers);
-  for (int w = 0; w < workers; ++w) {
-    pool.emplace_back([&] {
-      for (int i = next.fetch_add(1); i < total_blocks && !L.aborted; i = next.fetch_add(1)) {
-        run_block(L, block_of(g, block_order[i]));
-      }
-    });
-  }
-  for (std::thread& th : pool) th.join();
+  run_blocks(L);
   if (!L.fault.empty()) {
     std::fprintf(stderr, "cuda_on_cpu: kernel fault in %s: %s\n", L.kernel.c_str(), L.fault.c_str());
     sticky_error = cudaErrorLaunchFailure;
