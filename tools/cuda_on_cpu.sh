@@ -100,9 +100,9 @@ PY
     "*flag = atomicAdd(counter, 1) == expected - 1;" "*flag = atomicAdd(counter, 1) == 0;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits"
-  control missing_syncthreads cuda/clip.cu \
-    "  if (lane == 0) shared[warp] = x;
-  __syncthreads();" "  if (lane == 0) shared[warp] = x;" \
+  control missing_syncthreads cuda/cuda_common.cuh \
+    "  if (lane == 0) scratch[warp] = v;
+  __syncthreads();" "  if (lane == 0) scratch[warp] = v;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_global_norm"
   [ "$caught" -eq 3 ] || { echo "== cuda_on_cpu: only $caught of 3 planted bugs caught"; exit 1; }
