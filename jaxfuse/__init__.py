@@ -2,6 +2,7 @@
 
 Optimizer side (optax-compatible):
   adam, adamw          Adam/AdamW for a whole pytree in one fused kernel
+  nadam, nadamw        the same with Nesterov momentum (as optax.nadam/nadamw)
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
@@ -14,7 +15,7 @@ Decode side:
 from importlib import metadata as _metadata
 
 from jaxfuse._ffi import backends
-from jaxfuse.adam import AdamExtraState, adam, adamw
+from jaxfuse.adam import AdamExtraState, adam, adamw, nadam, nadamw
 from jaxfuse.clip import clip_by_global_norm, global_norm
 from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, decoder_reference,
                              persistent_decoder)
@@ -37,5 +38,7 @@ __all__ = [
     "decoder_reference",
     "fused_step",
     "global_norm",
+    "nadam",
+    "nadamw",
     "persistent_decoder",
 ]

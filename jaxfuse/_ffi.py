@@ -110,13 +110,22 @@ def contract(op: str) -> Contract:
   return Contract(dict(c["numbers"]), dict(c["names"]), dict(c["functions"]))
 
 
+def vector_dtype() -> jnp.dtype:
+  """The dtype of the small device vectors (hyperparameters, gradient control): float64 under
+  ``jax_enable_x64``, so that float64 math gets exact values and bias corrections are computed
+  in JAX's default float type as optax computes them, else float32. Kernels round each value to
+  their compute type once (ScalarVector in dtype.h)."""
+  return jnp.dtype(jnp.float64 if jax.config.jax_enable_x64 else jnp.float32)
+
+
 def device_vector(field_names: Sequence[str], **values: Any) -> jax.Array:
-  """A small f32 device vector whose layout C++ defines (a contract's field-name list), built
-  from one value per field name."""
+  """A small device vector (of vector_dtype()) whose layout C++ defines (a contract's
+  field-name list), built from one value per field name."""
   if set(values) != set(field_names):
     raise ValueError(f"jaxfuse: vector fields {sorted(values)} do not match the kernel's "
                      f"layout {list(field_names)}")
-  return jnp.stack([jnp.asarray(values[name], jnp.float32) for name in field_names])
+  dtype = vector_dtype()
+  return jnp.stack([jnp.asarray(values[name], dtype) for name in field_names])
 
 
 def aliases(operands: Sequence[str], results: Sequence[str], size: int = 1,

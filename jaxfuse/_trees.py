@@ -8,8 +8,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Storage dtypes the kernels read and write.
-KERNEL_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# Storage dtypes the kernels read and write (complex ones as pairs of their real dtype).
+KERNEL_DTYPES = tuple(jnp.dtype(t) for t in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64,
+                                            jnp.complex64, jnp.complex128))
+_KERNEL_DTYPE_NAMES = ", ".join(t.name for t in KERNEL_DTYPES)
+
+
+def is_wide(dtype: Any) -> bool:
+  """Whether `dtype` is float64 or complex128: jaxfuse computes such leaves in double."""
+  return jnp.dtype(dtype).itemsize == 8 * (2 if jnp.issubdtype(dtype, jnp.complexfloating) else 1)
+
+
+def is_complex(dtype: Any) -> bool:
+  return jnp.issubdtype(jnp.dtype(dtype), jnp.complexfloating)
+
+
+def as_arrays(tree: Any) -> Any:
+  """`tree` with NumPy arrays and Python or NumPy scalars turned into JAX arrays, as optax's jnp
+  operations would take them (with JAX's dtype rules: float64 becomes float32 unless
+  jax_enable_x64 is on). JAX arrays and tracers are left as they are."""
+  def convert(leaf):
+    if isinstance(leaf, jax.Array):
+      return leaf
+    if isinstance(leaf, (np.ndarray, np.generic, int, float, complex)):
+      return jnp.asarray(leaf)
+    return leaf
+  return jax.tree.map(convert, tree)
 
 
 def leaf_names(tree: Any) -> list[str]:
@@ -19,7 +43,8 @@ def leaf_names(tree: Any) -> list[str]:
 
 
 def check_float_leaves(tree: Any, what: str) -> list[jax.Array]:
-  """Flattens `tree`, raising a TypeError that names the leaf if one is not a supported float."""
+  """Flattens `tree`, raising a TypeError that names the leaf if one is not a supported float
+  (see KERNEL_DTYPES; convert NumPy and Python leaves with as_arrays first)."""
   leaves = jax.tree.leaves(tree)
   for name, leaf in zip(leaf_names(tree), leaves):
     dtype = getattr(leaf, "dtype", None)
@@ -28,7 +53,7 @@ def check_float_leaves(tree: Any, what: str) -> list[jax.Array]:
     if jnp.dtype(dtype) not in KERNEL_DTYPES:
       raise TypeError(
           f"jaxfuse: {what} leaf {name} has dtype {jnp.dtype(dtype).name}; jaxfuse kernels take "
-          "float32, bfloat16 and float16 leaves")
+          f"{_KERNEL_DTYPE_NAMES} leaves")
   return leaves
 
 

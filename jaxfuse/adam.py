@@ -19,10 +19,16 @@ optax schedule evaluated on the count), every other hyperparameter and the count
 kernel as device scalars: no recompiles, no host round trips, and the transforms work under
 ``optax.inject_hyperparams``, ``optax.MultiSteps``, ``optax.apply_if_finite`` and ``lax.cond``.
 
+Leaves may be float32, bfloat16, float16, float64 (math in float64) or complex64/complex128
+(optax's complex Adam: ``nu`` from ``|g|**2``), as JAX arrays, NumPy arrays or Python scalars,
+mixed freely in one tree; leaves are grouped into one FFI call per family (float32 math, float64,
+complex64, complex128). 16-bit leaves are computed in float32 and rounded once.
+
 Opt-in extensions (they append an :class:`AdamExtraState` to the state):
 
 * ``master_weights=True``: low-precision (bf16/fp16) params keep an fp32 master copy in the
   state; moments are fp32 (or ``mu_dtype``). The math runs on the master copy; params are its
+  rounding. Updates have the grads' dtype (optax's rule) and step the params exactly onto that
   rounding.
 * ``skip_nonfinite=True``: a step whose gradients hold a NaN or Inf leaves params, moments and
   the count untouched and adds one to ``skipped_steps`` (like ``optax.apply_if_finite``, decided
@@ -64,7 +70,8 @@ class AdamExtraState(NamedTuple):
   """jaxfuse's additions to the optax state, appended only when an opt-in feature is on.
 
   Attributes:
-    master_params: fp32 copy of the params (``master_weights=True``), else None.
+    master_params: copy of the params (``master_weights=True``) in float32, or in the params'
+      own dtype where that is wider (float64, complex), else None.
     skipped_steps: int32 count of steps skipped for non-finite gradients
       (``skip_nonfinite=True``), else None.
   """
@@ -89,9 +96,21 @@ class AdamSpec:
   master_weights: bool
   skip_nonfinite: bool
 
+  def __post_init__(self):
+    if self.mu_dtype is not None and jnp.dtype(self.mu_dtype) not in _trees.KERNEL_DTYPES:
+      raise ValueError(f"jaxfuse: mu_dtype {jnp.dtype(self.mu_dtype).name} is not supported; "
+                       f"use None or one of {', '.join(t.name for t in _trees.KERNEL_DTYPES)}")
+
   @property
   def has_extra_state(self) -> bool:
     return self.master_weights or self.skip_nonfinite
+
+  @property
+  def decays(self) -> bool:
+    """Whether the update has a weight-decay term: optax's adamw drops it for a Python zero
+    (not for a zero array or a schedule reaching zero), so that 0 * inf never reaches it."""
+    wd = self.weight_decay
+    return wd is not None and not (isinstance(wd, (int, float)) and wd == 0)
 
   def optax_twin(self) -> optax.GradientTransformation:
     """The optax transform this one reproduces (its state layout is ours, less extensions)."""
@@ -101,20 +120,36 @@ class AdamSpec:
     return optax.adamw(self.learning_rate, self.b1, self.b2, self.eps, self.eps_root,
                        self.mu_dtype, self.weight_decay, self.mask, nesterov=self.nesterov)
 
-  def init(self, params: Any) -> Any:
+  def check_params(self, params: Any) -> None:
+    """Trace-time checks of params against this spec (dtypes, mu_dtype, mask), naming the leaf."""
     _trees.check_float_leaves(params, "params")
+    if self.mu_dtype is not None:
+      mu_complex = _trees.is_complex(self.mu_dtype)
+      for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
+        if _trees.is_complex(p.dtype) != mu_complex:
+          raise ValueError(
+              f"jaxfuse: mu_dtype {jnp.dtype(self.mu_dtype).name} does not fit params leaf {name} "
+              f"({p.dtype.name}): the first moment of real params is real, of complex params "
+              "complex")
+    if self.decays and self.mask is not None:
+      _trees.static_bool_mask(self.mask, params)  # raises on a traced or misshapen mask
+
+  def init(self, params: Any) -> Any:
+    params = _trees.as_arrays(params)
+    self.check_params(params)
     state = self.optax_twin().init(params)
     if not self.has_extra_state:
       return state
     master = skipped = None
     adam_state = state[0]
     if self.master_weights:
-      # A copy even for fp32 leaves: the master must not be the params' buffer (both are donated).
-      master = jax.tree.map(lambda p: jnp.array(p, dtype=jnp.float32, copy=True), params)
-      mu_dtype = self.mu_dtype if self.mu_dtype is not None else jnp.float32
+      # A copy even where the dtype stays: the master must not be the params' buffer (both are
+      # donated). Moments in the master's dtype, as if the params were the master.
+      wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
+      master = jax.tree.map(lambda p: jnp.array(p, dtype=wide(p), copy=True), params)
       adam_state = adam_state._replace(
-          mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
-          nu=optax.tree_utils.tree_zeros_like(params, dtype=jnp.float32))
+          mu=jax.tree.map(lambda p: jnp.zeros(p.shape, self.mu_dtype or wide(p)), params),
+          nu=jax.tree.map(lambda p: jnp.zeros(p.shape, wide(p)), params))
     if self.skip_nonfinite:
       skipped = jnp.zeros([], jnp.int32)
     return (adam_state, *state[1:], AdamExtraState(master, skipped))
@@ -173,14 +208,36 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
                              skip_nonfinite=skip_nonfinite))
 
 
+def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None, *,
+          master_weights: bool = False,
+          skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+  """NAdam (Dozat, 2016, https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ): ``adam`` with
+  ``nesterov=True``, as ``optax.nadam``."""
+  return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=True,
+              master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+
+
+def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
+           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None,
+           weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
+           master_weights: bool = False,
+           skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+  """NAdamW: ``adamw`` with ``nesterov=True``, as ``optax.nadamw``."""
+  return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
+               nesterov=True, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+
+
 def _transform(spec: AdamSpec) -> optax.GradientTransformationExtraArgs:
   def init_fn(params):
     return spec.init(params)
 
   def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
     del extra_args
-    if params is None:
-      raise ValueError("jaxfuse.adam/adamw: update() needs params (as optax.adamw does)")
+    if params is None and spec.weight_decay is not None:
+      raise ValueError("jaxfuse.adamw: update() needs params (as optax.adamw's does)")
+    if params is None and spec.master_weights:
+      raise ValueError("jaxfuse.adam(master_weights=True): update() needs params")
     return adam_updates(spec, updates, state, params, grad_ctrl_for(spec, updates, grad_scale)[1])
 
   # fused_step finds the spec here, also inside optax.chain (which keeps ExtraArgs transforms).
@@ -189,6 +246,7 @@ def _transform(spec: AdamSpec) -> optax.GradientTransformationExtraArgs:
 
 
 def _check_state(spec: AdamSpec, state: Any, params: Any) -> None:
+  """Raises unless `state` is what spec.init(params) makes (structure, shapes, dtypes)."""
   expected = jax.eval_shape(spec.init, params)
   exp_def, got_def = jax.tree.structure(expected), jax.tree.structure(state)
   if exp_def != got_def:
@@ -204,19 +262,19 @@ def _check_state(spec: AdamSpec, state: Any, params: Any) -> None:
           f"{list(jnp.shape(g))}, expected {e.dtype.name}{list(e.shape)}")
 
 
-def _scalar(value: Any, count: jax.Array) -> jax.Array:
-  return jnp.asarray(value(count) if callable(value) else value, jnp.float32)
+def _scalar(value: Any, count: jax.Array) -> Any:
+  return value(count) if callable(value) else value
 
 
 def _one_minus(b: Any) -> Any:
   # optax writes (1 - b1) * g: with a Python float the difference is taken in float64 and then
-  # rounded, with an array in float32. Do the same so the rounding matches.
-  return 1.0 - b if isinstance(b, (int, float)) else 1.0 - jnp.asarray(b, jnp.float32)
+  # rounded, with an array in the array's dtype. Do the same so the rounding matches.
+  return 1.0 - b if isinstance(b, (int, float)) else 1.0 - jnp.asarray(b)
 
 
 def hyper_vector(spec: AdamSpec, count: jax.Array) -> jax.Array:
   """The hyperparameter vector the kernels read (its layout is AdamHyper in adam_math.h)."""
-  wd = 0.0 if spec.weight_decay is None else spec.weight_decay
+  wd = spec.weight_decay if spec.decays else 0.0
   values = dict(learning_rate=spec.learning_rate, b1=spec.b1, one_minus_b1=_one_minus(spec.b1),
                 b2=spec.b2, one_minus_b2=_one_minus(spec.b2), eps=spec.eps,
                 eps_root=spec.eps_root, weight_decay=wd)
@@ -244,13 +302,22 @@ def grad_ctrl_for(spec: AdamSpec, grads: Any, grad_scale: Any = None, *,
 
 
 class _Leaves(NamedTuple):
-  """The flat per-leaf lists of one Adam step, by kernel list name (adam.h)."""
+  """The flat per-leaf lists of one Adam step, by kernel list name (adam.h). `params` is None in
+  the optax protocol called without params, `master_params` without master weights."""
 
   grads: list
-  params: list
+  params: Optional[list]
   mu: list
   nu: list
   master_params: Optional[list]
+
+  def select(self, idx: list[int]) -> "_Leaves":
+    return _Leaves(*[None if x is None else [x[i] for i in idx] for x in self])
+
+  def family(self, i: int) -> tuple[bool, bool]:
+    """(computed in double, complex) for leaf i: leaves of one family share FFI calls."""
+    dtypes = [x[i].dtype for x in self if x is not None]
+    return any(_trees.is_wide(d) for d in dtypes), _trees.is_complex(self.grads[i].dtype)
 
 
 def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, write_updates,
@@ -258,8 +325,9 @@ def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, writ
   """One jaxfuse_adam FFI call over `leaves` (operands and results laid out as the op's
   contract says). Returns (new count, result leaves by list name)."""
   n = len(leaves.grads)
-  master = leaves.master_params is not None
-  layout = _CONTRACT.call("layout", write_updates=write_updates, master=master).names
+  master, params = leaves.master_params is not None, leaves.params is not None
+  layout = _CONTRACT.call("layout", write_updates=write_updates, master=master,
+                          params=params).names
   fixed = dict(count=count, hyper=hyper, grad_ctrl=grad_ctrl)
   operands = [fixed[name] for name in _CONTRACT.names["fixed_operands"]]
   operands += [x for name in layout["operands"] for x in getattr(leaves, name)]
@@ -274,7 +342,7 @@ def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, writ
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(*operands, num_tensors=np.int64(n), nesterov=bool(nesterov),
-             write_updates=bool(write_updates), master=master,
+             write_updates=bool(write_updates), master=master, params=params,
              decay_mask=np.asarray(decay, np.uint8))
   lists = {name: list(out[1 + i * n:1 + (i + 1) * n]) for i, name in enumerate(layout["results"])}
   return out[0], lists
@@ -293,7 +361,7 @@ class _Step(NamedTuple):
 
 
 def _decay_flags(spec: AdamSpec, params: Any, n: int) -> list[bool]:
-  if spec.weight_decay is None:
+  if not spec.decays:
     return [False] * n
   if spec.mask is None:
     return [True] * n
@@ -301,42 +369,63 @@ def _decay_flags(spec: AdamSpec, params: Any, n: int) -> list[bool]:
 
 
 def _output_dtype(spec: AdamSpec, leaves: _Leaves, i: int):
-  # optax builds the update from the grads and the moments (before casting them back).
+  # optax's updates have the grads' dtype, or wider where its math promotes them (a wider
+  # mu_dtype); with master weights the update is the exact step between two values of the
+  # params' dtype (adam_group), so the grads' dtype holds it.
   if spec.master_weights:
-    return jnp.dtype(jnp.float32)
+    return leaves.grads[i].dtype
   return jnp.result_type(leaves.grads[i].dtype, leaves.mu[i].dtype, leaves.nu[i].dtype)
+
+
+def _calls(leaves: _Leaves) -> list[list[int]]:
+  """The leaves of each FFI call: non-empty leaves, one family (compute type, real or complex)
+  per call, at most MAX_LEAVES_PER_CALL each."""
+  families: dict[tuple[bool, bool], list[int]] = {}
+  for i, g in enumerate(leaves.grads):
+    if np.size(g) > 0:
+      families.setdefault(leaves.family(i), []).append(i)
+  return [idx[k:k + MAX_LEAVES_PER_CALL] for idx in families.values()
+          for k in range(0, len(idx), MAX_LEAVES_PER_CALL)]
+
+
+def _stand_in_params(grads: Any, state: Any) -> Any:
+  """Shapes and dtypes of the params for checks when update() gets none: the grads' shapes with
+  the dtype of the second moment, which init() gives the params' dtype."""
+  nu = jax.tree.structure(grads).flatten_up_to(state[0].nu)
+  return jax.tree.structure(grads).unflatten(
+      [jax.ShapeDtypeStruct(jnp.shape(g), v.dtype) for g, v in zip(jax.tree.leaves(grads), nu)])
 
 
 def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Optional[jax.Array],
               *, write_updates: bool) -> _Step:
-  """Checks the arguments and runs the kernel over every leaf, one FFI call per
-  MAX_LEAVES_PER_CALL non-empty leaves, whatever their dtypes."""
-  _trees.check_float_leaves(params, "params")
-  _trees.check_same_structure(params, grads, "params", "grads")
+  """Checks the arguments and runs the kernel over every leaf: one FFI call per family of
+  leaves (compute type, real or complex) and per MAX_LEAVES_PER_CALL non-empty leaves. All
+  leaves are JAX arrays (as_arrays)."""
   _trees.check_float_leaves(grads, "grads")
-  _check_state(spec, state, params)
+  reference = _stand_in_params(grads, state) if params is None else params
+  spec.check_params(reference)
+  _trees.check_same_structure(reference, grads, "params", "grads")
+  _check_state(spec, state, reference)
   if grad_ctrl is None:
     if spec.skip_nonfinite:
       raise ValueError("jaxfuse: skip_nonfinite needs the control vector of a norm call")
     grad_ctrl = default_grad_ctrl()
-  adam_state, treedef = state[0], jax.tree.structure(params)
-  leaves = _Leaves(jax.tree.leaves(grads), jax.tree.leaves(params),
+  adam_state, treedef = state[0], jax.tree.structure(grads)
+  leaves = _Leaves(jax.tree.leaves(grads), None if params is None else jax.tree.leaves(params),
                    treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu),
                    treedef.flatten_up_to(state[-1].master_params) if spec.master_weights else None)
-  n = len(leaves.params)
-  decay = _decay_flags(spec, params, n)
+  n = len(leaves.grads)
+  decay = _decay_flags(spec, reference, n)
   hyper = hyper_vector(spec, adam_state.count)
   step = _Step([None] * n, list(leaves.mu), list(leaves.nu),
                None if leaves.master_params is None else list(leaves.master_params),
                None, grad_ctrl[_CONTRACT.names["grad_ctrl"].index("skip")] != 0)
-  live = [i for i in range(n) if np.size(leaves.params[i]) > 0]
-  for i in set(range(n)) - set(live):  # empty leaves: nothing to compute
-    step.outputs[i] = (jnp.zeros(jnp.shape(leaves.params[i]), _output_dtype(spec, leaves, i))
-                       if write_updates else leaves.params[i])
-  for start in range(0, len(live), MAX_LEAVES_PER_CALL):
-    idx = live[start:start + MAX_LEAVES_PER_CALL]
-    part = _Leaves(*[None if x is None else [x[i] for i in idx] for x in leaves])
-    count, out = _adam_ffi(adam_state.count, hyper, grad_ctrl, part,
+  for i in range(n):  # empty leaves (no call touches them): nothing to compute
+    if np.size(leaves.grads[i]) == 0:
+      step.outputs[i] = (jnp.zeros(jnp.shape(leaves.grads[i]), _output_dtype(spec, leaves, i))
+                         if write_updates else leaves.params[i])
+  for idx in _calls(leaves):
+    count, out = _adam_ffi(adam_state.count, hyper, grad_ctrl, leaves.select(idx),
                            decay=[decay[i] for i in idx], nesterov=spec.nesterov,
                            write_updates=write_updates,
                            output_dtypes=[_output_dtype(spec, leaves, i) for i in idx])
@@ -352,10 +441,9 @@ def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Op
   return step
 
 
-def _new_state(spec: AdamSpec, state: Any, params: Any, step: _Step) -> Any:
-  """The state after `step`: moments, master params and skip count replaced, and every optax
-  `count` in it (Adam's, the schedules') advanced together."""
-  treedef = jax.tree.structure(params)
+def _new_state(spec: AdamSpec, state: Any, treedef: Any, step: _Step) -> Any:
+  """The state after `step` over a tree of structure `treedef`: moments, master params and skip
+  count replaced, and every optax `count` in it (Adam's, the schedules') advanced together."""
   adam_state = state[0]._replace(mu=treedef.unflatten(step.mu), nu=treedef.unflatten(step.nu))
   new_state = (adam_state, *state[1:-1 if spec.has_extra_state else None])
   if spec.has_extra_state:
@@ -372,16 +460,21 @@ def adam_updates(spec: AdamSpec, grads: Any, state: Any, params: Any,
 
   `grad_ctrl` is the gradient-control vector (loss scale, clip divisor and multiplier, skip
   flag) that the global-norm kernel produces; None means plain Adam. With `skip_nonfinite`, the
-  caller must pass the vector of a norm call made with it."""
+  caller must pass the vector of a norm call made with it. `params` may be None when the
+  transform needs none (no weight decay, no master weights)."""
+  grads, state, params = _trees.as_arrays((grads, state, params))
   step = _run_step(spec, grads, state, params, grad_ctrl, write_updates=True)
-  updates = jax.tree.structure(params).unflatten(step.outputs)
-  return updates, _new_state(spec, state, params, step)
+  treedef = jax.tree.structure(grads)
+  return treedef.unflatten(step.outputs), _new_state(spec, state, treedef, step)
 
 
 def adam_in_place(spec: AdamSpec, grads: Any, state: Any, params: Any,
                   grad_ctrl: Optional[jax.Array] = None) -> tuple[Any, Any]:
   """The fused step: (new_params, new_state), params, moments and master params updated in
   place (see adam_updates for `grad_ctrl`)."""
+  grads, state, params = _trees.as_arrays((grads, state, params))
+  if params is None:
+    raise ValueError("jaxfuse.fused_step: params are required")
   step = _run_step(spec, grads, state, params, grad_ctrl, write_updates=False)
-  new_params = jax.tree.structure(params).unflatten(step.outputs)
-  return new_params, _new_state(spec, state, params, step)
+  treedef = jax.tree.structure(params)
+  return treedef.unflatten(step.outputs), _new_state(spec, state, treedef, step)

@@ -1,8 +1,12 @@
 """Global norm and clip-by-global-norm on device, with no host sync.
 
-``global_norm(tree)`` is the L2 norm over every leaf, computed in one FFI call (on the GPU: one
-multi-tensor launch writing a partial per block, one tiny launch summing them in a fixed order),
-with fp32 accumulation for every input dtype: bitwise the same from run to run on one device.
+``global_norm(tree)`` is the L2 norm over every leaf (``sqrt(sum |x|^2)``, complex leaves
+included), computed in one FFI call (on the GPU: one multi-tensor launch writing a partial per
+block, one tiny launch summing them in a fixed order), accumulated in float64 whatever the
+leaves' dtypes, so that the norm of a 16- or 32-bit tree is its exact norm rounded once at any
+size: bitwise the same from run to run on one device. The result has optax's dtype for the tree
+(float64 when a leaf is float64 or complex128, else float32; optax returns a 16-bit norm for an
+all-16-bit tree, jaxfuse a float32 one).
 
 ``clip_by_global_norm(max_norm)`` follows ``optax.clip_by_global_norm`` (Pascanu et al., 2013,
 https://arxiv.org/abs/1211.5063): with ``n = global_norm(g)``, updates are unchanged when
@@ -46,14 +50,17 @@ def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = No
   """One jaxfuse_global_norm call: the global norm of ``grads / grad_scale`` and the
   gradient-control vector (GradCtrl in norm_math.h) that the Adam and clip kernels read. With
   ``max_norm`` None the vector does not clip."""
-  leaves = _trees.check_float_leaves(grads, "grads")
+  leaves = _trees.check_float_leaves(_trees.as_arrays(grads), "grads")
   params = _ffi.device_vector(_CONTRACT.names["norm_params"],
                               loss_scale=1.0 if grad_scale is None else grad_scale,
                               max_norm=math.inf if max_norm is None else max_norm)
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  wide = any(_trees.is_wide(x.dtype) for x in leaves)
+  norm_dtype = jnp.float64 if wide else jnp.float32
   call = jax.ffi.ffi_call(
       _ffi.target("jaxfuse_global_norm"),
-      [f32(), f32(len(_CONTRACT.names["grad_ctrl"])), f32(2 * _CONTRACT.numbers["norm_slots"])],
+      [jax.ShapeDtypeStruct((), norm_dtype),
+       jax.ShapeDtypeStruct((len(_CONTRACT.names["grad_ctrl"]),), _ffi.vector_dtype()),
+       jax.ShapeDtypeStruct((_CONTRACT.numbers["workspace_bytes"],), jnp.uint8)],
       vmap_method="sequential")
   norm, grad_ctrl, _ = call(params, *leaves, clip=max_norm is not None,
                             skip_nonfinite=bool(skip_nonfinite),
@@ -62,14 +69,15 @@ def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = No
 
 
 def global_norm(tree: Any, *, grad_scale: Optional[Any] = None) -> jax.Array:
-  """L2 norm over all leaves of ``tree`` (of ``tree / grad_scale`` if given), as a 0-d fp32
-  device array. Matches ``optax.global_norm`` to fp32 rounding; deterministic."""
+  """L2 norm over all leaves of ``tree`` (of ``tree / grad_scale`` if given), as a 0-d device
+  array (float64 for a tree with float64 or complex128 leaves, else float32). Matches
+  ``optax.tree.norm`` to the rounding of its dtype; deterministic."""
   return norm_and_grad_ctrl(tree, grad_scale=grad_scale)[0]
 
 
 def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
   """Scales every leaf as the control vector says (one jaxfuse_apply_grad_ctrl call)."""
-  leaves, treedef = jax.tree.flatten(grads)
+  leaves, treedef = jax.tree.flatten(_trees.as_arrays(grads))
   if not leaves:
     return grads
   call = jax.ffi.ffi_call(

@@ -21,13 +21,18 @@ def stable_seed(*parts):
 
 
 def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0, device=None):
-  """A dict pytree of fresh random normal leaves (never zeros) with the given shapes."""
+  """A dict pytree of fresh random normal leaves (never zeros) with the given shapes (complex
+  dtypes: random real and imaginary parts)."""
   rng = np.random.default_rng(seed)
   dtypes = dtype if isinstance(dtype, (list, tuple)) else [dtype] * len(shapes)
-  tree = {
-      f"leaf{i:04d}": jnp.asarray(scale * rng.standard_normal(shape), dtype=dt)
-      for i, (shape, dt) in enumerate(zip(shapes, dtypes))
-  }
+
+  def leaf(shape, dt):
+    x = scale * rng.standard_normal(shape)
+    if jnp.issubdtype(dt, jnp.complexfloating):
+      x = x + 1j * scale * rng.standard_normal(shape)
+    return jnp.asarray(x, dtype=dt)
+
+  tree = {f"leaf{i:04d}": leaf(shape, dt) for i, (shape, dt) in enumerate(zip(shapes, dtypes))}
   return jax.device_put(tree, device) if device is not None else tree
 
 
@@ -65,13 +70,18 @@ def assert_trees_close(actual, expected, rtol, atol, what=""):
   paths = jax.tree_util.tree_flatten_with_path(expected)[0]
   assert len(paths) == len(jax.tree.leaves(actual)), what
   for (path, e), a in zip(paths, jax.tree.leaves(actual)):
-    a32 = np.asarray(jnp.asarray(a, jnp.float32))
-    e32 = np.asarray(jnp.asarray(e, jnp.float32))
-    assert a32.shape == e32.shape, (what, jax.tree_util.keystr(path))
-    finite = np.isfinite(e32)
-    scale = float(np.max(np.abs(e32[finite]))) if finite.any() else 0.0
-    np.testing.assert_allclose(a32, e32, rtol=0, atol=atol + rtol * scale, equal_nan=True,
+    a64, e64 = _exact(a), _exact(e)
+    assert a64.shape == e64.shape, (what, jax.tree_util.keystr(path))
+    finite = np.isfinite(e64)
+    scale = float(np.max(np.abs(e64[finite]))) if finite.any() else 0.0
+    np.testing.assert_allclose(a64, e64, rtol=0, atol=atol + rtol * scale, equal_nan=True,
                                err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+def _exact(x):
+  """A leaf as float64 or complex128 NumPy values (exact for every dtype jaxfuse takes)."""
+  x = np.asarray(x)
+  return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
 
 
 def count_custom_calls(hlo_text, target):

@@ -274,7 +274,9 @@ def test_master_weights_optax_path(device):
   p = params
   for t in range(5):
     u, state = tf.update(_grads(t, params), state, p)
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
+    # optax's rule: updates have the grads' dtype; the bf16 update is the exact step from the
+    # params onto the master's rounding, so apply_updates lands there bitwise.
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
     p = optax.apply_updates(p, u)
   for a, m in zip(jax.tree.leaves(p), jax.tree.leaves(state[-1].master_params)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(m.astype(jnp.bfloat16), np.float32))
@@ -411,9 +413,10 @@ def test_rejects_unfusable_transform():
     jaxfuse.fused_step(tx, params, tx.init(params), params)
 
 
-def test_update_without_params_is_an_error():
+def test_adamw_update_without_params_is_an_error():
+  """As optax's adamw (adam takes none: test_dtypes.py)."""
   params = {"w": jnp.ones((3,))}
-  tx = jaxfuse.adam(1e-3)
+  tx = jaxfuse.adamw(1e-3)
   with pytest.raises(ValueError, match="needs params"):
     tx.update(params, tx.init(params))
 
@@ -442,7 +445,8 @@ def test_handler_rejects_inconsistent_calls():
   hyper, grad_ctrl = jnp.zeros((len(layout["hyper"]),)), jnp.zeros((len(layout["grad_ctrl"]),))
   results = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct((4,), jnp.float32)] * 3
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, vmap_method="sequential")
-  attrs = dict(nesterov=False, write_updates=True, master=False, decay_mask=np.zeros(1, np.uint8))
+  attrs = dict(nesterov=False, write_updates=True, master=False, params=True,
+               decay_mask=np.zeros(1, np.uint8))
   one = dict(attrs, num_tensors=np.int64(1))
   with pytest.raises(Exception, match="do not fit num_tensors=2"):
     jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, num_tensors=np.int64(2), **attrs))

@@ -82,7 +82,17 @@ DTYPE_MIXES = {
     "f32": [jnp.float32] * len(SIZES),
     "bf16": [jnp.bfloat16] * len(SIZES),
     "mixed": [[jnp.float32, jnp.bfloat16, jnp.float16][i % 3] for i in range(len(SIZES))],
+    # float64 and complex: double-precision and complex-pair kernels (under jax_enable_x64).
+    "wide": [[jnp.float64, jnp.complex64, jnp.complex128][i % 3] for i in range(len(SIZES))],
 }
+
+
+@pytest.fixture(autouse=True)
+def x64_for_wide(request):
+  """The "wide" mix needs jax_enable_x64 (float64 and complex128 leaves)."""
+  wide = "wide" in request.node.name
+  with jax.enable_x64(wide):
+    yield
 
 
 def adam_case(mode, dtypes):
@@ -91,8 +101,11 @@ def adam_case(mode, dtypes):
   nesterov = mode == "nesterov"
   if master:
     dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
-  tx = jaxfuse.adamw(3e-3, weight_decay=0.1, nesterov=nesterov, master_weights=master,
-                     skip_nonfinite=mode == "skip")
+  if mode == "no_params":
+    tx = jaxfuse.adam(3e-3, master_weights=master)
+  else:
+    tx = jaxfuse.adamw(3e-3, weight_decay=0.1, nesterov=nesterov, master_weights=master,
+                       skip_nonfinite=mode == "skip")
   params = random_tree(1, SIZES, dtypes)
   grads = random_tree(2, SIZES, dtypes, scale=0.5)
   if mode == "skip":
@@ -105,7 +118,8 @@ def adam_case(mode, dtypes):
 
 ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] + [("fused", "f32")] +
               [(mode, "mixed") for mode in ("nesterov", "master", "master_fused", "skip", "fused",
-                                            "loss_scale")])
+                                            "loss_scale")] +
+              [(mode, "wide") for mode in ("nesterov", "master", "fused", "no_params")])
 
 
 @pytest.mark.parametrize("mode,mix", ADAM_CASES)
@@ -115,6 +129,8 @@ def test_adam_bitwise(mode, mix, launch):
     fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
   elif mode == "loss_scale":
     fn = lambda g, s, p: tx.update(g, s, p, grad_scale=jnp.float32(128.0))
+  elif mode == "no_params":
+    fn = lambda g, s, p: tx.update(g, s)
   else:
     fn = lambda g, s, p: tx.update(g, s, p)
   native, emu = on_both(fn, grads, state, params)
@@ -125,9 +141,13 @@ def test_adam_bitwise(mode, mix, launch):
 def test_global_norm(mix, launch):
   tree = random_tree(4, SIZES, DTYPE_MIXES[mix])
   native, emu = on_both(jaxfuse.global_norm, tree)
-  exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(tree)))
-  np.testing.assert_allclose(emu, exact, rtol=2e-6)
-  np.testing.assert_allclose(native, exact, rtol=2e-6)
+  exact = np.sqrt(sum(np.sum(np.abs(np.asarray(x, np.complex128)) ** 2)
+                      for x in jax.tree.leaves(tree)))
+  # Accumulated in float64: a float32 norm is the exact norm rounded once; a float64 one (of
+  # float64 leaves, whose squares round) carries float64 summation error.
+  rtol = float(jnp.finfo(native.dtype).eps) * (1 if native.dtype == np.float32 else 64)
+  np.testing.assert_allclose(emu, exact, rtol=rtol)
+  np.testing.assert_allclose(native, exact, rtol=rtol)
 
 
 def test_global_norm_same_bits_under_every_schedule(grid, monkeypatch):

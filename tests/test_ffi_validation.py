@@ -49,6 +49,8 @@ def xla_error(match):
 
 
 def _rng_array(rng, shape, dtype):
+  if jnp.issubdtype(dtype, jnp.complexfloating):
+    return np.asarray(rng.standard_normal(shape) + 1j * rng.standard_normal(shape) + 0.5, dtype)
   if jnp.issubdtype(dtype, jnp.floating):
     return np.asarray(rng.standard_normal(shape) + 0.5, dtype)
   return np.asarray(rng.integers(1, 5, shape), dtype)
@@ -66,13 +68,14 @@ def _put(device, *arrays):
 
 
 # ---- jaxfuse_adam ------------------------------------------------------------------------------
-# operands: count s32[], hyper f32[8], grad_ctrl f32[4], n each of grads, params, mu, nu, [master]
+# operands: count s32[], hyper f32/f64[8], grad_ctrl f32/f64[4], n each of grads, [params], mu,
+#           nu, [master]
 # results:  new_count s32[], n each of [updates], mu, nu, [params], [master]
 
 
 def _adam_attrs(**over):
   attrs = dict(num_tensors=np.int64(1), nesterov=False, write_updates=True, master=False,
-               decay_mask=np.zeros(1, np.uint8))
+               params=True, decay_mask=np.zeros(1, np.uint8))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
@@ -116,7 +119,9 @@ def _adam_call(operands, results, aliases, **attrs):
 def _adam_updates_mode(device, grads=F32, params=F32, mu=F32, nu=F32, updates=F32, size=4):
   """Operands, results and aliases of a one-tensor call in updates (optax protocol) mode."""
   count, hyper, grad_ctrl, rng = _adam_fixed(device)
-  g, p, m, v = _put(device, *[_rng_array(rng, (size,), dt) for dt in (grads, params, mu, nu)])
+  g, p, m, v = [_rng_array(rng, (size,), dt) for dt in (grads, params, mu, nu)]
+  v = v if np.iscomplexobj(v) else np.abs(v)  # a second moment is not negative
+  g, p, m, v = _put(device, g, p, m, v)
   results = [S((), I32), S((size,), updates), S((size,), mu), S((size,), nu)]
   return [count, hyper, grad_ctrl, g, p, m, v], results, {5: 2, 6: 3}
 
@@ -139,21 +144,34 @@ def test_adam_good_call_succeeds(device):
   assert int(out[0]) == 4
 
 
-@pytest.mark.parametrize("what, operand, match", [
-    ("count_f32", 0, "Wrong buffer dtype: expected S32 but got F32"),
-    ("count_rank1", 0, "Wrong buffer rank: expected 0 but got 1"),
-    ("hyper_bf16", 1, "Wrong buffer dtype: expected F32 but got BF16"),
-    ("hyper_rank2", 1, "Wrong buffer rank: expected 1 but got 2"),
-    ("grad_ctrl_i32", 2, "Wrong buffer dtype: expected F32 but got S32"),
+@pytest.mark.parametrize("what, operand, match, ours", [
+    ("count_f32", 0, "Wrong buffer dtype: expected S32 but got F32", False),
+    ("count_rank1", 0, "Wrong buffer rank: expected 0 but got 1", False),
+    ("hyper_bf16", 1, "hyper must be float32 or float64", True),
+    ("hyper_rank2", 1, "hyper must have rank 1, got 2", True),
+    ("grad_ctrl_i32", 2, "grad_ctrl must be float32 or float64", True),
 ])
-def test_adam_fixed_operand_types(device, what, operand, match):
+def test_adam_fixed_operand_types(device, what, operand, match, ours):
   ops, res, aliases = _adam_updates_mode(device)
   bad = {"count_f32": np.float32(3), "count_rank1": np.array([3], np.int32),
          "hyper_bf16": np.zeros(8, jnp.bfloat16), "hyper_rank2": np.zeros((2, 4), np.float32),
          "grad_ctrl_i32": np.ones(4, np.int32)}[what]
   ops[operand] = jax.device_put(bad, device)
-  with xla_error(match):
+  with (jaxfuse_error("jaxfuse_adam", match) if ours else xla_error(match)):
     _adam_call(ops, res, aliases)
+
+
+def test_adam_float64_vectors(device):
+  """Under jax_enable_x64 the vectors are float64; the kernel reads either."""
+  with jax.enable_x64(True):
+    ops, res, aliases = _adam_updates_mode(device)
+    ops[1] = jax.device_put(np.asarray(ops[1], np.float64), device)
+    ops[2] = jax.device_put(np.asarray(ops[2], np.float64), device)
+    with_f64 = _adam_call(ops, res, aliases)
+  ops, res, aliases = _adam_updates_mode(device)
+  # Equal but for the bias corrections, which a float64 vector has computed in double.
+  for a, b in zip(with_f64, _adam_call(ops, res, aliases)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
 
 
 def test_adam_count_int64(device):
@@ -193,11 +211,50 @@ def test_adam_tensor_dtype(device, lst, dtype):
 
 @pytest.mark.parametrize("lst", ["grads", "params", "mu", "nu"])
 def test_adam_tensor_float64(device, lst):
+  """A float64 buffer in any list is taken: the call then computes in double."""
   with jax.enable_x64(True):
     ops, res, aliases = _adam_updates_mode(device, **{lst: jnp.float64})
     assert ops[3 + ["grads", "params", "mu", "nu"].index(lst)].dtype == jnp.float64
-    with jaxfuse_error("jaxfuse_adam", rf"list '{lst}' tensor 0: unsupported dtype"):
-      _adam_call(ops, res, aliases)
+    out = _adam_call(ops, res, aliases)
+    assert all(np.isfinite(np.asarray(x)).all() for x in out[1:])
+
+
+@pytest.mark.parametrize("lst", ["params", "mu", "nu", "updates"])
+def test_adam_complex_and_real_lists(device, lst):
+  """A tensor's lists are all complex or all real."""
+  ops, res, aliases = _adam_updates_mode(device, **{lst: jnp.complex64})
+  with jaxfuse_error("jaxfuse_adam", rf"tensor 0: list '{lst}' is complex, list 'grads' is not"):
+    _adam_call(ops, res, aliases)
+
+
+def test_adam_complex_and_real_tensors(device):
+  """One call takes real or complex tensors, not both."""
+  count, hyper, grad_ctrl, rng = _adam_fixed(device, seed=3)
+  t0 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
+  t1 = _put(device, *[_rng_array(rng, (3,), jnp.complex64) for _ in range(4)])
+  ops = [count, hyper, grad_ctrl] + [x for pair in zip(t0, t1) for x in pair]
+  res = [S((), I32)] + [S((4,), F32), S((3,), jnp.complex64)] * 3  # updates, mu, nu
+  with jaxfuse_error("jaxfuse_adam", "tensor 1 is complex, tensor 0 is not"):
+    _adam_call(ops, res, {7: 3, 8: 4, 9: 5, 10: 6}, num_tensors=np.int64(2),
+               decay_mask=np.zeros(2, np.uint8))
+
+
+def test_adam_without_params(device):
+  """The optax protocol may run without params (no weight decay); the fused step may not."""
+  ops, res, _ = _adam_updates_mode(device)
+  del ops[4]  # params
+  out = _adam_call(ops, res, {4: 2, 5: 3}, params=False)
+  assert all(np.isfinite(np.asarray(x)).all() for x in out[1:])
+  ops, res, aliases = _adam_updates_mode(device)
+  with_params = _adam_call(ops, res, aliases)
+  for a, b in zip(out, with_params):  # no weight decay: params change nothing
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  ops, res, _ = _adam_updates_mode(device)
+  del ops[4]
+  with jaxfuse_error("jaxfuse_adam", r"decay_mask entry 0 is 1, expected 0 \(weight decay needs"):
+    _adam_call(ops, res, {4: 2, 5: 3}, params=False, decay_mask=np.ones(1, np.uint8))
+  with jaxfuse_error("jaxfuse_adam", "the in-place step needs params"):
+    _adam_call(ops, res[:3], {4: 1, 5: 2}, params=False, write_updates=False)
 
 
 @pytest.mark.parametrize("lst", ["params", "mu", "nu", "updates"])
@@ -257,7 +314,7 @@ def test_adam_master_flag_inconsistent(device):
 def test_adam_master_params_not_float32(device):
   ops, res, aliases = _adam_updates_mode(device)
   master = jax.device_put(np.ones(4, jnp.bfloat16), device)
-  with jaxfuse_error("jaxfuse_adam", "master params of tensor 0 must be float32"):
+  with jaxfuse_error("jaxfuse_adam", r"master params of tensor 0 must be float32 \(the compute"):
     _adam_call(ops + [master], res + [S((4,), BF16)], {**aliases, 7: 4}, master=True)
 
 
@@ -296,18 +353,18 @@ def test_adam_attribute_types(device):
     _adam_call(ops, res, aliases, decay_mask=np.uint8(0))
   with xla_error("Unsupported array element type for attribute: decay_mask"):
     _adam_call(ops, res, aliases, decay_mask=np.zeros(1, bool))
-  with xla_error(r"Wrong number of attributes: expected 5 but got 4"):
+  with xla_error(r"Wrong number of attributes: expected 6 but got 5"):
     _adam_call(ops, res, aliases, decay_mask=None)
 
 
 # ---- jaxfuse_global_norm / jaxfuse_apply_grad_ctrl -------------------------------------------
-# global_norm: operands norm_params f32[2], n grads;
-#              results norm f32[], grad_ctrl f32[4], partials f32[2 * norm_slots]
-# apply_grad_ctrl: operands grad_ctrl f32[4], n grads; results n grads
+# global_norm: operands norm_params f32/f64[2], n grads;
+#              results norm f32/f64[], grad_ctrl f32/f64[4], workspace u8[workspace_bytes]
+# apply_grad_ctrl: operands grad_ctrl f32/f64[4], n grads; results n grads
 
-# The partials workspace: two floats per slot, the slot count from the C++ contract.
-_PARTIALS = 2 * _ffi.contract("jaxfuse_global_norm").numbers["norm_slots"]
-_NORM_RESULTS = [S((), F32), S((4,), F32), S((_PARTIALS,), F32)]
+# The partials workspace: its size in bytes from the C++ contract.
+_WORKSPACE = _ffi.contract("jaxfuse_global_norm").numbers["workspace_bytes"]
+_NORM_RESULTS = [S((), F32), S((4,), F32), S((_WORKSPACE,), U8)]
 
 
 def _norm_call(operands, results=_NORM_RESULTS, **attrs):
@@ -343,9 +400,9 @@ def test_norm_params_operand(device):
   ops = _norm_operands(device, F32)
   with jaxfuse_error("jaxfuse_global_norm", "norm_params has 3 elements, expected 2"):
     _norm_call([jax.device_put(np.ones(3, np.float32), device), *ops[1:]])
-  with xla_error("Wrong buffer dtype: expected F32 but got F16"):
+  with jaxfuse_error("jaxfuse_global_norm", "norm_params must be float32 or float64"):
     _norm_call([jax.device_put(np.ones(2, np.float16), device), *ops[1:]])
-  with xla_error("Wrong buffer rank: expected 1 but got 2"):
+  with jaxfuse_error("jaxfuse_global_norm", "norm_params must have rank 1, got 2"):
     _norm_call([jax.device_put(np.ones((1, 2), np.float32), device), *ops[1:]])
   with xla_error("Wrong number of arguments"):  # not even the norm_params operand
     _run(jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), _NORM_RESULTS), [],
@@ -359,27 +416,33 @@ def test_norm_grads_dtype(device, dtype):
     _norm_call(ops)
 
 
-def test_norm_grads_float64(device):
+def test_norm_grads_float64_and_complex(device):
+  """float64 and complex grads are taken (a complex element counts as its two parts), with the
+  norm and control vector in float64 or float32."""
   with jax.enable_x64(True):
-    ops = _norm_operands(device, jnp.float64)
+    ops = _norm_operands(device, jnp.float64, jnp.complex128, jnp.complex64)
     assert ops[1].dtype == jnp.float64
-    with jaxfuse_error("jaxfuse_global_norm", "list 'grads' tensor 0: unsupported dtype"):
-      _norm_call(ops)
+    expect = np.sqrt(sum(float(np.sum(np.abs(np.asarray(x, np.complex128)) ** 2))
+                         for x in ops[1:]))
+    for dt in (jnp.float64, F32):
+      norm, _, _ = _norm_call(ops, [S((), dt), S((4,), dt), S((_WORKSPACE,), U8)])
+      np.testing.assert_allclose(float(norm), expect, rtol=4 * float(jnp.finfo(dt).eps))
 
 
 _NORM, _GCTRL, _PART = _NORM_RESULTS
 
 
 @pytest.mark.parametrize("results, match, ours", [
-    ([S((1,), F32), _GCTRL, _PART], "Wrong buffer rank: expected 0 but got 1", False),
-    ([S((), BF16), _GCTRL, _PART], "Wrong buffer dtype: expected F32 but got BF16", False),
+    ([S((1,), F32), _GCTRL, _PART], "norm must have rank 0, got 1", True),
+    ([S((), BF16), _GCTRL, _PART], "norm must be float32 or float64", True),
     ([_NORM, S((5,), F32), _PART], "grad_ctrl result has 5 elements, expected 4", True),
     ([_NORM, S((3,), F32), _PART], "grad_ctrl result has 3 elements, expected 4", True),
-    ([_NORM, _GCTRL, S((_PARTIALS - 1,), F32)],
-     f"partials workspace has {_PARTIALS - 1} elements, expected {_PARTIALS}", True),
-    ([_NORM, _GCTRL, S((2 * _PARTIALS,), F32)],
-     f"partials workspace has {2 * _PARTIALS} elements, expected {_PARTIALS}", True),
-    ([_NORM, _GCTRL, S((_PARTIALS,), I32)], "Wrong buffer dtype: expected F32 but got S32", False),
+    ([_NORM, _GCTRL, S((_WORKSPACE - 1,), U8)],
+     f"workspace has {_WORKSPACE - 1} bytes, expected {_WORKSPACE}", True),
+    ([_NORM, _GCTRL, S((2 * _WORKSPACE,), U8)],
+     f"workspace has {2 * _WORKSPACE} bytes, expected {_WORKSPACE}", True),
+    ([_NORM, _GCTRL, S((_WORKSPACE // 4,), F32)], "Wrong buffer dtype: expected U8 but got F32",
+     False),
     ([_NORM, _GCTRL], "Wrong number of results: expected 3 but got 2", False),
     ([_NORM, _GCTRL, _PART, _GCTRL], "Wrong number of results: expected 3 but got 4", False),
 ])
@@ -402,9 +465,9 @@ def test_apply_grad_ctrl_grad_ctrl_operand(device):
   (x,) = _norm_operands(device, F32)[1:]
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl has 3 elements, expected 4"):
     _apply_call([jax.device_put(np.ones(3, np.float32), device), x], [S((4,), F32)])
-  with xla_error("Wrong buffer dtype: expected F32 but got S32"):
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl must be float32 or float64"):
     _apply_call([jax.device_put(np.ones(4, np.int32), device), x], [S((4,), F32)])
-  with xla_error("Wrong buffer rank: expected 1 but got 0"):
+  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl must have rank 1, got 0"):
     _apply_call([jax.device_put(np.float32(1), device), x], [S((4,), F32)])
 
 

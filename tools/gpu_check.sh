@@ -39,7 +39,7 @@ step tests_gpu python3 -m pytest -q -m gpu tests -W ignore::DeprecationWarning
 step tests_all python3 -m pytest -q tests -W ignore::DeprecationWarning
 
 if command -v compute-sanitizer >/dev/null 2>&1; then
-  SAN_TESTS="tests/test_adam.py tests/test_clip.py tests/test_decoder.py"
+  SAN_TESTS="tests/test_adam.py tests/test_clip.py tests/test_dtypes.py tests/test_decoder.py"
   for tool in memcheck racecheck synccheck; do
     step "sanitizer_$tool" env XLA_PYTHON_CLIENT_PREALLOCATE=false \
       compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \

@@ -1,5 +1,5 @@
-// jaxfuse_global_norm and jaxfuse_apply_grad_ctrl, CPU. Partial sums are per chunk, combined in
-// chunk order: the result does not depend on how the thread pool ran the chunks.
+// jaxfuse_global_norm and jaxfuse_apply_grad_ctrl, CPU. Partial sums are per chunk, in double,
+// combined in chunk order: the result does not depend on how the thread pool ran the chunks.
 #include "jaxfuse/clip.h"
 
 #include <cstring>
@@ -13,51 +13,71 @@ namespace {
 constexpr int64_t kChunk = 1 << 16;
 constexpr int64_t kTile = 512;
 constexpr int kLanes = 16;  // independent accumulators: fixed association, vectorizes
-static_assert(kLanes == 16, "two 8-wide accumulators");
+static_assert(kLanes == 16, "four 4-wide double accumulators");
 
 struct Partial {
-  float sumsq = 0.0f;
-  float nonfinite = 0.0f;  // sum of (x - x): 0 iff every x is finite
+  double sumsq = 0.0;
+  double nonfinite = 0.0;  // sum of (x - x): 0 iff every x is finite
 };
 
+// Four doubles from x[0..3] (float or double). (An out-parameter: a vector return value would
+// have a different ABI in each multiversioned clone.)
+__attribute__((always_inline)) inline void load4(const float* x, F64x4* out) {
+  F32x4 v;
+  std::memcpy(&v, x, 16);
+  *out = __builtin_convertvector(v, F64x4);
+}
+__attribute__((always_inline)) inline void load4(const double* x, F64x4* out) {
+  std::memcpy(out, x, 32);
+}
+
 // norm_accumulate() over a tile into kLanes independent lanes (element i into lane i % kLanes).
-JF_CPU_MULTIVERSION
-void accumulate_tile(int64_t len, const float* __restrict__ x, float* __restrict__ sumsq,
-                     float* __restrict__ nonfinite) {
-  F32x8 a0, a1, b0, b1;
-  std::memcpy(&a0, sumsq, 32);
-  std::memcpy(&a1, sumsq + 8, 32);
-  std::memcpy(&b0, nonfinite, 32);
-  std::memcpy(&b1, nonfinite + 8, 32);
+template <typename T>
+__attribute__((always_inline)) inline void accumulate_lanes(int64_t len, const T* __restrict__ x,
+                                                            double* __restrict__ sumsq,
+                                                            double* __restrict__ nonfinite) {
+  F64x4 a[4], b[4];
+  std::memcpy(a, sumsq, sizeof(a));
+  std::memcpy(b, nonfinite, sizeof(b));
   int64_t i = 0;
   for (; i + kLanes <= len; i += kLanes) {
-    F32x8 v0, v1;
-    std::memcpy(&v0, x + i, 32);
-    std::memcpy(&v1, x + i + 8, 32);
-    a0 += v0 * v0;
-    a1 += v1 * v1;
-    b0 += v0 - v0;
-    b1 += v1 - v1;
+    for (int k = 0; k < 4; ++k) {
+      F64x4 v;
+      load4(x + i + 4 * k, &v);
+      a[k] += v * v;
+      b[k] += v - v;
+    }
   }
-  std::memcpy(sumsq, &a0, 32);
-  std::memcpy(sumsq + 8, &a1, 32);
-  std::memcpy(nonfinite, &b0, 32);
-  std::memcpy(nonfinite + 8, &b1, 32);
-  for (int j = 0; i < len; ++i, ++j) norm_accumulate(x[i], sumsq[j], nonfinite[j]);
+  std::memcpy(sumsq, a, sizeof(a));
+  std::memcpy(nonfinite, b, sizeof(b));
+  for (int j = 0; i < len; ++i, ++j) norm_accumulate(double(x[i]), sumsq[j], nonfinite[j]);
+}
+
+JF_CPU_MULTIVERSION
+void accumulate_tile(int64_t len, const float* x, double* sumsq, double* nonfinite) {
+  accumulate_lanes(len, x, sumsq, nonfinite);
+}
+
+JF_CPU_MULTIVERSION
+void accumulate_tile(int64_t len, const double* x, double* sumsq, double* nonfinite) {
+  accumulate_lanes(len, x, sumsq, nonfinite);
 }
 
 Partial chunk_partial(const TensorLists& grads, int64_t t, int64_t start, int64_t n) {
   alignas(64) float x[kTile];
-  float sumsq[kLanes] = {}, nonfinite[kLanes] = {};
+  double sumsq[kLanes] = {}, nonfinite[kLanes] = {};
   const DType dtype = grads.dtype[t][0];
+  const void* base = grads.ptr[t][0];
   for (int64_t off = start; off < start + n; off += kTile) {
     const int64_t len = std::min(kTile, start + n - off);
-    const float* xp = static_cast<const float*>(grads.ptr[t][0]) + off;
-    if (dtype != DType::kF32) {  // fp32 is read in place
-      load_tile(grads.ptr[t][0], dtype, off, len, x);
-      xp = x;
+    if (dtype == DType::kF64) {  // 32- and 64-bit storage is read in place
+      accumulate_tile(len, static_cast<const double*>(base) + off, sumsq, nonfinite);
+    } else if (dtype == DType::kF32) {
+      accumulate_tile(len, static_cast<const float*>(base) + off, sumsq, nonfinite);
+    } else {
+      load_tile(base, dtype, off, len, x);
+      accumulate_tile(len, x, sumsq, nonfinite);
     }
-    accumulate_tile(len, xp, sumsq, nonfinite);
   }
   Partial p;
   for (int j = 0; j < kLanes; ++j) {
@@ -65,6 +85,19 @@ Partial chunk_partial(const TensorLists& grads, int64_t t, int64_t start, int64_
     p.nonfinite += nonfinite[j];
   }
   return p;
+}
+
+// Tensor t of the apply-grad-ctrl call, scaled in the compute type Real.
+template <typename Real>
+void scale_chunk(const TensorLists& lists, const GradScaling<Real>& scaling, int64_t t,
+                 int64_t start, int64_t len) {
+  alignas(64) Real x[kTile];
+  for (int64_t off = start; off < start + len; off += kTile) {
+    const int64_t m = std::min(kTile, start + len - off);
+    load_tile(lists.ptr[t][0], lists.dtype[t][0], off, m, x);
+    scale_group(scaling, m, x);
+    store_tile(lists.ptr[t][1], lists.dtype[t][1], off, m, x);
+  }
 }
 
 }  // namespace
@@ -88,16 +121,15 @@ ffi::Error GlobalNormOp::run<Cpu>(ffi::ThreadPool pool, const Call& call) {
 
 template <>
 ffi::Error ApplyGradCtrlOp::run<Cpu>(ffi::ThreadPool pool, const Call& call) {
-  const GradScaling scaling = make_grad_scaling(call.grad_ctrl);
+  const GradScaling<float> scale_f32 = make_grad_scaling<float>(call.grad_ctrl);
+  const GradScaling<double> scale_f64 = make_grad_scaling<double>(call.grad_ctrl);
   const TensorLists& lists = call.grads;
   const ChunkIndex chunks(lists, kChunk);
   for_each_chunk(&pool, lists, chunks, [&](int64_t t, int64_t start, int64_t len, int64_t) {
-    alignas(64) float x[kTile];
-    for (int64_t off = start; off < start + len; off += kTile) {
-      const int64_t m = std::min(kTile, start + len - off);
-      load_tile(lists.ptr[t][0], lists.dtype[t][0], off, m, x);
-      scale_group(scaling, m, x);
-      store_tile(lists.ptr[t][1], lists.dtype[t][1], off, m, x);
+    if (lists.dtype[t][0] == DType::kF64 || lists.dtype[t][1] == DType::kF64) {
+      scale_chunk(lists, scale_f64, t, start, len);
+    } else {
+      scale_chunk(lists, scale_f32, t, start, len);
     }
   });
   return ffi::Error::Success();

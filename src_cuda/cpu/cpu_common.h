@@ -32,9 +32,11 @@ struct Cpu {
   static constexpr bool kCommandBufferCompatible = false;
 };
 
-// Eight fp32 lanes (a GCC vector type): full-width SIMD with the same lanes, so the same
-// rounding, on every ISA level, where a loop over a lane array may not vectorize.
+// Eight fp32 / four fp64 lanes (GCC vector types): full-width SIMD with the same lanes, so the
+// same rounding, on every ISA level, where a loop over a lane array may not vectorize.
 typedef float F32x8 __attribute__((vector_size(32)));
+typedef float F32x4 __attribute__((vector_size(16)));
+typedef double F64x4 __attribute__((vector_size(32)));
 
 // Runs fn(item) for item in [0, num_items) on the calling thread and up to
 // pool.num_threads() pool workers. Items are claimed from a shared counter, and the caller only
@@ -103,22 +105,28 @@ void for_each_chunk(ffi::ThreadPool* pool, const TensorLists& lists, const Chunk
   });
 }
 
-// Converting tile copies: load a run of any storage dtype into fp32 scratch and store it back.
-// Plain loops over typed pointers, so the compiler vectorizes each dtype's case.
-inline void load_tile(const void* base, DType t, int64_t start, int64_t n, float* out) {
+// Converting tile copies: load a run of any storage dtype into compute-type scratch and store it
+// back. Plain loops over typed pointers, so the compiler vectorizes each dtype's case.
+template <typename Real>
+void load_tile(const void* base, DType t, int64_t start, int64_t n, Real* out) {
   visit_dtype(t, [&](auto tag) {
     using S = typename decltype(tag)::S;
     const typename S::Bits* p = static_cast<const typename S::Bits*>(base) + start;
-    for (int64_t i = 0; i < n; ++i) out[i] = S::to_float(p[i]);
+    for (int64_t i = 0; i < n; ++i) out[i] = S::template load<Real>(p[i]);
   });
 }
 
-inline void store_tile(void* base, DType t, int64_t start, int64_t n, const float* in) {
+template <typename Real>
+void store_tile(void* base, DType t, int64_t start, int64_t n, const Real* in) {
   visit_dtype(t, [&](auto tag) {
     using S = typename decltype(tag)::S;
     typename S::Bits* p = static_cast<typename S::Bits*>(base) + start;
-    for (int64_t i = 0; i < n; ++i) p[i] = S::from_float(in[i]);
+    for (int64_t i = 0; i < n; ++i) p[i] = S::store(in[i]);
   });
 }
+
+// The storage dtype whose values are the compute type itself (read and written in place).
+template <typename Real>
+inline constexpr DType kNativeDType = sizeof(Real) == 8 ? DType::kF64 : DType::kF32;
 
 }  // namespace jaxfuse

@@ -12,14 +12,15 @@ namespace {
 constexpr int kFinishThreads = 1024;
 static_assert(kNormSlots <= kFinishThreads, "one finishing thread per partial slot");
 
+// Accumulates in double (norm_math.h): the squares of 16- and 32-bit values are exact.
 struct NormChunkOp : MultiTensorOpBase {
-  float* partials;
-  float sumsq = 0.0f;
-  float nonfinite = 0.0f;
+  double* partials;
+  double sumsq = 0.0;
+  double nonfinite = 0.0;
 
   __device__ void operator()(const ChunkRef<1>& r) {
     for_each_group(r, [&](int64_t i, int n, bool vec) {
-      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      double x[4] = {0.0, 0.0, 0.0, 0.0};
       load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
 #pragma unroll
       for (int j = 0; j < 4; ++j) norm_accumulate(x[j], sumsq, nonfinite);
@@ -27,9 +28,9 @@ struct NormChunkOp : MultiTensorOpBase {
   }
 
   __device__ void finish(int block) {
-    __shared__ float scratch[kMultiTensorThreads / 32];
-    const float s = block_sum<kMultiTensorThreads>(sumsq, scratch);
-    const float b = block_sum<kMultiTensorThreads>(nonfinite, scratch);
+    __shared__ double scratch[kMultiTensorThreads / 32];
+    const double s = block_sum<kMultiTensorThreads>(sumsq, scratch);
+    const double b = block_sum<kMultiTensorThreads>(nonfinite, scratch);
     if (threadIdx.x == 0) {
       partials[2 * block] = s;
       partials[2 * block + 1] = b;
@@ -38,32 +39,46 @@ struct NormChunkOp : MultiTensorOpBase {
 };
 
 __global__ void __launch_bounds__(kFinishThreads)
-    norm_finish_kernel(const float* partials, int num_partials, const float* norm_params,
-                       bool clip, bool skip_nonfinite, bool clip_apply_loss_scale, float* norm,
-                       float* grad_ctrl) {
-  __shared__ float scratch[kFinishThreads / 32];
+    norm_finish_kernel(const double* partials, int num_partials, ScalarVector norm_params,
+                       bool clip, bool skip_nonfinite, bool clip_apply_loss_scale,
+                       ScalarVectorOut norm, ScalarVectorOut grad_ctrl) {
+  __shared__ double scratch[kFinishThreads / 32];
   const int i = threadIdx.x;
-  const float s = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i] : 0.0f, scratch);
-  const float b =
-      block_sum<kFinishThreads>(i < num_partials ? partials[2 * i + 1] : 0.0f, scratch);
+  const double s = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i] : 0.0, scratch);
+  const double b =
+      block_sum<kFinishThreads>(i < num_partials ? partials[2 * i + 1] : 0.0, scratch);
   if (i == 0) {
     finish_norm(s, b, norm_params, clip, skip_nonfinite, clip_apply_loss_scale, norm, grad_ctrl);
   }
 }
 
+// Scales each tensor in its compute type: double when stored in float64, else float.
 struct ScaleChunkOp : MultiTensorOpBase {
-  const float* grad_ctrl;
-  GradScaling scaling;
+  ScalarVector grad_ctrl;
+  GradScaling<float> scale_f32;
+  GradScaling<double> scale_f64;
 
-  __device__ void prepare() { scaling = make_grad_scaling(grad_ctrl); }
+  __device__ void prepare() {
+    scale_f32 = make_grad_scaling<float>(grad_ctrl);
+    scale_f64 = make_grad_scaling<double>(grad_ctrl);
+  }
 
-  __device__ void operator()(const ChunkRef<2>& r) const {
+  template <typename Real>
+  __device__ void scale(const ChunkRef<2>& r, const GradScaling<Real>& scaling) const {
     for_each_group(r, [&](int64_t i, int n, bool vec) {
-      float x[4] = {0.f, 0.f, 0.f, 0.f};
+      Real x[4] = {Real(0), Real(0), Real(0), Real(0)};
       load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
       scale_group(scaling, 4, x);
       store_group(r.ptr[1], r.dtype[1], i, n, vec, x);
     });
+  }
+
+  __device__ void operator()(const ChunkRef<2>& r) const {
+    if (r.dtype[0] == DType::kF64 || r.dtype[1] == DType::kF64) {
+      scale(r, scale_f64);
+    } else {
+      scale(r, scale_f32);
+    }
   }
 };
 

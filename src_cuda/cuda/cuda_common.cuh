@@ -120,7 +120,8 @@ cudaError_t resident_blocks(int threads, int max_per_sm, int* blocks) {
 
 // ---- device helpers ---------------------------------------------------------------------------
 
-__device__ __forceinline__ float warp_sum(float v) {
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
@@ -128,16 +129,16 @@ __device__ __forceinline__ float warp_sum(float v) {
 
 // Sum over a block of kThreads threads in a fixed order (warp butterflies, then the warp sums in
 // order by thread 0): deterministic. The result is valid in thread 0; `scratch` holds
-// kThreads / 32 floats (back-to-back calls may share it: each call syncs first).
-template <int kThreads>
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// kThreads / 32 values (back-to-back calls may share it: each call syncs first).
+template <int kThreads, typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
   v = warp_sum(v);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __syncthreads();  // scratch may still be read by a previous call
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  float r = 0.0f;
+  T r = T(0);
   if (threadIdx.x == 0) {
     for (int w = 0; w < kThreads / 32; ++w) r += scratch[w];
   }

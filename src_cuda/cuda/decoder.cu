@@ -114,8 +114,8 @@ __device__ __forceinline__ void unpack16(const uint4& r, float* o) {
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      o[2 * i] = Storage<kT>::to_float(uint16_t(w[i] & 0xffffu));
-      o[2 * i + 1] = Storage<kT>::to_float(uint16_t(w[i] >> 16));
+      o[2 * i] = Storage<kT>::template load<float>(uint16_t(w[i] & 0xffffu));
+      o[2 * i + 1] = Storage<kT>::template load<float>(uint16_t(w[i] >> 16));
     }
   }
 }
@@ -902,8 +902,8 @@ ffi::Error DecoderOp::run<Cuda>(cudaStream_t stream, const Call& call) {
   if (call.dims.B == 0) return ffi::Error::Success();
   JF_RETURN_IF_ERROR(check_kernel_limits(call.dims));
   JF_RETURN_IF_ERROR(check_alignment(call.buffers));
-  // visit_dtype is host+device: a constexpr lambda (--expt-relaxed-constexpr) may be called there.
-  const auto launch = visit_dtype(call.dims.dtype, [](auto tag) constexpr {
+  // visit_narrow_dtype is host+device: a constexpr lambda (--expt-relaxed-constexpr) may be called there.
+  const auto launch = visit_narrow_dtype(call.dims.dtype, [](auto tag) constexpr {
     return &launch_decoder<decltype(tag)::value>;
   });
   return launch(stream, call);

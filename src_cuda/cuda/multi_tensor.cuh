@@ -26,7 +26,8 @@ inline constexpr int kMultiTensorThreads = 256;
 #define JAXFUSE_MT_TABLE_BYTES 32000
 #endif
 inline constexpr int kMultiTensorChunk = JAXFUSE_MT_CHUNK;  // elements per chunk
-static_assert(kMultiTensorChunk % 8 == 0, "chunks keep 16-byte vector groups aligned");
+static_assert(kMultiTensorChunk % 8 == 0,
+              "chunks keep vector groups aligned and complex pairs whole");
 // CUDA 12.1+ on sm_70+ allows 32764 bytes of kernel parameters; leave room for the op.
 inline constexpr int kTableBytes = JAXFUSE_MT_TABLE_BYTES;
 
@@ -173,53 +174,66 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
 }
 
 // ---- vectorized element access for ops ------------------------------------------------------
-// Four consecutive elements of dtype kT as fp32: one 16-byte (fp32) or 8-byte (16-bit) access.
+// Four consecutive elements of dtype kT in the compute type Real: 16-byte accesses (two for
+// float64), 8-byte for 16-bit dtypes.
 
-template <DType kT>
-__device__ __forceinline__ void load4(const void* base, int64_t i, float out[4]) {
+template <DType kT, typename Real>
+__device__ __forceinline__ void load4(const void* base, int64_t i, Real out[4]) {
   using S = Storage<kT>;
   if constexpr (kT == DType::kF32) {
     const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    out[0] = v.x; out[1] = v.y; out[2] = v.z; out[3] = v.w;
+    out[0] = Real(v.x); out[1] = Real(v.y); out[2] = Real(v.z); out[3] = Real(v.w);
+  } else if constexpr (kT == DType::kF64) {
+    const double2* p = reinterpret_cast<const double2*>(static_cast<const double*>(base) + i);
+    const double2 a = p[0], b = p[1];
+    out[0] = Real(a.x); out[1] = Real(a.y); out[2] = Real(b.x); out[3] = Real(b.y);
   } else {
     const uint2 raw = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(base) + i);
     const uint16_t h[4] = {uint16_t(raw.x & 0xffffu), uint16_t(raw.x >> 16),
                            uint16_t(raw.y & 0xffffu), uint16_t(raw.y >> 16)};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) out[j] = S::to_float(h[j]);
+    for (int j = 0; j < 4; ++j) out[j] = S::template load<Real>(h[j]);
   }
 }
 
-template <DType kT>
-__device__ __forceinline__ void store4(void* base, int64_t i, const float in[4]) {
+template <DType kT, typename Real>
+__device__ __forceinline__ void store4(void* base, int64_t i, const Real in[4]) {
   using S = Storage<kT>;
   if constexpr (kT == DType::kF32) {
-    *reinterpret_cast<float4*>(static_cast<float*>(base) + i) = make_float4(in[0], in[1], in[2], in[3]);
+    *reinterpret_cast<float4*>(static_cast<float*>(base) + i) =
+        make_float4(S::store(in[0]), S::store(in[1]), S::store(in[2]), S::store(in[3]));
+  } else if constexpr (kT == DType::kF64) {
+    double2* p = reinterpret_cast<double2*>(static_cast<double*>(base) + i);
+    p[0] = make_double2(S::store(in[0]), S::store(in[1]));
+    p[1] = make_double2(S::store(in[2]), S::store(in[3]));
   } else {
     uint16_t h[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = S::from_float(in[j]);
+    for (int j = 0; j < 4; ++j) h[j] = S::store(in[j]);
     *reinterpret_cast<uint2*>(static_cast<uint16_t*>(base) + i) =
         make_uint2(uint32_t(h[0]) | (uint32_t(h[1]) << 16), uint32_t(h[2]) | (uint32_t(h[3]) << 16));
   }
 }
 
-// Up to 4 consecutive elements (count n) as fp32: a vector access when `vec`, else scalar ones.
+// Up to 4 consecutive elements (count n) in the compute type: a vector access when `vec`, else
+// scalar ones.
+template <typename Real>
 __device__ __forceinline__ void load_group(const void* base, DType t, int64_t i, int n, bool vec,
-                                           float out[4]) {
+                                           Real out[4]) {
   if (vec) {
     visit_dtype(t, [&](auto tag) { load4<decltype(tag)::value>(base, i, out); });
   } else {
-    for (int j = 0; j < n; ++j) out[j] = load_as_float(base, t, i + j);
+    for (int j = 0; j < n; ++j) out[j] = load_value<Real>(base, t, i + j);
   }
 }
 
+template <typename Real>
 __device__ __forceinline__ void store_group(void* base, DType t, int64_t i, int n, bool vec,
-                                            const float in[4]) {
+                                            const Real in[4]) {
   if (vec) {
     visit_dtype(t, [&](auto tag) { store4<decltype(tag)::value>(base, i, in); });
   } else {
-    for (int j = 0; j < n; ++j) store_from_float(base, t, i + j, in[j]);
+    for (int j = 0; j < n; ++j) store_value<Real>(base, t, i + j, in[j]);
   }
 }
 

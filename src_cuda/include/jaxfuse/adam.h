@@ -2,11 +2,12 @@
 // CPU and CUDA handlers (op.h). The math is adam_math.h; the platforms' run steps are
 // src_cuda/{cpu/adam.cc,cuda/adam.cu}.
 //
-// Operands: count s32[], hyper f32[AdamHyper::kSize], grad_ctrl f32[GradCtrl::kSize], then the
-//   tensor lists of adam_layout() (n buffers each) in its operand order.
+// Operands: count s32[], hyper f32/f64[AdamHyper::kSize], grad_ctrl f32/f64[GradCtrl::kSize],
+//   then the tensor lists of adam_layout() (n buffers each) in its operand order.
 // Results:  new count s32[], then the lists of adam_layout() in its result order.
 // A list that is both an operand and a result is updated in place: its result buffers must be
-// aliased to its operands (the handler checks).
+// aliased to its operands (the handler checks). The math runs in double when any buffer of the
+// call is float64, else in float; the tensors of one call are all real or all complex.
 #pragma once
 
 #include "jaxfuse/adam_math.h"
@@ -15,17 +16,18 @@
 
 namespace jaxfuse {
 
-// Names of the kernel lists (AdamList, then updates and master params as AdamLists places them).
+// Names of the kernel lists (AdamList, then the optional lists as AdamLists places them).
 inline const char* adam_list_name(int list, const AdamLists& lists) {
-  constexpr const char* kFixed[kAdamFixedLists] = {"grads", "params", "mu", "nu"};
+  constexpr const char* kFixed[kAdamFixedLists] = {"grads", "mu", "nu"};
   if (list < kAdamFixedLists) return kFixed[list];
+  if (list == lists.params) return "params";
   return list == lists.updates ? "updates" : "master_params";
 }
 
 // Which kernel list each operand group and each result group of a call is, in call order.
 struct AdamLayout {
   AdamLists lists;
-  int operands[5];
+  int operands[5];  // kernel lists, in operand order
   int num_operands = 0;
   int results[4];
   int num_results = 0;
@@ -40,17 +42,21 @@ struct AdamLayout {
   }
 };
 
-// The optax protocol (write_updates) reads params and writes the updates; the fused step
-// updates params in place. The master copy (master) is read and written in place in both.
-inline AdamLayout adam_layout(bool write_updates, bool master) {
+// The optax protocol (write_updates) reads params (when given: optax's adam accepts none) and
+// writes the updates; the fused step updates params in place. The master copy (master) is read
+// and written in place in both. Operand order: grads, params, mu, nu, master (what is present).
+inline AdamLayout adam_layout(bool write_updates, bool master, bool params) {
   AdamLayout a;
-  a.lists = AdamLists::of(write_updates, master);
-  for (int list : {int(kGrads), int(kParams), int(kMu), int(kNu)}) a.operands[a.num_operands++] = list;
+  a.lists = AdamLists::of(write_updates, master, params);
+  a.operands[a.num_operands++] = kGrads;
+  if (params) a.operands[a.num_operands++] = a.lists.params;
+  a.operands[a.num_operands++] = kMu;
+  a.operands[a.num_operands++] = kNu;
   if (master) a.operands[a.num_operands++] = a.lists.master;
   if (write_updates) a.results[a.num_results++] = a.lists.updates;
   a.results[a.num_results++] = kMu;
   a.results[a.num_results++] = kNu;
-  if (!write_updates) a.results[a.num_results++] = kParams;
+  if (!write_updates) a.results[a.num_results++] = a.lists.params;
   if (master) a.results[a.num_results++] = a.lists.master;
   return a;
 }
@@ -64,18 +70,20 @@ struct AdamOp {
     AdamLists lists;
     const int32_t* count = nullptr;
     int32_t* new_count = nullptr;
-    const float* hyper = nullptr;
-    const float* grad_ctrl = nullptr;
+    ScalarVector hyper;
+    ScalarVector grad_ctrl;
     bool nesterov = false;
+    bool f64 = false;      // compute in double (a buffer is float64)
+    bool complex = false;  // every tensor is complex
   };
 
   template <typename Context>
   static auto binding() {
     return ffi::Ffi::Bind()
         .Ctx<Context>()
-        .template Arg<CountBuffer>()  // count
-        .template Arg<F32Vector>()    // hyper
-        .template Arg<F32Vector>()    // grad_ctrl
+        .template Arg<CountBuffer>()     // count
+        .template Arg<ffi::AnyBuffer>()  // hyper
+        .template Arg<ffi::AnyBuffer>()  // grad_ctrl
         .RemainingArgs()
         .template Ret<CountBuffer>()  // new count
         .RemainingRets()
@@ -83,14 +91,15 @@ struct AdamOp {
         .template Attr<bool>("nesterov")
         .template Attr<bool>("write_updates")
         .template Attr<bool>("master")
+        .template Attr<bool>("params")
         .template Attr<ffi::Span<const uint8_t>>("decay_mask");
   }
 
-  static ffi::Error decode(CountBuffer count, F32Vector hyper, F32Vector grad_ctrl,
+  static ffi::Error decode(CountBuffer count, ffi::AnyBuffer hyper, ffi::AnyBuffer grad_ctrl,
                            ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
                            ffi::RemainingRets rets, int64_t num_tensors, bool nesterov,
-                           bool write_updates, bool master, ffi::Span<const uint8_t> decay_mask,
-                           Call* call);
+                           bool write_updates, bool master, bool params,
+                           ffi::Span<const uint8_t> decay_mask, Call* call);
 
   template <typename Platform>
   static ffi::Error run(typename Platform::Arg ctx, const Call& call);
@@ -100,13 +109,31 @@ struct AdamOp {
 
 namespace adam_detail {
 
-inline ffi::Error check_mask(ffi::Span<const uint8_t> mask, int64_t n) {
+inline ffi::Error check_mask(ffi::Span<const uint8_t> mask, int64_t n, bool params) {
   if (static_cast<int64_t>(mask.size()) != n) {
     return invalid_argument("decay_mask has ", mask.size(), " entries, expected num_tensors=", n);
   }
   for (size_t t = 0; t < mask.size(); ++t) {
-    if (mask[t] > 1) {
-      return invalid_argument("decay_mask entry ", t, " is ", int(mask[t]), ", expected 0 or 1");
+    if (mask[t] > 1 || (mask[t] == 1 && !params)) {
+      return invalid_argument("decay_mask entry ", t, " is ", int(mask[t]), ", expected 0",
+                              params ? " or 1" : " (weight decay needs params)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The layouts the kernels implement: the fused step and master weights need params.
+inline ffi::Error check_layout(bool write_updates, bool master, bool params) {
+  if (params || (write_updates && !master)) return ffi::Error::Success();
+  return invalid_argument(master ? "master weights need params" : "the in-place step needs params");
+}
+
+// One call computes in one type and treats all its tensors alike: all real or all complex.
+inline ffi::Error check_uniform_complex(const TensorLists& tensors) {
+  for (int64_t t = 1; t < tensors.num_tensors(); ++t) {
+    if (tensors.complex[t] != tensors.complex[0]) {
+      return invalid_argument("tensor ", t, " is ", tensors.complex[t] ? "complex" : "real",
+                              ", tensor 0 is not (one call takes real or complex tensors)");
     }
   }
   return ffi::Error::Success();
@@ -131,15 +158,18 @@ inline ffi::Error check_aliased(const ffi::RemainingArgs& args, const ffi::Remai
 
 }  // namespace adam_detail
 
-inline ffi::Error AdamOp::decode(CountBuffer count, F32Vector hyper, F32Vector grad_ctrl,
-                                 ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
-                                 ffi::RemainingRets rets, int64_t n, bool nesterov,
-                                 bool write_updates, bool master,
-                                 ffi::Span<const uint8_t> decay_mask, Call* call) {
+inline ffi::Error AdamOp::decode(CountBuffer count, ffi::AnyBuffer hyper,
+                                 ffi::AnyBuffer grad_ctrl, ffi::RemainingArgs args,
+                                 ffi::Result<CountBuffer> new_count, ffi::RemainingRets rets,
+                                 int64_t n, bool nesterov, bool write_updates, bool master,
+                                 bool params, ffi::Span<const uint8_t> decay_mask, Call* call) {
   using namespace adam_detail;
-  JF_RETURN_IF_ERROR(check_f32_vector("hyper", hyper.element_count(), AdamHyper::kSize));
-  JF_RETURN_IF_ERROR(check_f32_vector("grad_ctrl", grad_ctrl.element_count(), GradCtrl::kSize));
-  const AdamLayout layout = adam_layout(write_updates, master);
+  const auto hyper_vector = scalar_vector("hyper", hyper, AdamHyper::kSize);
+  if (hyper_vector.has_error()) return hyper_vector.error();
+  const auto grad_ctrl_vector = scalar_vector("grad_ctrl", grad_ctrl, GradCtrl::kSize);
+  if (grad_ctrl_vector.has_error()) return grad_ctrl_vector.error();
+  JF_RETURN_IF_ERROR(check_layout(write_updates, master, params));
+  const AdamLayout layout = adam_layout(write_updates, master, params);
   // n is bounded by the operand count before any product is formed (no overflow).
   if (n < 0 || n > static_cast<int64_t>(args.size()) ||
       static_cast<int64_t>(args.size()) != layout.num_operands * n ||
@@ -148,7 +178,7 @@ inline ffi::Error AdamOp::decode(CountBuffer count, F32Vector hyper, F32Vector g
                             " tensor results do not fit num_tensors=", n, " (expected ",
                             layout.num_operands, " and ", layout.num_results, " per tensor)");
   }
-  JF_RETURN_IF_ERROR(check_mask(decay_mask, n));
+  JF_RETURN_IF_ERROR(check_mask(decay_mask, n, params));
   // Each kernel list from its operand group; the updates from their result group.
   ListSource sources[kMaxLists];
   for (int i = 0; i < layout.num_operands; ++i) {
@@ -165,24 +195,29 @@ inline ffi::Error AdamOp::decode(CountBuffer count, F32Vector hyper, F32Vector g
   }
   JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, layout.lists.count(), n, decay_mask,
                                    &call->tensors));
+  JF_RETURN_IF_ERROR(check_uniform_complex(call->tensors));
+  call->f64 = call->tensors.any_dtype(DType::kF64);
   if (master) {
+    const DType compute = call->f64 ? DType::kF64 : DType::kF32;
     for (int64_t t = 0; t < n; ++t) {
-      if (call->tensors.dtype[t][layout.lists.master] != DType::kF32) {
-        return invalid_argument("master params of tensor ", t, " must be float32");
+      if (call->tensors.dtype[t][layout.lists.master] != compute) {
+        return invalid_argument("master params of tensor ", t, " must be ", dtype_name(compute),
+                                " (the compute type)");
       }
     }
   }
   call->lists = layout.lists;
   call->count = count.typed_data();
   call->new_count = new_count->typed_data();
-  call->hyper = hyper.typed_data();
-  call->grad_ctrl = grad_ctrl.typed_data();
+  call->hyper = *hyper_vector;
+  call->grad_ctrl = *grad_ctrl_vector;
   call->nesterov = nesterov;
+  call->complex = n > 0 && call->tensors.complex[0];
   return ffi::Error::Success();
 }
 
 // Python builds the hyper vector by these names and lays out operands, results and aliases by
-// layout(write_updates, master).
+// layout(write_updates, master, params).
 inline Contract AdamOp::contract() {
   Contract c;
   c.names["hyper"] = name_list(AdamHyper::kNames);
@@ -191,7 +226,8 @@ inline Contract AdamOp::contract() {
   c.names["fixed_results"] = {"count"};
   c.functions["layout"] = [](const std::map<std::string, int64_t>& args) {
     const AdamLayout a = adam_layout(contract_arg(args, "write_updates") != 0,
-                                     contract_arg(args, "master") != 0);
+                                     contract_arg(args, "master") != 0,
+                                     contract_arg(args, "params") != 0);
     ContractValues v;
     for (int i = 0; i < a.num_operands; ++i) {
       v.names["operands"].push_back(adam_list_name(a.operands[i], a.lists));

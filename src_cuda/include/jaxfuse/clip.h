@@ -3,12 +3,14 @@
 // steps are src_cuda/{cpu/clip.cc,cuda/clip.cu}.
 //
 // jaxfuse_global_norm
-//   operands: norm_params f32[NormParams::kSize], then n gradient buffers
-//   results:  norm f32[], grad_ctrl f32[GradCtrl::kSize], partials f32[2 * kNormSlots]
-//             (workspace)
+//   operands: norm_params f32/f64[NormParams::kSize], then n gradient buffers (any element
+//             type of element_type(): a complex element counts as its two parts)
+//   results:  norm f32/f64[] (the leaves' result dtype), grad_ctrl f32/f64[GradCtrl::kSize],
+//             workspace u8[kNormWorkspaceBytes] (the partials)
 //   attrs:    clip, skip_nonfinite, clip_apply_loss_scale (see finish_norm)
 // jaxfuse_apply_grad_ctrl
-//   operands: grad_ctrl f32[GradCtrl::kSize], then n gradient buffers; results: n buffers
+//   operands: grad_ctrl f32/f64[GradCtrl::kSize], then n gradient buffers; results: n buffers.
+//   Each tensor is scaled in its compute type (double for float64 storage, else float).
 #pragma once
 
 #include "jaxfuse/norm_math.h"
@@ -17,21 +19,20 @@
 
 namespace jaxfuse {
 
-using ScalarF32Buffer = ffi::Buffer<ffi::F32, 0>;
-
-// Partial sums (sum of squares, non-finite marker) per GPU block or CPU chunk group. A fixed
-// number of slots, so the workspace is a plain result buffer of fixed size.
+// Partial sums (sum of squares, non-finite marker, in double) per GPU block or CPU chunk group.
+// A fixed number of slots, so the workspace is a plain result buffer of fixed size.
 inline constexpr int kNormSlots = 1024;
+inline constexpr int64_t kNormWorkspaceBytes = 2 * kNormSlots * sizeof(double);
 
 struct GlobalNormOp {
   static constexpr const char* kName = "jaxfuse_global_norm";
 
   struct Call {
     TensorLists grads;
-    const float* norm_params;
-    float* norm;
-    float* grad_ctrl;
-    float* partials;  // [kNormSlots][2]
+    ScalarVector norm_params;
+    ScalarVectorOut norm;
+    ScalarVectorOut grad_ctrl;
+    double* partials;  // [kNormSlots][2], in the workspace
     bool clip, skip_nonfinite, clip_apply_loss_scale;
   };
 
@@ -39,33 +40,37 @@ struct GlobalNormOp {
   static auto binding() {
     return ffi::Ffi::Bind()
         .Ctx<Context>()
-        .template Arg<F32Vector>()  // norm_params
+        .template Arg<ffi::AnyBuffer>()  // norm_params
         .RemainingArgs()
-        .template Ret<ScalarF32Buffer>()  // norm
-        .template Ret<F32Vector>()        // grad_ctrl
-        .template Ret<F32Vector>()        // partials workspace
+        .template Ret<ffi::AnyBuffer>()  // norm
+        .template Ret<ffi::AnyBuffer>()  // grad_ctrl
+        .template Ret<BytesBuffer>()     // workspace
         .template Attr<bool>("clip")
         .template Attr<bool>("skip_nonfinite")
         .template Attr<bool>("clip_apply_loss_scale");
   }
 
-  static ffi::Error decode(F32Vector norm_params, ffi::RemainingArgs args,
-                           ffi::Result<ScalarF32Buffer> norm, ffi::Result<F32Vector> grad_ctrl,
-                           ffi::Result<F32Vector> partials, bool clip, bool skip_nonfinite,
+  static ffi::Error decode(ffi::AnyBuffer norm_params, ffi::RemainingArgs args,
+                           ffi::Result<ffi::AnyBuffer> norm, ffi::Result<ffi::AnyBuffer> grad_ctrl,
+                           ffi::Result<BytesBuffer> workspace, bool clip, bool skip_nonfinite,
                            bool clip_apply_loss_scale, Call* call) {
-    JF_RETURN_IF_ERROR(
-        check_f32_vector("norm_params", norm_params.element_count(), NormParams::kSize));
-    JF_RETURN_IF_ERROR(
-        check_f32_vector("grad_ctrl result", grad_ctrl->element_count(), GradCtrl::kSize));
-    JF_RETURN_IF_ERROR(
-        check_f32_vector("partials workspace", partials->element_count(), 2 * kNormSlots));
+    const auto params = scalar_vector("norm_params", norm_params, NormParams::kSize);
+    if (params.has_error()) return params.error();
+    const auto norm_out = scalar_vector_out("norm", *norm, 0);
+    if (norm_out.has_error()) return norm_out.error();
+    const auto grad_ctrl_out = scalar_vector_out("grad_ctrl result", *grad_ctrl, GradCtrl::kSize);
+    if (grad_ctrl_out.has_error()) return grad_ctrl_out.error();
+    if (static_cast<int64_t>(workspace->element_count()) != kNormWorkspaceBytes) {
+      return invalid_argument("workspace has ", workspace->element_count(), " bytes, expected ",
+                              kNormWorkspaceBytes);
+    }
     const ListSource src{"grads", false, 0};
     JF_RETURN_IF_ERROR(collect_lists(args, nullptr, &src, 1, static_cast<int64_t>(args.size()),
                                      {}, &call->grads));
-    call->norm_params = norm_params.typed_data();
-    call->norm = norm->typed_data();
-    call->grad_ctrl = grad_ctrl->typed_data();
-    call->partials = partials->typed_data();
+    call->norm_params = *params;
+    call->norm = *norm_out;
+    call->grad_ctrl = *grad_ctrl_out;
+    call->partials = reinterpret_cast<double*>(workspace->typed_data());
     call->clip = clip;
     call->skip_nonfinite = skip_nonfinite;
     call->clip_apply_loss_scale = clip_apply_loss_scale;
@@ -78,6 +83,7 @@ struct GlobalNormOp {
   static Contract contract() {
     Contract c;
     c.numbers["norm_slots"] = kNormSlots;
+    c.numbers["workspace_bytes"] = kNormWorkspaceBytes;
     c.names["norm_params"] = name_list(NormParams::kNames);
     c.names["grad_ctrl"] = name_list(GradCtrl::kNames);
     return c;
@@ -89,23 +95,28 @@ struct ApplyGradCtrlOp {
 
   struct Call {
     TensorLists grads;  // lists: grads, scaled grads
-    const float* grad_ctrl;
+    ScalarVector grad_ctrl;
   };
 
   template <typename Context>
   static auto binding() {
-    return ffi::Ffi::Bind().Ctx<Context>().template Arg<F32Vector>().RemainingArgs().RemainingRets();
+    return ffi::Ffi::Bind()
+        .Ctx<Context>()
+        .template Arg<ffi::AnyBuffer>()  // grad_ctrl
+        .RemainingArgs()
+        .RemainingRets();
   }
 
-  static ffi::Error decode(F32Vector grad_ctrl, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                           Call* call) {
-    JF_RETURN_IF_ERROR(check_f32_vector("grad_ctrl", grad_ctrl.element_count(), GradCtrl::kSize));
+  static ffi::Error decode(ffi::AnyBuffer grad_ctrl, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets, Call* call) {
+    const auto vector = scalar_vector("grad_ctrl", grad_ctrl, GradCtrl::kSize);
+    if (vector.has_error()) return vector.error();
     const int64_t n = static_cast<int64_t>(args.size());
     if (static_cast<int64_t>(rets.size()) != n) {
       return invalid_argument(n, " operands but ", rets.size(), " results");
     }
     const ListSource sources[2] = {{"grads", false, 0}, {"scaled_grads", true, 0}};
-    call->grad_ctrl = grad_ctrl.typed_data();
+    call->grad_ctrl = *vector;
     return collect_lists(args, &rets, sources, 2, n, {}, &call->grads);
   }
 

@@ -1,11 +1,14 @@
-// Storage dtypes and their conversions to and from fp32, one definition compiled for the host
-// (CPU handlers) and the device (CUDA kernels). Arithmetic is always fp32; 16-bit values are
-// converted with round-to-nearest-even, NaN preserved, so both sides store the same bits.
+// Storage dtypes and their conversions to and from the compute types (float, double), one
+// definition compiled for the host (CPU handlers) and the device (CUDA kernels). 16-bit values
+// are converted with round-to-nearest-even, NaN preserved, so both sides store the same bits.
+// Multi-tensor ops compute in float for 16- and 32-bit storage and in double when a tensor of
+// the call is stored in float64 (complex types are pairs of their real type).
 //
 // Rounding note for all jaxfuse math headers: nvcc contracts a*b+c into FMA (faster and more
 // accurate); the CPU build does not (-ffp-contract=off), so that it rounds like XLA's CPU code.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -13,6 +16,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #define JF_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+// Always inlined on the host too: the CPU's hot loops are compiled once per ISA level
+// (JF_CPU_MULTIVERSION), and math left out of line would run at the baseline ISA.
+#define JF_HD inline __attribute__((always_inline))
 #else
 #define JF_HD inline
 #endif
@@ -20,9 +27,16 @@
 namespace jaxfuse {
 
 // Floating-point storage types the kernels read and write.
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
 
-JF_HD int dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+JF_HD int dtype_bytes(DType t) {
+  return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2;
+}
+
+// Overloads, so that templated math calls the precision of its arguments (a bare sqrt on a float
+// may promote to double on the host, which also keeps the CPU loops from vectorizing).
+JF_HD float jf_sqrt(float x) { return sqrtf(x); }
+JF_HD double jf_sqrt(double x) { return sqrt(x); }
 
 // ---- scalar conversions -------------------------------------------------------------------
 
@@ -100,31 +114,58 @@ JF_HD uint16_t float_to_f16(float f) {
 #endif
 }
 
+// double -> float rounded to odd (truncated, then the last bit set if anything was dropped): a
+// later round-to-nearest-even to a narrower format (bf16: 8 bits, f16: 11) is then correctly
+// rounded, as if done from the double directly, without double rounding.
+JF_HD float float_round_to_odd(double d) {
+  const float f = float(d);
+  if (double(f) == d || f != f) return f;  // exact, or NaN
+  uint32_t u = float_bits(f);
+  if (fabs(double(f)) > fabs(d)) u -= 1;  // rounded away from zero: step back toward it
+  return bits_float(u | 1u);
+}
+
 // ---- typed storage and dispatch --------------------------------------------------------------
 
-// Storage<kT>: the bits type of dtype kT and its conversions, for code specialized per dtype.
+// Storage<kT>: the bits type of dtype kT, load<Real>(bits) and store(Real value), for code
+// specialized per dtype. Stores round to nearest even (once, also from double).
 template <DType kT>
 struct Storage;
 
 template <>
 struct Storage<DType::kF32> {
   using Bits = float;
-  static JF_HD float to_float(float x) { return x; }
-  static JF_HD float from_float(float x) { return x; }
+  template <typename Real>
+  static JF_HD Real load(float x) { return Real(x); }
+  static JF_HD float store(float x) { return x; }
+  static JF_HD float store(double x) { return float(x); }
+};
+
+template <>
+struct Storage<DType::kF64> {
+  using Bits = double;
+  template <typename Real>
+  static JF_HD Real load(double x) { return Real(x); }
+  static JF_HD double store(double x) { return x; }
+  static JF_HD double store(float x) { return double(x); }
 };
 
 template <>
 struct Storage<DType::kBF16> {
   using Bits = uint16_t;
-  static JF_HD float to_float(uint16_t x) { return bf16_to_float(x); }
-  static JF_HD uint16_t from_float(float x) { return float_to_bf16(x); }
+  template <typename Real>
+  static JF_HD Real load(uint16_t x) { return Real(bf16_to_float(x)); }
+  static JF_HD uint16_t store(float x) { return float_to_bf16(x); }
+  static JF_HD uint16_t store(double x) { return float_to_bf16(float_round_to_odd(x)); }
 };
 
 template <>
 struct Storage<DType::kF16> {
   using Bits = uint16_t;
-  static JF_HD float to_float(uint16_t x) { return f16_to_float(x); }
-  static JF_HD uint16_t from_float(float x) { return float_to_f16(x); }
+  template <typename Real>
+  static JF_HD Real load(uint16_t x) { return Real(f16_to_float(x)); }
+  static JF_HD uint16_t store(float x) { return float_to_f16(x); }
+  static JF_HD uint16_t store(double x) { return float_to_f16(float_round_to_odd(x)); }
 };
 
 template <DType kT>
@@ -133,10 +174,9 @@ struct DTypeTag {
   using S = Storage<kT>;
 };
 
-// Calls fn(DTypeTag<t>{}): the one switch over storage dtypes; everything that needs per-dtype
-// code (vectorizable CPU loops, kernel instantiations) goes through it.
+// Calls fn(DTypeTag<t>{}) for the 16- and 32-bit storage dtypes (all the decoder takes).
 template <typename Fn>
-JF_HD decltype(auto) visit_dtype(DType t, Fn&& fn) {
+JF_HD decltype(auto) visit_narrow_dtype(DType t, Fn&& fn) {
   switch (t) {
     case DType::kF32: return fn(DTypeTag<DType::kF32>{});
     case DType::kBF16: return fn(DTypeTag<DType::kBF16>{});
@@ -144,25 +184,43 @@ JF_HD decltype(auto) visit_dtype(DType t, Fn&& fn) {
   }
 }
 
-JF_HD float load_as_float(const void* base, DType t, int64_t i) {
-  return visit_dtype(t, [&](auto tag) -> float {
+// Calls fn(DTypeTag<t>{}): the one switch over all storage dtypes; everything that needs
+// per-dtype code (vectorizable CPU loops, kernel instantiations) goes through it.
+template <typename Fn>
+JF_HD decltype(auto) visit_dtype(DType t, Fn&& fn) {
+  if (t == DType::kF64) return fn(DTypeTag<DType::kF64>{});
+  return visit_narrow_dtype(t, static_cast<Fn&&>(fn));
+}
+
+template <typename Real>
+JF_HD Real load_value(const void* base, DType t, int64_t i) {
+  return visit_dtype(t, [&](auto tag) -> Real {
     using S = typename decltype(tag)::S;
-    return S::to_float(static_cast<const typename S::Bits*>(base)[i]);
+    return S::template load<Real>(static_cast<const typename S::Bits*>(base)[i]);
   });
 }
 
-JF_HD void store_from_float(void* base, DType t, int64_t i, float v) {
+template <typename Real>
+JF_HD void store_value(void* base, DType t, int64_t i, Real v) {
   visit_dtype(t, [&](auto tag) {
     using S = typename decltype(tag)::S;
-    static_cast<typename S::Bits*>(base)[i] = S::from_float(v);
+    static_cast<typename S::Bits*>(base)[i] = S::store(v);
   });
 }
 
-// Round-trips an fp32 value through storage dtype `t` (what a buffer of that dtype will hold).
-JF_HD float round_to(DType t, float v) {
-  return visit_dtype(t, [&](auto tag) -> float {
+JF_HD float load_as_float(const void* base, DType t, int64_t i) {
+  return load_value<float>(base, t, i);
+}
+JF_HD void store_from_float(void* base, DType t, int64_t i, float v) {
+  store_value<float>(base, t, i, v);
+}
+
+// Round-trips a value through storage dtype `t` (what a buffer of that dtype will hold).
+template <typename Real>
+JF_HD Real round_to(DType t, Real v) {
+  return visit_dtype(t, [&](auto tag) -> Real {
     using S = typename decltype(tag)::S;
-    return S::to_float(S::from_float(v));
+    return S::template load<Real>(S::store(v));
   });
 }
 
@@ -173,5 +231,36 @@ JF_HD const void* element_ptr(const void* base, DType t, int64_t i) {
 JF_HD void* element_ptr(void* base, DType t, int64_t i) {
   return static_cast<char*>(base) + i * dtype_bytes(t);
 }
+
+// ---- small scalar vectors ---------------------------------------------------------------------
+//
+// Hyperparameters and gradient-control values reach the kernels as small device vectors, in
+// float32, or in float64 under jax_enable_x64 (so float64 math sees exact values). Kernels read
+// them as double and round to their compute type once, as optax rounds a Python float to the
+// leaf's dtype.
+struct ScalarVector {
+  const void* data = nullptr;
+  bool f64 = false;
+
+  JF_HD double operator[](int i) const {
+    return f64 ? static_cast<const double*>(data)[i] : double(static_cast<const float*>(data)[i]);
+  }
+};
+
+// A vector (or scalar) the kernels write, float32 or float64.
+struct ScalarVectorOut {
+  void* data = nullptr;
+  bool f64 = false;
+
+  // `v` as this vector's dtype holds it.
+  JF_HD double round(double v) const { return f64 ? v : double(float(v)); }
+  JF_HD void set(int i, double v) const {
+    if (f64) {
+      static_cast<double*>(data)[i] = v;
+    } else {
+      static_cast<float*>(data)[i] = float(v);
+    }
+  }
+};
 
 }  // namespace jaxfuse

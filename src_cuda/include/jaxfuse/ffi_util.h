@@ -15,6 +15,7 @@ namespace jaxfuse {
 
 namespace ffi = xla::ffi;
 
+// The 16- and 32-bit float dtypes (the decoder's).
 inline std::optional<DType> to_dtype(ffi::DataType t) {
   switch (t) {
     case ffi::DataType::F32: return DType::kF32;
@@ -24,8 +25,26 @@ inline std::optional<DType> to_dtype(ffi::DataType t) {
   }
 }
 
+// How the multi-tensor ops see a buffer's elements: a real storage dtype, and whether they are
+// complex, i.e. (real, imaginary) pairs of it (complex64: float32 pairs, complex128: float64).
+struct ElementType {
+  DType dtype;
+  bool complex;
+};
+
+inline std::optional<ElementType> element_type(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F64: return ElementType{DType::kF64, false};
+    case ffi::DataType::C64: return ElementType{DType::kF32, true};
+    case ffi::DataType::C128: return ElementType{DType::kF64, true};
+    default: break;
+  }
+  if (const auto d = to_dtype(t)) return ElementType{*d, false};
+  return std::nullopt;
+}
+
 inline const char* dtype_name(DType t) {
-  constexpr const char* kNames[] = {"float32", "bfloat16", "float16"};
+  constexpr const char* kNames[] = {"float32", "bfloat16", "float16", "float64"};
   return kNames[static_cast<int>(t)];
 }
 
@@ -50,6 +69,13 @@ ffi::Error internal_error(Parts&&... parts) {
   do {                                           \
     ::xla::ffi::Error jf_err_ = (expr);          \
     if (jf_err_.failure()) return jf_err_;       \
+  } while (0)
+
+// The same in a function returning ffi::ErrorOr<T>.
+#define JF_RETURN_UNEXPECTED_IF_ERROR(expr)                                                 \
+  do {                                                                                      \
+    ::xla::ffi::Error jf_err_ = (expr);                                                     \
+    if (jf_err_.failure()) return ::xla::ffi::Unexpected<::xla::ffi::Error>(std::move(jf_err_)); \
   } while (0)
 
 }  // namespace jaxfuse

@@ -47,11 +47,41 @@ std::vector<std::string> name_list(const char* const (&names)[N]) {
 
 // Operand types most ops share (aliases keep commas out of macros).
 using CountBuffer = ffi::Buffer<ffi::S32, 0>;
-using F32Vector = ffi::Buffer<ffi::F32, 1>;  // a small f32 vector (hyper, grad_ctrl, ...)
+using BytesBuffer = ffi::Buffer<ffi::U8, 1>;  // a workspace of raw bytes
 
-inline ffi::Error check_f32_vector(const char* name, int64_t size, int64_t expected) {
-  if (size == expected) return ffi::Error::Success();
-  return invalid_argument(name, " has ", size, " elements, expected ", expected);
+namespace op_detail {
+
+// `rank` 1 for a vector, 0 for a scalar (size 1).
+inline ffi::Error check_scalar_vector(const char* name, const ffi::AnyBuffer& b, int64_t size,
+                                      size_t rank) {
+  const ffi::DataType t = b.element_type();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::F64) {
+    return invalid_argument(name, " must be float32 or float64");
+  }
+  if (b.dimensions().size() != rank) {
+    return invalid_argument(name, " must have rank ", rank, ", got ", b.dimensions().size());
+  }
+  if (static_cast<int64_t>(b.element_count()) != size) {
+    return invalid_argument(name, " has ", b.element_count(), " elements, expected ", size);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace op_detail
+
+// A small float32 or float64 vector operand of `size` elements (dtype.h's ScalarVector).
+inline ffi::ErrorOr<ScalarVector> scalar_vector(const char* name, const ffi::AnyBuffer& b,
+                                                int64_t size) {
+  JF_RETURN_UNEXPECTED_IF_ERROR(op_detail::check_scalar_vector(name, b, size, 1));
+  return ScalarVector{b.untyped_data(), b.element_type() == ffi::DataType::F64};
+}
+
+// The same for a result the op writes; a 0-d result (`size` 0) is a scalar.
+inline ffi::ErrorOr<ScalarVectorOut> scalar_vector_out(const char* name, ffi::AnyBuffer b,
+                                                       int64_t size) {
+  JF_RETURN_UNEXPECTED_IF_ERROR(
+      op_detail::check_scalar_vector(name, b, size == 0 ? 1 : size, size == 0 ? 0 : 1));
+  return ScalarVectorOut{b.untyped_data(), b.element_type() == ffi::DataType::F64};
 }
 
 // ---- registration -----------------------------------------------------------------------------

@@ -4,7 +4,9 @@
 //
 // A "list" is one role in an element-wise op (grads, params, mu, ...); list k of tensor t is
 // the k-th operand of leaf t. Each buffer has its own storage dtype (so one call covers a tree of
-// mixed dtypes); all lists of a tensor have the same element count.
+// mixed dtypes); all lists of a tensor have the same element count. A complex tensor (all of its
+// lists complex) is seen as its real and imaginary parts interleaved: 2 scalars per element,
+// counted and addressed as scalars of its real dtype.
 #pragma once
 
 #include <array>
@@ -21,10 +23,21 @@ struct TensorLists {
   int num_lists = 0;
   std::vector<std::array<void*, kMaxLists>> ptr;    // [tensor][list]
   std::vector<std::array<DType, kMaxLists>> dtype;  // [tensor][list]
-  std::vector<int64_t> size;                        // elements per tensor
+  std::vector<int64_t> size;                        // scalars per tensor
   std::vector<uint8_t> mask;                        // per-tensor choice of the op (Adam: decay)
+  std::vector<uint8_t> complex;                     // per tensor: its lists are complex
 
   int64_t num_tensors() const { return static_cast<int64_t>(size.size()); }
+
+  // Whether any buffer of the call is stored as `t`.
+  bool any_dtype(DType t) const {
+    for (const auto& row : dtype) {
+      for (int k = 0; k < num_lists; ++k) {
+        if (row[k] == t) return true;
+      }
+    }
+    return false;
+  }
 };
 
 // Where list `k` comes from: `num_tensors` consecutive buffers of the call's remaining
@@ -41,7 +54,7 @@ inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyB
   return **r;
 }
 
-// Decodes buffer t of list `src`, checking its dtype (float32, bfloat16, float16).
+// Decodes buffer t of list `src`, checking its dtype (element_type()).
 inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
                                                 const ffi::RemainingRets* rets,
                                                 const ListSource& src, int64_t t) {
@@ -53,16 +66,17 @@ inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
     return ffi::Unexpected<ffi::Error>(invalid_argument(
         "list '", src.name, "' tensor ", t, ": ", decoded.error().message()));
   }
-  if (!to_dtype(decoded->element_type())) {
+  if (!element_type(decoded->element_type())) {
     return ffi::Unexpected<ffi::Error>(invalid_argument(
-        "list '", src.name, "' tensor ", t, ": unsupported dtype (float32, bfloat16, float16 only)"));
+        "list '", src.name, "' tensor ", t,
+        ": unsupported dtype (float32, bfloat16, float16, float64, complex64, complex128 only)"));
   }
   return decoded;
 }
 
 // Decodes the buffers of each list, checking dtypes and that every list of a tensor has the
-// same element count. `mask` may be empty (all zero); `rets` may be null when no list comes from
-// the results.
+// same element count and is complex or real alike. `mask` may be empty (all zero); `rets` may
+// be null when no list comes from the results.
 inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::RemainingRets* rets,
                                 const ListSource* sources, int num_lists, int64_t num_tensors,
                                 ffi::Span<const uint8_t> mask, TensorLists* out) {
@@ -76,6 +90,7 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
   out->dtype.assign(num_tensors, {});
   out->size.assign(num_tensors, 0);
   out->mask.assign(num_tensors, 0);
+  out->complex.assign(num_tensors, 0);
   for (int k = 0; k < num_lists; ++k) {
     const ListSource& src = sources[k];
     if (src.from_rets && rets == nullptr) return internal_error("list '", src.name, "': no results");
@@ -89,13 +104,21 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
     for (int64_t t = 0; t < num_tensors; ++t) {
       ffi::ErrorOr<ffi::AnyBuffer> buf = list_buffer(args, rets, src, t);
       if (buf.has_error()) return buf.error();
-      out->dtype[t][k] = *to_dtype(buf->element_type());
-      const int64_t n = static_cast<int64_t>(buf->element_count());
+      const ElementType type = *element_type(buf->element_type());
+      out->dtype[t][k] = type.dtype;
+      const int64_t n = static_cast<int64_t>(buf->element_count()) * (type.complex ? 2 : 1);
       if (k == 0) {
         out->size[t] = n;
+        out->complex[t] = type.complex;
+      } else if (type.complex != (out->complex[t] != 0)) {
+        return invalid_argument("tensor ", t, ": list '", src.name, "' is ",
+                                type.complex ? "complex" : "real", ", list '", sources[0].name,
+                                "' is not");
       } else if (n != out->size[t]) {
-        return invalid_argument("tensor ", t, ": list '", src.name, "' has ", n,
-                                " elements, list '", sources[0].name, "' has ", out->size[t]);
+        const int per_element = type.complex ? 2 : 1;
+        return invalid_argument("tensor ", t, ": list '", src.name, "' has ", n / per_element,
+                                " elements, list '", sources[0].name, "' has ",
+                                out->size[t] / per_element);
       }
       out->ptr[t][k] = buf->untyped_data();
     }

@@ -1,4 +1,4 @@
-// Small f32 device vectors (hyperparameters, gradient control) whose layout is defined once, as
+// Small device vectors (hyperparameters, gradient control) whose layout is defined once, as
 // a field list, here in C++: the enum indexes the vector in the kernels, and the same list's
 // names are exported to Python (the nanobind module's contract()), which builds the vector by
 // name. A field list is an X-macro: FIELDS(X) expands X(name) for each field, in order.

@@ -1,0 +1,278 @@
+"""Everything optax accepts, jaxfuse accepts: float64 (under jax_enable_x64), complex64 and
+complex128 leaves with optax's math, NumPy and Python leaves, and trees mixing them; plus the
+parity bugs found by running jaxfuse against optax (zero weight decay, update without params,
+mu_dtype checks, traced masks) and the master-weights update dtype.
+
+Trajectories are compared with optax step by step on fresh random gradients that do not depend
+on the params, so the two runs differ only by rounding: a few ulps of the leaf's dtype per step.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from helpers import assert_trees_close, count_custom_calls, random_tree, stable_seed, ulp
+
+SHAPES = [(7,), (3, 5), (), (0,), (33, 17)]
+STEPS = 20
+LR = 1e-2
+
+# (jaxfuse transform, optax transform): Adam, NAdamW with weight decay, clip + AdamW (clipping
+# active: max_norm below the gradients' norm).
+TRANSFORMS = {
+    "adam": lambda: (jaxfuse.adam(LR), optax.adam(LR)),
+    "nadamw": lambda: (jaxfuse.nadamw(LR, weight_decay=0.1), optax.nadamw(LR, weight_decay=0.1)),
+    "clip_adamw": lambda: (
+        optax.chain(jaxfuse.clip_by_global_norm(0.5), jaxfuse.adamw(LR, weight_decay=0.1)),
+        optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(LR, weight_decay=0.1))),
+}
+
+
+def grads_for(step, params):
+  """Fresh random gradients for `step`, shaped and typed like params."""
+  return random_tree(stable_seed("grads", step), [jnp.shape(p) for p in params.values()],
+                     [p.dtype for p in params.values()])
+
+
+def optax_trajectory(tx, params, steps):
+  state = tx.init(params)
+  for t in range(steps):
+    updates, state = tx.update(grads_for(t, params), state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+def jaxfuse_trajectory(tx, params, steps, path):
+  """`path`: "eager" / "jit" (the optax protocol) or "fused" (jaxfuse.fused_step, jitted)."""
+  state = tx.init(params)
+  if path == "fused":
+    step = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p))
+  else:
+    update = jax.jit(tx.update) if path == "jit" else tx.update
+    step = lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*update(g, s, p))
+  for t in range(steps):
+    params, state = step(grads_for(t, params), state, params)
+  return params, state
+
+
+def assert_close_to_optax(actual, expected, dtype, steps=STEPS):
+  """Rounding of a few ulps of `dtype` per step, on params moving by about LR per step."""
+  eps = ulp(dtype)
+  assert_trees_close(actual, expected, rtol=8 * eps, atol=steps * LR * 8 * eps)
+
+
+@pytest.mark.parametrize("path", ["eager", "jit", "fused"])
+@pytest.mark.parametrize("name", list(TRANSFORMS))
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex64, jnp.complex128])
+def test_matches_optax(dtype, name, path, device):
+  wide = dtype != jnp.complex64
+  with jax.enable_x64(wide):
+    params = jax.device_put(random_tree(stable_seed("params", name), SHAPES, dtype), device)
+    ours, ref = TRANSFORMS[name]()
+    p, s = jaxfuse_trajectory(ours, params, STEPS, path)
+    p_ref, s_ref = optax_trajectory(ref, params, STEPS)
+    assert jax.tree.map(lambda x: x.dtype, p) == jax.tree.map(lambda x: x.dtype, params)
+    assert jax.tree.map(lambda x: x.dtype, s) == jax.tree.map(lambda x: x.dtype, s_ref)
+    assert_close_to_optax(p, p_ref, dtype)
+    assert_close_to_optax(s, s_ref, dtype)
+
+
+MIXED = [jnp.float32, jnp.bfloat16, jnp.float64, jnp.complex64, jnp.complex128, jnp.float16,
+         jnp.float64]
+
+
+def test_mixed_tree_one_call_per_family(device):
+  """float32/bf16/f16 leaves share a call, float64 leaves, complex64 and complex128 each take
+  one: four jaxfuse_adam calls for the whole tree, each leaf as optax computes it."""
+  with jax.enable_x64(True):
+    params = jax.device_put(random_tree(21, [(9,), (4, 4), (5,), (6,), (3,), (8,), ()], MIXED),
+                            device)
+    tx = jaxfuse.adamw(LR, weight_decay=0.1)
+    state = tx.init(params)
+    grads = grads_for(0, params)
+    text = jax.jit(tx.update).lower(grads, state, params).as_text()
+    assert count_custom_calls(text, "jaxfuse_adam") == 4
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    ref, _ = optax.adamw(LR, weight_decay=0.1).update(grads, optax.adamw(LR).init(params), params)
+    for key, u in updates.items():
+      assert u.dtype == ref[key].dtype, key
+      # 16-bit leaves: optax computes in 16 bits, jaxfuse in float32 and rounds once.
+      eps = ulp(u.dtype) if jnp.dtype(u.dtype).itemsize > 2 else 2 * ulp(u.dtype)
+      assert_trees_close(u, ref[key], rtol=8 * eps, atol=0, what=key)
+
+
+def test_numpy_and_python_leaves():
+  """NumPy arrays and Python/NumPy scalars are leaves, as in optax (JAX's dtype rules apply:
+  NumPy float64 is float32 without jax_enable_x64)."""
+  params = {"a": np.linspace(-1, 1, 6), "b": 1.5, "c": np.float32(-2.0)}
+  grads = {"a": np.linspace(0.3, -0.2, 6), "b": 0.25, "c": np.float32(0.5)}
+  ours, ref = jaxfuse.adamw(LR), optax.adamw(LR)
+  u, s = ours.update(grads, ours.init(params), params)
+  u_ref, s_ref = ref.update(grads, ref.init(params), params)
+  assert_trees_close(u, u_ref, rtol=4 * ulp(jnp.float32), atol=0)
+  assert_trees_close(s, s_ref, rtol=4 * ulp(jnp.float32), atol=0)
+  norm = jaxfuse.global_norm(grads)
+  assert norm.dtype == jnp.float32
+  np.testing.assert_allclose(norm, optax.tree.norm(grads), rtol=ulp(jnp.float32))
+  new_params, _ = jaxfuse.fused_step(ours, grads, ours.init(params), params)
+  assert_trees_close(new_params, optax.apply_updates(params, u_ref), rtol=4 * ulp(jnp.float32),
+                     atol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex64, jnp.complex128])
+def test_global_norm_and_clip_dtypes(dtype, device):
+  """The norm of |x|^2 (complex: re^2 + im^2) in optax's result dtype; clipping in the leaves'
+  own dtype."""
+  with jax.enable_x64(dtype != jnp.complex64):
+    tree = jax.device_put(random_tree(22, SHAPES, dtype), device)
+    norm, ref = jaxfuse.global_norm(tree), optax.tree.norm(tree)
+    assert norm.dtype == ref.dtype
+    np.testing.assert_allclose(norm, ref, rtol=4 * ulp(ref.dtype))
+    clipped, _ = jax.jit(jaxfuse.clip_by_global_norm(0.5).update)(tree, optax.EmptyState())
+    clipped_ref, _ = optax.clip_by_global_norm(0.5).update(tree, optax.EmptyState())
+    assert jax.tree.map(lambda x: x.dtype, clipped) == jax.tree.map(lambda x: x.dtype, tree)
+    assert_trees_close(clipped, clipped_ref, rtol=4 * ulp(dtype), atol=0)
+
+
+@pytest.mark.parametrize("size", [10**6, 3 * 10**7])
+def test_global_norm_of_large_constant_leaf(size):
+  """Accumulated in float64, the norm of a large constant fp32 leaf is its exact norm rounded
+  once (fp32 accumulation in blocks was off by about 1e-5 relative)."""
+  value = np.float32(0.1)
+  exact = math.sqrt(size) * float(value)
+  norm = float(jaxfuse.global_norm({"w": jnp.full((size,), value)}))
+  assert abs(norm - exact) <= ulp(jnp.float32) * exact  # the rounding of the result, no more
+
+
+def test_float64_norm_accuracy():
+  with jax.enable_x64(True):
+    tree = random_tree(23, [(1000,), (12345,), (3, 7)], jnp.float64)
+    exact = math.sqrt(math.fsum(float(x) ** 2 for leaf in tree.values()
+                                for x in np.asarray(leaf).ravel()))
+    np.testing.assert_allclose(float(jaxfuse.global_norm(tree)), exact, rtol=1e-14)
+
+
+# ---- parity bugs -------------------------------------------------------------------------------
+
+NAN_PARAMS = {"w": jnp.array([jnp.nan, jnp.inf, 1.0]), "b": jnp.array([-jnp.inf, 2.0])}
+GRADS = {"w": jnp.full((3,), 0.1), "b": jnp.full((2,), -0.1)}
+
+
+@pytest.mark.parametrize("case", ["zero_weight_decay", "mask_off", "clip_not_triggered"])
+def test_no_multiply_by_zero_on_nonfinite_params(case, device):
+  """optax adds no weight-decay term for a Python zero or a masked-off leaf, and clipping below
+  the threshold leaves gradients alone: a NaN or Inf param keeps a finite update."""
+  params, grads = jax.device_put((NAN_PARAMS, GRADS), device)
+  make = {
+      "zero_weight_decay": lambda m: m.adamw(1e-3, weight_decay=0.0),
+      "mask_off": lambda m: m.adamw(1e-3, weight_decay=0.1, mask={"w": False, "b": False}),
+      "clip_not_triggered": lambda m: optax.chain(m.clip_by_global_norm(1e9),
+                                                  m.adamw(1e-3, weight_decay=0.0)),
+  }[case]
+  ours, ref = make(jaxfuse), make(optax)
+  u, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+  u_ref, _ = ref.update(grads, ref.init(params), params)
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(u))
+  assert_trees_close(u, u_ref, rtol=4 * ulp(jnp.float32), atol=0)
+  new_params, _ = jaxfuse.fused_step(ours, grads, ours.init(params), params)
+  assert_trees_close(new_params, optax.apply_updates(params, u_ref), rtol=4 * ulp(jnp.float32),
+                     atol=0)
+
+
+def test_weight_decay_schedule_reaching_zero_matches_optax():
+  """A schedule (or array) weight decay is multiplied in even at 0, as optax does: 0 * inf is
+  NaN in both."""
+  schedule = lambda count: 0.0 * count
+  ours = jaxfuse.adamw(1e-3, weight_decay=schedule)
+  ref = optax.adamw(1e-3, weight_decay=schedule)
+  u, _ = ours.update(GRADS, ours.init(NAN_PARAMS), NAN_PARAMS)
+  u_ref, _ = ref.update(GRADS, ref.init(NAN_PARAMS), NAN_PARAMS)
+  assert_trees_close(u, u_ref, rtol=4 * ulp(jnp.float32), atol=0)
+  assert np.isnan(np.asarray(u["w"][:2])).all()
+
+
+def test_adam_update_without_params():
+  params = random_tree(24, [(5,), (2, 3)])
+  grads = grads_for(0, params)
+  for ours, ref in [(jaxfuse.adam(LR), optax.adam(LR)), (jaxfuse.nadam(LR), optax.nadam(LR))]:
+    u, s = ours.update(grads, ours.init(params))
+    u_ref, s_ref = ref.update(grads, ref.init(params))
+    assert_trees_close(u, u_ref, rtol=4 * ulp(jnp.float32), atol=0)
+    assert_trees_close(s, s_ref, rtol=4 * ulp(jnp.float32), atol=0)
+  # optax.partition hands its inner transforms no params when update() gets none.
+  labels = {"leaf0000": "adam", "leaf0001": "sgd"}
+  tx = optax.partition({"adam": jaxfuse.adam(LR), "sgd": optax.sgd(LR)}, labels)
+  u, _ = jax.jit(tx.update)(grads, tx.init(params))
+  u_ref, _ = optax.partition({"adam": optax.adam(LR), "sgd": optax.sgd(LR)}, labels).update(
+      grads, tx.init(params))
+  assert_trees_close(u, u_ref, rtol=4 * ulp(jnp.float32), atol=0)
+  with pytest.raises(ValueError, match="jaxfuse.adamw: update\\(\\) needs params"):
+    jaxfuse.adamw(LR).update(grads, jaxfuse.adamw(LR).init(params))
+  tx = jaxfuse.adam(LR, master_weights=True)
+  with pytest.raises(ValueError, match="master_weights=True\\): update\\(\\) needs params"):
+    tx.update(grads, tx.init(params))
+
+
+def test_unsupported_mu_dtype_is_refused():
+  with pytest.raises(ValueError, match="mu_dtype int32 is not supported"):
+    jaxfuse.adam(LR, mu_dtype=jnp.int32)
+  with pytest.raises(ValueError, match="mu_dtype float8_e4m3fn is not supported"):
+    jaxfuse.adamw(LR, mu_dtype=jnp.float8_e4m3fn)
+  real = {"w": jnp.ones(3)}
+  with pytest.raises(ValueError, match=r"mu_dtype complex64 does not fit params leaf \['w'\]"):
+    jaxfuse.adam(LR, mu_dtype=jnp.complex64).init(real)
+  cplx = {"z": jnp.ones(3, jnp.complex64)}
+  with pytest.raises(ValueError, match=r"mu_dtype bfloat16 does not fit params leaf \['z'\]"):
+    jaxfuse.adam(LR, mu_dtype=jnp.bfloat16).init(cplx)
+
+
+def test_traced_mask_gets_jaxfuse_message():
+  params = {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}
+  tx = jaxfuse.adamw(LR, mask=lambda p: jax.tree.map(lambda x: jnp.all(x > 0), p))
+  with pytest.raises(TypeError, match=r"weight-decay mask entry for \['b'\] is traced"):
+    jax.jit(tx.init)(params)
+  static = jaxfuse.adamw(LR, mask={"w": True, "b": False})
+  state = static.init(params)
+  traced = jaxfuse.adamw(LR, mask=lambda p: jax.tree.map(lambda x: jnp.all(x > 0), p))
+  with pytest.raises(TypeError, match="is traced; masks must be static"):
+    jax.jit(traced.update)(params, state, params)
+
+
+# ---- master weights: updates in the grads' dtype, as optax's rule says ---------------------------
+
+
+def test_master_weights_under_lax_cond_and_apply_if_finite():
+  params = random_tree(25, [(7,), (2, 9)], dtype=jnp.bfloat16)
+  tx = jaxfuse.adamw(LR, master_weights=True)
+
+  @jax.jit
+  def cond_step(pred, grads, state, params):
+    return jax.lax.cond(pred, lambda: tx.update(grads, state, params),
+                        lambda: (jax.tree.map(jnp.zeros_like, grads), state))
+
+  state = tx.init(params)
+  u, new_state = cond_step(True, grads_for(0, params), state, params)
+  assert jax.tree.map(lambda x: x.dtype, u) == jax.tree.map(lambda x: x.dtype, params)
+  u0, same_state = cond_step(False, grads_for(0, params), state, params)
+  assert all(not np.asarray(x, np.float32).any() for x in jax.tree.leaves(u0))
+
+  # apply_if_finite: a non-finite step changes nothing; the others run as without it.
+  guarded = optax.apply_if_finite(tx, max_consecutive_errors=2)
+  update = jax.jit(guarded.update)
+  bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads_for(1, params))
+  p, s = params, guarded.init(params)
+  p_clean, s_clean = params, tx.init(params)
+  for t, grads in enumerate([grads_for(0, params), bad, grads_for(2, params)]):
+    u, s = update(grads, s, p)
+    p = optax.apply_updates(p, u)
+    if t != 1:
+      u_clean, s_clean = jax.jit(tx.update)(grads, s_clean, p_clean)
+      p_clean = optax.apply_updates(p_clean, u_clean)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p_clean)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  assert int(s.notfinite_count) == 0 and int(s.total_notfinite) == 1
