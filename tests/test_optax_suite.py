@@ -1,0 +1,88 @@
+"""optax's own tests, run against jaxfuse's transforms (see optax_suite.py for how).
+
+Each suite is optax's test file from the installed optax, cut down to the cases that exercise
+what jaxfuse replaces, with jaxfuse's function swapped in under optax's name. Cases jaxfuse
+fails by design are listed in BY_DESIGN with the reason, and skipped one by one.
+"""
+
+import jax
+import pytest
+
+import jaxfuse
+import optax_suite
+
+ADAMS = ("adam", "adamw", "nadam", "nadamw")
+
+# optax accepts a mu_dtype that is complex for real params or real for complex ones and casts
+# between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init.
+COMPLEX_MU_REAL_PARAMS = "jaxfuse refuses a complex mu_dtype for real params (by design)"
+REAL_MU_COMPLEX_PARAMS = "jaxfuse refuses a real mu_dtype for complex params (by design)"
+
+# (test method as written in optax's source, its exact parameters, why jaxfuse fails it).
+BY_DESIGN = [
+    ("test_explicit_dtype", {"params_dtype": params, "state_dtype": state, "opt_name": opt},
+     reason)
+    for opt in ("adam", "adamw")
+    for params, state, reason in [
+        ("bfloat16", "complex64", COMPLEX_MU_REAL_PARAMS),
+        ("float32", "complex64", COMPLEX_MU_REAL_PARAMS),
+        (None, "complex64", COMPLEX_MU_REAL_PARAMS),  # None: the default float dtype
+        ("complex64", "bfloat16", REAL_MU_COMPLEX_PARAMS),
+        ("complex64", "float32", REAL_MU_COMPLEX_PARAMS),
+    ]
+]
+
+
+def _alias_suite():
+  """optax's AliasTest for the Adam family, with jaxfuse's adam/adamw/nadam/nadamw as
+  `alias.*` (the rest of `alias`, e.g. the sgd in test_explicit_dtype, stays optax's)."""
+  module = optax_suite.load(
+      "_src/alias_test.py", {"AliasTest": None},
+      overrides={"alias": {name: getattr(jaxfuse, name) for name in ADAMS}},
+      filters={"_OPTIMIZERS_UNDER_TEST": optax_suite.keep("opt_name", ADAMS)})
+  optax_suite.skip_cases(module.AliasTest, BY_DESIGN)
+  return module.AliasTest
+
+
+def _clipping_suite():
+  """optax's test of clip_by_global_norm, judged by optax's own optax.tree.norm."""
+  return optax_suite.load(
+      "transforms/_clipping_test.py", {"ClippingTest": ["test_clip_by_global_norm"]},
+      overrides={"_clipping": {"clip_by_global_norm": jaxfuse.clip_by_global_norm}},
+  ).ClippingTest
+
+
+def _linear_algebra_suite():
+  """optax's global-norm test, with jaxfuse.global_norm as optax.tree.norm."""
+  return optax_suite.load(
+      "_src/linear_algebra_test.py", {"LinearAlgebraTest": ["test_global_norm"]},
+      overrides={"optax": {"tree": {"norm": jaxfuse.global_norm}}},
+  ).LinearAlgebraTest
+
+
+def _float64_suite():
+  """optax's mixed float32/float64 dtype-preservation test for jaxfuse's transforms. The swap
+  and the filter apply before the module body runs: ALL_MODULES captures them at import."""
+  return optax_suite.load(
+      "_src/float64_test.py", {"Float64Test": ["test_mixed_dtype_input_outputs"]},
+      overrides={"alias": {"adam": jaxfuse.adam, "adamw": jaxfuse.adamw},
+                 "transforms": {"clip_by_global_norm": jaxfuse.clip_by_global_norm}},
+      filters={"ALL_MODULES": optax_suite.keep(0, {"adam", "adamw", "clip_by_global_norm"})},
+  ).Float64Test
+
+
+# pytest collects unittest classes under the names they have here. The alias suite takes ~10 s
+# on a CPU (test_optimization's 10000 jitted steps are tiny), so it is not marked slow.
+OptaxAliasTest = _alias_suite()
+OptaxClippingTest = _clipping_suite()
+OptaxLinearAlgebraTest = _linear_algebra_suite()
+OptaxFloat64Test = _float64_suite()
+
+
+@pytest.fixture(autouse=True)
+def _restore_x64():
+  """optax's Float64Test turns jax_enable_x64 on and only turns it off if it passes; the
+  flag is process-wide, so put back whatever it was before each test, pass or fail."""
+  previous = jax.config.jax_enable_x64
+  yield
+  jax.config.update("jax_enable_x64", previous)
