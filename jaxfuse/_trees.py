@@ -16,7 +16,7 @@ _KERNEL_DTYPE_NAMES = ", ".join(t.name for t in KERNEL_DTYPES)
 
 def is_wide(dtype: Any) -> bool:
   """Whether `dtype` is float64 or complex128: jaxfuse computes such leaves in double."""
-  return jnp.dtype(dtype).itemsize == 8 * (2 if jnp.issubdtype(dtype, jnp.complexfloating) else 1)
+  return jnp.finfo(dtype).bits == 64
 
 
 def is_complex(dtype: Any) -> bool:
