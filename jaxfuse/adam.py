@@ -148,7 +148,8 @@ class AdamSpec:
       wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
       master = jax.tree.map(lambda p: jnp.array(p, dtype=wide(p), copy=True), params)
       adam_state = adam_state._replace(
-          mu=jax.tree.map(lambda p: jnp.zeros(p.shape, self.mu_dtype or wide(p)), params),
+          mu=jax.tree.map(lambda p: jnp.zeros(
+              p.shape, wide(p) if self.mu_dtype is None else self.mu_dtype), params),
           nu=jax.tree.map(lambda p: jnp.zeros(p.shape, wide(p)), params))
     if self.skip_nonfinite:
       skipped = jnp.zeros([], jnp.int32)
