@@ -120,8 +120,9 @@ class AdamSpec:
     return optax.adamw(self.learning_rate, self.b1, self.b2, self.eps, self.eps_root,
                        self.mu_dtype, self.weight_decay, self.mask, nesterov=self.nesterov)
 
-  def check_params(self, params: Any) -> None:
-    """Trace-time checks of params against this spec (dtypes, mu_dtype, mask), naming the leaf."""
+  def check_params(self, params: Any) -> list[bool]:
+    """Trace-time checks of params against this spec (dtypes, mu_dtype, mask), naming the leaf.
+    Returns the per-leaf weight-decay flags (the mask, evaluated once)."""
     _trees.check_float_leaves(params, "params")
     if self.mu_dtype is not None:
       mu_complex = _trees.is_complex(self.mu_dtype)
@@ -131,8 +132,12 @@ class AdamSpec:
               f"jaxfuse: mu_dtype {jnp.dtype(self.mu_dtype).name} does not fit params leaf {name} "
               f"({p.dtype.name}): the first moment of real params is real, of complex params "
               "complex")
-    if self.decays and self.mask is not None:
-      _trees.static_bool_mask(self.mask, params)  # raises on a traced or misshapen mask
+    n = len(jax.tree.leaves(params))
+    if not self.decays:
+      return [False] * n
+    if self.mask is None:
+      return [True] * n
+    return _trees.static_bool_mask(self.mask, params)  # raises on a traced or misshapen mask
 
   def init(self, params: Any) -> Any:
     params = _trees.as_arrays(params)
@@ -361,14 +366,6 @@ class _Step(NamedTuple):
   skip: jax.Array
 
 
-def _decay_flags(spec: AdamSpec, params: Any, n: int) -> list[bool]:
-  if not spec.decays:
-    return [False] * n
-  if spec.mask is None:
-    return [True] * n
-  return _trees.static_bool_mask(spec.mask, params)
-
-
 def _output_dtype(spec: AdamSpec, leaves: _Leaves, i: int):
   # optax's updates have the grads' dtype, or wider where its math promotes them (a wider
   # mu_dtype); with master weights the update is the exact step between two values of the
@@ -404,7 +401,7 @@ def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Op
   leaves are JAX arrays (as_arrays)."""
   _trees.check_float_leaves(grads, "grads")
   reference = _stand_in_params(grads, state) if params is None else params
-  spec.check_params(reference)
+  decay = spec.check_params(reference)
   _trees.check_same_structure(reference, grads, "params", "grads")
   _check_state(spec, state, reference)
   if grad_ctrl is None:
@@ -416,7 +413,6 @@ def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Op
                    treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu),
                    treedef.flatten_up_to(state[-1].master_params) if spec.master_weights else None)
   n = len(leaves.grads)
-  decay = _decay_flags(spec, reference, n)
   hyper = hyper_vector(spec, adam_state.count)
   step = _Step([None] * n, list(leaves.mu), list(leaves.nu),
                None if leaves.master_params is None else list(leaves.master_params),

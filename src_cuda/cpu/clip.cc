@@ -126,7 +126,7 @@ ffi::Error ApplyGradCtrlOp::run<Cpu>(ffi::ThreadPool pool, const Call& call) {
   const TensorLists& lists = call.grads;
   const ChunkIndex chunks(lists, kChunk);
   for_each_chunk(&pool, lists, chunks, [&](int64_t t, int64_t start, int64_t len, int64_t) {
-    if (lists.dtype[t][0] == DType::kF64 || lists.dtype[t][1] == DType::kF64) {
+    if (computes_in_double(lists.dtype[t].data(), 2)) {
       scale_chunk(lists, scale_f64, t, start, len);
     } else {
       scale_chunk(lists, scale_f32, t, start, len);

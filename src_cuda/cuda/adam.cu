@@ -8,14 +8,16 @@
 namespace jaxfuse {
 namespace {
 
-// AdamLists as compile-time constants: each layout is its own kernel, with no branches on it.
+// AdamLists::of() as compile-time constants: each layout is its own kernel, with no branches on
+// it.
 template <bool kWriteUpdates, bool kMaster, bool kParams>
 struct StaticAdamLists {
-  static constexpr int params = kParams ? kAdamFixedLists : -1;
-  static constexpr int updates = kWriteUpdates ? kAdamFixedLists + int(kParams) : -1;
-  static constexpr int master = kMaster ? kAdamFixedLists + int(kParams) + int(kWriteUpdates) : -1;
-  static constexpr int kCount = kAdamFixedLists + int(kParams) + int(kWriteUpdates) + int(kMaster);
-  static constexpr int param_source() { return kMaster ? master : params; }
+  static constexpr AdamLists kLists = AdamLists::of(kWriteUpdates, kMaster, kParams);
+  static constexpr int params = kLists.params;
+  static constexpr int updates = kLists.updates;
+  static constexpr int master = kLists.master;
+  static constexpr int kCount = kLists.count();
+  static constexpr int param_source() { return kLists.param_source(); }
 };
 
 // adam_group()'s view of 4 consecutive scalars of one chunk.

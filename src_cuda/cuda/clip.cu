@@ -74,7 +74,7 @@ struct ScaleChunkOp : MultiTensorOpBase {
   }
 
   __device__ void operator()(const ChunkRef<2>& r) const {
-    if (r.dtype[0] == DType::kF64 || r.dtype[1] == DType::kF64) {
+    if (computes_in_double(r.dtype, 2)) {
       scale(r, scale_f64);
     } else {
       scale(r, scale_f32);

@@ -196,7 +196,7 @@ inline ffi::Error AdamOp::decode(CountBuffer count, ffi::AnyBuffer hyper,
   JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, layout.lists.count(), n, decay_mask,
                                    &call->tensors));
   JF_RETURN_IF_ERROR(check_uniform_complex(call->tensors));
-  call->f64 = call->tensors.any_dtype(DType::kF64);
+  call->f64 = call->tensors.computes_in_double();
   if (master) {
     const DType compute = call->f64 ? DType::kF64 : DType::kF32;
     for (int64_t t = 0; t < n; ++t) {

@@ -142,7 +142,8 @@ struct AdamLists {
   int updates = -1;
   int master = -1;
 
-  static JF_HD AdamLists of(bool write_updates, bool master, bool params) {
+  // constexpr: the CUDA kernels take a layout as compile-time constants (adam.cu).
+  static constexpr AdamLists of(bool write_updates, bool master, bool params) {
     AdamLists l;
     int next = kAdamFixedLists;
     l.params = params ? next++ : -1;
@@ -150,11 +151,11 @@ struct AdamLists {
     l.master = master ? next++ : -1;
     return l;
   }
-  JF_HD int count() const {
+  constexpr int count() const {
     return kAdamFixedLists + int(params >= 0) + int(updates >= 0) + int(master >= 0);
   }
   // The param value the math reads: the master copy when present (-1: no params).
-  JF_HD int param_source() const { return master >= 0 ? master : params; }
+  constexpr int param_source() const { return master >= 0 ? master : params; }
 };
 
 // The end of adam_group() when params are present: the new (master) params p + u, stored in

@@ -33,6 +33,15 @@ JF_HD int dtype_bytes(DType t) {
   return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2;
 }
 
+// The compute-type rule of the multi-tensor ops: a tensor (or call) computes in double when any
+// of its `n` buffers is stored as float64, else in float.
+JF_HD bool computes_in_double(const DType* dtypes, int n) {
+  for (int k = 0; k < n; ++k) {
+    if (dtypes[k] == DType::kF64) return true;
+  }
+  return false;
+}
+
 // Overloads, so that templated math calls the precision of its arguments (a bare sqrt on a float
 // may promote to double on the host, which also keeps the CPU loops from vectorizing).
 JF_HD float jf_sqrt(float x) { return sqrtf(x); }

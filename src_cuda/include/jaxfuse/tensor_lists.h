@@ -29,12 +29,10 @@ struct TensorLists {
 
   int64_t num_tensors() const { return static_cast<int64_t>(size.size()); }
 
-  // Whether any buffer of the call is stored as `t`.
-  bool any_dtype(DType t) const {
+  // Whether a call over these tensors computes in double (computes_in_double of any tensor).
+  bool computes_in_double() const {
     for (const auto& row : dtype) {
-      for (int k = 0; k < num_lists; ++k) {
-        if (row[k] == t) return true;
-      }
+      if (jaxfuse::computes_in_double(row.data(), num_lists)) return true;
     }
     return false;
   }
