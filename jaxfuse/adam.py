@@ -53,6 +53,7 @@ import numpy as np
 import optax
 
 from jaxfuse import _ffi
+from jaxfuse import _partition
 from jaxfuse import _trees
 
 ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
@@ -295,7 +296,7 @@ def default_grad_ctrl(grad_scale: Any = None) -> jax.Array:
 
 
 def grad_ctrl_for(spec: AdamSpec, grads: Any, grad_scale: Any = None, *,
-                  clip_max_norm: Any = None, need_norm: bool = False):
+                  clip_max_norm: Any = None, need_norm: bool = False, axis_name: Any = None):
   """(global norm or None, gradient-control vector) for one Adam step. The global-norm op runs
   only when something needs it (clipping, the non-finite check, or the norm itself); a bare loss
   scale goes into the vector directly."""
@@ -303,7 +304,7 @@ def grad_ctrl_for(spec: AdamSpec, grads: Any, grad_scale: Any = None, *,
     from jaxfuse.clip import norm_and_grad_ctrl  # the finite check is the global-norm op's
 
     return norm_and_grad_ctrl(grads, max_norm=clip_max_norm, grad_scale=grad_scale,
-                              skip_nonfinite=spec.skip_nonfinite)
+                              skip_nonfinite=spec.skip_nonfinite, axis_name=axis_name)
   return None, default_grad_ctrl(grad_scale)
 
 
@@ -329,7 +330,8 @@ class _Leaves(NamedTuple):
 def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, write_updates,
               output_dtypes) -> tuple[jax.Array, dict[str, list]]:
   """One jaxfuse_adam FFI call over `leaves` (operands and results laid out as the op's
-  contract says). Returns (new count, result leaves by list name)."""
+  contract says), on every device's own shards when they are sharded. Returns (new count,
+  result leaves by list name)."""
   n = len(leaves.grads)
   master, params = leaves.master_params is not None, leaves.params is not None
   layout = _CONTRACT.call("layout", write_updates=write_updates, master=master,
@@ -338,18 +340,32 @@ def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, writ
   operands = [fixed[name] for name in _CONTRACT.names["fixed_operands"]]
   operands += [x for name in layout["operands"] for x in getattr(leaves, name)]
   like = lambda name: leaves.grads if name == "updates" else getattr(leaves, name)
-  results = [jax.ShapeDtypeStruct((), jnp.int32)]  # the fixed result: the new count
+  result_dtypes = [jnp.int32]  # the fixed result: the new count
   for name in layout["results"]:
-    dtypes = output_dtypes if name == "updates" else [x.dtype for x in like(name)]
-    results += [jax.ShapeDtypeStruct(jnp.shape(x), dt) for x, dt in zip(like(name), dtypes)]
+    result_dtypes += output_dtypes if name == "updates" else [x.dtype for x in like(name)]
   aliases = _ffi.aliases(layout["operands"], layout["results"], n,
                          operand_offset=len(_CONTRACT.names["fixed_operands"]),
                          result_offset=len(_CONTRACT.names["fixed_results"]))
-  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, input_output_aliases=aliases,
-                          vmap_method="sequential")
-  out = call(*operands, num_tensors=np.int64(n), nesterov=bool(nesterov),
-             write_updates=bool(write_updates), master=master, params=params,
-             decay_mask=np.asarray(decay, np.uint8))
+
+  def body(shards, *local):
+    del shards  # elementwise: each device updates its own shards
+    shapes = [()] + [jnp.shape(x) for _ in layout["results"]
+                     for x in local[len(fixed):len(fixed) + n]]
+    call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"),
+                            [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, result_dtypes)],
+                            input_output_aliases=aliases, vmap_method="sequential")
+    return call(*local, num_tensors=np.int64(n), nesterov=bool(nesterov),
+                write_updates=bool(write_updates), master=master, params=params,
+                decay_mask=np.asarray(decay, np.uint8))
+
+  leaf_dims = [tuple(f"l{i}_{d}" for d in range(jnp.ndim(g))) for i, g in enumerate(leaves.grads)]
+  partition = _partition.Layout(
+      operands=tuple(() if jnp.ndim(x) == 0 else (None,) for x in operands[:len(fixed)])
+      + tuple(leaf_dims) * len(layout["operands"]),
+      results=((),) + tuple(leaf_dims) * len(layout["results"]),
+      names=tuple(_CONTRACT.names["fixed_operands"])
+      + tuple(f"{name} leaf {i}" for name in layout["operands"] for i in range(n)))
+  out = _partition.partitioned_call("jaxfuse.adam", body, partition, operands)
   lists = {name: list(out[1 + i * n:1 + (i + 1) * n]) for i, name in enumerate(layout["results"])}
   return out[0], lists
 

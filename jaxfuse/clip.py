@@ -24,6 +24,7 @@ gradients by it (so that a chain of clip and Adam divides once): the optax-proto
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Optional
 
@@ -32,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _ffi
+from jaxfuse import _partition
 from jaxfuse import _trees
 
 _CONTRACT = _ffi.contract("jaxfuse_global_norm")
@@ -42,62 +44,155 @@ class ClipSpec:
   """What a jaxfuse clip transform was built with (read by :func:`jaxfuse.fused_step`)."""
 
   max_norm: Any
+  axis_name: Any = None
+
+
+def _norm_ffi(norm_params: jax.Array, peer_sums: jax.Array, leaves: list, norm_dtype, *,
+              clip: bool, skip_nonfinite: bool, clip_apply_loss_scale: bool):
+  """One jaxfuse_global_norm call: (norm, grad_ctrl, own_sum) of ``leaves`` plus the peers'
+  rows (clip.h)."""
+  call = jax.ffi.ffi_call(
+      _ffi.target("jaxfuse_global_norm"),
+      [jax.ShapeDtypeStruct((), norm_dtype),
+       jax.ShapeDtypeStruct((len(_CONTRACT.names["grad_ctrl"]),), _ffi.vector_dtype()),
+       jax.ShapeDtypeStruct((_CONTRACT.numbers["workspace_bytes"],), jnp.uint8),
+       jax.ShapeDtypeStruct((_SUM_WORDS,), jnp.uint32)],
+      vmap_method="sequential")
+  norm, grad_ctrl, _, own_sum = call(norm_params, peer_sums, *leaves, clip=clip,
+                                     skip_nonfinite=skip_nonfinite,
+                                     clip_apply_loss_scale=clip_apply_loss_scale)
+  return norm, grad_ctrl, own_sum
+
+
+_SUM_WORDS = _CONTRACT.numbers["norm_sum_words"]
+
+
+def _sharded_norm(shards: _partition.Shards, norm_params, leaves: list, call) -> tuple:
+  """The norm of leaves split over devices, inside a partitioned body: every device sums its
+  shards (one call per set of mesh axes the leaves are replicated over, counted only on the
+  first replica), puts its total in its own row of a zero matrix, one all-reduce of the rows
+  (exact: every sum adds one row to zeros), and a second call adds the rows in row order. Every
+  device gets the same norm, bitwise, and it equals the unsharded norm to float64 rounding."""
+  axes = shards.axis_names
+  me = _partition.linear_index(shards, axes)
+  groups: dict[tuple[str, ...], list] = {}
+  for i, x in enumerate(leaves):
+    split = {a for dim_axes in shards.operand_axes[i + 1] for a in dim_axes}
+    replicas = tuple(a for a in axes if a not in split)
+    groups.setdefault(replicas, []).append(_partition.without_padding(shards, i + 1, x))
+  rows = []
+  for replicas, group in groups.items():
+    own = call(norm_params, jnp.zeros((0, _SUM_WORDS), jnp.uint32), group)[2]
+    first_replica = functools.reduce(jnp.logical_and,
+                                     [jax.lax.axis_index(a) == 0 for a in replicas],
+                                     jnp.bool_(True))
+    row = jnp.where(first_replica, own, jnp.zeros_like(own))
+    rows.append(jnp.zeros((shards.size(axes), _SUM_WORDS), jnp.uint32).at[me].set(row))
+  peers = (jax.lax.psum(jnp.concatenate(rows), axes) if rows
+           else jnp.zeros((0, _SUM_WORDS), jnp.uint32))
+  norm, grad_ctrl, _ = call(norm_params, peers, [])
+  return norm, grad_ctrl
+
+
+def _norm_layout(leaves: list) -> _partition.Layout:
+  """norm_params, then the leaves (each dimension a factor of its own); norm and grad_ctrl are
+  replicated."""
+  leaf_dims = tuple(tuple(f"g{i}_{d}" for d in range(x.ndim)) for i, x in enumerate(leaves))
+  names = ("norm_params",) + tuple(f"grads leaf {n}" for n in range(len(leaves)))
+  return _partition.Layout(((None,),) + leaf_dims, ((), (None,)), names)
+
+
+def _axis_shards(axis_name: Any, leaves: list) -> _partition.Shards:
+  """Inside shard_map: every leaf is split over all of ``axis_name`` (one device's shards)."""
+  names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  return _partition.Shards(names, tuple(jax.lax.axis_size(n) for n in names),
+                           ((),) + tuple((names,) + ((),) * (x.ndim - 1) for x in leaves),
+                           ((),) + tuple(x.shape for x in leaves))
 
 
 def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = None,
-                       skip_nonfinite: bool = False,
-                       clip_apply_loss_scale: bool = True) -> tuple[jax.Array, jax.Array]:
-  """One jaxfuse_global_norm call: the global norm of ``grads / grad_scale`` and the
-  gradient-control vector (GradCtrl in norm_math.h) that the Adam and clip kernels read. With
-  ``max_norm`` None the vector does not clip."""
+                       skip_nonfinite: bool = False, clip_apply_loss_scale: bool = True,
+                       axis_name: Any = None) -> tuple[jax.Array, jax.Array]:
+  """The global norm of ``grads / grad_scale`` and the gradient-control vector (GradCtrl in
+  norm_math.h) that the Adam and clip kernels read. With ``max_norm`` None the vector does not
+  clip. One jaxfuse_global_norm call on one device; over sharded leaves, per-shard sums and one
+  small all-reduce (:func:`_sharded_norm`). ``axis_name``: inside ``shard_map``, the mesh axes
+  the leaves are split over (each device then holds different parts of the tree)."""
   leaves = _trees.check_float_leaves(_trees.as_arrays(grads), "grads")
   params = _ffi.device_vector(_CONTRACT.names["norm_params"],
                               loss_scale=1.0 if grad_scale is None else grad_scale,
                               max_norm=math.inf if max_norm is None else max_norm)
   wide = any(_trees.is_wide(x.dtype) for x in leaves)
-  norm_dtype = jnp.float64 if wide else jnp.float32
-  call = jax.ffi.ffi_call(
-      _ffi.target("jaxfuse_global_norm"),
-      [jax.ShapeDtypeStruct((), norm_dtype),
-       jax.ShapeDtypeStruct((len(_CONTRACT.names["grad_ctrl"]),), _ffi.vector_dtype()),
-       jax.ShapeDtypeStruct((_CONTRACT.numbers["workspace_bytes"],), jnp.uint8)],
-      vmap_method="sequential")
-  norm, grad_ctrl, _ = call(params, *leaves, clip=max_norm is not None,
-                            skip_nonfinite=bool(skip_nonfinite),
-                            clip_apply_loss_scale=bool(clip_apply_loss_scale))
+  call = functools.partial(_norm_ffi, norm_dtype=jnp.float64 if wide else jnp.float32,
+                           clip=max_norm is not None, skip_nonfinite=bool(skip_nonfinite),
+                           clip_apply_loss_scale=bool(clip_apply_loss_scale))
+
+  def body(shards, norm_params, *local):
+    local = list(local)
+    if axis_name is not None:
+      return _sharded_norm(_axis_shards(axis_name, local), norm_params, local, call)
+    if not shards.axis_names:
+      return call(norm_params, jnp.zeros((0, _SUM_WORDS), jnp.uint32), local)[:2]
+    return _sharded_norm(shards, norm_params, local, call)
+
+  if axis_name is not None and not _partition.in_manual_region():
+    raise ValueError("jaxfuse: axis_name is for calls inside jax.shard_map (it names the mesh "
+                     "axes the gradients are split over there); outside, shardings are read from "
+                     "the arrays")
+  norm, grad_ctrl = _partition.partitioned_call("jaxfuse.global_norm", body,
+                                                _norm_layout(leaves), [params, *leaves])
   return norm, grad_ctrl
 
 
-def global_norm(tree: Any, *, grad_scale: Optional[Any] = None) -> jax.Array:
+def global_norm(tree: Any, *, grad_scale: Optional[Any] = None,
+                axis_name: Any = None) -> jax.Array:
   """L2 norm over all leaves of ``tree`` (of ``tree / grad_scale`` if given), as a 0-d device
   array (float64 for a tree with float64 or complex128 leaves, else float32). Matches
-  ``optax.tree.norm`` to the rounding of its dtype; deterministic."""
-  return norm_and_grad_ctrl(tree, grad_scale=grad_scale)[0]
+  ``optax.tree.norm`` to the rounding of its dtype; deterministic.
+
+  Sharded leaves (any mesh, Auto or Explicit axes) give the norm of the whole arrays on every
+  device: per-shard sums and one small all-reduce, nothing gathered. Inside ``jax.shard_map``,
+  where each call sees one device's shards, pass ``axis_name`` (a mesh axis name or a tuple of
+  them) to sum over the devices that split the tree; without it the norm is the local one."""
+  return norm_and_grad_ctrl(tree, grad_scale=grad_scale, axis_name=axis_name)[0]
 
 
 def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
-  """Scales every leaf as the control vector says (one jaxfuse_apply_grad_ctrl call)."""
+  """Scales every leaf as the control vector says (one jaxfuse_apply_grad_ctrl call; each device
+  scales its own shards)."""
   leaves, treedef = jax.tree.flatten(_trees.as_arrays(grads))
   if not leaves:
     return grads
-  call = jax.ffi.ffi_call(
-      _ffi.target("jaxfuse_apply_grad_ctrl"),
-      [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves],
-      vmap_method="sequential")
-  return treedef.unflatten(call(grad_ctrl, *leaves))
+
+  def body(shards, grad_ctrl, *local):
+    del shards
+    call = jax.ffi.ffi_call(
+        _ffi.target("jaxfuse_apply_grad_ctrl"),
+        [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in local],
+        vmap_method="sequential")
+    return call(grad_ctrl, *local)
+
+  dims = tuple(tuple(f"g{i}_{d}" for d in range(x.ndim)) for i, x in enumerate(leaves))
+  layout = _partition.Layout(((None,),) + dims, dims,
+                             ("grad_ctrl",) + tuple(f"grads leaf {i}" for i in range(len(leaves))))
+  return treedef.unflatten(_partition.partitioned_call("jaxfuse.clip_by_global_norm", body,
+                                                       layout, [grad_ctrl, *leaves]))
 
 
-def clip_by_global_norm(max_norm: Any) -> optax.GradientTransformationExtraArgs:
+def clip_by_global_norm(max_norm: Any, *,
+                        axis_name: Any = None) -> optax.GradientTransformationExtraArgs:
   """Clips updates to a maximum global L2 norm, as ``optax.clip_by_global_norm``.
 
   Args:
     max_norm: the maximum global norm (a float or a device scalar).
+    axis_name: only inside ``jax.shard_map`` (see :func:`global_norm`): the mesh axes the
+      updates are split over, so that the norm is the whole tree's.
 
   Returns:
     An optax ``GradientTransformationExtraArgs`` with optax's (empty) state. ``update`` accepts
     the extra argument ``grad_scale`` (see the module docstring).
   """
-  spec = ClipSpec(max_norm)
+  spec = ClipSpec(max_norm, axis_name)
 
   def init_fn(params):
     del params
@@ -106,7 +201,7 @@ def clip_by_global_norm(max_norm: Any) -> optax.GradientTransformationExtraArgs:
   def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
     del params, extra_args
     _, grad_ctrl = norm_and_grad_ctrl(updates, max_norm=max_norm, grad_scale=grad_scale,
-                                      clip_apply_loss_scale=False)
+                                      clip_apply_loss_scale=False, axis_name=axis_name)
     return apply_grad_ctrl(updates, grad_ctrl), state
 
   update_fn.jaxfuse_spec = spec

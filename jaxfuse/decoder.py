@@ -47,6 +47,7 @@ import numpy as np
 from jax import lax
 
 from jaxfuse import _ffi
+from jaxfuse import _partition
 
 __all__ = ["DecoderConfig", "DecoderWeights", "KVCache", "persistent_decoder", "decoder_reference"]
 
@@ -260,21 +261,43 @@ def _call_kernel(cfg: DecoderConfig, x, positions, weights: DecoderWeights, k_ca
   """One ``jaxfuse_decoder`` custom call on validated operands; returns (out, k_cache, v_cache).
 
   Operands and results are matched to the call's slots by name, in the contract's order; the
-  cache operands alias the cache results, and the workspace result is dropped.
+  cache operands alias the cache results, and the workspace result is dropped. Sharded operands
+  split over the batch (x, positions and the caches' batch axis; weights replicated): each
+  device decodes its own rows into its own part of the cache (_partition.partitioned_call).
   """
   names = _CONTRACT.names
-  operands = {"x": x, "positions": positions, **weights._asdict(), "k_cache": k_cache,
-              "v_cache": v_cache}
-  workspace = (_workspace_bytes(cfg, x.shape[0], x.dtype),)
-  results = {"out": jax.ShapeDtypeStruct(x.shape, x.dtype),
-             "k_cache": jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
-             "v_cache": jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
-             "workspace": jax.ShapeDtypeStruct(workspace, jnp.uint8)}
-  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), [results[n] for n in names["results"]],
-                          input_output_aliases=_ALIASES)
-  outs = call(*[operands[n] for n in names["operands"]], **_attributes(cfg))
-  outs = dict(zip(names["results"], outs))
-  return outs["out"], outs["k_cache"], outs["v_cache"]
+
+  def body(shards, x, positions, *rest):
+    del shards  # rows are independent
+    weights, (k_cache, v_cache) = DecoderWeights(*rest[:-2]), rest[-2:]
+    operands = {"x": x, "positions": positions, **weights._asdict(), "k_cache": k_cache,
+                "v_cache": v_cache}
+    workspace = (_workspace_bytes(cfg, x.shape[0], x.dtype),)
+    results = {"out": jax.ShapeDtypeStruct(x.shape, x.dtype),
+               "k_cache": jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+               "v_cache": jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+               "workspace": jax.ShapeDtypeStruct(workspace, jnp.uint8)}
+    call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"),
+                            [results[n] for n in names["results"]], input_output_aliases=_ALIASES)
+    outs = dict(zip(names["results"], call(*[operands[n] for n in names["operands"]],
+                                           **_attributes(cfg))))
+    return outs["out"], outs["k_cache"], outs["v_cache"]
+
+  return tuple(_partition.partitioned_call(
+      "persistent_decoder", body, _partition_layout(cfg), [x, positions, *weights, k_cache, v_cache]))
+
+
+# Batch-sharded decode: the batch axis ("b") may be split over devices; everything else (the
+# weights, the model and cache-length axes) must be whole on each device.
+_CACHE_DIMS = (None, "b", None, None, None)  # [L, B, S, KV, hd]
+
+
+def _partition_layout(cfg: DecoderConfig) -> _partition.Layout:
+  return _partition.Layout(
+      operands=(("b", None), ("b",)) + tuple((None,) * len(s) for s in cfg.weight_shapes().values())
+      + (_CACHE_DIMS, _CACHE_DIMS),
+      results=(("b", None), _CACHE_DIMS, _CACHE_DIMS),
+      names=("x", "positions") + DecoderWeights._fields + ("cache.k", "cache.v"))
 
 
 def _fold(size: int, a, batched: bool, axis: int):

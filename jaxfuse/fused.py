@@ -67,7 +67,8 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
                      f"chain (got {type(opt_state).__name__})")
   norm, grad_ctrl = grad_ctrl_for(spec, grads, grad_scale,
                                   clip_max_norm=clip.max_norm if clip is not None else None,
-                                  need_norm=return_grad_norm)
+                                  need_norm=return_grad_norm,
+                                  axis_name=clip.axis_name if clip is not None else None)
   adam_state = opt_state[-1] if chained else opt_state
   new_params, new_adam_state = adam_in_place(spec, grads, adam_state, params, grad_ctrl)
   new_state = (*opt_state[:-1], new_adam_state) if chained else new_adam_state

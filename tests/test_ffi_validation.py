@@ -358,13 +358,15 @@ def test_adam_attribute_types(device):
 
 
 # ---- jaxfuse_global_norm / jaxfuse_apply_grad_ctrl -------------------------------------------
-# global_norm: operands norm_params f32/f64[2], n grads;
-#              results norm f32/f64[], grad_ctrl f32/f64[4], workspace u8[workspace_bytes]
+# global_norm: operands norm_params f32/f64[2], peer_sums u32[R, 4], n grads;
+#              results norm f32/f64[], grad_ctrl f32/f64[4], workspace u8[workspace_bytes],
+#              own_sum u32[4]
 # apply_grad_ctrl: operands grad_ctrl f32/f64[4], n grads; results n grads
 
 # The partials workspace: its size in bytes from the C++ contract.
 _WORKSPACE = _ffi.contract("jaxfuse_global_norm").numbers["workspace_bytes"]
-_NORM_RESULTS = [S((), F32), S((4,), F32), S((_WORKSPACE,), U8)]
+_NORM_RESULTS = [S((), F32), S((4,), F32), S((_WORKSPACE,), U8), S((4,), jnp.uint32)]
+_NO_PEERS = np.zeros((0, 4), np.uint32)
 
 
 def _norm_call(operands, results=_NORM_RESULTS, **attrs):
@@ -382,18 +384,43 @@ def _apply_call(operands, results):
 def _norm_operands(device, *dtypes, seed=2):
   rng = np.random.default_rng(seed)
   norm_params = np.array([1.0, 1.0], np.float32)  # _NORM_PARAMS: loss scale, max norm
-  return _put(device, norm_params, *[_rng_array(rng, (4 + i,), dt) for i, dt in enumerate(dtypes)])
+  return _put(device, norm_params, _NO_PEERS,
+              *[_rng_array(rng, (4 + i,), dt) for i, dt in enumerate(dtypes)])
 
 
 def test_norm_good_call_succeeds(device):
   ops = _norm_operands(device, F32, BF16)
-  norm, grad_ctrl, _ = _norm_call(ops)
-  expect = np.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in ops[1:]))
+  norm, grad_ctrl, _, _ = _norm_call(ops)
+  expect = np.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in ops[2:]))
   np.testing.assert_allclose(float(norm), expect, rtol=1e-5)
   assert grad_ctrl.shape == (4,)
-  out = _apply_call([jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device), *ops[1:]],
+  out = _apply_call([jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device), *ops[2:]],
                     [S((4,), F32), S((5,), BF16)])
-  np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(ops[2], np.float32))
+  np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(ops[3], np.float32))
+
+
+def _sum_rows(*trees):
+  """NormSum rows (the bits of a float64 sum of squares and a zero non-finite marker)."""
+  sums = np.array([[sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in t), 0.0]
+                   for t in trees])
+  return sums.view(np.uint32).reshape(len(trees), 4)
+
+
+def test_norm_own_sum_and_peer_rows(device):
+  """own_sum is the bits of the call's float64 sum of squares; peer rows are added to it."""
+  ops = _norm_operands(device, F32, BF16)
+  _, _, _, own = _norm_call(ops)
+  np.testing.assert_array_equal(np.asarray(own).view(np.float64),
+                                _sum_rows(ops[2:])[0].view(np.float64))
+  peers = _sum_rows(ops[2:3], ops[3:4])  # two devices' rows, no gradients of its own
+  norm, _, _, own = _norm_call([ops[0], jax.device_put(peers, device)])
+  np.testing.assert_array_equal(np.asarray(own), np.zeros(4, np.uint32))
+  np.testing.assert_allclose(float(norm), np.sqrt(_sum_rows(ops[2:]).view(np.float64)[0, 0]),
+                             rtol=1e-7)
+  with jaxfuse_error("jaxfuse_global_norm", "peer_sums rows have 3 words, expected 4"):
+    _norm_call([ops[0], jax.device_put(np.zeros((2, 3), np.uint32), device), *ops[2:]])
+  with xla_error("Wrong buffer dtype: expected U32 but got F32"):
+    _norm_call([ops[0], jax.device_put(np.zeros((2, 4), np.float32), device), *ops[2:]])
 
 
 def test_norm_params_operand(device):
@@ -421,30 +448,32 @@ def test_norm_grads_float64_and_complex(device):
   norm and control vector in float64 or float32."""
   with jax.enable_x64(True):
     ops = _norm_operands(device, jnp.float64, jnp.complex128, jnp.complex64)
-    assert ops[1].dtype == jnp.float64
+    assert ops[2].dtype == jnp.float64
     expect = np.sqrt(sum(float(np.sum(np.abs(np.asarray(x, np.complex128)) ** 2))
-                         for x in ops[1:]))
+                         for x in ops[2:]))
     for dt in (jnp.float64, F32):
-      norm, _, _ = _norm_call(ops, [S((), dt), S((4,), dt), S((_WORKSPACE,), U8)])
+      norm, *_ = _norm_call(ops, [S((), dt), S((4,), dt), S((_WORKSPACE,), U8), _NORM_RESULTS[3]])
       np.testing.assert_allclose(float(norm), expect, rtol=4 * float(jnp.finfo(dt).eps))
 
 
-_NORM, _GCTRL, _PART = _NORM_RESULTS
+_NORM, _GCTRL, _PART, _OWN = _NORM_RESULTS
 
 
 @pytest.mark.parametrize("results, match, ours", [
-    ([S((1,), F32), _GCTRL, _PART], "norm must have rank 0, got 1", True),
-    ([S((), BF16), _GCTRL, _PART], "norm must be float32 or float64", True),
-    ([_NORM, S((5,), F32), _PART], "grad_ctrl result has 5 elements, expected 4", True),
-    ([_NORM, S((3,), F32), _PART], "grad_ctrl result has 3 elements, expected 4", True),
-    ([_NORM, _GCTRL, S((_WORKSPACE - 1,), U8)],
+    ([S((1,), F32), _GCTRL, _PART, _OWN], "norm must have rank 0, got 1", True),
+    ([S((), BF16), _GCTRL, _PART, _OWN], "norm must be float32 or float64", True),
+    ([_NORM, S((5,), F32), _PART, _OWN], "grad_ctrl result has 5 elements, expected 4", True),
+    ([_NORM, S((3,), F32), _PART, _OWN], "grad_ctrl result has 3 elements, expected 4", True),
+    ([_NORM, _GCTRL, S((_WORKSPACE - 1,), U8), _OWN],
      f"workspace has {_WORKSPACE - 1} bytes, expected {_WORKSPACE}", True),
-    ([_NORM, _GCTRL, S((2 * _WORKSPACE,), U8)],
+    ([_NORM, _GCTRL, S((2 * _WORKSPACE,), U8), _OWN],
      f"workspace has {2 * _WORKSPACE} bytes, expected {_WORKSPACE}", True),
-    ([_NORM, _GCTRL, S((_WORKSPACE // 4,), F32)], "Wrong buffer dtype: expected U8 but got F32",
+    ([_NORM, _GCTRL, S((_WORKSPACE // 4,), F32), _OWN],
+     "Wrong buffer dtype: expected U8 but got F32", False),
+    ([_NORM, _GCTRL, _PART, S((5,), jnp.uint32)], "own_sum has 5 words, expected 4", True),
+    ([_NORM, _GCTRL, _PART], "Wrong number of results: expected 4 but got 3", False),
+    ([_NORM, _GCTRL, _PART, _OWN, _GCTRL], "Wrong number of results: expected 4 but got 5",
      False),
-    ([_NORM, _GCTRL], "Wrong number of results: expected 3 but got 2", False),
-    ([_NORM, _GCTRL, _PART, _GCTRL], "Wrong number of results: expected 3 but got 4", False),
 ])
 def test_norm_results(device, results, match, ours):
   ops = _norm_operands(device, F32)
@@ -462,7 +491,7 @@ def test_norm_attributes(device):
 
 
 def test_apply_grad_ctrl_grad_ctrl_operand(device):
-  (x,) = _norm_operands(device, F32)[1:]
+  (x,) = _norm_operands(device, F32)[2:]
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl has 3 elements, expected 4"):
     _apply_call([jax.device_put(np.ones(3, np.float32), device), x], [S((4,), F32)])
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl must be float32 or float64"):
@@ -473,7 +502,7 @@ def test_apply_grad_ctrl_grad_ctrl_operand(device):
 
 def test_apply_grad_ctrl_lists(device):
   grad_ctrl = jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device)
-  x, y = _norm_operands(device, F32, F32)[1:]  # shapes (4,), (5,)
+  x, y = _norm_operands(device, F32, F32)[2:]  # shapes (4,), (5,)
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "1 operands but 2 results"):
     _apply_call([grad_ctrl, x], [S((4,), F32), S((4,), F32)])
   with jaxfuse_error("jaxfuse_apply_grad_ctrl", "2 operands but 1 results"):

@@ -15,11 +15,6 @@ constexpr int64_t kTile = 512;
 constexpr int kLanes = 16;  // independent accumulators: fixed association, vectorizes
 static_assert(kLanes == 16, "four 4-wide double accumulators");
 
-struct Partial {
-  double sumsq = 0.0;
-  double nonfinite = 0.0;  // sum of (x - x): 0 iff every x is finite
-};
-
 // Four doubles from x[0..3] (float or double). (An out-parameter: a vector return value would
 // have a different ABI in each multiversioned clone.)
 __attribute__((always_inline)) inline void load4(const float* x, F64x4* out) {
@@ -63,7 +58,7 @@ void accumulate_tile(int64_t len, const double* x, double* sumsq, double* nonfin
   accumulate_lanes(len, x, sumsq, nonfinite);
 }
 
-Partial chunk_partial(const TensorLists& grads, int64_t t, int64_t start, int64_t n) {
+NormSum chunk_partial(const TensorLists& grads, int64_t t, int64_t start, int64_t n) {
   alignas(64) float x[kTile];
   double sumsq[kLanes] = {}, nonfinite[kLanes] = {};
   const DType dtype = grads.dtype[t][0];
@@ -79,11 +74,8 @@ Partial chunk_partial(const TensorLists& grads, int64_t t, int64_t start, int64_
       accumulate_tile(len, x, sumsq, nonfinite);
     }
   }
-  Partial p;
-  for (int j = 0; j < kLanes; ++j) {
-    p.sumsq += sumsq[j];
-    p.nonfinite += nonfinite[j];
-  }
+  NormSum p;
+  for (int j = 0; j < kLanes; ++j) p.add({sumsq[j], nonfinite[j]});
   return p;
 }
 
@@ -105,15 +97,18 @@ void scale_chunk(const TensorLists& lists, const GradScaling<Real>& scaling, int
 template <>
 ffi::Error GlobalNormOp::run<Cpu>(ffi::ThreadPool pool, const Call& call) {
   const ChunkIndex chunks(call.grads, kChunk);
-  std::vector<Partial> partials(chunks.total());
+  std::vector<NormSum> partials(chunks.total());
   for_each_chunk(&pool, call.grads, chunks, [&](int64_t t, int64_t start, int64_t n, int64_t c) {
     partials[c] = chunk_partial(call.grads, t, start, n);
   });
-  Partial total;
-  for (const Partial& p : partials) {
-    total.sumsq += p.sumsq;
-    total.nonfinite += p.nonfinite;
+  NormSum own;
+  for (const NormSum& p : partials) own.add(p);
+  own.store_row(call.own_sum);
+  NormSum total;
+  for (int64_t r = 0; r < call.num_peers; ++r) {
+    total.add(NormSum::load_row(call.peer_sums + r * kNormSumWords));
   }
+  total.add(own);
   finish_norm(total.sumsq, total.nonfinite, call.norm_params, call.clip, call.skip_nonfinite,
               call.clip_apply_loss_scale, call.norm, call.grad_ctrl);
   return ffi::Error::Success();

@@ -38,17 +38,31 @@ struct NormChunkOp : MultiTensorOpBase {
   }
 };
 
+// Sums the block partials into this call's own total (written as a row), then adds the peers'
+// rows in row order to it and finishes. Each thread folds a fixed set of slots or rows and the
+// block sums them in a fixed tree: the same result on every run.
 __global__ void __launch_bounds__(kFinishThreads)
-    norm_finish_kernel(const double* partials, int num_partials, ScalarVector norm_params,
-                       bool clip, bool skip_nonfinite, bool clip_apply_loss_scale,
-                       ScalarVectorOut norm, ScalarVectorOut grad_ctrl) {
+    norm_finish_kernel(const double* partials, int num_partials, const uint32_t* peer_sums,
+                       int64_t num_peers, uint32_t* own_sum, ScalarVector norm_params, bool clip,
+                       bool skip_nonfinite, bool clip_apply_loss_scale, ScalarVectorOut norm,
+                       ScalarVectorOut grad_ctrl) {
   __shared__ double scratch[kFinishThreads / 32];
   const int i = threadIdx.x;
-  const double s = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i] : 0.0, scratch);
-  const double b =
-      block_sum<kFinishThreads>(i < num_partials ? partials[2 * i + 1] : 0.0, scratch);
+  NormSum own;
+  own.sumsq = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i] : 0.0, scratch);
+  own.nonfinite = block_sum<kFinishThreads>(i < num_partials ? partials[2 * i + 1] : 0.0, scratch);
+  NormSum peers;
+  for (int64_t r = i; r < num_peers; r += kFinishThreads) {
+    peers.add(NormSum::load_row(peer_sums + r * kNormSumWords));
+  }
+  NormSum total;
+  total.sumsq = block_sum<kFinishThreads>(peers.sumsq, scratch);
+  total.nonfinite = block_sum<kFinishThreads>(peers.nonfinite, scratch);
   if (i == 0) {
-    finish_norm(s, b, norm_params, clip, skip_nonfinite, clip_apply_loss_scale, norm, grad_ctrl);
+    own.store_row(own_sum);
+    total.add(own);
+    finish_norm(total.sumsq, total.nonfinite, norm_params, clip, skip_nonfinite,
+                clip_apply_loss_scale, norm, grad_ctrl);
   }
 }
 
@@ -93,12 +107,15 @@ ffi::Error GlobalNormOp::run<Cuda>(cudaStream_t stream, const Call& call) {
   if (launches > kNormSlots) {
     return invalid_argument("too many leaves (", call.grads.num_tensors(), ")");
   }
-  int blocks = 0;
-  JF_RETURN_IF_ERROR(multi_tensor_apply<1>(stream, call.grads, op,
-                                           static_cast<int>(kNormSlots / launches), &blocks));
+  int blocks = 0;  // none for a call over no gradients (a sharded norm's second call)
+  if (call.grads.num_tensors() > 0) {
+    JF_RETURN_IF_ERROR(multi_tensor_apply<1>(stream, call.grads, op,
+                                             static_cast<int>(kNormSlots / launches), &blocks));
+  }
   return launch_kernel("the norm finishing kernel", norm_finish_kernel, dim3(1),
                        dim3(kFinishThreads), stream, /*cooperative=*/false, call.partials, blocks,
-                       call.norm_params, call.clip, call.skip_nonfinite,
+                       call.peer_sums, call.num_peers, call.own_sum, call.norm_params, call.clip,
+                       call.skip_nonfinite,
                        call.clip_apply_loss_scale, call.norm, call.grad_ctrl);
 }
 

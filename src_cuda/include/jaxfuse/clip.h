@@ -3,11 +3,16 @@
 // steps are src_cuda/{cpu/clip.cc,cuda/clip.cu}.
 //
 // jaxfuse_global_norm
-//   operands: norm_params f32/f64[NormParams::kSize], then n gradient buffers (any element
-//             type of element_type(): a complex element counts as its two parts)
+//   operands: norm_params f32/f64[NormParams::kSize], peer_sums u32[R, kNormSumWords] (the
+//             totals of other devices' shards, NormSum rows; R = 0 unsharded), then n gradient
+//             buffers (any element type of element_type(): a complex element counts as two)
 //   results:  norm f32/f64[] (the leaves' result dtype), grad_ctrl f32/f64[GradCtrl::kSize],
-//             workspace u8[kNormWorkspaceBytes] (the partials)
+//             workspace u8[kNormWorkspaceBytes] (the partials), own_sum u32[kNormSumWords] (the
+//             total of this call's gradients, a NormSum row)
 //   attrs:    clip, skip_nonfinite, clip_apply_loss_scale (see finish_norm)
+//   The norm is that of the peers' rows, added in row order, plus this call's own total. A
+//   sharded norm (jaxfuse/clip.py) makes two calls per device: one over its shards (own_sum),
+//   then, after an all-reduce of the rows, one over no gradients with every device's row.
 // jaxfuse_apply_grad_ctrl
 //   operands: grad_ctrl f32/f64[GradCtrl::kSize], then n gradient buffers; results: n buffers.
 //   Each tensor is scaled in its compute type (double for float64 storage, else float).
@@ -23,6 +28,8 @@ namespace jaxfuse {
 // A fixed number of slots, so the workspace is a plain result buffer of fixed size.
 inline constexpr int kNormSlots = 1024;
 inline constexpr int64_t kNormWorkspaceBytes = 2 * kNormSlots * sizeof(double);
+using NormRows = ffi::Buffer<ffi::U32, 2>;  // NormSum rows (norm_math.h)
+using NormRow = ffi::Buffer<ffi::U32, 1>;
 
 struct GlobalNormOp {
   static constexpr const char* kName = "jaxfuse_global_norm";
@@ -30,9 +37,12 @@ struct GlobalNormOp {
   struct Call {
     TensorLists grads;
     ScalarVector norm_params;
+    const uint32_t* peer_sums;  // [num_peers][kNormSumWords]
+    int64_t num_peers;
     ScalarVectorOut norm;
     ScalarVectorOut grad_ctrl;
     double* partials;  // [kNormSlots][2], in the workspace
+    uint32_t* own_sum;  // [kNormSumWords]
     bool clip, skip_nonfinite, clip_apply_loss_scale;
   };
 
@@ -41,19 +51,23 @@ struct GlobalNormOp {
     return ffi::Ffi::Bind()
         .Ctx<Context>()
         .template Arg<ffi::AnyBuffer>()  // norm_params
+        .template Arg<NormRows>()        // peer_sums
         .RemainingArgs()
         .template Ret<ffi::AnyBuffer>()  // norm
         .template Ret<ffi::AnyBuffer>()  // grad_ctrl
         .template Ret<BytesBuffer>()     // workspace
+        .template Ret<NormRow>()         // own_sum
         .template Attr<bool>("clip")
         .template Attr<bool>("skip_nonfinite")
         .template Attr<bool>("clip_apply_loss_scale");
   }
 
-  static ffi::Error decode(ffi::AnyBuffer norm_params, ffi::RemainingArgs args,
-                           ffi::Result<ffi::AnyBuffer> norm, ffi::Result<ffi::AnyBuffer> grad_ctrl,
-                           ffi::Result<BytesBuffer> workspace, bool clip, bool skip_nonfinite,
-                           bool clip_apply_loss_scale, Call* call) {
+  static ffi::Error decode(ffi::AnyBuffer norm_params, NormRows peer_sums,
+                           ffi::RemainingArgs args, ffi::Result<ffi::AnyBuffer> norm,
+                           ffi::Result<ffi::AnyBuffer> grad_ctrl,
+                           ffi::Result<BytesBuffer> workspace, ffi::Result<NormRow> own_sum,
+                           bool clip, bool skip_nonfinite, bool clip_apply_loss_scale,
+                           Call* call) {
     const auto params = scalar_vector("norm_params", norm_params, NormParams::kSize);
     if (params.has_error()) return params.error();
     const auto norm_out = scalar_vector_out("norm", *norm, 0);
@@ -64,10 +78,21 @@ struct GlobalNormOp {
       return invalid_argument("workspace has ", workspace->element_count(), " bytes, expected ",
                               kNormWorkspaceBytes);
     }
+    if (peer_sums.dimensions()[1] != kNormSumWords) {
+      return invalid_argument("peer_sums rows have ", peer_sums.dimensions()[1], " words, expected ",
+                              kNormSumWords);
+    }
+    if (own_sum->dimensions()[0] != kNormSumWords) {
+      return invalid_argument("own_sum has ", own_sum->dimensions()[0], " words, expected ",
+                              kNormSumWords);
+    }
     const ListSource src{"grads", false, 0};
     JF_RETURN_IF_ERROR(collect_lists(args, nullptr, &src, 1, static_cast<int64_t>(args.size()),
                                      {}, &call->grads));
     call->norm_params = *params;
+    call->peer_sums = peer_sums.typed_data();
+    call->num_peers = peer_sums.dimensions()[0];
+    call->own_sum = own_sum->typed_data();
     call->norm = *norm_out;
     call->grad_ctrl = *grad_ctrl_out;
     call->partials = reinterpret_cast<double*>(workspace->typed_data());
@@ -84,6 +109,7 @@ struct GlobalNormOp {
     Contract c;
     c.numbers["norm_slots"] = kNormSlots;
     c.numbers["workspace_bytes"] = kNormWorkspaceBytes;
+    c.numbers["norm_sum_words"] = kNormSumWords;
     c.names["norm_params"] = name_list(NormParams::kNames);
     c.names["grad_ctrl"] = name_list(GradCtrl::kNames);
     return c;

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 
 #include "jaxfuse/dtype.h"
 #include "jaxfuse/vector_layout.h"
@@ -76,6 +78,33 @@ JF_HD void norm_accumulate(double x, double& sumsq, double& nonfinite) {
   sumsq += x * x;
   nonfinite += x - x;
 }
+
+// A sum of squares with its non-finite marker: a partial, one device's total, or a sum of them.
+// A sharded norm (jaxfuse/clip.py) exchanges each device's total as a row of kNormSumWords
+// uint32 words (the two doubles' bits, so that JAX can all-reduce rows without float64): each
+// device fills only its own row and the others are zero, so the all-reduce's sum is exact and
+// every device then adds the same rows in the same order.
+inline constexpr int kNormSumWords = 4;
+
+struct NormSum {
+  double sumsq = 0.0;
+  double nonfinite = 0.0;  // sum of (x - x): 0 iff every x is finite
+
+  JF_HD void add(const NormSum& other) {
+    sumsq += other.sumsq;
+    nonfinite += other.nonfinite;
+  }
+  JF_HD void store_row(uint32_t* row) const {
+    memcpy(row, &sumsq, sizeof(double));
+    memcpy(row + 2, &nonfinite, sizeof(double));
+  }
+  JF_HD static NormSum load_row(const uint32_t* row) {
+    NormSum s;
+    memcpy(&s.sumsq, row, sizeof(double));
+    memcpy(&s.nonfinite, row + 2, sizeof(double));
+    return s;
+  }
+};
 
 // From the total sum of squares of the raw (loss-scaled) gradients: the global norm of the
 // unscaled gradients, rounded to the dtype of `norm_out` (the leaves' result dtype, as in optax),
