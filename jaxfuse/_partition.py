@@ -209,8 +209,8 @@ def _auto_call(op: str, body: Body, layout: Layout, operands: list) -> list:
   def _one_at_a_time(axis_size, in_batched, *xs):
     xs = [x if b else jnp.broadcast_to(x, (axis_size, *jnp.shape(x)))
           for x, b in zip(xs, in_batched)]
-    out = jax.lax.map(lambda args: mapped(*args), xs)
-    return out, [True] * len(out)
+    out = tuple(jax.lax.map(lambda args: mapped(*args), xs))
+    return out, (True,) * len(out)
 
   return list(mapped(*operands))
 
@@ -226,7 +226,10 @@ def linear_index(shards: Shards, axes: Sequence[str]) -> jax.Array:
 def without_padding(shards: Shards, i: int, x: jax.Array) -> jax.Array:
   """Operand ``i``'s local shard with the padding of an uneven split zeroed: the compiler pads
   the last shards of a dimension that the mesh does not divide, with unspecified values, which a
-  reduction must not see. (Explicit and manual shards are always even.)"""
+  reduction must not see. (Explicit and manual shards are always even; a Shards without global
+  shapes has none.)"""
+  if not shards.global_shapes:
+    return x
   for d, axes in enumerate(shards.operand_axes[i]):
     if not axes or shards.global_shapes[i][d] % shards.size(axes) == 0:
       continue

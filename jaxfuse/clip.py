@@ -106,8 +106,7 @@ def _axis_shards(axis_name: Any, leaves: list) -> _partition.Shards:
   """Inside shard_map: every leaf is split over all of ``axis_name`` (one device's shards)."""
   names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
   return _partition.Shards(names, tuple(jax.lax.axis_size(n) for n in names),
-                           ((),) + tuple((names,) + ((),) * (x.ndim - 1) for x in leaves),
-                           ((),) + tuple(x.shape for x in leaves))
+                           ((),) + tuple((names,) for _ in leaves))
 
 
 def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = None,

@@ -1,0 +1,334 @@
+"""jaxfuse on sharded arrays, on 8 fake CPU devices. Run by tests/test_sharding.py in a process of
+its own (the device count must be set before jax starts its backend); collected alone it skips.
+
+Every case compares with optax (or the unsharded jaxfuse op) on the same inputs, and checks what
+sharding is for: outputs keep their operands' shardings, nothing is gathered, the norm costs one
+small all-reduce, and each device holds and moves only its share.
+"""
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import jaxfuse
+from helpers import assert_trees_close, random_decoder_problem, random_tree, ulp
+
+pytestmark = pytest.mark.skipif(jax.device_count() != 8,
+                                reason="needs 8 devices (tests/test_sharding.py runs this file)")
+
+MESHES = {  # name: (shape, axis names)
+    "fsdp": ((8,), ("fsdp",)),
+    "data_model": ((4, 2), ("data", "model")),
+}
+# Leaves: (shape, spec per mesh). Mostly sharded, some replicated (shapes the mesh does not
+# divide); a scalar; an empty leaf.
+LEAVES = {
+    "fsdp": [((256, 64), P("fsdp")), ((64, 128), P(None, "fsdp")), ((512,), P("fsdp")),
+             ((7, 3), P()), ((), P()), ((0, 8), P())],
+    "data_model": [((256, 64), P("data", "model")), ((64, 128), P("model", "data")),
+                   ((512,), P(("data", "model"))), ((96,), P("data")), ((7, 3), P()), ((), P())],
+}
+LR, WD, MAX_NORM = 1e-2, 0.05, 1.0
+
+
+def make_mesh(name, kind):
+  shape, axes = MESHES[name]
+  axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
+  return jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(axes))
+
+
+def tree_and_specs(name, kind, seed):
+  del kind
+  leaves = LEAVES[name]
+  tree = random_tree(seed, [s for s, _ in leaves])
+  specs = dict(zip(tree, [spec for _, spec in leaves]))
+  return tree, specs
+
+
+def put(tree, mesh, specs):
+  return jax.device_put(tree, {k: NamedSharding(mesh, specs[k]) for k in tree})
+
+
+def state_like(state, params):
+  """The optimizer state with every params-shaped subtree sharded as the params (what
+  ``jax.jit(tx.init, out_shardings=...)`` gives; init's zeros have no sharding of their own)."""
+  def place(sub):
+    if jax.tree.structure(sub) == jax.tree.structure(params):
+      return jax.tree.map(lambda x, p: jax.device_put(x, p.sharding), sub, params)
+    return sub
+  return jax.tree.map(place, state, is_leaf=lambda s: jax.tree.structure(s) ==
+                      jax.tree.structure(params))
+
+
+def specs_of(tree):
+  """Every leaf's PartitionSpec, one entry per dimension (trailing Nones written out)."""
+  return jax.tree.map(lambda x: full_spec(x.sharding.spec, x.ndim), tree)
+
+
+def full_spec(spec, ndim):
+  return P(*spec, *([None] * (ndim - len(spec))))
+
+
+def collectives(compiled_text):
+  gathers = len(re.findall(r"\ball-gather(-start)?\(", compiled_text))
+  reduces = len(re.findall(r"\ball-reduce(-start)?\(", compiled_text))
+  return gathers, reduces
+
+
+def padded_specs(specs, tree):
+  return {k: full_spec(spec, jnp.ndim(tree[k])) for k, spec in specs.items()}
+
+
+@pytest.fixture(params=["auto", "explicit"])
+def kind(request):
+  return request.param
+
+
+@pytest.fixture(params=list(MESHES))
+def mesh_name(request):
+  return request.param
+
+
+def optax_reference(params, grads, steps=1):
+  tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, weight_decay=WD))
+  state = tx.init(params)
+  for g in grads[:steps]:
+    u, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, u)
+  return params, state
+
+
+def test_fused_clip_adamw_step(mesh_name, kind):
+  """The fused clip+AdamW step on sharded params: optax's values; params, mu and nu keep their
+  shardings; no all-gather and one all-reduce; donated buffers are used in place; per-device
+  memory about an eighth of the replicated step's."""
+  mesh = make_mesh(mesh_name, kind)
+  params, specs = tree_and_specs(mesh_name, kind, 1)
+  grads = [random_tree(s, [jnp.shape(x) for x in params.values()]) for s in (2, 3)]
+  grads = [dict(zip(params, g.values())) for g in grads]
+  expected, expected_state = optax_reference(params, grads, steps=2)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
+  with jax.set_mesh(mesh):
+    p = put(params, mesh, specs)
+    state = state_like(tx.init(p), p)
+    step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True),
+                   donate_argnums=(0, 1))
+    g0 = put(grads[0], mesh, specs)
+    compiled = step.lower(p, state, g0).compile()
+    gathers, reduces = collectives(compiled.as_text())
+    assert (gathers, reduces) == (0, 1), compiled.as_text()
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")  # "Some donated buffers were not usable" fails the test
+      for g in grads:
+        p_in = p
+        p, state, norm = step(p, state, put(g, mesh, specs))
+        assert all(x.is_deleted() for x in jax.tree.leaves(p_in) if x.size)
+  want = padded_specs(specs, params)
+  assert specs_of(p) == want
+  assert specs_of(state[1][0].mu) == want and specs_of(state[1][0].nu) == want
+  tol = 4 * ulp(jnp.float32)
+  assert_trees_close(p, expected, rtol=tol, atol=0, what="params")
+  assert_trees_close(state[1][0].mu, expected_state[1][0].mu, rtol=tol, atol=0, what="mu")
+  assert_trees_close(state[1][0].nu, expected_state[1][0].nu, rtol=tol, atol=0, what="nu")
+  np.testing.assert_allclose(float(norm), float(optax.global_norm(grads[1])), rtol=2 * tol)
+
+  replicated = compile_replicated(step, params, tx, grads[0])
+  sharded_bytes = compiled.memory_analysis().argument_size_in_bytes
+  full_bytes = replicated.memory_analysis().argument_size_in_bytes
+  assert sharded_bytes < full_bytes / 6, (sharded_bytes, full_bytes)
+
+
+def compile_replicated(step, params, tx, grads):
+  mesh = make_mesh("fsdp", "auto")
+  with jax.set_mesh(mesh):
+    rep = lambda t: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype, sharding=NamedSharding(mesh, P())), t)
+    return step.lower(rep(params), rep(tx.init(params)), rep(grads)).compile()
+
+
+def test_optax_protocol(mesh_name, kind):
+  """tx.update + optax.apply_updates: optax's values, updates sharded as the grads, no gather."""
+  mesh = make_mesh(mesh_name, kind)
+  params, specs = tree_and_specs(mesh_name, kind, 4)
+  grads = dict(zip(params, random_tree(5, [jnp.shape(x) for x in params.values()]).values()))
+  expected, _ = optax_reference(params, [grads])
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
+  with jax.set_mesh(mesh):
+    p, g = put(params, mesh, specs), put(grads, mesh, specs)
+
+    @jax.jit
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), u
+
+    compiled = step.lower(p, state_like(tx.init(p), p), g).compile()
+    assert collectives(compiled.as_text()) == (0, 1)
+    new_p, updates = step(p, state_like(tx.init(p), p), g)
+  assert specs_of(updates) == padded_specs(specs, params)
+  assert_trees_close(new_p, expected, rtol=4 * ulp(jnp.float32), atol=0)
+
+
+def test_global_norm(mesh_name, kind):
+  """The norm of the whole arrays on every device: the float64 norm rounded (within one float32
+  ulp), the same bits as the unsharded jaxfuse norm's and run to run; one all-reduce."""
+  mesh = make_mesh(mesh_name, kind)
+  tree, specs = tree_and_specs(mesh_name, kind, 6)
+  exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in tree.values()))
+  unsharded = jax.jit(jaxfuse.global_norm)(jax.device_put(tree, jax.devices()[0]))
+  with jax.set_mesh(mesh):
+    t = put(tree, mesh, specs)
+    norm_fn = jax.jit(jaxfuse.global_norm)
+    assert collectives(norm_fn.lower(t).compile().as_text()) == (0, 1)
+    first, second = norm_fn(t), norm_fn(t)
+  assert first.sharding.is_fully_replicated
+  np.testing.assert_allclose(float(first), exact, rtol=ulp(jnp.float32))
+  assert np.asarray(first).tobytes() == np.asarray(second).tobytes()
+  assert np.asarray(first).tobytes() == np.asarray(unsharded).tobytes()
+
+
+def test_training_loop_in_scan_and_fori_loop(kind):
+  """The fused step as a lax.scan / fori_loop carry (the Explicit-axes case failed with a carry
+  type mismatch before); three steps equal optax's."""
+  mesh = make_mesh("fsdp", kind)
+  params, specs = tree_and_specs("fsdp", kind, 7)
+  grads = dict(zip(params, random_tree(8, [jnp.shape(x) for x in params.values()]).values()))
+  expected, _ = optax_reference(params, [grads] * 3, steps=3)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
+  with jax.set_mesh(mesh):
+    p, g = put(params, mesh, specs), put(grads, mesh, specs)
+    s = state_like(tx.init(p), p)
+    step = lambda carry: jaxfuse.fused_step(tx, g, carry[1], carry[0])
+    scanned = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=3)[0])
+    looped = jax.jit(lambda c: jax.lax.fori_loop(0, 3, lambda i, c: step(c), c))
+    for run in (scanned, looped):
+      new_p, new_s = run((p, s))
+      assert specs_of(new_p) == padded_specs(specs, params)
+      assert_trees_close(new_p, expected, rtol=8 * ulp(jnp.float32), atol=0)
+
+
+def test_jit_with_in_and_out_shardings():
+  """No mesh context: shardings given to jit only (Auto axes)."""
+  mesh = make_mesh("fsdp", "auto")
+  params, specs = tree_and_specs("fsdp", "auto", 9)
+  grads = dict(zip(params, random_tree(10, [jnp.shape(x) for x in params.values()]).values()))
+  expected, _ = optax_reference(params, [grads])
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
+  sh = {k: NamedSharding(mesh, specs[k]) for k in params}
+  state = tx.init(params)
+  state_sh = state_like(jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())),
+                                     state), jax.device_put(params, sh))
+  state_sh = jax.tree.map(lambda x: x.sharding, state_sh)
+  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p),
+                 in_shardings=(sh, state_sh, sh), out_shardings=(sh, state_sh),
+                 donate_argnums=(0, 1))
+  compiled = step.lower(params, state, grads).compile()
+  assert collectives(compiled.as_text()) == (0, 1)
+  new_p, _ = step(jax.device_put(params, sh), jax.device_put(state, state_sh),
+                  jax.device_put(grads, sh))
+  assert_trees_close(new_p, expected, rtol=4 * ulp(jnp.float32), atol=0)
+
+
+def test_inside_shard_map_with_axis_name():
+  """In a shard_map body each call sees one device's shards: clip_by_global_norm's axis_name
+  makes the norm the whole tree's (without it, it is the shard's own)."""
+  mesh = make_mesh("fsdp", "explicit")
+  params = random_tree(11, [(64, 16), (32,)])
+  grads = dict(zip(params, random_tree(12, [(64, 16), (32,)]).values()))
+  expected, _ = optax_reference(params, [grads])
+  specs = {k: P("fsdp") for k in params}
+  with jax.set_mesh(mesh):
+    p, g = put(params, mesh, specs), put(grads, mesh, specs)
+    for axis_name, want in (("fsdp", expected), (None, None)):
+      tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM, axis_name=axis_name),
+                       jaxfuse.adamw(LR, weight_decay=WD))
+      s = state_like(tx.init(p), p)
+      body = lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True)
+      state_specs = jax.tree.map(lambda x: P("fsdp") if jnp.ndim(x) else P(), s)
+      run = jax.jit(jax.shard_map(body, in_specs=(P("fsdp"), state_specs, P("fsdp")),
+                                  out_specs=(P("fsdp"), state_specs, P())))
+      new_p, _, norm = run(p, s, g)
+      if want is not None:
+        assert_trees_close(new_p, want, rtol=4 * ulp(jnp.float32), atol=0)
+        np.testing.assert_allclose(float(norm), float(optax.global_norm(grads)), rtol=1e-6)
+      else:  # each device clipped by its own shard's norm: device 0's is not the global one
+        assert float(norm) < float(optax.global_norm(grads))
+
+
+def test_vmap_over_an_ensemble_on_many_devices():
+  """vmap over the optimizer when several devices exist (the custom-partitioned op runs once
+  per ensemble member)."""
+  params = random_tree(13, [(3, 4), (5,)])
+  params = jax.tree.map(lambda x: jnp.stack([x, 2 * x]), params)
+  grads = jax.tree.map(lambda x: 0.5 * x + 1.0, params)
+  tx, to = jaxfuse.adamw(LR), optax.adamw(LR)
+  uf, _ = jax.jit(jax.vmap(tx.update))(grads, jax.vmap(tx.init)(params), params)
+  uo, _ = jax.vmap(to.update)(grads, jax.vmap(to.init)(params), params)
+  assert_trees_close(uf, uo, rtol=4 * ulp(jnp.float32), atol=0)
+
+
+def test_batch_sharded_decoder(kind):
+  """The decoder with batch rows and the cache split over devices, weights replicated: the
+  unsharded result, the cache keeps its sharding, nothing is gathered; heads split over
+  devices is refused with an error that says what is supported."""
+  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                              head_dim=16, intermediate_size=96, max_seq_len=24)
+  x, w, cache = random_decoder_problem(cfg, 16, jnp.float32, 14)
+  positions = jnp.arange(16, dtype=jnp.int32) % cfg.max_seq_len
+  want_h, want_cache = jax.jit(jaxfuse.persistent_decoder, static_argnums=4)(
+      *jax.device_put((x, positions, w, cache), jax.devices()[0]), cfg)
+  mesh = make_mesh("fsdp", kind)
+  with jax.set_mesh(mesh):
+    rows = lambda spec: NamedSharding(mesh, spec)
+    xs = jax.device_put(x, rows(P("fsdp")))
+    ps = jax.device_put(positions, rows(P("fsdp")))
+    ws = jax.device_put(w, rows(P()))
+    cs = jax.device_put(cache, rows(P(None, "fsdp")))
+    step = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg),
+                   donate_argnums=(3,))
+    assert collectives(step.lower(xs, ps, ws, cs).compile().as_text()) == (0, 0)
+    h, new_cache = step(xs, ps, ws, cs)
+    assert full_spec(new_cache.k.sharding.spec, 5) == P(None, "fsdp", None, None, None)
+    np.testing.assert_array_equal(np.asarray(h), np.asarray(want_h))
+    np.testing.assert_array_equal(np.asarray(new_cache.k), np.asarray(want_cache.k))
+    if kind == "explicit":
+      head_dims = jax.device_put(cache, rows(P(None, None, None, None, "fsdp")))
+      with pytest.raises(ValueError, match="cache.k is sharded over mesh axes .* along "
+                         "dimension 4.*splits only x along dimension"):
+        jaxfuse.persistent_decoder(xs, ps, ws, head_dims, cfg)
+
+
+def test_uneven_shards_inside_jit():
+  """On Auto axes the compiler may split a dimension the mesh does not divide (here by a
+  sharding constraint inside jit), padding the last shards: the norm must not count the
+  padding, and the step must still be optax's."""
+  mesh = make_mesh("fsdp", "auto")
+  params = random_tree(15, [(100, 3), (13,)])
+  grads = dict(zip(params, random_tree(16, [(100, 3), (13,)]).values()))
+  expected, _ = optax_reference(params, [grads])
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
+  split = lambda t: jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("fsdp"))), t)
+
+  @functools.partial(jax.jit, in_shardings=NamedSharding(mesh, P()))  # inputs whole
+  def step(p, s, g):
+    p, g = split(p), split(jax.tree.map(lambda x: x * 1.0, g))
+    return jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True)
+
+  with jax.set_mesh(mesh):
+    text = step.lower(params, tx.init(params), grads).compile().as_text()
+    # The kernels run on 13-row shards (8 x 13 = 104 rows, 4 of padding) with one all-reduce;
+    # the outputs are gathered after them only because a jit output cannot be split unevenly.
+    adam = [line for line in text.splitlines() if 'custom_call_target="jaxfuse_adam"' in line]
+    assert len(adam) == 1 and "f32[13,3]" in adam[0] and "f32[100,3]" not in adam[0]
+    assert collectives(text)[1] == 1
+    new_p, _, norm = step(params, tx.init(params), grads)
+  exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in grads.values()))
+  np.testing.assert_allclose(float(norm), exact, rtol=ulp(jnp.float32))
+  assert_trees_close(new_p, expected, rtol=4 * ulp(jnp.float32), atol=0)

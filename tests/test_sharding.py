@@ -1,0 +1,52 @@
+"""Sharded jaxfuse: runs tests/sharded_cases.py on 8 fake CPU devices in a process of its own (the
+device count must be set before jax starts its backend), and the two-process test."""
+
+import os
+import socket
+import subprocess
+import sys
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env(**extra):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  env.pop("JAX_NUM_CPU_DEVICES", None)
+  env.update(extra)
+  return env
+
+
+def test_sharded_cases_on_8_devices():
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "sharded_cases.py"],
+      cwd=_TESTS, capture_output=True, text=True, timeout=900,
+      env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+  assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-6000:] + result.stderr[-3000:]
+  assert "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes():
+  """jax.distributed with two local processes (coordinator on localhost, gloo CPU collectives):
+  the sharded fused clip+AdamW step and global norm equal the single-process run."""
+  port = str(_free_port())
+  procs = [subprocess.Popen([sys.executable, "multiprocess_case.py", str(i), port], cwd=_TESTS,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=_env())
+           for i in range(2)]
+  outputs = []
+  for proc in procs:
+    try:
+      outputs.append(proc.communicate(timeout=300)[0])
+    except subprocess.TimeoutExpired:
+      for p in procs:
+        p.kill()
+      raise
+  for i, (proc, out) in enumerate(zip(procs, outputs)):
+    assert proc.returncode == 0 and f"process {i}: ok" in out, out[-4000:]
