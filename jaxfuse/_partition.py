@@ -75,30 +75,38 @@ def _spec(axes: Axes) -> P:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """An op's operands and results, as factors per dimension (see the module docstring);
-  ``names`` label the operands in error messages."""
+  ``names`` label the operands in error messages; ``prefer`` lists operands whose sharding wins
+  a tie (e.g. the params and moments an update writes back over the gradients)."""
 
   operands: tuple[Dims, ...]
   results: tuple[Dims, ...]
   names: tuple[str, ...]
+  prefer: tuple[int, ...] = ()
 
   def factor_axes(self, operand_axes: Sequence[Axes], mesh_shape: dict[str, int],
                   op: str) -> dict[str, tuple[str, ...]]:
-    """The mesh axes of every factor: those of the operand that splits it over the most
-    devices (the first such operand on a tie). Raises, naming the operand, where an operand is
-    split along a dimension the op cannot split."""
-    size = lambda axes: math.prod(mesh_shape[a] for a in axes)
-    best: dict[str, tuple[str, ...]] = {}
+    """The mesh axes of every factor. The factors an operand carries together (one leaf's
+    dimensions, say) take their axes from one operand, so that no mesh axis splits two
+    dimensions: the operand split over the most devices along them (on a tie the first in
+    ``prefer``, then in operand order). Raises, naming the operand, where an operand is split
+    along a dimension the op cannot split."""
     for name, dims, axes in zip(self.names, self.operands, operand_axes):
       for d, (factor, a) in enumerate(zip(dims, axes)):
-        if factor is None:
-          if a:
-            raise ValueError(
-                f"{op}: {name} is sharded over mesh axes {a} along dimension {d}, which {op} "
-                f"does not split; {self.supported(op)}")
-          continue
-        if factor not in best or size(a) > size(best[factor]):
-          best[factor] = a
-    return best
+        if factor is None and a:
+          raise ValueError(
+              f"{op}: {name} is sharded over mesh axes {a} along dimension {d}, which {op} "
+              f"does not split; {self.supported(op)}")
+    order = list(self.prefer) + [i for i in range(len(self.operands)) if i not in self.prefer]
+    best: dict[frozenset, tuple[int, dict[str, tuple[str, ...]]]] = {}
+    for i in order:
+      split = {f: a for f, a in zip(self.operands[i], operand_axes[i]) if f is not None}
+      if not split:
+        continue
+      devices = math.prod(mesh_shape[a] for axes in split.values() for a in axes)
+      key = frozenset(split)
+      if key not in best or devices > best[key][0]:
+        best[key] = (devices, split)
+    return {f: a for _, split in best.values() for f, a in split.items()}
 
   def supported(self, op: str) -> str:
     """What the op can split, for error messages."""
@@ -185,7 +193,14 @@ def _explicit_call(op: str, body: Body, layout: Layout, operands: list, mesh) ->
 
 def _auto_call(op: str, body: Body, layout: Layout, operands: list) -> list:
   """The body as a ``custom_partitioning`` op: the compiler's shardings reach the partition
-  callback; under ``jax.vmap`` the op runs once per mapped element (``lax.map``)."""
+  callback; under ``jax.vmap`` the op runs once per mapped element (``lax.map``). The operands
+  are passed with the preferred ones first, as Shardy resolves a factor split differently by
+  two operands in favour of the earlier one."""
+  order = list(layout.prefer) + [i for i in range(len(operands)) if i not in layout.prefer]
+  layout = Layout(tuple(layout.operands[i] for i in order), layout.results,
+                  tuple(layout.names[i] for i in order))
+  restore = lambda xs: [xs[order.index(i)] for i in range(len(xs))]
+  run = lambda shards, *xs: tuple(body(shards, *restore(xs)))
 
   def partition(mesh, arg_shapes, result_shape):
     del result_shape
@@ -195,13 +210,13 @@ def _auto_call(op: str, body: Body, layout: Layout, operands: list) -> list:
     factor_axes = layout.factor_axes(arg_axes, mesh_shape, op)
     in_axes = tuple(layout.axes_of(dims, factor_axes) for dims in layout.operands)
     shards = Shards(tuple(mesh.axis_names), tuple(mesh_shape[n] for n in mesh.axis_names),
-                    in_axes, tuple(tuple(a.shape) for a in arg_shapes))
+                    tuple(restore(in_axes)), tuple(restore([tuple(a.shape) for a in arg_shapes])))
     arg_shardings = tuple(NamedSharding(mesh, _spec(a)) for a in in_axes)
     result_shardings = tuple(NamedSharding(mesh, _spec(layout.axes_of(dims, factor_axes)))
                              for dims in layout.results)
-    return mesh, lambda *xs: tuple(body(shards, *xs)), result_shardings, arg_shardings
+    return mesh, lambda *xs: run(shards, *xs), result_shardings, arg_shardings
 
-  call = custom_partitioning(lambda *xs: tuple(body(Shards(), *xs)))
+  call = custom_partitioning(lambda *xs: run(Shards(), *xs))
   call.def_partition(partition=partition, sharding_rule=layout.sharding_rule())
   mapped = jax.custom_batching.custom_vmap(call)
 
@@ -212,7 +227,7 @@ def _auto_call(op: str, body: Body, layout: Layout, operands: list) -> list:
     out = tuple(jax.lax.map(lambda args: mapped(*args), xs))
     return out, (True,) * len(out)
 
-  return list(mapped(*operands))
+  return list(mapped(*[operands[i] for i in order]))
 
 
 def linear_index(shards: Shards, axes: Sequence[str]) -> jax.Array:

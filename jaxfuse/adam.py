@@ -364,7 +364,10 @@ def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, writ
       + tuple(leaf_dims) * len(layout["operands"]),
       results=((),) + tuple(leaf_dims) * len(layout["results"]),
       names=tuple(_CONTRACT.names["fixed_operands"])
-      + tuple(f"{name} leaf {i}" for name in layout["operands"] for i in range(n)))
+      + tuple(f"{name} leaf {i}" for name in layout["operands"] for i in range(n)),
+      # The state written back keeps its sharding; the gradients follow it.
+      prefer=tuple(len(fixed) + k * n + i for k, name in enumerate(layout["operands"])
+                   if name != "grads" for i in range(n)))
   out = _partition.partitioned_call("jaxfuse.adam", body, partition, operands)
   lists = {name: list(out[1 + i * n:1 + (i + 1) * n]) for i, name in enumerate(layout["results"])}
   return out[0], lists
