@@ -48,16 +48,6 @@ def place(tree, mesh):
           for k, x in tree.items()}
 
 
-def place_state(state, params):
-  treedef = jax.tree.structure(params)
-  is_params = lambda s: jax.tree.structure(s) == treedef
-  mesh = next(iter(params.values())).sharding.mesh
-  return jax.tree.map(
-      lambda s: (jax.tree.map(lambda x, p: jax.device_put(x, p.sharding), s, params)
-                 if is_params(s) else jax.device_put(s, NamedSharding(mesh, P()))),
-      state, is_leaf=is_params)
-
-
 def optax_step(tx):
   def step(params, state, grads):
     updates, state = tx.update(grads, state, params)
@@ -86,7 +76,7 @@ def bench(label, shapes, kind, rows):
   with jax.set_mesh(mesh):
     for name, (tx, make) in variants.items():
       params, grads = place(make_tree(shapes, 0), mesh), place(make_tree(shapes, 1), mesh)
-      state = place_state(tx.init(params), params)
+      state = tx.init(params)  # eagerly: the moments take the params' shardings
       step = make(tx)
       compiled = step.lower(params, state, grads).compile()
       ms, _, _ = time_step(step, params, state, grads)

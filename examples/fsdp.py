@@ -20,7 +20,6 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -36,17 +35,6 @@ def fsdp_spec(x: jax.Array, devices: int) -> P:
     if x.shape[d] % devices == 0:
       return P(*[None] * d, "fsdp")
   return P()
-
-
-def place_like(state, params):
-  """The optimizer state with every params-shaped subtree placed as the params (init's zeros
-  carry no sharding of their own), the rest replicated."""
-  treedef = jax.tree.structure(params)
-  is_params = lambda s: jax.tree.structure(s) == treedef
-  replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, P())
-  return jax.tree.map(
-      lambda s: (jax.tree.map(lambda x, p: jax.device_put(x, p.sharding), s, params)
-                 if is_params(s) else jax.device_put(s, replicated)), state, is_leaf=is_params)
 
 
 def make_step(cfg, tx, batch: int, seq_len: int, mesh):
@@ -73,7 +61,7 @@ def run(name: str, sharded: bool, cfg, args, mesh, data) -> dict:
   n = mesh.devices.size
   specs = jax.tree.map(lambda x: fsdp_spec(x, n) if sharded else P(), params)
   params = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
-  state = place_like(tx.init(params), params)
+  state = tx.init(params)  # eagerly: the moments take the params' shardings
   step = make_step(cfg, tx, args.batch, args.seq_len, mesh)
   key = jax.random.key(1)
   memory = step.lower(params, state, key, data).compile().memory_analysis()

@@ -96,9 +96,8 @@ class Layout:
           raise ValueError(
               f"{op}: {name} is sharded over mesh axes {a} along dimension {d}, which {op} "
               f"does not split; {self.supported(op)}")
-    order = list(self.prefer) + [i for i in range(len(self.operands)) if i not in self.prefer]
     best: dict[frozenset, tuple[int, dict[str, tuple[str, ...]]]] = {}
-    for i in order:
+    for i in self.preference_order():
       split = {f: a for f, a in zip(self.operands[i], operand_axes[i]) if f is not None}
       if not split:
         continue
@@ -107,6 +106,10 @@ class Layout:
       if key not in best or devices > best[key][0]:
         best[key] = (devices, split)
     return {f: a for _, split in best.values() for f, a in split.items()}
+
+  def preference_order(self) -> list[int]:
+    """Operand indices, those in ``prefer`` first."""
+    return list(self.prefer) + [i for i in range(len(self.operands)) if i not in self.prefer]
 
   def supported(self, op: str) -> str:
     """What the op can split, for error messages."""
@@ -196,7 +199,7 @@ def _auto_call(op: str, body: Body, layout: Layout, operands: list) -> list:
   callback; under ``jax.vmap`` the op runs once per mapped element (``lax.map``). The operands
   are passed with the preferred ones first, as Shardy resolves a factor split differently by
   two operands in favour of the earlier one."""
-  order = list(layout.prefer) + [i for i in range(len(operands)) if i not in layout.prefer]
+  order = layout.preference_order()
   layout = Layout(tuple(layout.operands[i] for i in order), layout.results,
                   tuple(layout.names[i] for i in order))
   restore = lambda xs: [xs[order.index(i)] for i in range(len(xs))]

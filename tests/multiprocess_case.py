@@ -14,7 +14,6 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 process_id, port = int(sys.argv[1]), int(sys.argv[2])
 jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
 
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402

@@ -56,17 +56,6 @@ def put(tree, mesh, specs):
   return jax.device_put(tree, {k: NamedSharding(mesh, specs[k]) for k in tree})
 
 
-def state_like(state, params):
-  """The optimizer state with every params-shaped subtree sharded as the params (what
-  ``jax.jit(tx.init, out_shardings=...)`` gives; init's zeros have no sharding of their own)."""
-  def place(sub):
-    if jax.tree.structure(sub) == jax.tree.structure(params):
-      return jax.tree.map(lambda x, p: jax.device_put(x, p.sharding), sub, params)
-    return sub
-  return jax.tree.map(place, state, is_leaf=lambda s: jax.tree.structure(s) ==
-                      jax.tree.structure(params))
-
-
 def specs_of(tree):
   """Every leaf's PartitionSpec, one entry per dimension (trailing Nones written out)."""
   return jax.tree.map(lambda x: full_spec(x.sharding.spec, x.ndim), tree)
@@ -117,7 +106,7 @@ def test_fused_clip_adamw_step(mesh_name, kind):
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   with jax.set_mesh(mesh):
     p = put(params, mesh, specs)
-    state = state_like(tx.init(p), p)
+    state = tx.init(p)
     step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True),
                    donate_argnums=(0, 1))
     g0 = put(grads[0], mesh, specs)
@@ -168,9 +157,9 @@ def test_optax_protocol(mesh_name, kind):
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), u
 
-    compiled = step.lower(p, state_like(tx.init(p), p), g).compile()
+    compiled = step.lower(p, tx.init(p), g).compile()
     assert collectives(compiled.as_text()) == (0, 1)
-    new_p, updates = step(p, state_like(tx.init(p), p), g)
+    new_p, updates = step(p, tx.init(p), g)
   assert specs_of(updates) == padded_specs(specs, params)
   assert_trees_close(new_p, expected, rtol=4 * ulp(jnp.float32), atol=0)
 
@@ -203,7 +192,7 @@ def test_training_loop_in_scan_and_fori_loop(kind):
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   with jax.set_mesh(mesh):
     p, g = put(params, mesh, specs), put(grads, mesh, specs)
-    s = state_like(tx.init(p), p)
+    s = tx.init(p)
     step = lambda carry: jaxfuse.fused_step(tx, g, carry[1], carry[0])
     scanned = jax.jit(lambda c: jax.lax.scan(lambda c, _: (step(c), None), c, None, length=3)[0])
     looped = jax.jit(lambda c: jax.lax.fori_loop(0, 3, lambda i, c: step(c), c))
@@ -222,9 +211,9 @@ def test_jit_with_in_and_out_shardings():
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   sh = {k: NamedSharding(mesh, specs[k]) for k in params}
   state = tx.init(params)
-  state_sh = state_like(jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())),
-                                     state), jax.device_put(params, sh))
-  state_sh = jax.tree.map(lambda x: x.sharding, state_sh)
+  # Eager init on sharded params: the moments take the params' shardings (the count is a scalar).
+  state_sh = jax.tree.map(lambda x: x.sharding if x.ndim else NamedSharding(mesh, P()),
+                          tx.init(jax.device_put(params, sh)))
   step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p),
                  in_shardings=(sh, state_sh, sh), out_shardings=(sh, state_sh),
                  donate_argnums=(0, 1))
@@ -248,7 +237,7 @@ def test_inside_shard_map_with_axis_name():
     for axis_name, want in (("fsdp", expected), (None, None)):
       tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM, axis_name=axis_name),
                        jaxfuse.adamw(LR, weight_decay=WD))
-      s = state_like(tx.init(p), p)
+      s = tx.init(p)
       body = lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True)
       state_specs = jax.tree.map(lambda x: P("fsdp") if jnp.ndim(x) else P(), s)
       run = jax.jit(jax.shard_map(body, in_specs=(P("fsdp"), state_specs, P("fsdp")),
@@ -349,7 +338,7 @@ def test_grads_split_otherwise_than_params(kind):
   with jax.set_mesh(mesh):
     p, g = put(params, mesh, p_specs), put(grads, mesh, g_specs)
     step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
-    new_p, new_s = step(p, state_like(tx.init(p), p), g)
+    new_p, new_s = step(p, tx.init(p), g)
   assert specs_of(new_p) == padded_specs(p_specs, params)
   assert specs_of(new_s[1][0].mu) == padded_specs(p_specs, params)
   assert_trees_close(new_p, expected, rtol=4 * ulp(jnp.float32), atol=0)
