@@ -143,6 +143,17 @@ class Layout:
 Body = Callable[..., Sequence[jax.Array]]  # body(shards: Shards, *operands) -> results
 
 
+def whole(x: Any) -> Dims:
+  """The layout of an operand that is never split (a control vector, a weight)."""
+  return (None,) * jnp.ndim(x)
+
+
+def leaf_dims(leaves: Sequence[Any], prefix: str) -> tuple[Dims, ...]:
+  """Each leaf's dimensions as factors of their own (``prefix`` names the op's leaf lists, so that
+  the lists of one elementwise op share a leaf's factors)."""
+  return tuple(tuple(f"{prefix}{i}_{d}" for d in range(jnp.ndim(x))) for i, x in enumerate(leaves))
+
+
 def _explicit_mesh(operands: Sequence[Any]):
   """The abstract mesh whose Explicit axes the operands' types are sharded over, or None."""
   for x in operands:

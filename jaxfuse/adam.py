@@ -358,11 +358,11 @@ def _adam_ffi(count, hyper, grad_ctrl, leaves: _Leaves, *, decay, nesterov, writ
                 write_updates=bool(write_updates), master=master, params=params,
                 decay_mask=np.asarray(decay, np.uint8))
 
-  leaf_dims = [tuple(f"l{i}_{d}" for d in range(jnp.ndim(g))) for i, g in enumerate(leaves.grads)]
+  leaf_dims = _partition.leaf_dims(leaves.grads, "leaf")
   partition = _partition.Layout(
-      operands=tuple(() if jnp.ndim(x) == 0 else (None,) for x in operands[:len(fixed)])
-      + tuple(leaf_dims) * len(layout["operands"]),
-      results=((),) + tuple(leaf_dims) * len(layout["results"]),
+      operands=tuple(_partition.whole(x) for x in operands[:len(fixed)])
+      + leaf_dims * len(layout["operands"]),
+      results=((),) + leaf_dims * len(layout["results"]),
       names=tuple(_CONTRACT.names["fixed_operands"])
       + tuple(f"{name} leaf {i}" for name in layout["operands"] for i in range(n)),
       # The state written back keeps its sharding; the gradients follow it.

@@ -47,6 +47,13 @@ class ClipSpec:
   axis_name: Any = None
 
 
+_SUM_WORDS = _CONTRACT.numbers["norm_sum_words"]
+
+
+def _no_peers() -> jax.Array:
+  return jnp.zeros((0, _SUM_WORDS), jnp.uint32)
+
+
 def _norm_ffi(norm_params: jax.Array, peer_sums: jax.Array, leaves: list, norm_dtype, *,
               clip: bool, skip_nonfinite: bool, clip_apply_loss_scale: bool):
   """One jaxfuse_global_norm call: (norm, grad_ctrl, own_sum) of ``leaves`` plus the peers'
@@ -64,9 +71,6 @@ def _norm_ffi(norm_params: jax.Array, peer_sums: jax.Array, leaves: list, norm_d
   return norm, grad_ctrl, own_sum
 
 
-_SUM_WORDS = _CONTRACT.numbers["norm_sum_words"]
-
-
 def _sharded_norm(shards: _partition.Shards, norm_params, leaves: list, call) -> tuple:
   """The norm of leaves split over devices, inside a partitioned body: every device sums its
   shards (one call per set of mesh axes the leaves are replicated over, counted only on the
@@ -82,14 +86,13 @@ def _sharded_norm(shards: _partition.Shards, norm_params, leaves: list, call) ->
     groups.setdefault(replicas, []).append(_partition.without_padding(shards, i + 1, x))
   rows = []
   for replicas, group in groups.items():
-    own = call(norm_params, jnp.zeros((0, _SUM_WORDS), jnp.uint32), group)[2]
+    own = call(norm_params, _no_peers(), group)[2]
     first_replica = functools.reduce(jnp.logical_and,
                                      [jax.lax.axis_index(a) == 0 for a in replicas],
                                      jnp.bool_(True))
     row = jnp.where(first_replica, own, jnp.zeros_like(own))
     rows.append(jnp.zeros((shards.size(axes), _SUM_WORDS), jnp.uint32).at[me].set(row))
-  peers = (jax.lax.psum(jnp.concatenate(rows), axes) if rows
-           else jnp.zeros((0, _SUM_WORDS), jnp.uint32))
+  peers = jax.lax.psum(jnp.concatenate(rows), axes) if rows else _no_peers()
   norm, grad_ctrl, _ = call(norm_params, peers, [])
   return norm, grad_ctrl
 
@@ -97,9 +100,9 @@ def _sharded_norm(shards: _partition.Shards, norm_params, leaves: list, call) ->
 def _norm_layout(leaves: list) -> _partition.Layout:
   """norm_params, then the leaves (each dimension a factor of its own); norm and grad_ctrl are
   replicated."""
-  leaf_dims = tuple(tuple(f"g{i}_{d}" for d in range(x.ndim)) for i, x in enumerate(leaves))
   names = ("norm_params",) + tuple(f"grads leaf {n}" for n in range(len(leaves)))
-  return _partition.Layout(((None,),) + leaf_dims, ((), (None,)), names)
+  return _partition.Layout(((None,),) + _partition.leaf_dims(leaves, "grads"), ((), (None,)),
+                           names)
 
 
 def _axis_shards(axis_name: Any, leaves: list) -> _partition.Shards:
@@ -131,7 +134,7 @@ def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = No
     if axis_name is not None:
       return _sharded_norm(_axis_shards(axis_name, local), norm_params, local, call)
     if not shards.axis_names:
-      return call(norm_params, jnp.zeros((0, _SUM_WORDS), jnp.uint32), local)[:2]
+      return call(norm_params, _no_peers(), local)[:2]
     return _sharded_norm(shards, norm_params, local, call)
 
   if axis_name is not None and not _partition.in_manual_region():
@@ -171,7 +174,7 @@ def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
         vmap_method="sequential")
     return call(grad_ctrl, *local)
 
-  dims = tuple(tuple(f"g{i}_{d}" for d in range(x.ndim)) for i, x in enumerate(leaves))
+  dims = _partition.leaf_dims(leaves, "grads")
   layout = _partition.Layout(((None,),) + dims, dims,
                              ("grad_ctrl",) + tuple(f"grads leaf {i}" for i in range(len(leaves))))
   return treedef.unflatten(_partition.partitioned_call("jaxfuse.clip_by_global_norm", body,

@@ -283,8 +283,9 @@ def _call_kernel(cfg: DecoderConfig, x, positions, weights: DecoderWeights, k_ca
                                            **_attributes(cfg))))
     return outs["out"], outs["k_cache"], outs["v_cache"]
 
-  return tuple(_partition.partitioned_call(
-      "persistent_decoder", body, _partition_layout(cfg), [x, positions, *weights, k_cache, v_cache]))
+  operands = [x, positions, *weights, k_cache, v_cache]
+  return tuple(_partition.partitioned_call("persistent_decoder", body, _partition_layout(cfg),
+                                           operands))
 
 
 # Batch-sharded decode: the batch axis ("b") may be split over devices; everything else (the
@@ -294,7 +295,8 @@ _CACHE_DIMS = (None, "b", None, None, None)  # [L, B, S, KV, hd]
 
 def _partition_layout(cfg: DecoderConfig) -> _partition.Layout:
   return _partition.Layout(
-      operands=(("b", None), ("b",)) + tuple((None,) * len(s) for s in cfg.weight_shapes().values())
+      operands=(("b", None), ("b",))
+      + tuple((None,) * len(shape) for shape in cfg.weight_shapes().values())
       + (_CACHE_DIMS, _CACHE_DIMS),
       results=(("b", None), _CACHE_DIMS, _CACHE_DIMS),
       names=("x", "positions") + DecoderWeights._fields + ("cache.k", "cache.v"))

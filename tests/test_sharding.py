@@ -22,8 +22,9 @@ def test_sharded_cases_on_8_devices():
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "sharded_cases.py"],
       cwd=_TESTS, capture_output=True, text=True, timeout=900,
       env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
-  assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-6000:] + result.stderr[-3000:]
-  assert "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+  report = result.stdout[-6000:] + result.stderr[-3000:]
+  assert result.returncode == 0 and " passed" in result.stdout, report
+  assert "skipped" not in result.stdout.splitlines()[-1], report
 
 
 def _free_port():

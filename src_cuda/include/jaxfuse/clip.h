@@ -79,8 +79,8 @@ struct GlobalNormOp {
                               kNormWorkspaceBytes);
     }
     if (peer_sums.dimensions()[1] != kNormSumWords) {
-      return invalid_argument("peer_sums rows have ", peer_sums.dimensions()[1], " words, expected ",
-                              kNormSumWords);
+      return invalid_argument("peer_sums rows have ", peer_sums.dimensions()[1],
+                              " words, expected ", kNormSumWords);
     }
     if (own_sum->dimensions()[0] != kNormSumWords) {
       return invalid_argument("own_sum has ", own_sum->dimensions()[0], " words, expected ",
