@@ -8,6 +8,7 @@ Reductions (global norm, decoder) sum in another order: they are compared within
 and must be bitwise the same under every thread schedule and on every emulated grid size.
 """
 
+import functools
 import os
 
 import jax
@@ -17,7 +18,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _ffi
+from jaxfuse import _ffi, clip
 from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:
@@ -241,3 +242,37 @@ def test_old_driver_is_named(monkeypatch):
   assert _ffi._jaxfuse_cuda_on_cpu.cuda_info()["driver_problem"] == "no NVIDIA driver found"
   monkeypatch.delenv("JAXFUSE_EMU_DRIVER_VERSION")
   emulated(jaxfuse.global_norm, tree)  # and nothing sticks
+
+
+def _norm_in_two_calls(*trees):
+  """The sharded global norm's kernels for len(trees) 'devices': each tree's own call (its
+  float64 sum of squares as a row of uint32 words), then one call over no gradients that adds
+  the rows (the all-reduced matrix) and finishes."""
+  call = functools.partial(clip._norm_ffi, norm_dtype=jnp.float32, clip=True,
+                           skip_nonfinite=True, clip_apply_loss_scale=True)
+  norm_params = jnp.asarray([1.0, 0.5], jnp.float32)  # loss scale, max norm
+  rows = [call(norm_params, clip._no_peers(), jax.tree.leaves(t))[2] for t in trees]
+  norm, grad_ctrl, own = call(norm_params, jnp.stack(rows), [])
+  return jnp.stack(rows), norm, grad_ctrl, own
+
+
+def test_global_norm_from_peer_rows(launch):
+  """Each 'device's row holds the bits of its float64 sum of squares; the finishing call adds the
+  rows: both as the CPU handlers do, to float64 rounding (the sums run in another order)."""
+  trees = [random_tree(20 + i, SIZES, DTYPE_MIXES["mixed"]) for i in range(3)]
+  (rows_n, norm_n, ctrl_n, own_n), (rows_e, norm_e, ctrl_e, own_e) = on_both(
+      _norm_in_two_calls, *trees)
+  exact = [sum(np.sum(np.abs(np.asarray(x, np.complex128)) ** 2) for x in jax.tree.leaves(t))
+           for t in trees]
+  for rows in (rows_n, rows_e):
+    np.testing.assert_allclose(rows.view(np.float64)[:, 0], exact, rtol=1e-14)
+    np.testing.assert_array_equal(rows.view(np.float64)[:, 1], 0.0)  # all finite
+  for norm, ctrl, own in ((norm_n, ctrl_n, own_n), (norm_e, ctrl_e, own_e)):
+    np.testing.assert_allclose(norm, np.sqrt(sum(exact)), rtol=float(jnp.finfo(jnp.float32).eps))
+    np.testing.assert_array_equal(own, np.zeros(4, np.uint32))  # no gradients of its own
+  np.testing.assert_array_equal(ctrl_e, ctrl_n)
+
+
+def test_global_norm_from_peer_rows_same_bits_under_every_schedule(grid, monkeypatch):
+  trees = [random_tree(30 + i, SIZES, DTYPE_MIXES["mixed"]) for i in range(3)]
+  assert_same_bits_under_schedules(monkeypatch, ("0", "1", "99"), _norm_in_two_calls, *trees)

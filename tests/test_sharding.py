@@ -10,10 +10,11 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 def _env(**extra):
+  """The environment of the child processes: fake CPU devices only (also on a GPU machine)."""
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   env.pop("JAX_NUM_CPU_DEVICES", None)
-  env.update(extra)
+  env.update(JAX_PLATFORMS="cpu", **extra)
   return env
 
 
