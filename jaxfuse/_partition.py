@@ -10,8 +10,9 @@ are sharded:
 * **Auto axes** (sharding decided by the compiler; plain ``jit`` with ``in_shardings``, a mesh
   set with ``jax.set_mesh`` and Auto axis types): ``jax.experimental.custom_partitioning`` with a
   Shardy sharding rule built from the layout. At compile time, after sharding propagation, its
-  partition callback gives every factor the mesh axes of its most-split operand (splitting a
-  replicated operand is a local slice; gathering a split one would move data), so each device
+  partition callback gives the factors an operand carries together the mesh axes of the operand
+  most split along them (splitting a replicated operand is a local slice; gathering a split one
+  would move data; ties go to ``Layout.prefer``, e.g. the params over the gradients), so each device
   runs the body on its own shards and nothing is gathered. This is the mechanism JAX's own
   libraries use (TransformerEngine-JAX's primitives), and the only one that sees shardings that
   the compiler, not the types, decides.
