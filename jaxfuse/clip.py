@@ -120,6 +120,10 @@ def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = No
   clip. One jaxfuse_global_norm call on one device; over sharded leaves, per-shard sums and one
   small all-reduce (:func:`_sharded_norm`). ``axis_name``: inside ``shard_map``, the mesh axes
   the leaves are split over (each device then holds different parts of the tree)."""
+  if axis_name is not None and not _partition.in_manual_region():
+    raise ValueError("jaxfuse: axis_name is for calls inside jax.shard_map (it names the mesh "
+                     "axes the gradients are split over there); outside, shardings are read from "
+                     "the arrays")
   leaves = _trees.check_float_leaves(_trees.as_arrays(grads), "grads")
   params = _ffi.device_vector(_CONTRACT.names["norm_params"],
                               loss_scale=1.0 if grad_scale is None else grad_scale,
@@ -137,10 +141,6 @@ def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = No
       return call(norm_params, _no_peers(), local)[:2]
     return _sharded_norm(shards, norm_params, local, call)
 
-  if axis_name is not None and not _partition.in_manual_region():
-    raise ValueError("jaxfuse: axis_name is for calls inside jax.shard_map (it names the mesh "
-                     "axes the gradients are split over there); outside, shardings are read from "
-                     "the arrays")
   norm, grad_ctrl = _partition.partitioned_call("jaxfuse.global_norm", body,
                                                 _norm_layout(leaves), [params, *leaves])
   return norm, grad_ctrl

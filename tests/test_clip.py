@@ -280,3 +280,14 @@ def test_clip_with_infinite_max_norm_follows_optax(device):
   finite = random_tree(31, [(7,), (2, 3)], device=device)  # any finite norm is < inf: unchanged
   uf, _ = jaxfuse.clip_by_global_norm(jnp.inf).update(finite, optax.EmptyState())
   assert_trees_close(uf, finite, rtol=0, atol=0)
+
+
+def test_axis_name_outside_shard_map_is_refused():
+  """axis_name names the mesh axes inside a shard_map body; elsewhere the shardings come from the
+  arrays, and passing it is an error that says so (at trace time)."""
+  tree = random_tree(41, [(3, 4)])
+  with pytest.raises(ValueError, match="axis_name is for calls inside jax.shard_map"):
+    jaxfuse.global_norm(tree, axis_name="fsdp")
+  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0, axis_name="fsdp"), jaxfuse.adamw(1e-3))
+  with pytest.raises(ValueError, match="axis_name is for calls inside jax.shard_map"):
+    jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p))(tree, tx.init(tree), tree)
