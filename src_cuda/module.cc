@@ -1,17 +1,23 @@
 // The nanobind module of one platform's handlers, compiled once per module (_jaxfuse_cpu,
 // _jaxfuse_cuda, the developer build _jaxfuse_cuda_on_cpu) with JAXFUSE_MODULE_NAME set. It
 // exports what the ops registered (JAXFUSE_REGISTER_OP): registrations(), the handler capsules
-// by target name, and contract(), the numbers and layouts that Python reads instead of
-// repeating them.
+// by target name, contract(), the numbers and layouts that Python reads instead of repeating
+// them, and call_cost(), what a call launches and moves (op.h's CallCost, for jaxfuse.report).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <tuple>
 
 #include "jaxfuse/op.h"
 
 #ifdef JAXFUSE_CUDA_MODULE
 #include "jaxfuse/cuda_info.h"
+#endif
+#ifdef JAXFUSE_CUDA_ON_CPU_MODULE
+#include <cuda_runtime.h>  // tools/cuda_on_cpu's runtime: cuemu::enqueued_work()
 #endif
 
 namespace nb = nanobind;
@@ -58,6 +64,38 @@ nb::dict to_dict(const Contract& contract) {
   return out;
 }
 
+// One buffer per entry of `buffers`: (dims, bytes per element, complex).
+std::vector<CallShape::Buffer> to_buffers(const nb::list& buffers) {
+  std::vector<CallShape::Buffer> out;
+  for (nb::handle b : buffers) {
+    auto [dims, element_bytes, complex] =
+        nb::cast<std::tuple<std::vector<int64_t>, int64_t, bool>>(b);
+    out.push_back({dims, element_bytes, complex});
+  }
+  return out;
+}
+
+// CallCost of a call of op `target`; attrs: the call's integer and boolean attributes.
+nb::dict call_cost(const std::string& target, const nb::list& operands, const nb::list& results,
+                   const nb::dict& attrs) {
+  CallShape shape;
+  shape.operands = to_buffers(operands);
+  shape.results = to_buffers(results);
+  for (auto [k, v] : attrs) shape.attrs[nb::cast<std::string>(k)] = nb::cast<int64_t>(v);
+  for (const RegisteredOp& op : registered_ops()) {
+    if (target != op.name) continue;
+    const CallCost cost = op.cost(shape);
+    nb::dict out;
+    out["cuda_kernels"] = cost.cuda_kernels;
+    out["cuda_memsets"] = cost.cuda_memsets;
+    out["bytes_read"] = cost.bytes_read;
+    out["bytes_written"] = cost.bytes_written;
+    out["bytes_upper_bound"] = cost.bytes_upper_bound;
+    return out;
+  }
+  throw std::invalid_argument(str_cat("no jaxfuse op named '", target, "'"));
+}
+
 }  // namespace
 }  // namespace jaxfuse
 
@@ -76,6 +114,17 @@ NB_MODULE(JAXFUSE_MODULE_NAME, m) {
     }
     return d;
   });
+  m.def("call_cost", &jaxfuse::call_cost, nb::arg("target"), nb::arg("operands"),
+        nb::arg("results"), nb::arg("attrs"));
+#ifdef JAXFUSE_CUDA_ON_CPU_MODULE
+  m.def("enqueued_work", []() {
+    const cuemu::EnqueuedWork work = cuemu::enqueued_work();
+    nb::dict d;
+    d["kernels"] = work.kernels;
+    d["memsets"] = work.memsets;
+    return d;
+  });
+#endif
 #ifdef JAXFUSE_CUDA_MODULE
   m.def("cuda_info", []() {
     const jaxfuse::CudaInfo info = jaxfuse::cuda_info();

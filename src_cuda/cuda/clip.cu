@@ -103,7 +103,7 @@ ffi::Error GlobalNormOp::run<Cuda>(cudaStream_t stream, const Call& call) {
   NormChunkOp op;
   op.partials = call.partials;
   // Slots are shared out among the launches (one unless the tree has very many leaves).
-  const int64_t launches = multi_tensor_launches<1>(call.grads);
+  const int64_t launches = multi_tensor_launches(1, call.grads.size);
   if (launches > kNormSlots) {
     return invalid_argument("too many leaves (", call.grads.num_tensors(), ")");
   }

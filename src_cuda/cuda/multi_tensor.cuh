@@ -1,7 +1,7 @@
 // Multi-tensor apply, CUDA side: the tensor lists of an FFI call are packed into tables passed
 // by value as kernel parameters (no device allocation, no host-to-device copy, no sync: safe for
 // CUDA graph capture). One launch covers as many tensors as fit a table; more tensors take a few
-// launches. Every block walks chunks of all tensors of its table (grid-stride), finds its tensor
+// launches (multi_tensor_plan.h says how many). Every block walks chunks of all tensors of its table (grid-stride), finds its tensor
 // by binary search over the chunk prefix, and hands (tensor, first element, count) to the op.
 #pragma once
 
@@ -12,35 +12,16 @@
 #include <cstdint>
 
 #include "cuda_common.cuh"
+#include "jaxfuse/multi_tensor_plan.h"
 #include "jaxfuse/tensor_lists.h"
 
 namespace jaxfuse {
 
 inline constexpr int kMultiTensorThreads = 256;
-// The JAXFUSE_MT_* overrides exist for tools/cuda_on_cpu, which shrinks the tables, chunks and
-// slices so that the multi-launch and tensor-slicing paths run on small buffers.
-#ifndef JAXFUSE_MT_CHUNK
-#define JAXFUSE_MT_CHUNK (1 << 15)
-#endif
-#ifndef JAXFUSE_MT_TABLE_BYTES
-#define JAXFUSE_MT_TABLE_BYTES 32000
-#endif
-inline constexpr int kMultiTensorChunk = JAXFUSE_MT_CHUNK;  // elements per chunk
-static_assert(kMultiTensorChunk % 8 == 0,
-              "chunks keep vector groups aligned and complex pairs whole");
-// CUDA 12.1+ on sm_70+ allows 32764 bytes of kernel parameters; leave room for the op.
-inline constexpr int kTableBytes = JAXFUSE_MT_TABLE_BYTES;
-
-template <int kLists>
-struct TableCapacity {
-  static constexpr int kHeader = 64;
-  // Per tensor: kLists pointers and dtypes, element count, chunk prefix, mask.
-  static constexpr int value = (kTableBytes - kHeader) / (9 * kLists + 4 + 4 + 1);
-};
 
 template <int kLists>
 struct TensorTable {
-  static constexpr int kCap = TableCapacity<kLists>::value;
+  static constexpr int kCap = table_capacity(kLists);  // multi_tensor_plan.h
   void* ptr[kLists][kCap];
   int32_t size[kCap];             // elements of each entry (a tensor or a <2^31 slice of one)
   int32_t chunk_start[kCap + 1];  // prefix sum of chunks
@@ -104,21 +85,6 @@ struct MultiTensorOpBase {
   __device__ void prepare() {}
   __device__ void finish(int block) {}
 };
-
-// Largest table entry: a whole number of chunks below 2^31 elements.
-#ifndef JAXFUSE_MT_MAX_SLICE_CHUNKS
-#define JAXFUSE_MT_MAX_SLICE_CHUNKS (INT32_MAX / kMultiTensorChunk)
-#endif
-inline constexpr int64_t kMaxSlice = int64_t(JAXFUSE_MT_MAX_SLICE_CHUNKS) * kMultiTensorChunk;
-static_assert(kMaxSlice > 0 && kMaxSlice <= INT32_MAX, "slices are indexed with 32-bit sizes");
-
-// How many launches multi_tensor_apply makes for `lists` (at least one).
-template <int kLists>
-int64_t multi_tensor_launches(const TensorLists& lists) {
-  int64_t entries = 0;
-  for (int64_t s : lists.size) entries += (s + kMaxSlice - 1) / kMaxSlice;
-  return std::max<int64_t>(1, (entries + TensorTable<kLists>::kCap - 1) / TensorTable<kLists>::kCap);
-}
 
 // Packs `lists` into as few tables as needed (tensors of 2^31 elements or more are split into
 // slices) and launches multi_tensor_kernel<kLists, Op> for each on `stream`. Each launch gets at

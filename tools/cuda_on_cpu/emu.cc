@@ -85,6 +85,8 @@ int driver_version() { return int(env_long("JAXFUSE_EMU_DRIVER_VERSION", CUDART_
 
 thread_local cudaError_t last_error = cudaSuccess;
 std::atomic<int> sticky_error{cudaSuccess};  // a kernel fault: every later call fails
+std::atomic<long> kernels_enqueued{0};       // enqueued_work()
+std::atomic<long> memsets_enqueued{0};
 
 cudaError_t fail(cudaError_t err) {
   last_error = err;
@@ -496,8 +498,11 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const c
     sticky_error = cudaErrorLaunchFailure;
     return fail(cudaErrorLaunchFailure);
   }
+  kernels_enqueued.fetch_add(1);
   return cudaSuccess;
 }
+
+EnqueuedWork enqueued_work() { return {kernels_enqueued.load(), memsets_enqueued.load()}; }
 
 int blocks_per_sm() { return devices()[std::max(0, current_device())].blocks_per_sm; }
 
@@ -627,5 +632,6 @@ cudaError_t cudaRuntimeGetVersion(int* version) {
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
   if (const cudaError_t err = cuemu::api_entry()) return err;
   std::memset(ptr, value, bytes);
+  cuemu::memsets_enqueued.fetch_add(1);
   return cudaSuccess;
 }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include "jaxfuse/adam_math.h"
+#include "jaxfuse/multi_tensor_plan.h"
 #include "jaxfuse/op.h"
 #include "jaxfuse/tensor_lists.h"
 
@@ -105,6 +106,17 @@ struct AdamOp {
   static ffi::Error run(typename Platform::Arg ctx, const Call& call);
 
   static Contract contract();
+
+  // One multi-tensor kernel over the call's lists (cuda/adam.cu), every buffer read or written
+  // once.
+  static CallCost cost(const CallShape& shape) {
+    const AdamLists lists = AdamLists::of(contract_arg(shape.attrs, "write_updates") != 0,
+                                          contract_arg(shape.attrs, "master") != 0,
+                                          contract_arg(shape.attrs, "params") != 0);
+    const int64_t n = contract_arg(shape.attrs, "num_tensors");
+    const int64_t grads_first = 3;  // after count, hyper, grad_ctrl; grads are the first group
+    return streaming_cost(shape, multi_tensor_launches(lists.count(), shape.scalars(grads_first, n)));
+  }
 };
 
 namespace adam_detail {

@@ -18,6 +18,7 @@
 //   Each tensor is scaled in its compute type (double for float64 storage, else float).
 #pragma once
 
+#include "jaxfuse/multi_tensor_plan.h"
 #include "jaxfuse/norm_math.h"
 #include "jaxfuse/op.h"
 #include "jaxfuse/tensor_lists.h"
@@ -114,6 +115,23 @@ struct GlobalNormOp {
     c.names["grad_ctrl"] = name_list(GradCtrl::kNames);
     return c;
   }
+
+  // The partial sums' multi-tensor kernel (none over no gradients), then the finishing kernel
+  // (cuda/clip.cu). Operands: norm_params, peer_sums, the gradients. Results: norm, grad_ctrl,
+  // workspace, own_sum; of the workspace, the partials are written and read back: one per block,
+  // so at most one per chunk and one per slot.
+  static CallCost cost(const CallShape& shape) {
+    const int64_t grads = static_cast<int64_t>(shape.operands.size()) - 2;
+    const std::vector<int64_t> sizes = shape.scalars(2, grads);
+    const int64_t launches = grads > 0 ? multi_tensor_launches(1, sizes) : 0;
+    int64_t chunks = 0;
+    for (int64_t n : sizes) chunks += (n + kMultiTensorChunk - 1) / kMultiTensorChunk;
+    const int64_t partial_bytes = std::min<int64_t>(chunks, kNormSlots) * 2 * sizeof(double);
+    CallCost c = streaming_cost(shape, launches + 1);
+    c.bytes_read += partial_bytes;
+    c.bytes_written += partial_bytes - shape.results.at(2).bytes();
+    return c;
+  }
 };
 
 struct ApplyGradCtrlOp {
@@ -153,6 +171,12 @@ struct ApplyGradCtrlOp {
     Contract c;
     c.names["grad_ctrl"] = name_list(GradCtrl::kNames);
     return c;
+  }
+
+  // One multi-tensor kernel (cuda/clip.cu). Operands: grad_ctrl, the gradients.
+  static CallCost cost(const CallShape& shape) {
+    const int64_t grads = static_cast<int64_t>(shape.operands.size()) - 1;
+    return streaming_cost(shape, multi_tensor_launches(2, shape.scalars(1, grads)));
   }
 };
 

@@ -479,6 +479,25 @@ struct DecoderOp {
     };
     return c;
   }
+
+  // A memset of the stage counters and one cooperative kernel (cuda/decoder.cu); nothing for
+  // an empty batch. Reads x, positions, every weight and the caches, written as if attention
+  // read every cache position (at most: it reads positions 0..p of each row); writes out, one
+  // K and V row per layer and batch row, and the workspace (at most, its full size).
+  static CallCost cost(const CallShape& shape) {
+    CallCost c;
+    const CallShape::Buffer& x = shape.operands.at(0);
+    if (x.elements() == 0) return c;
+    c.cuda_kernels = 1;
+    c.cuda_memsets = 1;
+    c.bytes_upper_bound = true;
+    c.bytes_read = CallShape::total_bytes(shape.operands);
+    const int64_t new_kv = 2 * contract_arg(shape.attrs, "num_layers") * x.dims.at(0) *
+                           contract_arg(shape.attrs, "num_kv_heads") *
+                           contract_arg(shape.attrs, "head_dim") * x.element_bytes;
+    c.bytes_written = shape.results.at(0).bytes() + new_kv + shape.results.at(3).bytes();
+    return c;
+  }
 };
 
 }  // namespace jaxfuse

@@ -7,13 +7,18 @@
 //   decode(operands..., Call*) validation shared by all platforms;
 //   run<Platform>(ctx, call)  declared only; each platform file defines its own;
 //   contract()                the numbers and layouts Python must agree with, exported by the
-//                             nanobind module so that each is written once, here in C++.
+//                             nanobind module so that each is written once, here in C++;
+//   cost(shape)               what a call of that shape costs (CallCost): the kernels and
+//                             memsets run<Cuda> enqueues and the bytes it moves, for
+//                             jaxfuse.report (tools/cuda_on_cpu checks the launch counts
+//                             against the work the emulated runtime saw).
 // A platform file defines run<Platform> and registers the op with JAXFUSE_REGISTER_OP; the
 // module (src_cuda/module.cc) hands every registered op's handler and contract to Python.
 #pragma once
 
 #include <functional>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -84,12 +89,74 @@ inline ffi::ErrorOr<ScalarVectorOut> scalar_vector_out(const char* name, ffi::An
   return ScalarVectorOut{b.untyped_data(), b.element_type() == ffi::DataType::F64};
 }
 
+// ---- launch and byte accounting ----------------------------------------------------------------
+
+// A call as compiled HLO shows it: each operand's and result's dimensions, bytes per element and
+// whether it is complex (two scalars per element), and the call's integer and boolean attributes.
+struct CallShape {
+  struct Buffer {
+    std::vector<int64_t> dims;
+    int64_t element_bytes = 0;
+    bool complex = false;
+    int64_t elements() const {
+      int64_t n = 1;
+      for (int64_t d : dims) n *= d;
+      return n;
+    }
+    int64_t scalars() const { return complex ? 2 * elements() : elements(); }
+    int64_t bytes() const { return element_bytes * elements(); }
+  };
+  std::vector<Buffer> operands;
+  std::vector<Buffer> results;
+  std::map<std::string, int64_t> attrs;
+
+  // Scalars of operands [first, first + count), in order (the tensors of a multi-tensor list).
+  // A shape the op cannot have is a programming error on the Python side (an exception).
+  std::vector<int64_t> scalars(int64_t first, int64_t count) const {
+    if (first < 0 || count < 0 || first + count > static_cast<int64_t>(operands.size())) {
+      throw std::invalid_argument(str_cat("operands [", first, ", ", first + count,
+                                          ") of a call with ", operands.size()));
+    }
+    std::vector<int64_t> out;
+    for (int64_t i = first; i < first + count; ++i) out.push_back(operands[i].scalars());
+    return out;
+  }
+
+  static int64_t total_bytes(const std::vector<Buffer>& buffers) {
+    int64_t n = 0;
+    for (const Buffer& b : buffers) n += b.bytes();
+    return n;
+  }
+};
+
+// What one call costs: the kernels and memsets it enqueues on a CUDA stream, and the bytes it
+// reads and writes in device (or host) memory on either platform. `bytes_upper_bound`: the
+// bytes depend on runtime values (e.g. the decoder's positions) and are counted at their most.
+struct CallCost {
+  int64_t cuda_kernels = 0;
+  int64_t cuda_memsets = 0;
+  int64_t bytes_read = 0;
+  int64_t bytes_written = 0;
+  bool bytes_upper_bound = false;
+};
+
+// The cost of an op that reads each operand once and writes each result once (element-wise
+// multi-tensor ops), given its CUDA launches.
+inline CallCost streaming_cost(const CallShape& shape, int64_t cuda_kernels) {
+  CallCost c;
+  c.cuda_kernels = cuda_kernels;
+  c.bytes_read = CallShape::total_bytes(shape.operands);
+  c.bytes_written = CallShape::total_bytes(shape.results);
+  return c;
+}
+
 // ---- registration -----------------------------------------------------------------------------
 
 struct RegisteredOp {
   const char* name;
   XLA_FFI_Handler* handler;
   Contract (*contract)();
+  CallCost (*cost)(const CallShape&);
 };
 
 // The ops linked into this module (defined in src_cuda/module.cc).
@@ -134,6 +201,6 @@ XLA_FFI_Error* ffi_handler(XLA_FFI_CallFrame* frame) {
 // Registers Op's handler for Platform in this module (one line in the op's platform file).
 #define JAXFUSE_REGISTER_OP(Op, Platform)                                                      \
   static const bool JF_CONCAT(jf_registered_, __LINE__) = ::jaxfuse::register_op(             \
-      {Op::kName, &::jaxfuse::ffi_handler<Op, Platform>, &Op::contract})
+      {Op::kName, &::jaxfuse::ffi_handler<Op, Platform>, &Op::contract, &Op::cost})
 
 }  // namespace jaxfuse

@@ -109,6 +109,14 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const c
 // Co-resident blocks per SM of the current emulated device, for every kernel and block size.
 int blocks_per_sm();
 
+// Work enqueued on the emulated streams since the process started: successful kernel launches
+// and memsets. Tests compare them with what the ops declare (op.h's CudaLaunches).
+struct EnqueuedWork {
+  long kernels = 0;
+  long memsets = 0;
+};
+EnqueuedWork enqueued_work();
+
 void sync_block(const char* file, int line);
 void sync_grid(const char* file, int line);
 uint64_t warp_exchange(unsigned mask, uint64_t bits, int src_lane, const char* file, int line);
