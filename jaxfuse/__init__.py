@@ -7,11 +7,15 @@ Optimizer side (optax-compatible):
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
 
+Reporting:
+  report               what a jitted step launches, moves and holds, beside a baseline
+
 Decode side:
   persistent_decoder   one decode step of a Llama-style decoder stack, all layers in one launch
   decoder_reference    the same step (or a multi-token prefill) in plain JAX
 """
 
+import importlib as _importlib
 from importlib import metadata as _metadata
 
 from jaxfuse._ffi import backends
@@ -25,6 +29,15 @@ try:  # as installed: the base version plus +cuXY or +cpu, what the build compil
   __version__ = _metadata.version("jaxfuse")
 except _metadata.PackageNotFoundError:  # source tree on sys.path without an install
   __version__ = "unknown"
+
+
+def __getattr__(name: str):
+  # jaxfuse.report (a callable module) loads on first use, so that `python -m jaxfuse.report`
+  # runs it once, as __main__.
+  if name == "report":
+    return _importlib.import_module("jaxfuse.report")
+  raise AttributeError(f"module 'jaxfuse' has no attribute {name!r}")
+
 
 __all__ = [
     "AdamExtraState",
@@ -41,4 +54,5 @@ __all__ = [
     "nadam",
     "nadamw",
     "persistent_decoder",
+    "report",
 ]

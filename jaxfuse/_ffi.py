@@ -156,6 +156,29 @@ def cpu_targets(kind: str) -> Iterator[None]:
     jax.clear_caches()
 
 
+def op_of_target(target: str) -> Optional[str]:
+  """The jaxfuse op an XLA custom-call target runs (either CPU handler set), or None."""
+  for suffix in _CPU_TARGET_SUFFIX.values():
+    if suffix and target.endswith(suffix):
+      target = target[:-len(suffix)]
+  return target if target in _op_names() else None
+
+
+@functools.cache
+def _op_names() -> frozenset[str]:
+  return frozenset(_jaxfuse_cpu.registrations())
+
+
+def call_cost(op: str, emulated: bool, operands: list, results: list,
+              attrs: dict[str, int]) -> dict[str, Any]:
+  """What a call of ``op`` with these buffers ((dims, element bytes, complex) each) and
+  integer attributes costs: op.h's CallCost, from the op's own ``cost()``. ``emulated``: the
+  call runs the CUDA handlers on the CPU (cuda_on_cpu), whose build may shrink the multi-tensor
+  tables, so that build's module answers."""
+  module = _jaxfuse_cuda_on_cpu if emulated else _jaxfuse_cpu
+  return module.call_cost(op, operands, results, attrs)
+
+
 @functools.cache
 def _cuda_devices_present() -> bool:
   try:

@@ -96,8 +96,8 @@ def x64_for_wide(request):
     yield
 
 
-def adam_case(mode, dtypes):
-  """An optimizer, params, grads and state for one mode."""
+def adam_case(mode, dtypes, sizes=SIZES):
+  """An optimizer, params, grads and state for one mode, over leaves of `sizes`."""
   master = mode in ("master", "master_fused")
   nesterov = mode == "nesterov"
   if master:
@@ -107,13 +107,13 @@ def adam_case(mode, dtypes):
   else:
     tx = jaxfuse.adamw(3e-3, weight_decay=0.1, nesterov=nesterov, master_weights=master,
                        skip_nonfinite=mode == "skip")
-  params = random_tree(1, SIZES, dtypes)
-  grads = random_tree(2, SIZES, dtypes, scale=0.5)
+  params = random_tree(1, sizes, dtypes)
+  grads = random_tree(2, sizes, dtypes, scale=0.5)
   if mode == "skip":
     grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
   state = tx.init(params)
   # A second step's state: moments are then non-trivial.
-  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state, params)
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, sizes, dtypes), state, params)
   return tx, params, grads, state
 
 
@@ -276,3 +276,60 @@ def test_global_norm_from_peer_rows(launch):
 def test_global_norm_from_peer_rows_same_bits_under_every_schedule(grid, monkeypatch):
   trees = [random_tree(30 + i, SIZES, DTYPE_MIXES["mixed"]) for i in range(3)]
   assert_same_bits_under_schedules(monkeypatch, ("0", "1", "99"), _norm_in_two_calls, *trees)
+
+
+# ---- launch accounting: what jaxfuse.report counts is what the CUDA handlers enqueue ----------
+
+# Small leaves keep the emulated runs short; in the small build (tools/cuda_on_cpu.sh) they still
+# fill several tables, and the 200-element leaf is cut into slices of 3 chunks of 64.
+REPORT_SIZES = SIZES[:6] + [(200,)]
+MANY_SIZES = REPORT_SIZES * 43  # 301 leaves: two Adam calls
+ADAM_MODES = {  # mode: step
+    "plain": lambda tx: lambda g, s, p: tx.update(g, s, p),
+    "master": lambda tx: lambda g, s, p: tx.update(g, s, p),
+    "master_fused": lambda tx: lambda g, s, p: jaxfuse.fused_step(tx, g, s, p),
+    "no_params": lambda tx: lambda g, s, p: tx.update(g, s),
+}
+# Every op and layout over a few leaves; over many (two Adam calls) where the split matters.
+REPORT_CASES = ([f"{op}-few" for op in ("fused_clip_adamw", "clip_alone",
+                                         *(f"adam_{mode}" for mode in ADAM_MODES))] +
+                ["fused_clip_adamw-many", "adam_plain-many", "norm_from_peer_rows",
+                 "decoder-batch3"])
+
+
+def report_case(case):
+  """(step, args) of a REPORT_CASES entry."""
+  op, _, size = case.partition("-")
+  sizes = MANY_SIZES if size == "many" else REPORT_SIZES
+  dtypes = (DTYPE_MIXES["mixed"] * 43)[:len(sizes)]
+  tree = lambda seed: random_tree(seed, sizes, dtypes)
+  if op == "fused_clip_adamw":
+    tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-3, weight_decay=0.1))
+    return (lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)), (tree(1), tx.init(tree(2)), tree(2))
+  if op == "clip_alone":
+    return (lambda g: jaxfuse.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]), (tree(3),)
+  if op.startswith("adam_"):
+    tx, params, grads, state = adam_case(op[5:], dtypes, sizes)
+    return ADAM_MODES[op[5:]](tx), (grads, state, params)
+  if op == "norm_from_peer_rows":
+    return _norm_in_two_calls, tuple(random_tree(40 + i, sizes, dtypes) for i in range(2))
+  cfg, x, positions, w, cache = decoder_case(jnp.float32, batch=int(size[len("batch"):]))
+  return (lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)), (x, positions, w, cache)
+
+
+@pytest.mark.parametrize("case", REPORT_CASES)
+def test_report_counts_what_the_handlers_enqueue(case):
+  """jaxfuse.report's CUDA launches and memsets (each op's cost() in C++) equal the kernels and
+  memsets the emulated runtime saw the CUDA handlers enqueue, with this build's table sizes."""
+  fn, args = report_case(case)
+  with _ffi.cpu_targets("cuda_on_cpu"):
+    step = jax.jit(fn)
+    r = jaxfuse.report(step, *args)
+    jax.block_until_ready(step(*args))  # compiled and warm: the run below enqueues one step
+    before = _ffi._jaxfuse_cuda_on_cpu.enqueued_work()
+    jax.block_until_ready(step(*args))
+    after = _ffi._jaxfuse_cuda_on_cpu.enqueued_work()
+  assert r.jaxfuse_calls > 0 and r.exact != case.startswith("decoder")
+  assert r.jaxfuse_launches == r.jaxfuse_cuda_launches  # the emulated handlers are CUDA's
+  assert after["kernels"] - before["kernels"] == r.jaxfuse_cuda_launches
+  assert after["memsets"] - before["memsets"] == r.jaxfuse_cuda_memsets

@@ -1,0 +1,218 @@
+"""jaxfuse.report: launches, bytes and memory of compiled steps, checked against the compiled
+HLO text, the ops' documented launches, byte bounds per parameter and XLA's cost analysis."""
+
+import math
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxfuse
+from jaxfuse import report as report_module
+from jaxfuse.adam import MAX_LEAVES_PER_CALL
+from helpers import random_decoder_problem, random_tree
+
+SHAPES = [(3, 5), (7,), (), (0,), (33, 17), (4097,)]
+
+
+def adamw_steps(shapes, clip=True, dtype=jnp.float32, **adam_kwargs):
+  """(jaxfuse fused step, optax step, params, jaxfuse state, optax state, grads), both steps
+  jitted with params and state donated and returned in that order."""
+  params = random_tree(0, shapes, dtype)
+  grads = random_tree(1, shapes, dtype, scale=0.1)
+  jf = jaxfuse.adamw(1e-3, weight_decay=0.1, **adam_kwargs)
+  ox = optax.adamw(1e-3, weight_decay=0.1)
+  if clip:
+    jf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jf)
+    ox = optax.chain(optax.clip_by_global_norm(1.0), ox)
+
+  def optax_step(p, s, g):
+    u, s = ox.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  donate = dict(donate_argnums=(0, 1))
+  return (jax.jit(lambda p, s, g: jaxfuse.fused_step(jf, g, s, p), **donate),
+          jax.jit(optax_step, **donate), params, jf.init(params), ox.init(params), grads)
+
+
+def entry_ops(compiled_text, opcode):
+  """Instructions of `opcode` in the ENTRY computation of compiled HLO text."""
+  entry = compiled_text[compiled_text.index("\nENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  return len(re.findall(r"= [^\n]*? " + re.escape(opcode) + r"\(", entry))
+
+
+def num_params(shapes):
+  return sum(math.prod(s) for s in shapes)
+
+
+def test_counts_equal_the_compiled_hlo():
+  jf_step, optax_step, p, s, os_, g = adamw_steps(SHAPES)
+  for step, args in ((jf_step, (p, s, g)), (optax_step, (p, os_, g))):
+    text = step.lower(*args).compile().as_text()
+    r = jaxfuse.report(step, *args)
+    rows = {row.name: row for row in r.rows}
+    assert r.custom_calls == entry_ops(text, "custom-call")
+    assert rows.get("fusion") is None or rows["fusion"].runs == entry_ops(text, "fusion")
+    assert r.xla_kernels == sum(row.runs for row in r.rows if not row.jaxfuse)
+    assert r.launches == r.xla_kernels + r.jaxfuse_launches  # no other custom calls here
+    assert r.exact and r.platform == "cpu"
+  optax_report = jaxfuse.report(optax_step, p, os_, g)
+  assert optax_report.custom_calls == 0 and optax_report.jaxfuse_launches == 0
+  assert optax_report.xla_kernels > 3 * len(SHAPES)  # one fusion or more per leaf and update
+
+
+@pytest.mark.parametrize("leaves", [1, 5, MAX_LEAVES_PER_CALL, MAX_LEAVES_PER_CALL + 1, 600])
+def test_jaxfuse_launches_are_the_documented_ones(leaves):
+  shapes = [(7, 3)] * leaves
+  adam_calls = math.ceil(leaves / MAX_LEAVES_PER_CALL)
+  for clip in (False, True):
+    step, _, p, s, _, g = adamw_steps(shapes, clip=clip)
+    r = jaxfuse.report(step, p, s, g)
+    # One Adam launch per call of <= 256 leaves; the norm is a partials kernel and a finish.
+    assert r.jaxfuse_cuda_launches == adam_calls + (2 if clip else 0)
+    assert r.jaxfuse_cuda_memsets == 0
+    assert r.jaxfuse_calls == adam_calls + (1 if clip else 0)
+    assert r.jaxfuse_launches == r.jaxfuse_calls  # on the CPU: one XLA thunk per call
+
+
+def test_norm_of_no_leaves_is_one_finishing_launch():
+  empty = {"a": jnp.zeros((0,), jnp.float32)}
+  r = jaxfuse.report(jaxfuse.global_norm, {})
+  assert (r.jaxfuse_calls, r.jaxfuse_cuda_launches) in ((0, 0), (1, 1))
+  r = jaxfuse.report(jaxfuse.global_norm, empty)
+  assert r.jaxfuse_cuda_launches == 2  # an empty table still launches once, then the finish
+
+
+@pytest.mark.parametrize("dtype,adam_kwargs,state_per_param,step_per_param", [
+    (jnp.float32, {}, 8, 28),
+    (jnp.float32, {"mu_dtype": jnp.bfloat16}, 6, 24),
+    (jnp.bfloat16, {"master_weights": True}, 12, 30),  # g, p 2 B; m, v, master 4 B
+])
+def test_bytes_per_param(dtype, adam_kwargs, state_per_param, step_per_param):
+  """The fused step moves exactly its buffers' bytes: p, g, m, v read and p, m, v written (28 B
+  per fp32 param), plus a few hundred bytes of count and hyperparameters."""
+  shapes = [(64, 33), (1000,), (5,)]
+  n = num_params(shapes)
+  step, _, p, s, _, g = adamw_steps(shapes, clip=False, dtype=dtype, **adam_kwargs)
+  r = jaxfuse.report(step, p, s, g)
+  adam = next(row for row in r.rows if row.name == "jaxfuse_adam")
+  assert step_per_param * n <= adam.bytes_read + adam.bytes_written <= step_per_param * n + 512
+  assert r.params == n
+  assert state_per_param <= r.state_bytes_per_param <= state_per_param + 8 / n
+
+
+def test_clipped_step_bytes_and_baseline_ratios():
+  shapes = [(128, 96), (96,), (96, 10), (10,)]
+  n = num_params(shapes)
+  jf_step, optax_step, p, s, os_, g = adamw_steps(shapes)
+  r = jaxfuse.report(jf_step, p, s, g, baseline=(optax_step, (p, os_, g)))
+  # 32 B/param: the grads are read twice (norm, Adam); plus the norm's partials (one per chunk
+  # of 32768 here) and the count and hyperparameters.
+  assert 32 * n <= r.bytes_moved <= 32 * n + 512
+  b = r.baseline
+  assert b.label == "baseline" and b.jaxfuse_calls == 0
+  ratios = r.ratios()
+  assert ratios["launches"] == pytest.approx(b.launches / r.launches)
+  assert ratios["bytes_moved"] == pytest.approx(b.bytes_moved / r.bytes_moved)
+  assert ratios["launches"] > 3 and ratios["bytes_moved"] > 1.2
+  # Without custom calls XLA's cost analysis exists and agrees with the report's own count.
+  assert r.xla_cost_bytes is None
+  assert b.bytes_moved == pytest.approx(b.xla_cost_bytes, rel=0.1)
+  same = jaxfuse.report(jf_step, p, s, g, baseline=(jf_step, (p, s, g))).ratios()
+  assert all(v == pytest.approx(1.0) for v in same.values())
+
+
+def test_memory_and_donation():
+  shapes = [(256, 256)]
+  step, _, p, s, _, g = adamw_steps(shapes, clip=False)
+  undonated = jax.jit(lambda p, s, g: step(p, s, g))  # the inner donation cannot apply
+  donated = jaxfuse.report(step, p, s, g)
+  copied = jaxfuse.report(undonated, p, s, g)
+  m = donated.memory
+  assert donated.peak_bytes == m["argument"] + m["output"] - m["alias"] + m["temp"]
+  assert m["alias"] >= 3 * 4 * 256 * 256  # params, mu, nu updated in place
+  assert copied.memory["alias"] == 0
+  assert copied.peak_bytes - donated.peak_bytes >= 0.99 * 3 * 4 * 256 * 256  # fresh outputs
+
+
+def test_loops_count_each_run():
+  tree = random_tree(2, [(5, 5), (9,)])
+
+  def norms(t, n):
+    # The norm depends on i: XLA hoists loop-invariant calls out of the loop.
+    body = lambda i, acc: acc + jaxfuse.global_norm(jax.tree.map(lambda x: x * i, t))
+    return jax.lax.fori_loop(0, n, body, 0.0)
+
+  known = jaxfuse.report(lambda t: norms(t, 7), tree)
+  assert known.jaxfuse_calls == 7 and known.jaxfuse_cuda_launches == 14 and known.exact
+  unknown = jaxfuse.report(norms, tree, jnp.int32(7))
+  assert unknown.jaxfuse_calls == 1 and not unknown.exact
+  assert "bounds" in str(unknown)
+
+
+def test_decoder_step():
+  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                              head_dim=16, intermediate_size=128, max_seq_len=32)
+  x, w, cache = random_decoder_problem(cfg, 3, jnp.float32, seed=1)
+  positions = jnp.asarray([0, 5, 31], jnp.int32)
+  r = jaxfuse.report(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg),
+                     x, positions, w, cache)
+  assert (r.jaxfuse_calls, r.jaxfuse_cuda_launches, r.jaxfuse_cuda_memsets) == (1, 1, 1)
+  weight_bytes = sum(a.nbytes for a in jax.tree.leaves(w))
+  cache_bytes = sum(a.nbytes for a in jax.tree.leaves(cache))
+  row = next(row for row in r.rows if row.jaxfuse)
+  assert row.bytes_read >= weight_bytes + cache_bytes  # the cache at most: a bound
+  new_rows = 2 * cfg.num_layers * 3 * cfg.num_kv_heads * cfg.head_dim * 4
+  assert row.bytes_written >= x.nbytes + new_rows
+  assert not r.exact
+
+
+def test_abstract_arguments_and_plain_functions():
+  shapes = [(4, 4), (3,)]
+  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-3))
+  params = {f"p{i}": jax.ShapeDtypeStruct(sh, jnp.float32) for i, sh in enumerate(shapes)}
+  state = jax.eval_shape(tx.init, params)
+  r = jaxfuse.report(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), params, state, params)
+  assert r.jaxfuse_cuda_launches == 3 and r.params == 19
+
+
+def test_table_and_module():
+  step, optax_step, p, s, os_, g = adamw_steps([(8, 8)])
+  r = report_module.report(step, p, s, g, baseline=(optax_step, (p, os_, g), {}))
+  text = str(r)
+  for line in ("kernels launched per step", "bytes moved per step", "peak memory",
+               "optimizer state per param", "jaxfuse_adam", "jaxfuse_global_norm",
+               "baseline / step"):
+    assert line in text
+  assert isinstance(r, report_module.Report) and callable(jaxfuse.report)
+  with pytest.raises(TypeError, match="baseline"):
+    jaxfuse.report(step, p, s, g, baseline=optax_step)
+  with pytest.raises(ValueError, match="no baseline"):
+    jaxfuse.report(step, p, s, g).ratios()
+
+
+@pytest.mark.parametrize("flags,ready", [
+    ("", True),
+    ("--xla_gpu_enable_command_buffer=FUSION,CUBLAS", False),
+    ("--xla_gpu_enable_command_buffer=-CUSTOM_CALL", False),
+    ("--xla_gpu_enable_command_buffer=+WHILE", True),
+    ("--xla_gpu_enable_command_buffer=", False),
+])
+def test_cuda_graph_readiness_follows_xla_flags(monkeypatch, flags, ready):
+  monkeypatch.setenv("XLA_FLAGS", flags)
+  tree = random_tree(3, [(4,)])
+  assert jaxfuse.report(jaxfuse.global_norm, tree).cuda_graph_ready is ready
+  assert not jaxfuse.report(lambda t: t["leaf0000"] * 2, tree).cuda_graph_ready
+
+
+def test_command_line():
+  out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "jaxfuse.report"],
+                       capture_output=True, text=True, timeout=300, check=True)
+  assert "jaxfuse" in out.stdout and "optax" in out.stdout
+  launches = re.search(r"kernels launched per step\s+(\d+)\s+([\d,]+)", out.stdout)
+  assert launches and int(launches.group(1)) < 10 < int(launches.group(2).replace(",", ""))
