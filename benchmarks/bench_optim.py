@@ -10,19 +10,23 @@ and the same with clipping, optax.chain(clip_by_global_norm(1.0), adamw):
 
 It prints ms/step, the ratio to optax, the bytes a step must move (the minimum for the fused
 kernels: 28 or 32 bytes per fp32 param), effective GB/s at that byte count, the fraction of the
-device's measured copy bandwidth, and the ops in the compiled step (XLA fusions + custom calls:
-on a GPU each is at least one kernel launch). Usage:
+device's measured copy bandwidth, and from jaxfuse.report (one implementation of the counting):
+the bytes each step moves, its XLA kernels, custom calls and jaxfuse's CUDA launches.
+
+It also saves a plot (PNG, needs matplotlib) of achieved GB/s (the report's bytes over the time)
+against tensor size for the single-tensor trees: jaxfuse, optax and the copy reference at the
+same memory footprint. Usage:
 
   python3 benchmarks/bench_optim.py                 # default device, default set of trees
   python3 benchmarks/bench_optim.py --quick         # small trees only (smoke test)
-  python3 benchmarks/bench_optim.py --out results.md
+  python3 benchmarks/bench_optim.py --out results.md --plot bandwidth.png
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import re
+import os
 import statistics
 import sys
 import time
@@ -34,33 +38,13 @@ import optax
 
 import jaxfuse
 from _common import copy_bandwidth, emit_table
-from jaxfuse.adam import MAX_LEAVES_PER_CALL
-
-
-def gpt2_small_shapes() -> list[tuple[int, ...]]:
-  """The 148 parameter shapes of GPT-2 small (124M)."""
-  d, v, n_ctx, layers = 768, 50257, 1024, 12
-  shapes = [(v, d), (n_ctx, d)]
-  for _ in range(layers):
-    shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
-               (4 * d, d), (d,)]
-  shapes += [(d,), (d,)]
-  return shapes
+from jaxfuse.report import gpt2_small_shapes
 
 
 def make_tree(shapes, seed=0):
   rng = np.random.default_rng(seed)
   return {f"p{i:04d}": jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for i, s in
           enumerate(shapes)}
-
-
-def count_ops(compiled_text: str) -> tuple[int, int]:
-  """(fusions, custom calls) in the entry computation of compiled HLO."""
-  entry = compiled_text[compiled_text.find("ENTRY"):]
-  entry = entry[:entry.find("\n}\n")]
-  fusions = len(re.findall(r"= [^\n]*\bfusion\(", entry))
-  customs = len(re.findall(r"custom-call\(", entry))
-  return fusions, customs
 
 
 def time_step(step, params, state, grads, min_time=1.0, max_iters=200):
@@ -105,12 +89,6 @@ def variants():
   ]
 
 
-def expected_launches(name, leaves):
-  """Kernel launches per step of jaxfuse's variants on a GPU (multi-tensor driver)."""
-  adam = math.ceil(leaves / MAX_LEAVES_PER_CALL)
-  return {"jf-fused": adam, "jf-fused+clip": adam + 2}.get(name)
-
-
 def bench_tree(label, shapes, copy_bw, rows, progress):
   params = make_tree(shapes)
   n = sum(math.prod(s) for s in shapes)
@@ -121,7 +99,7 @@ def bench_tree(label, shapes, copy_bw, rows, progress):
     p = jax.tree.map(jnp.copy, params)
     s = tx.init(p)
     step = jax.jit(fn, donate_argnums=(0, 1))
-    fusions, customs = count_ops(step.lower(p, s, grads).compile().as_text())
+    report = jaxfuse.report(step, p, s, grads)
     ms, p, s = time_step(step, p, s, grads)
     del p, s
     base.setdefault(bytes_per_param, ms)  # optax is first in each group
@@ -130,8 +108,9 @@ def bench_tree(label, shapes, copy_bw, rows, progress):
     rows.append({
         "tree": label, "params": n, "leaves": len(shapes), "variant": name, "ms": ms,
         "vs_optax": base[bytes_per_param] / ms, "bytes": min_bytes, "gbs": gbs,
-        "frac_copy": gbs * 1e9 / copy_bw, "fusions": fusions, "custom_calls": customs,
-        "gpu_launches": expected_launches(name, len(shapes)),
+        "frac_copy": gbs * 1e9 / copy_bw, "moved": report.bytes_moved,
+        "achieved_gbs": report.bytes_moved / (ms * 1e-3) / 1e9, "xla_kernels": report.xla_kernels,
+        "custom_calls": report.custom_calls, "cuda_launches": report.jaxfuse_cuda_launches,
     })
     progress(f"    {ms:9.3f} ms/step  {gbs:7.1f} GB/s  x{base[bytes_per_param] / ms:.2f} vs optax")
 
@@ -140,15 +119,15 @@ def format_table(rows, copy_bw, device):
   lines = [
       f"device: {device}; jax {jax.__version__}; measured copy bandwidth {copy_bw / 1e9:.1f} GB/s",
       "",
-      "| tree | params | leaves | variant | ms/step | speedup vs optax | min bytes/step | GB/s at min bytes | % of copy BW | XLA fusions | custom calls | jaxfuse GPU launches |",
-      "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "| tree | params | leaves | variant | ms/step | speedup vs optax | min bytes/step | GB/s at min bytes | % of copy BW | bytes moved (report) | achieved GB/s | XLA kernels | custom calls | jaxfuse CUDA launches |",
+      "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     lines.append(
         f"| {r['tree']} | {r['params'] / 1e6:.1f}M | {r['leaves']} | {r['variant']} | {r['ms']:.3f} "
         f"| {r['vs_optax']:.2f}x | {r['bytes'] / 1e6:.0f} MB | {r['gbs']:.1f} | "
-        f"{100 * r['frac_copy']:.0f}% | {r['fusions']} | {r['custom_calls']} | "
-        f"{r['gpu_launches'] if r['gpu_launches'] is not None else '-'} |")
+        f"{100 * r['frac_copy']:.0f}% | {r['moved'] / 1e6:.0f} MB | {r['achieved_gbs']:.1f} | "
+        f"{r['xla_kernels']} | {r['custom_calls']} | {r['cuda_launches'] or '-'} |")
   return "\n".join(lines)
 
 
@@ -156,10 +135,13 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="small trees only")
   ap.add_argument("--sizes", type=str, default=None,
-                  help="comma-separated single-tensor sizes in millions (default: 1,16,64 on CPU, "
-                       "1,16,64,256 on GPU)")
+                  help="comma-separated single-tensor sizes in millions (default: 0.0625 to 64 on CPU, "
+                       "to 256 on GPU)")
   ap.add_argument("--skip-gpt2", action="store_true")
   ap.add_argument("--out", type=str, default=None, help="also write the markdown table here")
+  ap.add_argument("--plot", type=str, default=None,
+                  help="PNG of achieved GB/s against tensor size (default: "
+                       "benchmarks/optim_bandwidth_<platform>.png)")
   args = ap.parse_args(argv)
   progress = lambda msg: print(msg, file=sys.stderr, flush=True)
   device = jax.devices()[0]
@@ -176,7 +158,7 @@ def main(argv=None):
     if not args.skip_gpt2:
       trees.append(("GPT-2 small", gpt2_small_shapes()))
     trees.append(("1000 leaves x 4K", [(64, 64)] * 1000))
-    sizes = args.sizes or ("1,16,64,256" if on_gpu else "1,16,64")
+    sizes = args.sizes or ("0.0625,0.25,1,4,16,64,256" if on_gpu else "0.0625,0.25,1,4,16,64")
     for m in sizes.split(","):
       trees.append((f"{m}M tensor", [(int(float(m) * (1 << 20)),)]))
   rows = []
@@ -184,6 +166,42 @@ def main(argv=None):
     progress(f"{label}: {len(shapes)} leaves")
     bench_tree(label, shapes, copy_bw, rows, progress)
   emit_table(format_table(rows, copy_bw, f"{device.device_kind} ({device.platform})"), args.out)
+  plot_bandwidth(rows, device, args.plot or os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), f"optim_bandwidth_{device.platform}.png"),
+      progress)
+
+
+def plot_bandwidth(rows, device, path, progress):
+  """Achieved GB/s against tensor size (single-tensor trees) for jaxfuse's fused step, optax and
+  the in-place copy at the same footprint (p, g, m, v: 16 bytes per param)."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    progress("matplotlib is not installed: no plot")
+    return
+  single = [r for r in rows if r["leaves"] == 1]
+  if not single:
+    return
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for variant, style in (("jf-fused", "o-"), ("optax", "s-"), ("jf-fused+clip", "o--"),
+                         ("optax+clip", "s--")):
+    points = sorted((r["params"], r["achieved_gbs"]) for r in single if r["variant"] == variant)
+    if points:
+      ax.plot(*zip(*points), style, label=variant)
+  sizes = sorted({r["params"] for r in single})
+  copy = [copy_bandwidth(device, 16 * n) for n in sizes]
+  ax.plot(sizes, copy, "k:", marker="^", label="copy (x + 1 in place)")
+  ax.set_xscale("log")
+  ax.set_xlabel("fp32 parameters in the tensor")
+  ax.set_ylabel("achieved GB/s (bytes moved per jaxfuse.report / time)")
+  ax.set_title(f"AdamW step bandwidth, {device.device_kind} ({device.platform}), jax {jax.__version__}")
+  ax.grid(True, which="both", alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  progress(f"plot: {path}")
 
 
 if __name__ == "__main__":

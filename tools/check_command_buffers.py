@@ -3,8 +3,11 @@
 Run with XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text" on a GPU machine:
   python3 tools/check_command_buffers.py DIR
 It jits a small training step (model + optax.chain(jaxfuse.clip_by_global_norm, jaxfuse.adamw)
-through jaxfuse.fused_step), runs it, and looks in the optimized HLO for command-buffer
-computations holding the jaxfuse custom calls. Exit status 1 if they are not captured.
+through jaxfuse.fused_step), runs it, and looks for the jaxfuse custom calls inside command
+buffers: in the optimized HLO (older XLA formed them in an HLO pass, as command_buffer*
+computations) and in the thunk dumps (newer XLA converts thunks: *thunk_sequence*.txt, where a
+command-buffer thunk's nested thunks are indented below it). Exit status 1 if they are not
+captured.
 """
 
 import glob
@@ -57,12 +60,34 @@ def main(dump_dir: str) -> int:
   captured = set()
   for m in re.finditer(r"\n(%?command_buffer[\w.]*)[^\n]*\{\n(.*?)\n\}", text, re.S):
     captured |= set(re.findall(r'custom_call_target="(jaxfuse_\w+)"', m.group(2)))
+  captured |= captured_in_thunk_dumps(dump_dir)
   wanted = {"jaxfuse_global_norm", "jaxfuse_adam"}
   print("jaxfuse targets inside command buffers:", sorted(captured))
   if not wanted <= captured:
     print("NOT captured:", sorted(wanted - captured))
     return 1
   return 0
+
+
+def captured_in_thunk_dumps(dump_dir: str) -> set:
+  """jaxfuse targets on lines nested (indented) below a command-buffer thunk in XLA's thunk
+  dumps; the lines involved are printed for the log."""
+  captured = set()
+  for path in glob.glob(os.path.join(dump_dir, "*train_step*thunk_sequence*.txt")):
+    inside_indent = None
+    for line in open(path):
+      indent = len(line) - len(line.lstrip())
+      if inside_indent is not None and indent <= inside_indent:
+        inside_indent = None
+      if re.search(r"command.?buffer", line, re.I):
+        inside_indent = indent if inside_indent is None else inside_indent
+        print(os.path.basename(path), "|", line.rstrip()[:160])
+      elif inside_indent is not None:
+        found = set(re.findall(r"jaxfuse_\w+", line))
+        if found:
+          print(os.path.basename(path), "|", line.rstrip()[:160])
+        captured |= found
+  return captured
 
 
 if __name__ == "__main__":

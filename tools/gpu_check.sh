@@ -54,7 +54,9 @@ step cuda_graphs env XLA_FLAGS="--xla_dump_to=$OUT/hlo_dump --xla_dump_hlo_as_te
   python3 tools/check_command_buffers.py "$OUT/hlo_dump"
 
 Q=${QUICK:+--quick}
-step bench_optim python3 benchmarks/bench_optim.py $Q --out "$OUT/bench_optim.md"
+step report python3 -m jaxfuse.report
+step bench_optim python3 benchmarks/bench_optim.py $Q --out "$OUT/bench_optim.md" \
+  --plot "$OUT/optim_bandwidth_gpu.png"
 step bench_decoder python3 benchmarks/bench_decoder.py $Q --out "$OUT/bench_decoder.md"
 
 echo
@@ -62,4 +64,4 @@ echo "== summary ($(date -u +%F), $(head -2 "$OUT/device.txt" | tail -1))"
 echo "| step | result | time |"
 echo "|---|---|---|"
 printf '%s\n' "${SUMMARY[@]}"
-for f in "$OUT/bench_optim.md" "$OUT/bench_decoder.md"; do [ -f "$f" ] && { echo; cat "$f"; }; done
+for f in "$OUT/report.log" "$OUT/bench_optim.md" "$OUT/bench_decoder.md"; do [ -f "$f" ] && { echo; cat "$f"; }; done
