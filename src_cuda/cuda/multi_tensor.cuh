@@ -1,8 +1,9 @@
 // Multi-tensor apply, CUDA side: the tensor lists of an FFI call are packed into tables passed
 // by value as kernel parameters (no device allocation, no host-to-device copy, no sync: safe for
 // CUDA graph capture). One launch covers as many tensors as fit a table; more tensors take a few
-// launches (multi_tensor_plan.h says how many). Every block walks chunks of all tensors of its table (grid-stride), finds its tensor
-// by binary search over the chunk prefix, and hands (tensor, first element, count) to the op.
+// launches (multi_tensor_plan.h says how many). Every block walks chunks of all tensors of its
+// table (grid-stride), finds its tensor by binary search over the chunk prefix, and hands
+// (tensor, first element, count) to the op.
 #pragma once
 
 #include <cuda_runtime.h>

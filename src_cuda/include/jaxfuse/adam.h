@@ -115,7 +115,8 @@ struct AdamOp {
                                           contract_arg(shape.attrs, "params") != 0);
     const int64_t n = contract_arg(shape.attrs, "num_tensors");
     const int64_t grads_first = 3;  // after count, hyper, grad_ctrl; grads are the first group
-    return streaming_cost(shape, multi_tensor_launches(lists.count(), shape.scalars(grads_first, n)));
+    const std::vector<int64_t> sizes = shape.scalars(grads_first, n);
+    return streaming_cost(shape, multi_tensor_launches(lists.count(), sizes));
   }
 };
 

@@ -481,7 +481,7 @@ struct DecoderOp {
   }
 
   // A memset of the stage counters and one cooperative kernel (cuda/decoder.cu); nothing for
-  // an empty batch. Reads x, positions, every weight and the caches, written as if attention
+  // an empty batch. Reads x, positions, every weight and the caches, counted as if attention
   // read every cache position (at most: it reads positions 0..p of each row); writes out, one
   // K and V row per layer and batch row, and the workspace (at most, its full size).
   static CallCost cost(const CallShape& shape) {

@@ -1,6 +1,6 @@
 // How the CUDA multi-tensor driver (src_cuda/cuda/multi_tensor.cuh) cuts a call into launches:
 // chunk and table sizes, and the launch count that follows from them. Host code, so that every
-// module (the CPU one included) can say what a call launches on a GPU (op.h's CudaLaunches).
+// module (the CPU one included) can say what a call launches on a GPU (op.h's CallCost).
 #pragma once
 
 #include <algorithm>
