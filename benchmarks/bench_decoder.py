@@ -13,7 +13,8 @@ batch 1/4/16, context 128/1024/4096. On CPU a small config (`--quick`: fewer cas
 
 Bytes moved per step = all layer weights + the K and V cache read (B * context * kv_dim * 2 per
 layer); effective GB/s = bytes / time; "% copy" compares with a device copy measured here (read +
-write of a large array with jnp).
+write of a large array with jnp). Kernels per step come from jaxfuse.report (on the CPU a jaxfuse
+call is one XLA thunk; on a GPU the report counts the decoder's one cooperative launch).
 
   python benchmarks/bench_decoder.py [--quick] [--out results.md] [--device cpu|gpu]
 """
@@ -120,13 +121,16 @@ def measure_case(cfg, w, B, ctx, dtype, device, steps, warmup, copy_gbs):
     del c
     log(f"  {name:10s} {times[name] * 1e3:8.3f} ms/step")
   t_fused, t_plain = times["jaxfuse"], min(times["plain-bf16"], times["plain-f32"])
+  # Kernels launched per step (jaxfuse.report; compiled, not run: the cache is abstract).
+  cache = KVCache(*[jax.ShapeDtypeStruct(cfg.cache_shape(B), dtype)] * 2)
+  launches = [jaxfuse.report(fn, x, pos, w, cache).launches for fn in (fused, plain16)]
   weight_bytes = sum(a.size * a.dtype.itemsize for a in w)
   kv_bytes = cfg.num_layers * B * ctx * cfg.kv_dim * 2 * jnp.dtype(dtype).itemsize
   moved = weight_bytes + kv_bytes
   gbs = moved / t_fused / 1e9
   return (B, ctx, t_fused * 1e3, times["plain-bf16"] * 1e3, times["plain-f32"] * 1e3,
           t_plain / t_fused, B / t_fused, moved / 1e9, gbs, 100 * gbs / copy_gbs,
-          moved / t_plain / 1e9)
+          moved / t_plain / 1e9, *launches)
 
 
 def table(rows, title, device, copy_gbs, steps):
@@ -137,12 +141,13 @@ def table(rows, title, device, copy_gbs, steps):
       f"speedup vs the faster baseline; cache donated everywhere; {steps} timed steps",
       "",
       "| batch | context | jaxfuse ms/step | plain-bf16 ms/step | plain-f32 ms/step | speedup | "
-      "tokens/s | GB moved | jaxfuse GB/s | % of copy BW | best plain GB/s |",
-      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "tokens/s | GB moved | jaxfuse GB/s | % of copy BW | best plain GB/s | "
+      "kernels/step jaxfuse / plain-bf16 |",
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     lines.append(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.3f} | {r[5]:.2f}x | {r[6]:.0f} | "
-                 f"{r[7]:.3f} | {r[8]:.1f} | {r[9]:.0f}% | {r[10]:.1f} |")
+                 f"{r[7]:.3f} | {r[8]:.1f} | {r[9]:.0f}% | {r[10]:.1f} | {r[11]} / {r[12]} |")
   return "\n".join(lines)
 
 
