@@ -8,6 +8,7 @@ Only what the report needs is parsed; the text format is XLA's HloModule::ToStri
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -192,5 +193,11 @@ class Module:
 
   def operand_shapes(self, ins: Instruction) -> list[list[Array]]:
     """The shape of each operand of ``ins``."""
-    shapes = {i.name: i.shape for i in self.computations[ins.computation]}
+    shapes = self._shapes[ins.computation]
     return [shapes[name] for name in ins.operands]
+
+  @functools.cached_property
+  def _shapes(self) -> dict[str, dict[str, list[Array]]]:
+    """Instruction shapes by computation and name, indexed once."""
+    return {comp: {i.name: i.shape for i in instructions}
+            for comp, instructions in self.computations.items()}

@@ -44,6 +44,7 @@ class Row:
   """One kind of launching instruction in a step: an XLA opcode or a custom-call target."""
 
   name: str             # "fusion", "copy", ..., or the custom call's target
+  custom_call: bool     # a custom call (jaxfuse's or another library's)
   jaxfuse: bool         # a jaxfuse op
   instructions: int     # in the compiled HLO
   runs: int             # executions per step (loops expanded)
@@ -137,14 +138,13 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
   platform = _platform()
   rows, exact = _rows(module, platform)
   jf = [r for r in rows if r.jaxfuse]
-  custom = _custom_targets(module)
   memory = _memory(compiled)
   params, state_bytes = _optimizer_state(args, kwargs)
   graph_ready, graphs = _cuda_graphs(bool(jf))
   return Report(
       platform=platform,
-      xla_kernels=sum(r.runs for r in rows if r.name not in custom),
-      custom_calls=sum(r.runs for r in rows if r.name in custom),
+      xla_kernels=sum(r.runs for r in rows if not r.custom_call),
+      custom_calls=sum(r.runs for r in rows if r.custom_call),
       jaxfuse_calls=sum(r.runs for r in jf),
       jaxfuse_launches=sum(r.launches for r in jf),
       jaxfuse_cuda_launches=sum(r.cuda_launches for r in jf),
@@ -171,12 +171,6 @@ def _platform() -> str:
   return device.platform
 
 
-def _custom_targets(module: _hlo.Module) -> set[str]:
-  return {ins.attr("custom_call_target").strip('"')
-          for instructions in module.computations.values() for ins in instructions
-          if ins.opcode == "custom-call"}
-
-
 _ROW_COUNTS = ("instructions", "runs", "launches", "cuda_launches", "cuda_memsets", "bytes_read",
                "bytes_written")
 
@@ -189,8 +183,8 @@ def _rows(module: _hlo.Module, platform: str) -> tuple[list[Row], bool]:
     exact &= ins_exact
     cost = _instruction_cost(module, ins, platform)
     exact &= not cost.pop("upper_bound")
-    name, is_jaxfuse = cost.pop("name"), cost.pop("jaxfuse")
-    row = totals.setdefault(name, {"jaxfuse": is_jaxfuse, **dict.fromkeys(_ROW_COUNTS, 0)})
+    kind = {key: cost.pop(key) for key in ("custom_call", "jaxfuse")}
+    row = totals.setdefault(cost.pop("name"), {**kind, **dict.fromkeys(_ROW_COUNTS, 0)})
     row["instructions"] += 1
     row["runs"] += runs
     for key, value in cost.items():
@@ -211,7 +205,8 @@ def _instruction_cost(module: _hlo.Module, ins: _hlo.Instruction, platform: str)
   else:
     name = ins.opcode
   operand_bytes = sum(a.bytes for shape in module.operand_shapes(ins) for a in shape)
-  return {"name": name, "jaxfuse": False, "upper_bound": False, "launches": 1,
+  return {"name": name, "custom_call": ins.opcode == "custom-call", "jaxfuse": False,
+          "upper_bound": False, "launches": 1,
           "cuda_launches": 1, "cuda_memsets": 0, "bytes_read": operand_bytes,
           "bytes_written": sum(a.bytes for a in ins.shape)}
 
@@ -222,7 +217,8 @@ def _jaxfuse_cost(module, ins, op: str, emulated: bool, platform: str) -> dict:
                         [_buffer(a) for a in ins.shape], _int_attrs(ins.attr("backend_config")))
   # The CUDA handlers run where the platform is CUDA, and on the CPU under cuda_on_cpu.
   on_cuda = platform == "cuda" or emulated
-  return {"name": op, "jaxfuse": True, "upper_bound": cost["bytes_upper_bound"],
+  return {"name": op, "custom_call": True, "jaxfuse": True,
+          "upper_bound": cost["bytes_upper_bound"],
           "launches": cost["cuda_kernels"] if on_cuda else 1,
           "cuda_launches": cost["cuda_kernels"], "cuda_memsets": cost["cuda_memsets"],
           "bytes_read": cost["bytes_read"], "bytes_written": cost["bytes_written"]}
