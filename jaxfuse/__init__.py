@@ -6,6 +6,7 @@ Optimizer side (optax-compatible):
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
+  multi_steps          gradient accumulation (optax.MultiSteps) that fused_step runs in place
 
 Reporting:
   report               what a jitted step launches, moves and holds, beside a baseline
@@ -18,7 +19,8 @@ Decode side:
 import importlib as _importlib
 from importlib import metadata as _metadata
 
-from jaxfuse._ffi import backends
+from jaxfuse._ffi import backends, export_safety_checks
+from jaxfuse.accumulate import multi_steps
 from jaxfuse.adam import AdamExtraState, adam, adamw, nadam, nadamw
 from jaxfuse.clip import clip_by_global_norm, global_norm
 from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, decoder_reference,
@@ -49,9 +51,11 @@ __all__ = [
     "backends",
     "clip_by_global_norm",
     "decoder_reference",
+    "export_safety_checks",
     "fused_step",
     "global_norm",
     "nadam",
+    "multi_steps",
     "nadamw",
     "persistent_decoder",
     "report",

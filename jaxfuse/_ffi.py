@@ -180,6 +180,21 @@ def call_cost(op: str, emulated: bool, operands: list, results: list,
 
 
 @functools.cache
+def export_safety_checks() -> list:
+  """The ``disabled_checks`` that ``jax.export.export`` needs for a function with jaxfuse calls.
+
+  jax.export refuses custom calls it does not know, since an exported artifact with them runs
+  only where their handlers are registered: ``import jaxfuse`` (of a version with the same ops)
+  before deserializing and calling it. One check per jaxfuse XLA target::
+
+      exported = jax.export.export(jax.jit(step),
+                                   disabled_checks=jaxfuse.export_safety_checks())(*args)
+  """
+  import jax.export
+
+  return [jax.export.DisabledSafetyCheck.custom_call(target(name)) for name in sorted(_op_names())]
+
+
 def _cuda_devices_present() -> bool:
   try:
     return bool(jax.devices("cuda"))  # not "gpu": that includes ROCm, which jaxfuse does not build

@@ -1,9 +1,8 @@
 """Fused multi-tensor Adam / AdamW, optax-compatible.
 
 ``jaxfuse.adam`` and ``jaxfuse.adamw`` take the arguments of ``optax.adam`` / ``optax.adamw`` and
-compute the same update, for every leaf of the pytree in one XLA FFI call (one kernel launch on
-the GPU for up to several hundred leaves). Per element, with ``t`` the step count after
-incrementing (Kingma & Ba, 2015, https://arxiv.org/abs/1412.6980; Loshchilov & Hutter, 2019,
+compute the same update. Per element, with ``t`` the step count after incrementing (Kingma & Ba,
+2015, https://arxiv.org/abs/1412.6980; Loshchilov & Hutter, 2019,
 https://arxiv.org/abs/1711.05101)::
 
     mu = (1 - b1) * g + b1 * mu
@@ -21,8 +20,8 @@ kernel as device scalars: no recompiles, no host round trips, and the transforms
 
 Leaves may be float32, bfloat16, float16, float64 (math in float64) or complex64/complex128
 (optax's complex Adam: ``nu`` from ``|g|**2``), as JAX arrays, NumPy arrays or Python scalars,
-mixed freely in one tree; leaves are grouped into one FFI call per family (float32 math, float64,
-complex64, complex128). 16-bit leaves are computed in float32 and rounded once.
+mixed freely in one tree. 16-bit leaves are computed in float32 and rounded once (optax
+computes in the 16-bit type: jaxfuse's step is the more accurate one).
 
 Opt-in extensions (they append an :class:`AdamExtraState` to the state):
 
@@ -32,14 +31,19 @@ Opt-in extensions (they append an :class:`AdamExtraState` to the state):
   rounding.
 * ``skip_nonfinite=True``: a step whose gradients hold a NaN or Inf leaves params, moments and
   the count untouched and adds one to ``skipped_steps`` (like ``optax.apply_if_finite``, decided
-  on device inside the same kernels).
+  on device by the global-norm kernel).
 
 Two ways to apply it:
 
 * the optax protocol, ``updates, state = tx.update(grads, state, params)`` then
-  ``optax.apply_updates``: one kernel plus XLA's add, 36-40 bytes per fp32 parameter;
-* :func:`jaxfuse.fused_step`, which updates params and moments in place (28 bytes per fp32
-  parameter, the minimum) under ``jax.jit(..., donate_argnums=...)``.
+  ``optax.apply_updates``: the element math (the kernels', adam_math.h, in the same operation
+  order) as XLA operations, which XLA fuses with ``apply_updates``'s add into one pass that reads
+  and writes each buffer once, as optax's own step does (a kernel there would have to write the
+  updates out for XLA to read back);
+* :func:`jaxfuse.fused_step` (and the framework helpers in ``jaxfuse.flax``): one multi-tensor
+  kernel per call of up to 256 leaves (one FFI call per family of leaves: float32 math, float64,
+  complex64, complex128) that updates params and moments in place, 28 bytes per fp32 parameter,
+  the minimum, under ``jax.jit(..., donate_argnums=...)``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ import numpy as np
 import optax
 
 from jaxfuse import _ffi
+from jaxfuse import _inplace
 from jaxfuse import _partition
 from jaxfuse import _trees
 
@@ -245,11 +250,30 @@ def _transform(spec: AdamSpec) -> optax.GradientTransformationExtraArgs:
       raise ValueError("jaxfuse.adamw: update() needs params (as optax.adamw's does)")
     if params is None and spec.master_weights:
       raise ValueError("jaxfuse.adam(master_weights=True): update() needs params")
-    return adam_updates(spec, updates, state, params, grad_ctrl_for(spec, updates, grad_scale)[1])
+    in_place = _inplace.current()
+    if in_place is not None:
+      return _update_in_place(spec, in_place, updates, state, params)
+    return xla_updates(spec, updates, state, params, grad_scale)
 
-  # fused_step finds the spec here, also inside optax.chain (which keeps ExtraArgs transforms).
-  update_fn.jaxfuse_spec = spec
+  update_fn.jaxfuse_spec = spec  # for kernel_updates
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _update_in_place(spec: AdamSpec, in_place: _inplace.InPlaceStep, grads: Any, state: Any,
+                     params: Any) -> tuple[Any, Any]:
+  """The Adam of a fused_step: params and state updated in place (a jaxfuse clip directly
+  before it folded in), the new params recorded; the updates returned are placeholders."""
+  if params is None:
+    raise ValueError("jaxfuse.fused_step: params are required")
+  clip = in_place.take_clip(grads)
+  norm, grad_ctrl = grad_ctrl_for(spec, grads, in_place.grad_scale,
+                                  clip_max_norm=None if clip is None else clip.max_norm,
+                                  need_norm=in_place.need_norm,
+                                  axis_name=None if clip is None else clip.axis_name)
+  new_params, new_state = adam_in_place(spec, grads, state, params, grad_ctrl)
+  placeholders = jax.tree.map(jnp.zeros_like, _trees.as_arrays(grads))
+  in_place.record_step("the jaxfuse Adam", new_params, norm, placeholders)
+  return placeholders, new_state
 
 
 def _check_state(spec: AdamSpec, state: Any, params: Any) -> None:
@@ -413,24 +437,32 @@ def _stand_in_params(grads: Any, state: Any) -> Any:
       [jax.ShapeDtypeStruct(jnp.shape(g), v.dtype) for g, v in zip(jax.tree.leaves(grads), nu)])
 
 
-def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Optional[jax.Array],
-              *, write_updates: bool) -> _Step:
-  """Checks the arguments and runs the kernel over every leaf: one FFI call per family of
-  leaves (compute type, real or complex) and per MAX_LEAVES_PER_CALL non-empty leaves. All
-  leaves are JAX arrays (as_arrays)."""
+def _checked_leaves(spec: AdamSpec, grads: Any, state: Any, params: Any
+                    ) -> tuple[_Leaves, list[bool]]:
+  """Checks one step's arguments (naming the leaf at fault) and flattens them: the per-leaf
+  lists and the weight-decay flags. All leaves are JAX arrays (as_arrays)."""
   _trees.check_float_leaves(grads, "grads")
   reference = _stand_in_params(grads, state) if params is None else params
   decay = spec.check_params(reference)
   _trees.check_same_structure(reference, grads, "params", "grads")
   _check_state(spec, state, reference)
+  treedef = jax.tree.structure(grads)
+  leaves = _Leaves(jax.tree.leaves(grads), None if params is None else jax.tree.leaves(params),
+                   treedef.flatten_up_to(state[0].mu), treedef.flatten_up_to(state[0].nu),
+                   treedef.flatten_up_to(state[-1].master_params) if spec.master_weights else None)
+  return leaves, decay
+
+
+def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Optional[jax.Array],
+              *, write_updates: bool) -> _Step:
+  """Checks the arguments and runs the kernel over every leaf: one FFI call per family of
+  leaves (compute type, real or complex) and per MAX_LEAVES_PER_CALL non-empty leaves."""
+  leaves, decay = _checked_leaves(spec, grads, state, params)
   if grad_ctrl is None:
     if spec.skip_nonfinite:
       raise ValueError("jaxfuse: skip_nonfinite needs the control vector of a norm call")
     grad_ctrl = default_grad_ctrl()
-  adam_state, treedef = state[0], jax.tree.structure(grads)
-  leaves = _Leaves(jax.tree.leaves(grads), None if params is None else jax.tree.leaves(params),
-                   treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu),
-                   treedef.flatten_up_to(state[-1].master_params) if spec.master_weights else None)
+  adam_state = state[0]
   n = len(leaves.grads)
   hyper = hyper_vector(spec, adam_state.count)
   step = _Step([None] * n, list(leaves.mu), list(leaves.nu),
@@ -470,6 +502,91 @@ def _new_state(spec: AdamSpec, state: Any, treedef: Any, step: _Step) -> Any:
   return optax.tree_utils.tree_set(new_state, count=step.count)
 
 
+def _compute_dtype(*dtypes) -> Any:
+  """The type Adam computes a leaf in (adam.h): float32, float64 where a buffer is 64-bit, and
+  the complex type of that width for complex leaves."""
+  wide = any(_trees.is_wide(d) for d in dtypes)
+  if any(_trees.is_complex(d) for d in dtypes):
+    return jnp.dtype(jnp.complex128 if wide else jnp.complex64)
+  return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+
+def _leaf_update(spec: AdamSpec, h: dict, g, p, m, v, master, *, decay: bool, out_dtype,
+                 skip) -> tuple:
+  """adam_group() (adam_math.h) for one leaf as XLA operations, in the same operation order
+  (optax's): (update, new mu, new nu, new master or None). `h` holds the step's scalars."""
+  c = _compute_dtype(*[x.dtype for x in (g, p, m, v, master) if x is not None])
+  real = jnp.finfo(c).dtype
+  k = {name: jnp.asarray(x, real) for name, x in h.items()}
+  gc = g.astype(c)
+  if "loss_scale" in k:
+    gc = gc / k["loss_scale"]
+  g_squared = (jnp.conj(gc) * gc).real if jnp.iscomplexobj(gc) else gc * gc
+  new_v = k["one_minus_b2"] * g_squared + k["b2"] * v.astype(c)
+  new_m = k["one_minus_b1"] * gc + k["b1"] * m.astype(c)
+  if spec.nesterov:
+    m_hat = k["b1"] * (new_m / k["bc1_next"]) + k["one_minus_b1"] * (gc / k["bc1"])
+  else:
+    m_hat = new_m / k["bc1"]
+  u = m_hat / (jnp.sqrt(new_v / k["bc2"] + k["eps_root"]) + k["eps"])
+  source = master if master is not None else p
+  if decay:
+    u = u + k["weight_decay"] * source.astype(c)
+  u = u * -k["learning_rate"]
+  new_master = None
+  if master is not None:
+    # The exact step from the params to the new master's rounding (adam_store_params).
+    new_master = source.astype(c) + u
+    u = new_master.astype(p.dtype).astype(c) - p.astype(c)
+  keep = lambda new, old: new.astype(old.dtype) if skip is None else jnp.where(
+      skip, old, new.astype(old.dtype))
+  update = u.astype(out_dtype) if skip is None else jnp.where(skip, 0, u.astype(out_dtype))
+  return (update, keep(new_m, m), keep(new_v, v),
+          None if master is None else keep(new_master, master))
+
+
+def xla_updates(spec: AdamSpec, grads: Any, state: Any, params: Any,
+                grad_scale: Any = None) -> tuple[Any, Any]:
+  """The optax protocol: (updates, new_state), params untouched, with the element math as XLA
+  operations, so that XLA fuses it with what consumes the updates (``optax.apply_updates``):
+  the step then reads and writes each buffer once, as optax's does, on every backend. The math
+  is the kernels' (adam_math.h: 16-bit leaves computed in float32 and rounded once, master
+  weights, loss scale); with ``skip_nonfinite`` one global-norm call decides the skip."""
+  grads, state, params = _trees.as_arrays((grads, state, params))
+  leaves, decay = _checked_leaves(spec, grads, state, params)
+  adam_state = state[0]
+  skip = None
+  if spec.skip_nonfinite:
+    _, grad_ctrl = grad_ctrl_for(spec, grads, grad_scale)
+    skip = grad_ctrl[_CONTRACT.names["grad_ctrl"].index("skip")] != 0
+  count = adam_state.count
+  t = optax.safe_increment(count)
+  h = {name: _scalar(value, count) for name, value in dict(
+      learning_rate=spec.learning_rate, b1=spec.b1, one_minus_b1=_one_minus(spec.b1), b2=spec.b2,
+      one_minus_b2=_one_minus(spec.b2), eps=spec.eps, eps_root=spec.eps_root,
+      weight_decay=spec.weight_decay if spec.decays else 0.0).items()}
+  h.update(bc1=1 - h["b1"] ** t, bc1_next=1 - h["b1"] ** optax.safe_increment(t),
+           bc2=1 - h["b2"] ** t)  # optax's bias corrections, in JAX's default float type
+  if grad_scale is not None:
+    h["loss_scale"] = grad_scale
+  n = len(leaves.grads)
+  step = _Step([None] * n, [None] * n, [None] * n,
+               None if leaves.master_params is None else [None] * n,
+               t if skip is None else jnp.where(skip, count, t),
+               jnp.bool_(False) if skip is None else skip)
+  for i in range(n):
+    out = _leaf_update(spec, h, leaves.grads[i],
+                       None if leaves.params is None else leaves.params[i], leaves.mu[i],
+                       leaves.nu[i], None if leaves.master_params is None
+                       else leaves.master_params[i], decay=decay[i],
+                       out_dtype=_output_dtype(spec, leaves, i), skip=skip)
+    step.outputs[i], step.mu[i], step.nu[i] = out[:3]
+    if step.master_params is not None:
+      step.master_params[i] = out[3]
+  treedef = jax.tree.structure(grads)
+  return treedef.unflatten(step.outputs), _new_state(spec, state, treedef, step)
+
+
 def adam_updates(spec: AdamSpec, grads: Any, state: Any, params: Any,
                  grad_ctrl: Optional[jax.Array] = None) -> tuple[Any, Any]:
   """The optax protocol: (updates, new_state), params untouched.
@@ -482,6 +599,15 @@ def adam_updates(spec: AdamSpec, grads: Any, state: Any, params: Any,
   step = _run_step(spec, grads, state, params, grad_ctrl, write_updates=True)
   treedef = jax.tree.structure(grads)
   return treedef.unflatten(step.outputs), _new_state(spec, state, treedef, step)
+
+
+def kernel_updates(tx: optax.GradientTransformation, grads: Any, state: Any, params: Any = None,
+                   grad_scale: Any = None) -> tuple[Any, Any]:
+  """``tx.update`` of a jaxfuse Adam computed by the Adam kernel's optax-protocol layout (the
+  kernel writes the updates) instead of XLA's fused element math. The tests check that layout
+  on both drivers (tools/cuda_on_cpu); the GPU validation times it against the XLA path."""
+  spec = tx.update.jaxfuse_spec
+  return adam_updates(spec, grads, state, params, grad_ctrl_for(spec, grads, grad_scale)[1])
 
 
 def adam_in_place(spec: AdamSpec, grads: Any, state: Any, params: Any,

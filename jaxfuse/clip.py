@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _ffi
+from jaxfuse import _inplace
 from jaxfuse import _partition
 from jaxfuse import _trees
 
@@ -161,7 +162,9 @@ def global_norm(tree: Any, *, grad_scale: Optional[Any] = None,
 
 def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
   """Scales every leaf as the control vector says (one jaxfuse_apply_grad_ctrl call; each device
-  scales its own shards)."""
+  scales its own shards). The kernel twin of scale_by_grad_ctrl, which the transforms use
+  (XLA fuses it into the next pass); kept, tested on both drivers, to be timed against it on a
+  GPU."""
   leaves, treedef = jax.tree.flatten(_trees.as_arrays(grads))
   if not leaves:
     return grads
@@ -179,6 +182,22 @@ def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
                              ("grad_ctrl",) + tuple(f"grads leaf {i}" for i in range(len(leaves))))
   return treedef.unflatten(_partition.partitioned_call("jaxfuse.clip_by_global_norm", body,
                                                        layout, [grad_ctrl, *leaves]))
+
+
+def scale_by_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
+  """``(g / clip_div) * clip_mul`` for every leaf (computed in at least float32, rounded to the
+  leaf's dtype), as XLA operations: XLA fuses the scaling into whatever reads the gradients next
+  (an optax or jaxfuse Adam's element math), so clipping costs no extra pass over them."""
+  names = _CONTRACT.names["grad_ctrl"]
+
+  def scale(g):
+    c = jnp.promote_types(g.dtype, jnp.float32)
+    real = jnp.finfo(c).dtype
+    div = grad_ctrl[names.index("clip_div")].astype(real)
+    mul = grad_ctrl[names.index("clip_mul")].astype(real)
+    return ((g.astype(c) / div) * mul).astype(g.dtype)
+
+  return jax.tree.map(scale, _trees.as_arrays(grads))
 
 
 def clip_by_global_norm(max_norm: Any, *,
@@ -202,9 +221,12 @@ def clip_by_global_norm(max_norm: Any, *,
 
   def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
     del params, extra_args
+    in_place = _inplace.current()
+    if in_place is not None:  # fused_step: the Adam that receives these leaves folds the clip
+      in_place.record_clip(spec, updates)
+      return updates, state
     _, grad_ctrl = norm_and_grad_ctrl(updates, max_norm=max_norm, grad_scale=grad_scale,
                                       clip_apply_loss_scale=False, axis_name=axis_name)
-    return apply_grad_ctrl(updates, grad_ctrl), state
+    return scale_by_grad_ctrl(updates, grad_ctrl), state
 
-  update_fn.jaxfuse_spec = spec
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -19,6 +19,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi, clip
+from jaxfuse.adam import kernel_updates
 from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:
@@ -129,11 +130,11 @@ def test_adam_bitwise(mode, mix, launch):
   if mode in ("fused", "master_fused"):
     fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
   elif mode == "loss_scale":
-    fn = lambda g, s, p: tx.update(g, s, p, grad_scale=jnp.float32(128.0))
+    fn = lambda g, s, p: kernel_updates(tx, g, s, p, grad_scale=jnp.float32(128.0))
   elif mode == "no_params":
-    fn = lambda g, s, p: tx.update(g, s)
-  else:
-    fn = lambda g, s, p: tx.update(g, s, p)
+    fn = lambda g, s, p: kernel_updates(tx, g, s)
+  else:  # the kernel's optax-protocol layout (tx.update itself is XLA's math)
+    fn = lambda g, s, p: kernel_updates(tx, g, s, p)
   native, emu = on_both(fn, grads, state, params)
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
 
@@ -175,7 +176,8 @@ def test_fused_clip_adamw(max_norm, launch):
 def test_clip_by_global_norm_alone(launch):
   dtypes = DTYPE_MIXES["mixed"]
   grads = random_tree(8, SIZES, dtypes, scale=3.0)
-  fn = lambda g: jaxfuse.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]
+  # the apply kernel (clip_by_global_norm's optax protocol scales in XLA)
+  fn = lambda g: clip.apply_grad_ctrl(g, clip.norm_and_grad_ctrl(g, max_norm=1.0)[1])
   native, emu = on_both(fn, grads)
   for a, b in zip(jax.tree.leaves(emu), jax.tree.leaves(native)):
     tol = float(jnp.finfo(a.dtype).eps)
@@ -225,7 +227,7 @@ def test_failed_launch_does_not_poison_later_calls(monkeypatch):
   tree = random_tree(10, [(5,), (7,)], [jnp.float32] * 2)
   emulated(jaxfuse.global_norm, tree)
   tx = jaxfuse.adam(1e-3)
-  emulated(lambda g, s: tx.update(g, s, tree), tree, tx.init(tree))
+  emulated(lambda g, s: kernel_updates(tx, g, s, tree), tree, tx.init(tree))
   emulated(decode, x, positions, w, cache)
 
 
@@ -285,10 +287,10 @@ def test_global_norm_from_peer_rows_same_bits_under_every_schedule(grid, monkeyp
 REPORT_SIZES = SIZES[:6] + [(200,)]
 MANY_SIZES = REPORT_SIZES * 43  # 301 leaves: two Adam calls
 ADAM_MODES = {  # mode: step
-    "plain": lambda tx: lambda g, s, p: tx.update(g, s, p),
-    "master": lambda tx: lambda g, s, p: tx.update(g, s, p),
+    "plain": lambda tx: lambda g, s, p: kernel_updates(tx, g, s, p),
+    "master": lambda tx: lambda g, s, p: kernel_updates(tx, g, s, p),
     "master_fused": lambda tx: lambda g, s, p: jaxfuse.fused_step(tx, g, s, p),
-    "no_params": lambda tx: lambda g, s, p: tx.update(g, s),
+    "no_params": lambda tx: lambda g, s, p: kernel_updates(tx, g, s),
 }
 # Every op and layout over a few leaves; over many (two Adam calls) where the split matters.
 REPORT_CASES = ([f"{op}-few" for op in ("fused_clip_adamw", "clip_alone",

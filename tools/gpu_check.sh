@@ -58,10 +58,15 @@ step report python3 -m jaxfuse.report
 step bench_optim python3 benchmarks/bench_optim.py $Q --out "$OUT/bench_optim.md" \
   --plot "$OUT/optim_bandwidth_gpu.png"
 step bench_decoder python3 benchmarks/bench_decoder.py $Q --out "$OUT/bench_decoder.md"
+# The flax TrainState step (drop-in, in-place helper, optax), when flax is installed there.
+if python3 -c "import flax" 2>/dev/null; then
+  step bench_train_step python3 benchmarks/bench_train_step.py $Q --out "$OUT/bench_train_step.md"
+fi
 
 echo
 echo "== summary ($(date -u +%F), $(head -2 "$OUT/device.txt" | tail -1))"
 echo "| step | result | time |"
 echo "|---|---|---|"
 printf '%s\n' "${SUMMARY[@]}"
-for f in "$OUT/report.log" "$OUT/bench_optim.md" "$OUT/bench_decoder.md"; do [ -f "$f" ] && { echo; cat "$f"; }; done
+for f in "$OUT/report.log" "$OUT/bench_optim.md" "$OUT/bench_decoder.md" \
+         "$OUT/bench_train_step.md"; do [ -f "$f" ] && { echo; cat "$f"; }; done

@@ -2,8 +2,8 @@
 # The CPU handlers under AddressSanitizer + UndefinedBehaviorSanitizer: builds the extension in
 # Debug (asserts on, -O1) with both sanitizers into build/dev-sanitize and runs the test suite
 # against it, less the tests marked slow (a thousand leaves, a large tensor: they stress XLA's
-# compiler, whose allocations ASan slows tenfold) and tests/test_cuda_on_cpu.py (which
-# tools/cuda_on_cpu.sh runs against this build). Exit status 0 when every test passes with no
+# compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
+# tools/cuda_on_cpu.sh runs against this build) and tests/test_frameworks.py. Exit status 0 when every test passes with no
 # sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
 set -euo pipefail
@@ -13,6 +13,10 @@ BUILD=build/dev-sanitize
 echo "== sanitize: build ($BUILD)"
 dev_build "$BUILD" .
 echo "== sanitize: test suite against the sanitized CPU handlers"
-# tests/test_cuda_on_cpu.py runs against this same build in tools/cuda_on_cpu.sh.
-if [ $# -eq 0 ]; then set -- tests -m "not slow" --ignore=tests/test_cuda_on_cpu.py; fi
+# tests/test_cuda_on_cpu.py runs against this same build in tools/cuda_on_cpu.sh;
+# tests/test_frameworks.py trains with flax/equinox through the handlers test_adam.py and
+# test_fused.py already cover here, and mostly costs compile time.
+if [ $# -eq 0 ]; then
+  set -- tests -m "not slow" --ignore=tests/test_cuda_on_cpu.py --ignore=tests/test_frameworks.py
+fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"

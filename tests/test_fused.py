@@ -1,0 +1,219 @@
+"""jaxfuse.fused_step over optax's compositions (chains, named and nested; inject_hyperparams;
+gradient accumulation), what it refuses and why, and what an optax user tries next: jax.export,
+differentiating through update, the donation order."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from helpers import assert_trees_close, count_custom_calls, random_tree
+
+SHAPES = [(), (0,), (7,), (33, 5), (4, 3, 2)]
+
+
+def _grads(seed, params, scale=1.0):
+  return random_tree(seed, [p.shape for p in jax.tree.leaves(params)], scale=scale)
+
+
+def _run(tx, params, steps, fused=True, scale=1.0):
+  """params and state after `steps` jitted steps on fresh random gradients: fused_step or the
+  optax protocol (tx.update + apply_updates)."""
+  if fused:
+    step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
+  else:
+    step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(g, s, p)))
+  p, s = params, tx.init(params)
+  for t in range(steps):
+    p, s = step(p, s, _grads(100 + t, params, scale))
+  return p, s
+
+
+def _assert_same_step(jf_tx, optax_tx, params, steps=8, rtol=2e-6, scale=1.0):
+  jf_p, jf_s = _run(jf_tx, params, steps, scale=scale)
+  ref_p, ref_s = _run(optax_tx, params, steps, fused=False, scale=scale)
+  assert jax.tree.structure(jf_s) == jax.tree.structure(ref_s)
+  assert_trees_close(jf_p, ref_p, rtol=rtol, atol=1e-7)
+  assert_trees_close(jf_s, ref_s, rtol=rtol, atol=1e-7)
+
+
+def _params(device=None):
+  return random_tree(1, SHAPES, device=device)
+
+
+def test_inject_hyperparams_reads_hyperparameters_from_the_state(device):
+  sched = optax.linear_schedule(1e-2, 1e-3, 6)
+  make = lambda mod: optax.inject_hyperparams(mod.adamw)(learning_rate=sched, b1=0.8,
+                                                         weight_decay=0.05)
+  _assert_same_step(make(jaxfuse), make(optax), _params(device))
+
+
+def test_inject_hyperparams_changed_between_steps_without_recompiling(device):
+  params = _params(device)
+  tx = optax.inject_hyperparams(jaxfuse.adam)(learning_rate=1e-2)
+  ref = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
+  traces = []
+  step = jax.jit(lambda p, s, g: (traces.append(1), jaxfuse.fused_step(tx, g, s, p))[1])
+  p, s, rp, rs = params, tx.init(params), params, ref.init(params)
+  for t, lr in enumerate([1e-2, 3e-3, 5e-2]):
+    s.hyperparams["learning_rate"] = jnp.float32(lr)
+    rs.hyperparams["learning_rate"] = jnp.float32(lr)
+    g = _grads(t, params)
+    p, s = step(p, s, g)
+    u, rs = ref.update(g, rs, rp)
+    rp = optax.apply_updates(rp, u)
+  assert len(traces) == 1
+  assert_trees_close(p, rp, rtol=2e-6, atol=1e-7)
+
+
+def test_named_and_nested_chains_with_transforms_before_the_adam(device):
+  def make(mod):
+    pre = optax.chain(optax.scale(0.5), mod.clip_by_global_norm(0.2))
+    return optax.named_chain(("pre", pre), ("opt", optax.chain(mod.adamw(1e-2))))
+  _assert_same_step(make(jaxfuse), make(optax), _params(device))
+
+
+def test_clip_is_folded_into_the_adam_kernels(device):
+  params = _params(device)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(0.1), jaxfuse.adamw(1e-2))
+  text = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)).lower(
+      params, tx.init(params), _grads(0, params)).as_text()
+  assert count_custom_calls(text, "jaxfuse_global_norm") == 1
+  assert count_custom_calls(text, "jaxfuse_adam") == 1
+  assert count_custom_calls(text, "jaxfuse_apply_grad_ctrl") == 0
+
+
+@pytest.mark.parametrize("use_grad_mean", [True, False])
+def test_multi_steps_matches_optax_multisteps(use_grad_mean, device):
+  make = lambda mod: optax.chain(mod.clip_by_global_norm(0.3), mod.adamw(1e-2))
+  jf = jaxfuse.multi_steps(make(jaxfuse), 3, use_grad_mean=use_grad_mean)
+  ref = optax.MultiSteps(make(optax), 3, use_grad_mean=use_grad_mean).gradient_transformation()
+  _assert_same_step(jf, ref, _params(device), steps=8)
+  # the optax protocol of jaxfuse.multi_steps is optax.MultiSteps's
+  jf_p, jf_s = _run(jf, _params(device), 4, fused=False)
+  ref_p, ref_s = _run(ref, _params(device), 4, fused=False)
+  assert_trees_close((jf_p, jf_s), (ref_p, ref_s), rtol=2e-6, atol=1e-7)
+
+
+def test_multi_steps_with_a_schedule_of_k(device):
+  every_k = lambda step: jnp.where(step < 2, 2, 3)
+  jf = jaxfuse.multi_steps(jaxfuse.adam(1e-2), every_k)
+  ref = optax.MultiSteps(optax.adam(1e-2), every_k).gradient_transformation()
+  _assert_same_step(jf, ref, _params(device), steps=10)
+
+
+def test_multi_steps_keeps_state_in_place(device):
+  params = random_tree(2, [(256, 64), (64,)], device=device)
+  tx = jaxfuse.multi_steps(jaxfuse.adamw(1e-2), 4)
+  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+  r = jaxfuse.report(step, params, tx.init(params), _grads(0, params))
+  copies = sum(row.bytes_written for row in r.rows if row.name == "copy")
+  param_bytes = sum(x.size for x in jax.tree.leaves(params)) * 4
+  # XLA's conditional copies the params it passes through (once per call); moments and the
+  # accumulator are never copied
+  assert copies <= param_bytes + 64, r
+
+
+def test_skip_nonfinite_is_apply_if_finite(device):
+  params = _params(device)
+  tx = jaxfuse.adamw(1e-2, skip_nonfinite=True)
+  ref = optax.apply_if_finite(optax.adamw(1e-2), max_consecutive_errors=100)
+  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
+  p, s, rp, rs = params, tx.init(params), params, ref.init(params)
+  for t in range(5):
+    g = _grads(t, params)
+    if t in (1, 3):
+      g = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf) if x.size else x, g)
+    p, s = step(p, s, g)
+    u, rs = ref.update(g, rs, rp)
+    rp = optax.apply_updates(rp, u)
+  assert_trees_close(p, rp, rtol=2e-6, atol=1e-7)
+  assert int(s[-1].skipped_steps) == int(rs.total_notfinite) == 2
+
+
+@pytest.mark.parametrize("tx, match", [
+    (lambda: optax.apply_if_finite(jaxfuse.adamw(1e-2), 3), "skip_nonfinite=True"),
+    (lambda: optax.MultiSteps(jaxfuse.adamw(1e-2), 3).gradient_transformation(),
+     "jaxfuse.multi_steps"),
+    (lambda: optax.chain(jaxfuse.adamw(1e-2), optax.scale(2.0)), "after the jaxfuse Adam"),
+    (lambda: optax.chain(jaxfuse.adamw(1e-2), jaxfuse.clip_by_global_norm(1.0)),
+     "directly before"),
+    (lambda: optax.chain(jaxfuse.clip_by_global_norm(1.0), optax.scale(2.0),
+                         jaxfuse.adamw(1e-2)), "directly before"),
+    (lambda: optax.masked(jaxfuse.adamw(1e-2), {"leaf0000": True, "leaf0001": False,
+                                                "leaf0002": True, "leaf0003": True,
+                                                "leaf0004": True}), "optax.masked"),
+    (lambda: optax.adamw(1e-2), "no jaxfuse Adam ran"),
+    (lambda: optax.chain(jaxfuse.adamw(1e-2), jaxfuse.adamw(1e-2)), "one jaxfuse Adam per step"),
+])
+def test_refused_compositions_say_what_to_use(tx, match):
+  tx = tx()
+  params = _params()
+  with pytest.raises((TypeError, ValueError), match=match):
+    jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))(params, tx.init(params),
+                                                              _grads(0, params))
+
+
+def test_export_with_the_safety_checks_disabled(device):
+  params = random_tree(3, [(5, 3), (3,)], device=device)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(0.5), jaxfuse.adamw(1e-2))
+  state = tx.init(params)
+  leaves, treedef = jax.tree.flatten((params, state))
+
+  @jax.jit
+  def step(g, *flat):  # flat arrays in and out: exported artifacts keep no optax types
+    p, s = jax.tree.unflatten(treedef, flat)
+    return jax.tree.leaves(jaxfuse.fused_step(tx, g, s, p))
+
+  g = _grads(4, params)
+  with pytest.raises(ValueError, match="custom calls"):
+    jax.export.export(step)(g, *leaves)
+  exported = jax.export.export(step, disabled_checks=jaxfuse.export_safety_checks())(g, *leaves)
+  expected = step(g, *leaves)
+  assert_trees_close(exported.call(g, *leaves), expected, rtol=0, atol=0)
+  pytest.importorskip("flatbuffers")  # jax's serialization needs it
+  restored = jax.export.deserialize(exported.serialize())
+  assert_trees_close(restored.call(g, *leaves), expected, rtol=0, atol=0)
+
+
+def test_differentiating_through_the_optax_protocol_matches_optax(device):
+  params = random_tree(5, [(6, 4), (4,)], device=device)
+  g = _grads(6, params)
+
+  def loss_after_step(make_tx, lr):  # meta-learning a learning rate
+    tx = make_tx(lr)
+    u, _ = tx.update(g, tx.init(params), params)
+    return sum(jnp.sum(jnp.sin(x)) for x in jax.tree.leaves(optax.apply_updates(params, u)))
+
+  d_jf = jax.grad(lambda lr: loss_after_step(lambda r: jaxfuse.adamw(r, weight_decay=0.1), lr))
+  d_ref = jax.grad(lambda lr: loss_after_step(lambda r: optax.adamw(r, weight_decay=0.1), lr))
+  np.testing.assert_allclose(d_jf(1e-2), d_ref(1e-2), rtol=1e-5)
+
+
+def test_differentiating_through_the_kernels_is_a_clear_error():
+  # jax names the custom call; the README says which paths are differentiable
+  params = random_tree(5, [(6, 4)])
+  g = _grads(6, params)
+  tx = jaxfuse.adamw(1e-2)
+  with pytest.raises(ValueError, match="jaxfuse_adam` cannot be differentiated"):
+    jax.grad(lambda p: jnp.sum(jaxfuse.fused_step(tx, g, tx.init(p), p)[0]["leaf0000"]))(params)
+  with pytest.raises(ValueError, match="jaxfuse_global_norm` cannot be differentiated"):
+    jax.grad(lambda x: jaxfuse.global_norm(x))(params)
+
+
+def test_donation_order_trap_shows_as_copies_in_the_report(device):
+  params = random_tree(7, [(128, 64), (64,)], device=device)
+  tx = jaxfuse.adamw(1e-2)
+  args = (params, tx.init(params), _grads(8, params))
+  copied = lambda fn: sum(row.bytes_written for row in jaxfuse.report(fn, *args).rows
+                          if row.name == "copy")
+  step = lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)
+  right = jax.jit(step, donate_argnums=(0, 1))
+  # donates (params, state) but returns (state, params): jax pairs donations by order
+  wrong = jax.jit(lambda p, s, g: step(p, s, g)[::-1], donate_argnums=(0, 1))
+  n = sum(x.size for x in jax.tree.leaves(params)) * 4
+  assert copied(right) < 64
+  assert copied(wrong) >= n
