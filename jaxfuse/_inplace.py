@@ -104,8 +104,8 @@ def current() -> Optional[InPlaceStep]:
 
 @contextlib.contextmanager
 def active(step: Optional[InPlaceStep]) -> Iterator[Optional[InPlaceStep]]:
-  """Within the block, jaxfuse's transforms run in place into `step` (None: the optax protocol,
-  e.g. for a wrapper's shape-only evaluation)."""
+  """Within the block, jaxfuse's transforms run in place into `step` (None: the optax
+  protocol)."""
   previous = current()
   _local.step = step
   try:

@@ -604,8 +604,10 @@ def adam_updates(spec: AdamSpec, grads: Any, state: Any, params: Any,
 def kernel_updates(tx: optax.GradientTransformation, grads: Any, state: Any, params: Any = None,
                    grad_scale: Any = None) -> tuple[Any, Any]:
   """``tx.update`` of a jaxfuse Adam computed by the Adam kernel's optax-protocol layout (the
-  kernel writes the updates) instead of XLA's fused element math. The tests check that layout
-  on both drivers (tools/cuda_on_cpu); the GPU validation times it against the XLA path."""
+  kernel writes the updates) instead of XLA's fused element math. The transforms no longer use
+  that layout (XLA fuses its own math with apply_updates); it stays tested on both drivers
+  (tools/cuda_on_cpu) until a GPU shows whether it beats XLA's fusions on trees of many small
+  leaves, where one launch replaces one per leaf."""
   spec = tx.update.jaxfuse_spec
   return adam_updates(spec, grads, state, params, grad_ctrl_for(spec, grads, grad_scale)[1])
 

@@ -11,13 +11,15 @@ all-16-bit tree, jaxfuse a float32 one).
 ``clip_by_global_norm(max_norm)`` follows ``optax.clip_by_global_norm`` (Pascanu et al., 2013,
 https://arxiv.org/abs/1211.5063): with ``n = global_norm(g)``, updates are unchanged when
 ``n < max_norm`` and ``(g / n) * max_norm`` otherwise, with no epsilon. Its state is optax's.
-The norm, the scale and their application never leave the device. Chained before
-``jaxfuse.adam``/``adamw`` and run through :func:`jaxfuse.fused_step`, the clip folds into the
-Adam kernel, which reads the scale through a pointer: 3 launches and 32 bytes per fp32 param.
+The norm, the scale and their application never leave the device. Through the optax protocol
+the norm is one jaxfuse call and the scaling XLA operations, which XLA fuses into whatever reads
+the clipped gradients next (an Adam's update), so the clip costs one read of the gradients.
+Directly before ``jaxfuse.adam``/``adamw`` under :func:`jaxfuse.fused_step`, the clip folds into
+the Adam kernel, which reads the scale through a pointer: 3 launches and 32 bytes per fp32 param.
 
 Loss scaling: pass ``grad_scale`` (a device scalar) as an extra argument to ``update`` or to
-``fused_step``. The norm is that of ``g / grad_scale``. Only the Adam kernel divides the
-gradients by it (so that a chain of clip and Adam divides once): the optax-protocol output of
+``fused_step``. The norm is that of ``g / grad_scale``. Only the Adam divides the gradients
+by it (so that a chain of clip and Adam divides once): the optax-protocol output of
 ``clip_by_global_norm`` keeps the loss scale in.
 """
 
@@ -163,8 +165,8 @@ def global_norm(tree: Any, *, grad_scale: Optional[Any] = None,
 def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
   """Scales every leaf as the control vector says (one jaxfuse_apply_grad_ctrl call; each device
   scales its own shards). The kernel twin of scale_by_grad_ctrl, which the transforms use
-  (XLA fuses it into the next pass); kept, tested on both drivers, to be timed against it on a
-  GPU."""
+  because XLA fuses it into the next pass; kept and tested on both drivers until a GPU shows
+  whether the kernel ever wins (see adam.kernel_updates)."""
   leaves, treedef = jax.tree.flatten(_trees.as_arrays(grads))
   if not leaves:
     return grads
