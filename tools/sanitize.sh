@@ -3,7 +3,8 @@
 # Debug (asserts on, -O1) with both sanitizers into build/dev-sanitize and runs the test suite
 # against it, less the tests marked slow (a thousand leaves, a large tensor: they stress XLA's
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
-# tools/cuda_on_cpu.sh runs against this build) and tests/test_frameworks.py. Exit status 0 when every test passes with no
+# tools/cuda_on_cpu.sh runs against this build), tests/test_frameworks.py and
+# tests/test_optax_suite.py. Exit status 0 when every test passes with no
 # sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
 set -euo pipefail
@@ -15,8 +16,11 @@ dev_build "$BUILD" .
 echo "== sanitize: test suite against the sanitized CPU handlers"
 # tests/test_cuda_on_cpu.py runs against this same build in tools/cuda_on_cpu.sh;
 # tests/test_frameworks.py trains with flax/equinox through the handlers test_adam.py and
-# test_fused.py already cover here, and mostly costs compile time.
+# test_fused.py already cover here, and tests/test_optax_suite.py runs optax's own tests on the
+# optax protocol, which is XLA's math (its one jaxfuse call, the norm, test_clip.py covers):
+# both mostly cost compile time.
 if [ $# -eq 0 ]; then
-  set -- tests -m "not slow" --ignore=tests/test_cuda_on_cpu.py --ignore=tests/test_frameworks.py
+  set -- tests -m "not slow" --ignore=tests/test_cuda_on_cpu.py --ignore=tests/test_frameworks.py \
+    --ignore=tests/test_optax_suite.py
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"
