@@ -10,6 +10,8 @@ import optax
 
 from jaxfuse import _inplace
 from jaxfuse import _trees
+from jaxfuse.clip import global_norm
+from jaxfuse.fused import fused_step
 
 
 def multi_steps(tx: optax.GradientTransformation,
@@ -56,8 +58,6 @@ def multi_steps(tx: optax.GradientTransformation,
 def _accumulate_in_place(tx, k, use_grad_mean: bool, in_place: _inplace.InPlaceStep, grads: Any,
                          state: optax.MultiStepsState, params: Any):
   """One call of multi_steps inside a fused_step (see multi_steps)."""
-  from jaxfuse.fused import fused_step  # fused imports the transforms' modules
-
   _trees.check_same_structure(state.acc_grads, grads, "the accumulated gradients", "grads")
   if in_place.grad_scale is not None:  # accumulate true gradients; the loss scale may change
     grads = jax.tree.map(lambda g: g / jnp.asarray(in_place.grad_scale, g.dtype), grads)
@@ -80,8 +80,6 @@ def _accumulate_in_place(tx, k, use_grad_mean: bool, in_place: _inplace.InPlaceS
                                                 params)
   norm = None
   if in_place.need_norm:
-    from jaxfuse.clip import global_norm
-
     norm = global_norm(grads)
   placeholders = jax.tree.map(jnp.zeros_like, grads)
   in_place.record_step("jaxfuse.multi_steps", new_params, norm, placeholders)
