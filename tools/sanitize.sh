@@ -18,9 +18,10 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # tests/test_frameworks.py trains with flax/equinox through the handlers test_adam.py and
 # test_fused.py already cover here, and tests/test_optax_suite.py runs optax's own tests on the
 # optax protocol, which is XLA's math (its one jaxfuse call, the norm, test_clip.py covers):
-# both mostly cost compile time.
+# both mostly cost compile time; so do test_dtypes.py's eager optax-protocol cases, which call
+# no jaxfuse handler at all.
 if [ $# -eq 0 ]; then
-  set -- tests -m "not slow" --ignore=tests/test_cuda_on_cpu.py --ignore=tests/test_frameworks.py \
-    --ignore=tests/test_optax_suite.py
+  set -- tests -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
+    --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"
