@@ -303,14 +303,19 @@ def _one_minus(b: Any) -> Any:
   return 1.0 - b if isinstance(b, (int, float)) else 1.0 - jnp.asarray(b)
 
 
-def hyper_vector(spec: AdamSpec, count: jax.Array) -> jax.Array:
-  """The hyperparameter vector the kernels read (its layout is AdamHyper in adam_math.h)."""
+def hyper_values(spec: AdamSpec, count: jax.Array) -> dict[str, Any]:
+  """The step's hyperparameters by AdamHyper field name (adam_math.h), schedules evaluated on
+  the count: what the kernels read as a vector and the XLA path as scalars."""
   wd = spec.weight_decay if spec.decays else 0.0
   values = dict(learning_rate=spec.learning_rate, b1=spec.b1, one_minus_b1=_one_minus(spec.b1),
                 b2=spec.b2, one_minus_b2=_one_minus(spec.b2), eps=spec.eps,
                 eps_root=spec.eps_root, weight_decay=wd)
-  return _ffi.device_vector(_CONTRACT.names["hyper"],
-                            **{k: _scalar(v, count) for k, v in values.items()})
+  return {k: _scalar(v, count) for k, v in values.items()}
+
+
+def hyper_vector(spec: AdamSpec, count: jax.Array) -> jax.Array:
+  """The hyperparameter vector the kernels read (its layout is AdamHyper in adam_math.h)."""
+  return _ffi.device_vector(_CONTRACT.names["hyper"], **hyper_values(spec, count))
 
 
 def default_grad_ctrl(grad_scale: Any = None) -> jax.Array:
@@ -561,10 +566,7 @@ def xla_updates(spec: AdamSpec, grads: Any, state: Any, params: Any,
     skip = grad_ctrl[_CONTRACT.names["grad_ctrl"].index("skip")] != 0
   count = adam_state.count
   t = optax.safe_increment(count)
-  h = {name: _scalar(value, count) for name, value in dict(
-      learning_rate=spec.learning_rate, b1=spec.b1, one_minus_b1=_one_minus(spec.b1), b2=spec.b2,
-      one_minus_b2=_one_minus(spec.b2), eps=spec.eps, eps_root=spec.eps_root,
-      weight_decay=spec.weight_decay if spec.decays else 0.0).items()}
+  h = hyper_values(spec, count)
   h.update(bc1=1 - h["b1"] ** t, bc1_next=1 - h["b1"] ** optax.safe_increment(t),
            bc2=1 - h["b2"] ** t)  # optax's bias corrections, in JAX's default float type
   if grad_scale is not None:
