@@ -23,8 +23,8 @@ from jaxfuse._ffi import backends, export_safety_checks
 from jaxfuse.accumulate import multi_steps
 from jaxfuse.adam import AdamExtraState, adam, adamw, nadam, nadamw
 from jaxfuse.clip import clip_by_global_norm, global_norm
-from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, decoder_reference,
-                             persistent_decoder)
+from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
+                             decoder_reference, persistent_decoder)
 from jaxfuse.fused import fused_step
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
@@ -46,6 +46,7 @@ __all__ = [
     "DecoderConfig",
     "DecoderWeights",
     "KVCache",
+    "RopeScaling",
     "adam",
     "adamw",
     "backends",

@@ -6,9 +6,12 @@ kernel launch per step, on CPU a thread-pooled handler. Per layer and batch row 
 ``p = positions[b]``::
 
     a = rmsnorm(h) * attn_norm[l]              rmsnorm(h) = h * rsqrt(mean(h^2) + eps), fp32
-    q, k, v = a @ wq[l], a @ wk[l], a @ wv[l]  split into heads of head_dim
+    q, k, v = a @ wq[l], a @ wk[l], a @ wv[l]  (+ q_bias[l], k_bias[l], v_bias[l] if qkv_bias)
+                                               split into heads of head_dim
+    q, k = rmsnorm(q) * q_norm[l], rmsnorm(k) * k_norm[l]   per head, only if qk_norm
     q, k = rope(q, p), rope(k, p)              Llama "rotate half": pairs (i, i + hd/2),
-                                               angle = p * rope_theta^(-2i/hd)
+                                               angle = p * inv_freq[i] (cfg.rope_inv_freq():
+                                               rope_theta^(-2i/hd), scaled by rope_scaling)
     cache.k[l, b, p], cache.v[l, b, p] = k, v  (rounded to the cache dtype)
     attn = softmax(q . K[0..p] / sqrt(hd)) V   query head j uses kv head j // (H / KV)
     h = h + attn @ wo[l]
@@ -49,14 +52,72 @@ from jax import lax
 from jaxfuse import _ffi
 from jaxfuse import _partition
 
-__all__ = ["DecoderConfig", "DecoderWeights", "KVCache", "persistent_decoder", "decoder_reference"]
+__all__ = ["DecoderConfig", "DecoderWeights", "KVCache", "RopeScaling", "persistent_decoder",
+           "decoder_reference"]
 
 _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A RoPE frequency-scaling rule (Hugging Face's ``rope_scaling`` / ``rope_parameters``).
+
+  ``rope_type="linear"`` divides every frequency by ``factor`` (position interpolation, Chen et
+  al. 2023, arXiv:2306.15595). ``rope_type="llama3"`` is Llama 3.1's rule: wavelengths shorter
+  than ``original_max_position_embeddings / high_freq_factor`` keep their frequency, those longer
+  than ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and the
+  band between interpolates linearly in ``original_max_position_embeddings / wavelength``.
+  """
+
+  rope_type: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in ("linear", "llama3"):
+      raise ValueError(f"RopeScaling: rope_type {self.rope_type!r} is not supported (supported: "
+                       "'linear', 'llama3')")
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
+        raise ValueError(f"RopeScaling: {name} must be a number, got {v!r}")
+      if not np.isfinite(v) or v <= 0:
+        raise ValueError(f"RopeScaling: {name} must be finite and > 0, got {v!r}")
+      object.__setattr__(self, name, float(v))
+    v = self.original_max_position_embeddings
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError("RopeScaling: original_max_position_embeddings must be a positive integer, "
+                       f"got {v!r}")
+    object.__setattr__(self, "original_max_position_embeddings", int(v))
+    if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+      raise ValueError(f"RopeScaling: high_freq_factor={self.high_freq_factor} must exceed "
+                       f"low_freq_factor={self.low_freq_factor}")
+
+  def apply(self, inv_freq: np.ndarray) -> np.ndarray:
+    """The scaled frequencies (float64 in, float64 out)."""
+    if self.rope_type == "linear":
+      return inv_freq / self.factor
+    context = float(self.original_max_position_embeddings)
+    wavelength = 2.0 * np.pi / inv_freq
+    ratio = context / wavelength  # periods of this frequency within the original context
+    t = (ratio - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+    blended = (1.0 - t) * inv_freq / self.factor + t * inv_freq
+    return np.where(wavelength < context / self.high_freq_factor, inv_freq,
+                    np.where(wavelength > context / self.low_freq_factor, inv_freq / self.factor,
+                             blended))
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-  """Static shape and hyperparameters of the decoder stack (hashable: a static jit argument)."""
+  """Static shape and hyperparameters of the decoder stack (hashable: a static jit argument).
+
+  ``qkv_bias``: the q/k/v projections add a bias (Qwen2); ``qk_norm``: each q and k head is
+  RMSNorm-ed (weights ``q_norm``/``k_norm`` [head_dim], eps ``rms_norm_eps``) before RoPE (Qwen3);
+  ``rope_scaling``: a :class:`RopeScaling` rule applied to the frequencies ``rope_theta^(-2i/hd)``
+  (Llama 3.1+). ``max_seq_len`` is the KV cache length.
+  """
 
   num_layers: int
   hidden_size: int
@@ -67,6 +128,9 @@ class DecoderConfig:
   max_seq_len: int
   rms_norm_eps: float = 1e-5
   rope_theta: float = 10000.0
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  rope_scaling: RopeScaling | None = None
 
   def __post_init__(self):
     for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -80,6 +144,13 @@ class DecoderConfig:
       if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
         raise ValueError(f"DecoderConfig: {name} must be a number, got {v!r}")
       object.__setattr__(self, name, float(v))
+    for name in ("qkv_bias", "qk_norm"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"DecoderConfig: {name} must be a bool, got {getattr(self, name)!r}")
+      object.__setattr__(self, name, bool(getattr(self, name)))
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError("DecoderConfig: rope_scaling must be None or a jaxfuse.RopeScaling, got "
+                       f"{self.rope_scaling!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"DecoderConfig: num_heads={self.num_heads} must be a multiple of "
                        f"num_kv_heads={self.num_kv_heads}")
@@ -103,19 +174,41 @@ class DecoderConfig:
     return self.num_kv_heads * self.head_dim
 
   def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-    L, D, I = self.num_layers, self.hidden_size, self.intermediate_size
-    return {
+    """The shapes of the :class:`DecoderWeights` fields this config uses (the others are None)."""
+    L, D, I, hd = self.num_layers, self.hidden_size, self.intermediate_size, self.head_dim
+    shapes = {
         "attn_norm": (L, D), "wq": (L, D, self.q_dim), "wk": (L, D, self.kv_dim),
         "wv": (L, D, self.kv_dim), "wo": (L, self.q_dim, D), "mlp_norm": (L, D),
         "w_gate": (L, D, I), "w_up": (L, D, I), "w_down": (L, I, D),
     }
+    if self.qkv_bias:
+      shapes.update(q_bias=(L, self.q_dim), k_bias=(L, self.kv_dim), v_bias=(L, self.kv_dim))
+    if self.qk_norm:
+      shapes.update(q_norm=(L, hd), k_norm=(L, hd))
+    return shapes
 
   def cache_shape(self, batch: int) -> tuple[int, ...]:
     return (self.num_layers, batch, self.max_seq_len, self.num_kv_heads, self.head_dim)
 
+  def rope_inv_freq(self) -> np.ndarray:
+    """float32 [head_dim / 2]: the RoPE frequency of each rotated pair (i, i + head_dim/2),
+    ``rope_theta^(-2i/head_dim)`` scaled by ``rope_scaling``, computed in float64 and rounded once.
+    The kernels and :func:`decoder_reference` read this one table."""
+    half = self.head_dim // 2
+    inv_freq = np.float64(self.rope_theta) ** (-2.0 * np.arange(half, dtype=np.float64)
+                                               / self.head_dim)
+    if self.rope_scaling is not None:
+      inv_freq = self.rope_scaling.apply(inv_freq)
+    return inv_freq.astype(np.float32)
+
 
 class DecoderWeights(NamedTuple):
-  """Stacked per-layer weights; matrices are [in, out] (``y = a @ w``)."""
+  """Stacked per-layer weights; matrices are [in, out] (``y = a @ w``).
+
+  The last five are optional: the q/k/v biases when ``cfg.qkv_bias``, the per-head q/k RMSNorm
+  weights when ``cfg.qk_norm``; None otherwise (a weight the config does not use is an error,
+  never silently ignored).
+  """
 
   attn_norm: jax.Array  # [L, D]
   wq: jax.Array  # [L, D, H*hd]
@@ -126,6 +219,11 @@ class DecoderWeights(NamedTuple):
   w_gate: jax.Array  # [L, D, I]
   w_up: jax.Array  # [L, D, I]
   w_down: jax.Array  # [L, I, D]
+  q_bias: jax.Array | None = None  # [L, H*hd]
+  k_bias: jax.Array | None = None  # [L, KV*hd]
+  v_bias: jax.Array | None = None  # [L, KV*hd]
+  q_norm: jax.Array | None = None  # [L, hd]
+  k_norm: jax.Array | None = None  # [L, hd]
 
 
 class KVCache(NamedTuple):
@@ -138,17 +236,20 @@ class KVCache(NamedTuple):
 # ---- the C++ contract (DecoderOp::contract() in src_cuda/include/jaxfuse/decoder.h) -------------
 
 _CONTRACT = _ffi.contract("jaxfuse_decoder")
-_NON_WEIGHT_OPERANDS = ("x", "positions", "k_cache", "v_cache")
+_NON_WEIGHT_OPERANDS = ("x", "positions", "rope_inv_freq", "k_cache", "v_cache")
 _RESULTS = ("out", "k_cache", "v_cache", "workspace")
+# Config fields that are not attributes: they define the rope_inv_freq operand.
+_ROPE_FIELDS = ("rope_theta", "rope_scaling")
 
 
 def _check_contract(contract: _ffi.Contract) -> None:
   """Checks that the C++ contract of ``jaxfuse_decoder`` names what this module passes.
 
   Operands and results are passed by name, in the contract's order, so what must agree is the
-  names: the operands are x, positions, the :class:`DecoderWeights` fields (in field order) and the
-  two caches; the results are out, the two caches (aliased in place) and the workspace; the
-  attributes are the :class:`DecoderConfig` fields.
+  names: the operands are x, positions, rope_inv_freq, the :class:`DecoderWeights` fields (in
+  field order) and the two caches; the results are out, the two caches (aliased in place) and the
+  workspace; the attributes are the :class:`DecoderConfig` fields but the RoPE ones (which define
+  the rope_inv_freq operand).
 
   Args:
     contract: the contract, from ``jaxfuse._ffi.contract("jaxfuse_decoder")``.
@@ -160,13 +261,14 @@ def _check_contract(contract: _ffi.Contract) -> None:
   names = contract.names
   operands, results = names["operands"], names["results"]
   weights = tuple(n for n in operands if n not in _NON_WEIGHT_OPERANDS)
-  attrs = names["size_attrs"] + names["f32_attrs"] + names["f64_attrs"]
-  fields = tuple(f.name for f in dataclasses.fields(DecoderConfig))
+  attrs = names["size_attrs"] + names["f32_attrs"] + names["bool_attrs"]
+  fields = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _ROPE_FIELDS)
   problems = []
-  if (weights != DecoderWeights._fields or len(operands) != len(weights) + 4
+  if (weights != DecoderWeights._fields
+      or len(operands) != len(weights) + len(_NON_WEIGHT_OPERANDS)
       or not set(_NON_WEIGHT_OPERANDS) <= set(operands)):
-    problems.append(f"operands {operands} are not x, positions, the DecoderWeights fields "
-                    f"{DecoderWeights._fields} in that order, k_cache and v_cache")
+    problems.append(f"operands {operands} are not x, positions, rope_inv_freq, the DecoderWeights "
+                    f"fields {DecoderWeights._fields} in that order, k_cache and v_cache")
   if sorted(results) != sorted(_RESULTS):
     problems.append(f"results {results} are not {_RESULTS} in some order")
   if sorted(attrs) != sorted(fields):
@@ -203,7 +305,7 @@ def _attributes(cfg: DecoderConfig) -> dict[str, np.generic]:
   names = _CONTRACT.names
   return {**{name: np.int64(getattr(cfg, name)) for name in names["size_attrs"]},
           **{name: np.float32(getattr(cfg, name)) for name in names["f32_attrs"]},
-          **{name: np.float64(getattr(cfg, name)) for name in names["f64_attrs"]}}
+          **{name: np.bool_(getattr(cfg, name)) for name in names["bool_attrs"]}}
 
 
 # ---- trace-time validation ---------------------------------------------------------------------
@@ -228,6 +330,21 @@ def _check_structure(w, cache, cfg) -> None:
                       f"{type(value).__name__}")
 
 
+_FEATURE_OF = {"q_bias": "qkv_bias", "k_bias": "qkv_bias", "v_bias": "qkv_bias",
+               "q_norm": "qk_norm", "k_norm": "qk_norm"}
+
+
+def _check_present(fn: str, w: DecoderWeights, cfg: DecoderConfig) -> None:
+  """The optional weights are given exactly when ``cfg`` uses them (never silently ignored)."""
+  used = cfg.weight_shapes()
+  for name, a in w._asdict().items():
+    if name in used and a is None:
+      raise ValueError(f"{fn}: w.{name} is None, but cfg.{_FEATURE_OF[name]} is set")
+    if name not in used and a is not None:
+      raise ValueError(f"{fn}: w.{name} is given, but cfg.{_FEATURE_OF[name]} is False (the "
+                       "kernel would ignore it)")
+
+
 def _expect(name: str, a, shape, dtype, shape_note: str = "", dtype_note: str = "") -> None:
   """Raises ValueError unless ``a`` has ``shape``, then TypeError unless it has ``dtype``."""
   if a.shape != tuple(shape):
@@ -248,18 +365,27 @@ def _check_operands(x, positions, w: DecoderWeights, cache: KVCache, cfg: Decode
                     "float16")
   batch = x.shape[0]
   _expect("positions", positions, (batch,), jnp.dtype(jnp.int32))
-  shapes = cfg.weight_shapes()
-  for name, a in zip(DecoderWeights._fields, w):
-    _expect(name, a, shapes[name], dtype, dtype_note=_SHARED_DTYPE)
+  _check_present("persistent_decoder", w, cfg)
+  for name, shape in cfg.weight_shapes().items():
+    _expect(name, getattr(w, name), shape, dtype, dtype_note=_SHARED_DTYPE)
   for name, a in (("cache.k", cache.k), ("cache.v", cache.v)):
     _expect(name, a, cfg.cache_shape(batch), dtype, _CACHE_AXES, _SHARED_DTYPE)
 
 
 # ---- the custom call, its vmap rule and its (absent) derivative ---------------------------------
 
-def _call_kernel(cfg: DecoderConfig, x, positions, weights: DecoderWeights, k_cache, v_cache):
+def _kernel_weights(w: DecoderWeights, cfg: DecoderConfig, dtype) -> DecoderWeights:
+  """Every field an array: the optional weights ``cfg`` does not use become empty [L, 0] arrays
+  (the kernel's contract: the flag attributes say which are read)."""
+  empty = jnp.zeros((cfg.num_layers, 0), dtype)
+  return DecoderWeights(*(empty if a is None else a for a in w))
+
+
+def _call_kernel(cfg: DecoderConfig, x, positions, inv_freq, weights: DecoderWeights, k_cache,
+                 v_cache):
   """One ``jaxfuse_decoder`` custom call on validated operands; returns (out, k_cache, v_cache).
 
+  ``weights`` has every field (:func:`_kernel_weights`); ``inv_freq`` is cfg.rope_inv_freq().
   Operands and results are matched to the call's slots by name, in the contract's order; the
   cache operands alias the cache results, and the workspace result is dropped. Sharded operands
   split over the batch (x, positions and the caches' batch axis; weights replicated): each
@@ -267,11 +393,11 @@ def _call_kernel(cfg: DecoderConfig, x, positions, weights: DecoderWeights, k_ca
   """
   names = _CONTRACT.names
 
-  def body(shards, x, positions, *rest):
+  def body(shards, x, positions, inv_freq, *rest):
     del shards  # rows are independent
     weights, (k_cache, v_cache) = DecoderWeights(*rest[:-2]), rest[-2:]
-    operands = {"x": x, "positions": positions, **weights._asdict(), "k_cache": k_cache,
-                "v_cache": v_cache}
+    operands = {"x": x, "positions": positions, "rope_inv_freq": inv_freq, **weights._asdict(),
+                "k_cache": k_cache, "v_cache": v_cache}
     workspace = (_workspace_bytes(cfg, x.shape[0], x.dtype),)
     results = {"out": jax.ShapeDtypeStruct(x.shape, x.dtype),
                "k_cache": jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
@@ -283,7 +409,7 @@ def _call_kernel(cfg: DecoderConfig, x, positions, weights: DecoderWeights, k_ca
                                            **_attributes(cfg))))
     return outs["out"], outs["k_cache"], outs["v_cache"]
 
-  operands = [x, positions, *weights, k_cache, v_cache]
+  operands = [x, positions, inv_freq, *weights, k_cache, v_cache]
   return tuple(_partition.partitioned_call("persistent_decoder", body, _partition_layout(cfg),
                                            operands))
 
@@ -294,12 +420,13 @@ _CACHE_DIMS = (None, "b", None, None, None)  # [L, B, S, KV, hd]
 
 
 def _partition_layout(cfg: DecoderConfig) -> _partition.Layout:
+  shapes = cfg.weight_shapes()
   return _partition.Layout(
-      operands=(("b", None), ("b",))
-      + tuple((None,) * len(shape) for shape in cfg.weight_shapes().values())
+      operands=(("b", None), ("b",), (None,))
+      + tuple((None,) * len(shapes.get(name, (0, 0))) for name in DecoderWeights._fields)
       + (_CACHE_DIMS, _CACHE_DIMS),
       results=(("b", None), _CACHE_DIMS, _CACHE_DIMS),
-      names=("x", "positions") + DecoderWeights._fields + ("cache.k", "cache.v"))
+      names=("x", "positions", "rope_inv_freq") + DecoderWeights._fields + ("cache.k", "cache.v"))
 
 
 def _fold(size: int, a, batched: bool, axis: int):
@@ -315,7 +442,7 @@ def _unfold(size: int, batch: int, a, axis: int):
   return jnp.moveaxis(a.reshape(a.shape[:axis] + (size, batch) + a.shape[axis + 1:]), axis, 0)
 
 
-def _vmap_rule(cfg: DecoderConfig, step, axis_size: int, in_batched, x, positions,
+def _vmap_rule(cfg: DecoderConfig, step, axis_size: int, in_batched, x, positions, inv_freq,
                weights: DecoderWeights, k_cache, v_cache):
   """The ``custom_vmap`` rule: vmap folds the mapped axis into the kernel's batch dimension.
 
@@ -327,16 +454,16 @@ def _vmap_rule(cfg: DecoderConfig, step, axis_size: int, in_batched, x, position
   Raises:
     NotImplementedError: a weight is mapped.
   """
-  x_b, positions_b, weights_b, k_b, v_b = in_batched
-  for name, batched in zip(DecoderWeights._fields, weights_b):
+  x_b, positions_b, inv_freq_b, weights_b, k_b, v_b = in_batched
+  for name, batched in (("rope_inv_freq", inv_freq_b), *zip(DecoderWeights._fields, weights_b)):
     if batched:
       raise NotImplementedError(
           f"persistent_decoder: vmap over the weights ({name}) is not supported; map only x, "
           "positions and the cache (their mapped axis is folded into the batch)")
   batch = x.shape[-2]
   fold = functools.partial(_fold, axis_size)
-  out, k_cache, v_cache = step(fold(x, x_b, 0), fold(positions, positions_b, 0), weights,
-                               fold(k_cache, k_b, 1), fold(v_cache, v_b, 1))
+  out, k_cache, v_cache = step(fold(x, x_b, 0), fold(positions, positions_b, 0), inv_freq,
+                               weights, fold(k_cache, k_b, 1), fold(v_cache, v_b, 1))
   unfold = functools.partial(_unfold, axis_size, batch)
   return (unfold(out, 0), unfold(k_cache, 1), unfold(v_cache, 1)), (True, True, True)
 
@@ -349,7 +476,8 @@ def _not_differentiable(primals, tangents):
 
 @functools.cache
 def _decoder_step(cfg: DecoderConfig):
-  """The decode step for ``cfg``: ``(x, positions, weights, k_cache, v_cache) -> (out, k, v)``.
+  """The decode step for ``cfg``: ``(x, positions, inv_freq, weights, k_cache, v_cache) -> (out,
+  k, v)``, ``weights`` with every field (:func:`_kernel_weights`).
 
   The custom call with a vmap rule (:class:`jax.custom_batching.custom_vmap`) inside a
   :class:`jax.custom_jvp` whose rule raises, so that jax.grad, jax.jvp, jax.vjp and friends fail
@@ -392,10 +520,12 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
   """
   _check_structure(w, cache, cfg)
   x, positions = jnp.asarray(x), jnp.asarray(positions)
-  w = DecoderWeights(*(jnp.asarray(a) for a in w))
+  w = DecoderWeights(*(None if a is None else jnp.asarray(a) for a in w))
   cache = KVCache(jnp.asarray(cache.k), jnp.asarray(cache.v))
   _check_operands(x, positions, w, cache, cfg)
-  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, w, cache.k, cache.v)
+  inv_freq = jnp.asarray(cfg.rope_inv_freq())
+  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq,
+                                             _kernel_weights(w, cfg, x.dtype), cache.k, cache.v)
   return out, KVCache(k_cache, v_cache)
 
 
@@ -424,6 +554,7 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
     ``(h_out, new_cache)``, ``h_out`` of the rank of ``x``.
   """
   _check_structure(w, cache, cfg)
+  _check_present("decoder_reference", w, cfg)
   x = jnp.asarray(x)
   positions = jnp.asarray(positions, jnp.int32)
   single = x.ndim == 2
@@ -442,9 +573,14 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
   kc, vc = cache.k, cache.v
   for l in range(L):
     a = rmsnorm(h, w.attn_norm[l])
-    q = rope(mm(a, w.wq[l]).reshape(B, T, H, hd))
-    k = rope(mm(a, w.wk[l]).reshape(B, T, KV, hd))
-    v = mm(a, w.wv[l]).reshape(B, T, KV, hd)
+    q, k, v = mm(a, w.wq[l]), mm(a, w.wk[l]), mm(a, w.wv[l])
+    if cfg.qkv_bias:
+      q, k, v = (t + b[l].astype(jnp.float32) for t, b in ((q, w.q_bias), (k, w.k_bias),
+                                                          (v, w.v_bias)))
+    q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, KV, hd), v.reshape(B, T, KV, hd)
+    if cfg.qk_norm:
+      q, k = rmsnorm(q, w.q_norm[l]), rmsnorm(k, w.k_norm[l])
+    q, k = rope(q), rope(k)
     kl = kc[l].at[rows, slot].set(k.astype(dt), mode="drop")  # [B, S, KV, hd]
     vl = vc[l].at[rows, slot].set(v.astype(dt), mode="drop")
     kc, vc = kc.at[l].set(kl), vc.at[l].set(vl)
@@ -475,9 +611,8 @@ def _ref_rmsnorm(h, wn, eps: float):
 
 def _ref_rope(positions, cfg: DecoderConfig):
   """The RoPE of ``positions`` [B, T]: a function of [B, T, heads, hd] ("rotate half")."""
-  hd = cfg.head_dim
-  half = hd // 2
-  inv_freq = (np.float64(cfg.rope_theta) ** (-2.0 * np.arange(half) / hd)).astype(np.float32)
+  half = cfg.head_dim // 2
+  inv_freq = cfg.rope_inv_freq()
   angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
   cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
 

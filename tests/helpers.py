@@ -40,19 +40,19 @@ def random_decoder_problem(cfg, batch, dtype, seed, device=None):
   """(x, weights, cache) for jaxfuse.persistent_decoder: random weights scaled so activations
   stay O(1) (norm weights near 1, matrices by 1/sqrt(fan-in)), a random (filled) cache."""
   rng = np.random.default_rng(seed)
-  shapes = cfg.weight_shapes()
-  ws = []
-  for name in jaxfuse.DecoderWeights._fields:
-    shape = shapes[name]
+  ws = {}
+  for name, shape in cfg.weight_shapes().items():  # the fields cfg uses; the others stay None
     if "norm" in name:
       a = 1.0 + 0.1 * rng.standard_normal(shape)
+    elif "bias" in name:
+      a = 0.5 * rng.standard_normal(shape)
     else:
       a = rng.standard_normal(shape) / np.sqrt(shape[1])
-    ws.append(jnp.asarray(a, dtype))
+    ws[name] = jnp.asarray(a, dtype)
   cache = jaxfuse.KVCache(*[jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
                             for _ in range(2)])
   x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
-  problem = (x, jaxfuse.DecoderWeights(*ws), cache)
+  problem = (x, jaxfuse.DecoderWeights(**ws), cache)
   return jax.device_put(problem, device) if device is not None else problem
 
 

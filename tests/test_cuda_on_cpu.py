@@ -185,9 +185,17 @@ def test_clip_by_global_norm_alone(launch):
                                atol=tol)
 
 
+# The architecture features (Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama 3.1's
+# scaled RoPE) on in the fp32 case, off in the bf16 one: both paths of the kernel run.
+FEATURES = dict(qkv_bias=True, qk_norm=True,
+                rope_scaling=jaxfuse.RopeScaling("llama3", factor=8.0,
+                                                 original_max_position_embeddings=16))
+
+
 def decoder_case(dtype, batch=3, seq=40):
+  features = FEATURES if dtype == jnp.float32 else {}
   cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
-                              head_dim=32, intermediate_size=256, max_seq_len=seq)
+                              head_dim=32, intermediate_size=256, max_seq_len=seq, **features)
   x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=9)
   positions = jnp.asarray([5, seq - 1, 17][:batch], jnp.int32)
   return cfg, x, positions, w, cache

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
+from jaxfuse import (DecoderConfig, DecoderWeights, KVCache, RopeScaling, decoder_reference,
+                     persistent_decoder)
 from jaxfuse import _ffi
 from helpers import random_decoder_problem, stable_seed
 
@@ -61,6 +62,72 @@ def test_matches_reference(device, name, batch, dtype):
     got, want, old = (np.asarray(a, np.float32) for a in (got, want, old))
     np.testing.assert_array_equal(got[~written], old[~written])
     assert rel_err(got[written], want[written]) < TOL[dtype]
+
+
+LLAMA3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=64)
+
+
+# The architecture features, each on its own and all together: q/k/v biases (Qwen2), per-head
+# q/k RMSNorm (Qwen3), scaled RoPE (Llama 3.1: positions past the original context of 64 here).
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("features", [
+    dict(qkv_bias=True), dict(qk_norm=True), dict(rope_scaling=LLAMA3),
+    dict(qkv_bias=True, qk_norm=True, rope_scaling=RopeScaling("linear", factor=4.0))],
+    ids=["qkv_bias", "qk_norm", "llama3_rope", "all"])
+def test_architecture_features(device, features, dtype):
+  cfg = DecoderConfig(2, 64, 8, 2, 32, 96, 200, rope_theta=500000.0, **features)
+  batch = 3
+  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=stable_seed(str(features)),
+                                       device=device)
+  w = w._replace(wk=w.wk * 3)  # keys of RMS ~3, so that the per-head k RMSNorm matters
+  pos = jax.device_put(np.array([0, 70, 199], np.int32), device)
+  out, new = fused(x, pos, w, cache, cfg)
+  ref, ref_cache = reference(x, pos, w, cache, cfg)
+  assert rel_err(out, ref) < TOL[dtype]
+  rows = np.arange(batch)
+  for got, want in ((new.k, ref_cache.k), (new.v, ref_cache.v)):
+    got, want = (np.asarray(a, np.float32)[:, rows, np.asarray(pos)] for a in (got, want))
+    assert rel_err(got, want) < TOL[dtype]
+  # Each feature changes the new keys (the kernel does not ignore it).
+  plain = DecoderConfig(2, 64, 8, 2, 32, 96, 200, rope_theta=500000.0)
+  _, plain_cache = reference(x, pos, w._replace(q_bias=None, k_bias=None, v_bias=None, q_norm=None,
+                                                k_norm=None), cache, plain)
+  new_keys = (np.asarray(c.k, np.float32)[:, rows, np.asarray(pos)] for c in (new, plain_cache))
+  assert rel_err(*new_keys) > 10 * TOL[dtype]
+
+
+def test_rope_scaling_rules():
+  """The frequency table of each rule, against the rule written out element by element."""
+  base = DecoderConfig(1, 64, 4, 4, 128, 64, 8, rope_theta=500000.0)
+  inv = base.rope_inv_freq().astype(np.float64)
+  assert inv.dtype == np.float64 and inv.shape == (64,)
+  linear = DecoderConfig(1, 64, 4, 4, 128, 64, 8, rope_theta=500000.0,
+                         rope_scaling=RopeScaling("linear", factor=4.0)).rope_inv_freq()
+  np.testing.assert_allclose(linear, inv / 4.0, rtol=1e-7)
+  rule = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192)
+  got = DecoderConfig(1, 64, 4, 4, 128, 64, 8, rope_theta=500000.0,
+                      rope_scaling=rule).rope_inv_freq()
+  for i, f in enumerate(500000.0 ** (-np.arange(0, 128, 2) / 128.0)):
+    wavelength = 2 * np.pi / f
+    if wavelength < 8192 / 4.0:
+      want = f
+    elif wavelength > 8192 / 1.0:
+      want = f / 8.0
+    else:
+      smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
+      want = (1 - smooth) * f / 8.0 + smooth * f
+    np.testing.assert_allclose(got[i], want, rtol=1e-7)
+  kinds = {"kept": 0, "scaled": 0, "blended": 0}
+  for g, f in zip(got, inv):
+    kinds["kept" if np.isclose(g, f, rtol=1e-7) else
+          "scaled" if np.isclose(g, f / 8, rtol=1e-7) else "blended"] += 1
+  assert all(kinds.values()), kinds  # every branch of the rule is exercised
+  with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+    RopeScaling("yarn", factor=4.0)
+  with pytest.raises(ValueError, match="high_freq_factor=1.0 must exceed low_freq_factor=1.0"):
+    RopeScaling("llama3", factor=8.0, high_freq_factor=1.0)
 
 
 def test_float16_and_rope_theta(device):
@@ -219,7 +286,7 @@ def test_jit_with_donation(device):
 # ---- errors -----------------------------------------------------------------------------------
 
 def _small(device):
-  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16, qkv_bias=True, qk_norm=True)
   x, w, cache = random_decoder_problem(cfg, 2, jnp.float32, 1, device)
   return cfg, x, jnp.array([1, 2], jnp.int32), w, cache
 
@@ -260,6 +327,12 @@ def test_bad_arguments():
     persistent_decoder(x, pos, w, tuple(cache), cfg)
   with pytest.raises(TypeError, match="cfg must be a jaxfuse.DecoderConfig"):
     persistent_decoder(x, pos, w, cache, None)
+  plain = DecoderConfig(2, 64, 4, 2, 32, 96, 16, qk_norm=True)
+  for fn in (persistent_decoder, decoder_reference):
+    with pytest.raises(ValueError, match=f"{fn.__name__}: w.q_bias is given, but cfg.qkv_bias is False"):
+      fn(x, pos, w, cache, plain)
+    with pytest.raises(ValueError, match=f"{fn.__name__}: w.k_norm is None, but cfg.qk_norm is set"):
+      fn(x, pos, w._replace(k_norm=None), cache, cfg)
   with pytest.raises(NotImplementedError, match="not differentiable"):
     jax.grad(lambda x: persistent_decoder(x, pos, w, cache, cfg)[0].sum())(x)
 
@@ -273,6 +346,10 @@ def test_bad_config():
     DecoderConfig(1, 64, 4, 4, 16, 64, 0)
   with pytest.raises(ValueError, match="rope_theta"):
     DecoderConfig(1, 64, 4, 4, 16, 64, 8, rope_theta=-1.0)
+  with pytest.raises(ValueError, match="qk_norm must be a bool"):
+    DecoderConfig(1, 64, 4, 4, 16, 64, 8, qk_norm=1)
+  with pytest.raises(ValueError, match="rope_scaling must be None or a jaxfuse.RopeScaling"):
+    DecoderConfig(1, 64, 4, 4, 16, 64, 8, rope_scaling={"rope_type": "llama3"})
   assert hash(DecoderConfig(1, 64, 4, 4, 16, 64, 8)) == hash(DecoderConfig(1, 64, 4, 4, 16, 64, 8))
 
 
@@ -282,7 +359,8 @@ def test_handler_validates_buffers(device):
   pos = jax.device_put(pos, device)
   attrs = dict(num_layers=np.int64(2), hidden_size=np.int64(64), num_heads=np.int64(4),
                num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
-               max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), rope_theta=np.float64(1e4))
+               max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), qkv_bias=np.bool_(True),
+               qk_norm=np.bool_(True))
   from jaxfuse.decoder import _workspace_bytes
 
   def call(ws_bytes, **over):
@@ -290,14 +368,21 @@ def test_handler_validates_buffers(device):
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.k.shape, x.dtype),
               jax.ShapeDtypeStruct(cache.v.shape, x.dtype),
               jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8))
-    f = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), shapes, input_output_aliases={11: 1, 12: 2})
-    return jax.jit(lambda *args: f(*args, **a))(x, pos, *w, cache.k, cache.v)
+    f = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), shapes, input_output_aliases={17: 1, 18: 2})
+    inv_freq = jnp.asarray(cfg.rope_inv_freq())
+    return jax.jit(lambda *args: f(*args, **a))(x, pos, inv_freq, *w, cache.k, cache.v)
 
   good = _workspace_bytes(cfg, 2, jnp.float32)
   jax.block_until_ready(call(good))
   with pytest.raises(Exception, match="workspace has"):
     jax.block_until_ready(call(good - 256))
-  with pytest.raises(Exception, match="wq does not have shape"):
+  with pytest.raises(Exception, match=r"rope_inv_freq must have shape \[8\]"):
     jax.block_until_ready(call(good, head_dim=np.int64(16)))
+  with pytest.raises(Exception, match="w_gate does not have shape"):
+    jax.block_until_ready(call(good, intermediate_size=np.int64(64)))
   with pytest.raises(Exception, match="not a multiple of num_kv_heads"):
     jax.block_until_ready(call(good, num_kv_heads=np.int64(3)))
+  with pytest.raises(Exception, match=r"q_bias does not have shape \[2,0\]"):
+    jax.block_until_ready(call(good, qkv_bias=np.bool_(False)))
+  with pytest.raises(Exception, match=r"q_norm does not have shape \[2,0\]"):
+    jax.block_until_ready(call(good, qk_norm=np.bool_(False)))

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from jaxfuse import _ffi
-from jaxfuse.decoder import DecoderConfig, _workspace_bytes
+from jaxfuse.decoder import DecoderConfig, DecoderWeights, _workspace_bytes
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
@@ -520,13 +520,17 @@ def test_apply_grad_ctrl_lists(device):
 
 
 # ---- jaxfuse_decoder ---------------------------------------------------------------------------
-# operands: x, positions, 9 weights, k_cache, v_cache; results: out, k_cache, v_cache, workspace
-# attributes: the nine DecoderConfig fields. Tiny config; batch 4.
+# operands: x, positions, rope_inv_freq, 14 weights, k_cache, v_cache; results: out, k_cache,
+# v_cache, workspace; attributes: the DecoderConfig fields but rope_theta and rope_scaling (which
+# make rope_inv_freq). Tiny config; batch 4.
 
+# Every optional weight in use, so that each operand's checks are exercised.
 _CFG = DecoderConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-                     intermediate_size=24, max_seq_len=4)
+                     intermediate_size=24, max_seq_len=4, qkv_bias=True, qk_norm=True)
 _B = 4
-_WEIGHTS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+_WEIGHTS = DecoderWeights._fields
+_OPERANDS = ("x", "positions", "rope_inv_freq", *_WEIGHTS, "k_cache", "v_cache")
+_CACHE_ALIASES = {len(_OPERANDS) - 2: 1, len(_OPERANDS) - 1: 2}
 
 
 def _dec_attrs(**over):
@@ -535,7 +539,7 @@ def _dec_attrs(**over):
                num_heads=np.int64(c.num_heads), num_kv_heads=np.int64(c.num_kv_heads),
                head_dim=np.int64(c.head_dim), intermediate_size=np.int64(c.intermediate_size),
                max_seq_len=np.int64(c.max_seq_len), rms_norm_eps=np.float32(c.rms_norm_eps),
-               rope_theta=np.float64(c.rope_theta))
+               qkv_bias=np.bool_(c.qkv_bias), qk_norm=np.bool_(c.qk_norm))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
@@ -544,7 +548,8 @@ def _dec_operands(device, seed=3):
   """A well-formed call's operands as a dict (numpy, not yet on the device)."""
   rng = np.random.default_rng(seed)
   ops = {"x": rng.standard_normal((_B, _CFG.hidden_size)).astype(np.float32),
-         "positions": np.arange(_B, dtype=np.int32) % _CFG.max_seq_len}
+         "positions": np.arange(_B, dtype=np.int32) % _CFG.max_seq_len,
+         "rope_inv_freq": _CFG.rope_inv_freq()}
   for name, shape in _CFG.weight_shapes().items():
     ops[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
   ops["k_cache"] = rng.standard_normal(_CFG.cache_shape(_B)).astype(np.float32)
@@ -554,12 +559,11 @@ def _dec_operands(device, seed=3):
 
 def _dec_call(device, ops, results=None, aliases=None, operand_list=None, **attrs):
   """Calls jaxfuse_decoder; `results` default to the shapes of x and the caches."""
-  args = operand_list if operand_list is not None else [
-      ops[k] for k in ("x", "positions", *_WEIGHTS, "k_cache", "v_cache")]
+  args = operand_list if operand_list is not None else [ops[k] for k in _OPERANDS]
   args = jax.device_put(args, device)
   if results is None:
     results = _dec_results(ops)
-  aliases = {11: 1, 12: 2} if aliases is None else aliases
+  aliases = _CACHE_ALIASES if aliases is None else aliases
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), results, input_output_aliases=aliases)
   return _run(call, args, _dec_attrs(**attrs))
 
@@ -626,10 +630,6 @@ def test_decoder_overflowing_sizes_are_rejected(device):
     (dict(rms_norm_eps=np.float32(-1.0)), "rms_norm_eps=-1 must be finite and >= 0"),
     (dict(rms_norm_eps=np.float32(np.nan)), "rms_norm_eps=nan must be finite and >= 0"),
     (dict(rms_norm_eps=np.float32(np.inf)), "rms_norm_eps=inf must be finite and >= 0"),
-    (dict(rope_theta=np.float64(0.0)), "rope_theta=0 must be finite and > 0"),
-    (dict(rope_theta=np.float64(-1e4)), "rope_theta=-10000 must be finite and > 0"),
-    (dict(rope_theta=np.float64(np.inf)), "rope_theta=inf must be finite and > 0"),
-    (dict(rope_theta=np.float64(np.nan)), "rope_theta=nan must be finite and > 0"),
 ])
 def test_decoder_bad_config_attributes(device, over, match):
   with jaxfuse_error("jaxfuse_decoder", match):
@@ -641,7 +641,9 @@ def test_decoder_bad_config_attributes(device, over, match):
     (dict(hidden_size=np.int64(32)), r"x must have shape \[B, 32\]"),
     (dict(num_heads=np.int64(4)), r"wq does not have shape \[1,16,32\]"),
     (dict(num_kv_heads=np.int64(2)), r"wk does not have shape \[1,16,16\]"),
-    (dict(head_dim=np.int64(4)), r"wq does not have shape \[1,16,8\]"),
+    (dict(head_dim=np.int64(4)), r"rope_inv_freq must have shape \[2\] \(head_dim / 2\)"),
+    (dict(qkv_bias=np.bool_(False)), r"q_bias does not have shape \[1,0\]"),
+    (dict(qk_norm=np.bool_(False)), r"q_norm does not have shape \[1,0\]"),
     (dict(intermediate_size=np.int64(32)), r"w_gate does not have shape \[1,16,32\]"),
     (dict(max_seq_len=np.int64(8)), r"k_cache does not have shape \[1,4,8,1,8\]"),
     (dict(max_seq_len=np.int64(2)), r"k_cache does not have shape \[1,4,2,1,8\]"),
@@ -655,12 +657,20 @@ def test_decoder_attribute_types(device):
   ops = _dec_operands(device)
   with xla_error("Wrong scalar data type: expected F32 but got F64"):
     _dec_call(device, ops, rms_norm_eps=np.float64(1e-5))
-  with xla_error("Wrong scalar data type: expected F64 but got F32"):
-    _dec_call(device, ops, rope_theta=np.float32(1e4))
+  with xla_error("Wrong scalar data type: expected PRED but got S64"):
+    _dec_call(device, ops, qk_norm=np.int64(1))
   with xla_error("Wrong scalar data type: expected S64 but got S32"):
     _dec_call(device, ops, num_layers=np.int32(1))
-  with xla_error("Wrong number of attributes: expected 9 attributes but got 8"):
-    _dec_call(device, ops, rope_theta=None)
+  with xla_error("Wrong number of attributes: expected 10 attributes but got 9"):
+    _dec_call(device, ops, qkv_bias=None)
+
+
+def test_decoder_rope_table(device):
+  ops = _dec_operands(device)
+  with jaxfuse_error("jaxfuse_decoder", r"rope_inv_freq must have shape \[4\] \(head_dim / 2\)"):
+    _dec_call(device, dict(ops, rope_inv_freq=ops["rope_inv_freq"][:-1]))
+  with xla_error("Wrong buffer dtype: expected F32 but got BF16"):
+    _dec_call(device, dict(ops, rope_inv_freq=ops["rope_inv_freq"].astype(jnp.bfloat16)))
 
 
 def test_decoder_x(device):
@@ -729,7 +739,7 @@ def test_decoder_results(device):
   with jaxfuse_error("jaxfuse_decoder", r"out has a different dtype than x \(float32\)"):
     _dec_call(device, ops, results=[S((_B, 16), BF16)] + good[1:])
   with jaxfuse_error("jaxfuse_decoder", "k/v cache results are not aliased"):
-    _dec_call(device, ops, aliases={12: 2})
+    _dec_call(device, ops, aliases={len(_OPERANDS) - 1: 2})
   with xla_error("Wrong number of results: expected 4 but got 3"):
     _dec_call(device, ops, results=good[:3])
   with xla_error("Wrong number of results: expected 4 but got 5"):
@@ -759,8 +769,9 @@ def test_decoder_workspace_type(device):
 
 def test_decoder_operand_count(device):
   ops = _dec_operands(device)
-  args = [ops[k] for k in ("x", "positions", *_WEIGHTS, "k_cache", "v_cache")]
-  with xla_error("Wrong number of arguments: expected 13 but got 14"):
+  args = [ops[k] for k in _OPERANDS]
+  n = len(_OPERANDS)
+  with xla_error(f"Wrong number of arguments: expected {n} but got {n + 1}"):
     _dec_call(device, ops, operand_list=args + [ops["x"]])
-  with xla_error("Wrong number of arguments: expected 13 but got 12"):
-    _dec_call(device, ops, operand_list=args[:10] + args[11:], aliases={10: 1, 11: 2})
+  with xla_error(f"Wrong number of arguments: expected {n} but got {n - 1}"):
+    _dec_call(device, ops, operand_list=args[:10] + args[11:], aliases={n - 3: 1, n - 2: 2})

@@ -100,14 +100,22 @@ void rmsnorm_rows(const DecoderDims& d, const WorkspaceRows& h, const void* w,
   }
 }
 
-// RoPE on one head vector in place, at position p.
-void rope_head(float* v, int64_t hd, int32_t p, double theta) {
+// RoPE on one head vector in place, at position p, with the frequencies inv_freq[hd/2].
+void rope_head(float* v, int64_t hd, int32_t p, const float* inv_freq) {
   const int64_t half = hd / 2;
   for (int64_t i = 0; i < half; ++i) {
     float c, s;
-    rope_cos_sin(rope_angle(p, int(i), int(hd), theta), &c, &s);
+    rope_cos_sin(rope_angle(p, inv_freq[i]), &c, &s);
     rope_rotate(v[i], v[i + half], c, s);
   }
+}
+
+// RMSNorm of one head vector in place (Qwen3's q_norm / k_norm), weights w[hd] in `dtype`.
+void rmsnorm_head(float* v, int64_t hd, const void* w, DType dtype, float eps) {
+  float ss = 0.0f;
+  for (int64_t i = 0; i < hd; ++i) ss += v[i] * v[i];
+  const float r = rms_inv(ss, hd, eps);
+  for (int64_t i = 0; i < hd; ++i) v[i] = rms_apply(v[i], r, load_as_float(w, dtype, i));
 }
 
 // One decode step: the stages below, layer by layer, each over all batch rows.
@@ -167,29 +175,47 @@ struct DecodeStep {
     };
   }
 
-  // [q | k | v] = (rmsnorm(h) * attn_norm) @ [wq | wk | wv]
+  // [q | k | v] = (rmsnorm(h) * attn_norm) @ [wq | wk | wv] (+ [q_bias | k_bias | v_bias])
   void rmsnorm_qkv(int64_t l) {
     rmsnorm_rows(d, ws.hidden, layer(w.attn_norm, l, d.D), normed);
     const int64_t q_dim = d.q_dim(), kv_dim = d.kv_dim();
     const void* matrices[3] = {layer(w.wq, l, d.D * q_dim), layer(w.wk, l, d.D * kv_dim),
                                layer(w.wv, l, d.D * kv_dim)};
+    // Only with qkv_bias: otherwise the bias operands are empty (possibly null) buffers.
+    const void* biases[3] = {nullptr, nullptr, nullptr};
+    if (d.qkv_bias) {
+      biases[0] = layer(w.q_bias, l, q_dim);
+      biases[1] = layer(w.k_bias, l, kv_dim);
+      biases[2] = layer(w.v_bias, l, kv_dim);
+    }
     const int64_t columns[3] = {q_dim, kv_dim, kv_dim};
     for (int m = 0; m < 3; ++m) {
       gemv(pool, d.B, normed.data, d.D, matrices[m], dtype, d.D, columns[m],
            [&](int64_t b, int64_t n0, int64_t len, const float* y) {
-             std::copy_n(y, len, ws.qkv.column(b, m, n0));
+             float* out = ws.qkv.column(b, m, n0);
+             for (int64_t i = 0; i < len; ++i) {
+               out[i] = d.qkv_bias ? y[i] + load_as_float(biases[m], dtype, n0 + i) : y[i];
+             }
            });
     }
   }
 
-  // RoPE on q and k, then k and v appended (rounded to the cache dtype) at [l, b, p].
+  // Per-head q/k RMSNorm (qk_norm) and RoPE on q and k, then k and v appended (rounded to the
+  // cache dtype) at [l, b, p].
   void rope_append_kv(int64_t l) {
+    const float* inv_freq = io.rope_inv_freq;
     for (int64_t b = 0; b < d.B; ++b) {
       const int32_t p = io.positions[b];
       if (!position_valid(p, d.S)) continue;
-      for (int64_t head = 0; head < d.H; ++head) rope_head(ws.qkv.q(b, head), d.hd, p, d.theta);
+      for (int64_t head = 0; head < d.H; ++head) {
+        float* q = ws.qkv.q(b, head);
+        if (d.qk_norm) rmsnorm_head(q, d.hd, layer(w.q_norm, l, d.hd), dtype, d.eps);
+        rope_head(q, d.hd, p, inv_freq);
+      }
       for (int64_t kv_head = 0; kv_head < d.KV; ++kv_head) {
-        rope_head(ws.qkv.k(b, kv_head), d.hd, p, d.theta);
+        float* k = ws.qkv.k(b, kv_head);
+        if (d.qk_norm) rmsnorm_head(k, d.hd, layer(w.k_norm, l, d.hd), dtype, d.eps);
+        rope_head(k, d.hd, p, inv_freq);
       }
       const int64_t at = cache_index(l, b, p, 0);
       const float* k = ws.qkv.k(b, 0);

@@ -66,6 +66,7 @@ constexpr int kMaxTile = 256;  // columns per tile for 16-bit dtypes
 constexpr int kStaged = 2048;  // floats of the shared staging area
 
 static_assert(kHeadChunk == 4, "attention accumulators are sized for 4 heads");
+static_assert(kHeadChunk + 1 <= kWarps, "per-head q/k RMSNorm takes one warp per staged head");
 
 // ---- kernel parameters -----------------------------------------------------------------------
 
@@ -78,7 +79,8 @@ struct KernelDims {
   int hidden_tiles, q_tiles, kv_tiles, mlp_tiles;  // GEMV column tiles of each output width
   float rms_eps;
   float attn_scale;  // 1 / sqrt(head_dim)
-  double rope_theta;
+  bool qkv_bias;     // q/k/v projections add a bias
+  bool qk_norm;      // per-head RMSNorm of q and k before RoPE
 };
 
 // How this launch splits the work over its grid (launch_plan()).
@@ -450,12 +452,21 @@ struct QkvStage {
   __device__ void finish(const GemvJob& job, int tile) const {
     constexpr int kColumns = GemvTile<kT>::kColumns;
     const MatrixTile mt = locate_tile(job, tile);
+    const int columns = job.matrix[mt.matrix].columns;
     const int c = threadIdx.x, col = mt.tile * kColumns + c;
-    if (c < kColumns && col < job.matrix[mt.matrix].columns) {
+    if (c < kColumns && col < columns) {
+      const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.matrix, columns), kT, col)
+                                         : 0.0f;
       for (int b = 0; b < p.dims.batch; ++b) {
-        ws_store(p.ws.qkv.column(b, mt.matrix, col), split_sum(p, tile, job.splits, b, c));
+        const float y = split_sum(p, tile, job.splits, b, c);
+        ws_store(p.ws.qkv.column(b, mt.matrix, col), p.dims.qkv_bias ? y + bias : y);
       }
     }
+  }
+  // This layer's bias of matrix m (0: q, 1: k, 2: v), `columns` wide (only with qkv_bias).
+  __device__ const void* bias_of(int m, int columns) const {
+    const DecoderWeights& w = p.io.weights;
+    return layer_slice(m == 0 ? w.q_bias : (m == 1 ? w.k_bias : w.v_bias), kT, layer, columns);
   }
   __device__ void run() const { run_gemv<kT>(*this); }
 };
@@ -544,31 +555,55 @@ struct AttentionStage {
     }
   }
 
-  // Shared memory: q of the chunk's heads and the kv head's new k, with RoPE, and the new v;
-  // k and v rounded to the cache dtype (exactly what the cache will hold).
+  // Shared memory: q of the chunk's heads and the kv head's new k (per-head RMSNorm with
+  // qk_norm, then RoPE), and the new v; k and v rounded to the cache dtype (exactly what the
+  // cache will hold). Staged head g < it.heads is query head first_head + g; g == it.heads is k.
   __device__ void load_query_and_new_kv(const AttnItem& it) const {
     const int hd = p.dims.head_dim, half = hd / 2;
     __syncthreads();  // the staging area may still be read by the previous item
-    for (int i = threadIdx.x; i < (it.heads + 1) * half; i += kThreads) {
-      const int g = i / half, j = i % half;
-      float c, sn;
-      rope_cos_sin(rope_angle(it.position, j, hd, p.dims.rope_theta), &c, &sn);
-      const bool query = g < it.heads;  // else the kv head's new key
-      const float* x = query ? p.ws.qkv.q(it.b, it.first_head + g) : p.ws.qkv.k(it.b, it.kv_head);
-      float x1 = ws_load(x + j), x2 = ws_load(x + j + half);
-      rope_rotate(x1, x2, c, sn);
-      if (query) {
-        float* q = sm.attn_q(g, hd);
-        q[j] = x1;
-        q[j + half] = x2;
-      } else {
-        sm.attn_k_new()[j] = round_to(kT, x1);
-        sm.attn_k_new()[j + half] = round_to(kT, x2);
-      }
+    for (int i = threadIdx.x; i < (it.heads + 1) * hd; i += kThreads) {
+      const int g = i / hd, j = i % hd;
+      const float* x = g < it.heads ? p.ws.qkv.q(it.b, it.first_head + g)
+                                    : p.ws.qkv.k(it.b, it.kv_head);
+      staged_head(it, g)[j] = ws_load(x + j);
     }
     const float* v = p.ws.qkv.v(it.b, it.kv_head);
     for (int j = threadIdx.x; j < hd; j += kThreads) {
       sm.attn_v_new()[j] = round_to(kT, ws_load(v + j));
+    }
+    __syncthreads();
+    if (p.dims.qk_norm) normalize_heads(it);
+    // RoPE in place: one thread owns each pair (j, j + half).
+    for (int i = threadIdx.x; i < (it.heads + 1) * half; i += kThreads) {
+      const int g = i / half, j = i % half;
+      float c, sn;
+      rope_cos_sin(rope_angle(it.position, __ldg(p.io.rope_inv_freq + j)), &c, &sn);
+      float* x = staged_head(it, g);
+      float x1 = x[j], x2 = x[j + half];
+      rope_rotate(x1, x2, c, sn);
+      const bool key = g == it.heads;
+      x[j] = key ? round_to(kT, x1) : x1;
+      x[j + half] = key ? round_to(kT, x2) : x2;
+    }
+    __syncthreads();
+  }
+
+  // Staged head g of the item (see load_query_and_new_kv) in shared memory.
+  __device__ float* staged_head(const AttnItem& it, int g) const {
+    return g < it.heads ? sm.attn_q(g, p.dims.head_dim) : sm.attn_k_new();
+  }
+
+  // Per-head RMSNorm of the staged heads in place (Qwen3's q_norm, k_norm): warp g takes head g.
+  __device__ void normalize_heads(const AttnItem& it) const {
+    const int hd = p.dims.head_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp <= it.heads) {
+      float* x = staged_head(it, warp);
+      float sum_sq = 0.0f;
+      for (int j = lane; j < hd; j += 32) sum_sq += x[j] * x[j];
+      const float inv = rms_inv(warp_sum(sum_sq), hd, p.dims.rms_eps);
+      const DecoderWeights& w = p.io.weights;
+      const void* norm = layer_slice(warp < it.heads ? w.q_norm : w.k_norm, kT, layer, hd);
+      for (int j = lane; j < hd; j += 32) x[j] = rms_apply(x[j], inv, load_as_float(norm, kT, j));
     }
     __syncthreads();
   }
@@ -844,7 +879,8 @@ KernelDims kernel_dims(const DecoderDims& d) {
   k.mlp_tiles = int(d.tiles(d.I));
   k.rms_eps = d.eps;
   k.attn_scale = 1.0f / std::sqrt(float(d.hd));
-  k.rope_theta = d.theta;
+  k.qkv_bias = d.qkv_bias;
+  k.qk_norm = d.qk_norm;
   return k;
 }
 

@@ -3,10 +3,14 @@
 // (DecoderWorkspace) that both run steps use. The element math is decoder_math.h; the run steps
 // are src_cuda/{cpu/decoder.cc,cuda/decoder.cu}.
 //
-// Operands (all float operands share one dtype T: f32, bf16 or f16), in kDecoderOperands order:
-//   x T[B, D], positions s32[B], then the stacked layer weights attn_norm T[L, D],
+// Operands (all float operands but rope_inv_freq share one dtype T: f32, bf16 or f16), in
+// kDecoderOperands order:
+//   x T[B, D], positions s32[B], rope_inv_freq f32[hd/2] (the RoPE frequency of each rotated pair,
+//   scaling rule applied: Python computes it), then the stacked layer weights attn_norm T[L, D],
 //   wq T[L, D, H*hd], wk T[L, D, KV*hd], wv T[L, D, KV*hd], wo T[L, H*hd, D], mlp_norm T[L, D],
-//   w_gate T[L, D, I], w_up T[L, D, I], w_down T[L, I, D], then k_cache and v_cache
+//   w_gate T[L, D, I], w_up T[L, D, I], w_down T[L, I, D], the optional q_bias T[L, H*hd],
+//   k_bias T[L, KV*hd], v_bias T[L, KV*hd] (attribute qkv_bias; else each T[L, 0]) and q_norm,
+//   k_norm T[L, hd] (attribute qk_norm; else T[L, 0]), then k_cache and v_cache
 //   T[L, B, S, KV, hd].
 // Results, in kDecoderResults order: out T[B, D]; k_cache and v_cache, aliased to their operands
 //   (updated in place at [l, b, positions[b]]); workspace u8[decoder_layout(...).total]: fp32
@@ -30,6 +34,7 @@
 namespace jaxfuse {
 
 using PositionsBuffer = ffi::Buffer<ffi::S32, 1>;
+using RopeTableBuffer = ffi::Buffer<ffi::F32, 1>;
 using WorkspaceBuffer = ffi::Buffer<ffi::U8, 1>;
 
 // Constants of the workspace layout.
@@ -49,7 +54,8 @@ struct DecoderDims {
   int64_t I = 0;   // intermediate (MLP) size
   int64_t S = 0;   // max_seq_len: cache positions
   float eps = 0.f;
-  double theta = 0.0;
+  bool qkv_bias = false;  // q/k/v projections add a bias
+  bool qk_norm = false;   // per-head RMSNorm of q and k before RoPE
   DType dtype = DType::kF32;
 
   int64_t q_dim() const { return H * hd; }
@@ -238,10 +244,11 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
 
 // Operand and result names in call order; a name in both lists is updated in place.
 inline constexpr const char* kDecoderOperands[] = {
-    "x", "positions", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up",
-    "w_down", "k_cache", "v_cache"};
+    "x", "positions", "rope_inv_freq", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate",
+    "w_up", "w_down", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "k_cache", "v_cache"};
 inline constexpr const char* kDecoderResults[] = {"out", "k_cache", "v_cache", "workspace"};
-inline constexpr int kDecoderWeights = 9;  // attn_norm .. w_down
+inline constexpr int kDecoderFirstWeight = 3;  // attn_norm
+inline constexpr int kDecoderWeights = 14;     // attn_norm .. k_norm
 
 // The call's attributes (DecoderConfig), decoded as one struct.
 #define JAXFUSE_DECODER_SIZE_ATTRS(X)                                                      \
@@ -252,7 +259,8 @@ struct DecoderAttrs {
   JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_I64_FIELD)
 #undef JF_DECODER_I64_FIELD
   float rms_norm_eps;
-  double rope_theta;
+  bool qkv_bias;
+  bool qk_norm;
 };
 inline constexpr const char* kDecoderSizeAttrs[] = {JAXFUSE_DECODER_SIZE_ATTRS(JF_VECTOR_NAME)};
 
@@ -267,6 +275,11 @@ struct DecoderWeights {
   const void* w_gate;     // [L, D, I]
   const void* w_up;       // [L, D, I]
   const void* w_down;     // [L, I, D]
+  const void* q_bias;     // [L, H*hd] (qkv_bias)
+  const void* k_bias;     // [L, KV*hd] (qkv_bias)
+  const void* v_bias;     // [L, KV*hd] (qkv_bias)
+  const void* q_norm;     // [L, hd] (qk_norm)
+  const void* k_norm;     // [L, hd] (qk_norm)
 };
 
 // Layer `layer` of a stacked weight whose layers hold `layer_size` elements of dtype t.
@@ -278,6 +291,7 @@ JF_HD const void* layer_slice(const void* stacked, DType t, int64_t layer, int64
 struct DecoderBuffers {
   const void* x;
   const int32_t* positions;
+  const float* rope_inv_freq;  // [hd/2]
   DecoderWeights weights;
   void* k_cache;  // the results (aliased to the operands)
   void* v_cache;
@@ -310,9 +324,6 @@ inline ffi::Error check_attrs(const DecoderAttrs& a) {
   if (!(a.rms_norm_eps >= 0.0f) || !std::isfinite(a.rms_norm_eps)) {
     return invalid_argument("rms_norm_eps=", a.rms_norm_eps, " must be finite and >= 0");
   }
-  if (!(a.rope_theta > 0.0) || !std::isfinite(a.rope_theta)) {
-    return invalid_argument("rope_theta=", a.rope_theta, " must be finite and > 0");
-  }
   return ffi::Error::Success();
 }
 
@@ -327,7 +338,8 @@ inline DecoderDims dims_of(const DecoderAttrs& a, int64_t batch, DType dtype) {
   d.I = a.intermediate_size;
   d.S = a.max_seq_len;
   d.eps = a.rms_norm_eps;
-  d.theta = a.rope_theta;
+  d.qkv_bias = a.qkv_bias;
+  d.qk_norm = a.qk_norm;
   d.dtype = dtype;
   return d;
 }
@@ -348,13 +360,18 @@ inline ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& b, DType 
   return invalid_argument(name, " does not have shape ", want);
 }
 
+// The optional weights are [L, width] when their flag is set and [L, 0] when not.
 inline ffi::Error check_weights(const DecoderDims& d, const ffi::AnyBuffer* weights) {
+  const int64_t bias = d.qkv_bias ? 1 : 0, norm = d.qk_norm ? 1 : 0;
   const std::initializer_list<int64_t> shapes[kDecoderWeights] = {
       {d.L, d.D},           {d.L, d.D, d.q_dim()},  {d.L, d.D, d.kv_dim()},
       {d.L, d.D, d.kv_dim()}, {d.L, d.q_dim(), d.D}, {d.L, d.D},
-      {d.L, d.D, d.I},      {d.L, d.D, d.I},        {d.L, d.I, d.D}};
+      {d.L, d.D, d.I},      {d.L, d.D, d.I},        {d.L, d.I, d.D},
+      {d.L, bias * d.q_dim()}, {d.L, bias * d.kv_dim()}, {d.L, bias * d.kv_dim()},
+      {d.L, norm * d.hd},    {d.L, norm * d.hd}};
   for (int i = 0; i < kDecoderWeights; ++i) {
-    JF_RETURN_IF_ERROR(check_buffer(kDecoderOperands[2 + i], weights[i], d.dtype, shapes[i]));
+    JF_RETURN_IF_ERROR(
+        check_buffer(kDecoderOperands[kDecoderFirstWeight + i], weights[i], d.dtype, shapes[i]));
   }
   return ffi::Error::Success();
 }
@@ -388,7 +405,8 @@ struct DecoderOp {
   template <typename Context>
   static auto binding() {
     auto b = ffi::Ffi::Bind().Ctx<Context>().template Arg<ffi::AnyBuffer>()  // x
-                 .template Arg<PositionsBuffer>();                         // positions
+                 .template Arg<PositionsBuffer>()                          // positions
+                 .template Arg<RopeTableBuffer>();                         // rope_inv_freq
     return std::move(b)
         .template Arg<ffi::AnyBuffer>()  // attn_norm
         .template Arg<ffi::AnyBuffer>()  // wq
@@ -399,6 +417,11 @@ struct DecoderOp {
         .template Arg<ffi::AnyBuffer>()  // w_gate
         .template Arg<ffi::AnyBuffer>()  // w_up
         .template Arg<ffi::AnyBuffer>()  // w_down
+        .template Arg<ffi::AnyBuffer>()  // q_bias
+        .template Arg<ffi::AnyBuffer>()  // k_bias
+        .template Arg<ffi::AnyBuffer>()  // v_bias
+        .template Arg<ffi::AnyBuffer>()  // q_norm
+        .template Arg<ffi::AnyBuffer>()  // k_norm
         .template Arg<ffi::AnyBuffer>()  // k_cache
         .template Arg<ffi::AnyBuffer>()  // v_cache
         .template Ret<ffi::AnyBuffer>()   // out
@@ -408,10 +431,13 @@ struct DecoderOp {
         .template Attrs<DecoderAttrs>();
   }
 
-  static ffi::Error decode(ffi::AnyBuffer x, PositionsBuffer positions, ffi::AnyBuffer attn_norm,
+  static ffi::Error decode(ffi::AnyBuffer x, PositionsBuffer positions,
+                           RopeTableBuffer rope_inv_freq, ffi::AnyBuffer attn_norm,
                            ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::AnyBuffer wv,
                            ffi::AnyBuffer wo, ffi::AnyBuffer mlp_norm, ffi::AnyBuffer w_gate,
-                           ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer k_cache,
+                           ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer q_bias,
+                           ffi::AnyBuffer k_bias, ffi::AnyBuffer v_bias, ffi::AnyBuffer q_norm,
+                           ffi::AnyBuffer k_norm, ffi::AnyBuffer k_cache,
                            ffi::AnyBuffer v_cache, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
                            ffi::Result<WorkspaceBuffer> workspace, DecoderAttrs attrs,
@@ -428,8 +454,12 @@ struct DecoderOp {
     if (positions.dimensions().size() != 1 || positions.dimensions()[0] != d.B) {
       return invalid_argument("positions must have shape [", d.B, "]");
     }
-    const ffi::AnyBuffer weights[kDecoderWeights] = {attn_norm, wq,     wk,   wv,    wo,
-                                                     mlp_norm,  w_gate, w_up, w_down};
+    if (rope_inv_freq.dimensions().size() != 1 || rope_inv_freq.dimensions()[0] != d.hd / 2) {
+      return invalid_argument("rope_inv_freq must have shape [", d.hd / 2, "] (head_dim / 2)");
+    }
+    const ffi::AnyBuffer weights[kDecoderWeights] = {
+        attn_norm, wq,     wk,     wv,     wo,     mlp_norm, w_gate,
+        w_up,      w_down, q_bias, k_bias, v_bias, q_norm,   k_norm};
     JF_RETURN_IF_ERROR(check_weights(d, weights));
     JF_RETURN_IF_ERROR(check_caches(d, k_cache, v_cache, *k_out, *v_out));
     JF_RETURN_IF_ERROR(check_buffer("out", *out, d.dtype, {d.B, d.D}));
@@ -443,9 +473,12 @@ struct DecoderOp {
     DecoderBuffers& b = call->buffers;
     b.x = x.untyped_data();
     b.positions = positions.typed_data();
-    b.weights = {attn_norm.untyped_data(), wq.untyped_data(),   wk.untyped_data(),
-                 wv.untyped_data(),        wo.untyped_data(),   mlp_norm.untyped_data(),
-                 w_gate.untyped_data(),    w_up.untyped_data(), w_down.untyped_data()};
+    b.rope_inv_freq = rope_inv_freq.typed_data();
+    b.weights = {attn_norm.untyped_data(), wq.untyped_data(),     wk.untyped_data(),
+                 wv.untyped_data(),        wo.untyped_data(),     mlp_norm.untyped_data(),
+                 w_gate.untyped_data(),    w_up.untyped_data(),   w_down.untyped_data(),
+                 q_bias.untyped_data(),    k_bias.untyped_data(), v_bias.untyped_data(),
+                 q_norm.untyped_data(),    k_norm.untyped_data()};
     b.k_cache = k_out->untyped_data();
     b.v_cache = v_out->untyped_data();
     b.out = out->untyped_data();
@@ -462,7 +495,7 @@ struct DecoderOp {
     c.names["results"] = name_list(kDecoderResults);
     c.names["size_attrs"] = name_list(kDecoderSizeAttrs);
     c.names["f32_attrs"] = {"rms_norm_eps"};
-    c.names["f64_attrs"] = {"rope_theta"};
+    c.names["bool_attrs"] = {"qkv_bias", "qk_norm"};
     // workspace(batch=, dtype_bytes=, <size attrs>=) -> numbers["bytes"]
     c.functions["workspace"] = [](const std::map<std::string, int64_t>& args) {
       DecoderAttrs a{};
@@ -507,5 +540,6 @@ struct DecoderOp {
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxfuse::DecoderAttrs,
                                       JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_I64_MEMBER)
                                       ::xla::ffi::StructMember<float>("rms_norm_eps"),
-                                      ::xla::ffi::StructMember<double>("rope_theta"));
+                                      ::xla::ffi::StructMember<bool>("qkv_bias"),
+                                      ::xla::ffi::StructMember<bool>("qk_norm"));
 #undef JF_DECODER_I64_MEMBER

@@ -25,21 +25,11 @@ JF_HD float rms_inv(float sum_sq, int64_t n, float eps) {
 JF_HD float rms_apply(float h, float inv_rms, float weight) { return (h * inv_rms) * weight; }
 
 // ---- RoPE (Llama "rotate half") ---------------------------------------------------------------
-// inv_freq_i = theta^(-2i/hd) for i < hd/2, computed in double and rounded once to fp32 (the
-// Python reference does the same with numpy float64), so both sides hold bit-identical
-// frequencies. The angle is then the fp32 product p * inv_freq_i, as in Llama's reference code.
-JF_HD float rope_inv_freq(int i, int head_dim, double theta) {
-  const double e = -2.0 * double(i) / double(head_dim);
-#if defined(__CUDA_ARCH__)
-  return float(pow(theta, e));
-#else
-  return float(std::pow(theta, e));
-#endif
-}
-
-JF_HD float rope_angle(int32_t position, int i, int head_dim, double theta) {
-  return float(position) * rope_inv_freq(i, head_dim, theta);
-}
+// inv_freq[i] for i < hd/2 is the operand rope_inv_freq: theta^(-2i/hd) with the config's scaling
+// rule, computed once in float64 by Python (DecoderConfig.rope_inv_freq) and rounded to fp32, so
+// the kernels and the reference read bit-identical frequencies. The angle is the fp32 product
+// p * inv_freq[i], as in Llama's reference code.
+JF_HD float rope_angle(int32_t position, float inv_freq) { return float(position) * inv_freq; }
 
 // Rotates the pair (x[i], x[i + hd/2]) by the angle: (x1 c - x2 s, x2 c + x1 s).
 JF_HD void rope_rotate(float& x1, float& x2, float cos_a, float sin_a) {
