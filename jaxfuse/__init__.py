@@ -14,6 +14,8 @@ Reporting:
 Decode side:
   persistent_decoder   one decode step of a Llama-style decoder stack, all layers in one launch
   decoder_reference    the same step (or a multi-token prefill) in plain JAX
+  generate             prefill + a whole generation in one jitted while_loop of decoder launches
+  decode_step          one token per row through the model (embedding, stack, head): logits
 """
 
 import importlib as _importlib
@@ -26,6 +28,8 @@ from jaxfuse.clip import clip_by_global_norm, global_norm
 from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
                              decoder_reference, persistent_decoder)
 from jaxfuse.fused import fused_step
+from jaxfuse.generation import decode_step, generate, init_cache, prefill
+from jaxfuse.model import DecoderModel
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
   __version__ = _metadata.version("jaxfuse")
@@ -44,6 +48,7 @@ def __getattr__(name: str):
 __all__ = [
     "AdamExtraState",
     "DecoderConfig",
+    "DecoderModel",
     "DecoderWeights",
     "KVCache",
     "RopeScaling",
@@ -51,13 +56,17 @@ __all__ = [
     "adamw",
     "backends",
     "clip_by_global_norm",
+    "decode_step",
     "decoder_reference",
     "export_safety_checks",
     "fused_step",
+    "generate",
     "global_norm",
+    "init_cache",
     "nadam",
     "multi_steps",
     "nadamw",
     "persistent_decoder",
+    "prefill",
     "report",
 ]

@@ -1,0 +1,336 @@
+"""Text generation with the persistent decoder: prefill, one decode step, and a whole generation
+in one jitted call.
+
+  cache = init_cache(model, batch, max_seq_len)
+  logits, cache = prefill(model, prompt_tokens, prompt_lengths, cache)   # plain XLA
+  logits, cache = decode_step(model, tokens, positions, cache)           # one persistent kernel
+  tokens, lengths = generate(model, prompt_tokens, prompt_lengths, max_new_tokens, ...)
+
+:func:`generate` runs the prefill (:func:`jaxfuse.decoder_reference` over all prompt tokens at
+once, causal) and then every decode step inside one ``lax.while_loop`` in one ``jax.jit``: per
+step, sample a token per row (greedy when ``temperature == 0``; else temperature, top-k, top-p
+sampling with the key), stop the rows that emitted a stop token, embed, one
+:func:`jaxfuse.persistent_decoder` call for all layers (the KV cache updated in place: it is a
+loop carry), final norm and LM head. The loop ends when every row has stopped or
+``max_new_tokens`` are out. Stopped rows decode at position -1: the kernel neither reads nor
+writes their cache.
+
+``decoder="reference"`` runs the same loop with :func:`jaxfuse.decoder_reference` (plain XLA) in
+place of the kernel: the baseline the kernel is compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxfuse.decoder import DecoderWeights, KVCache, decoder_reference, persistent_decoder
+from jaxfuse.model import DecoderModel
+
+__all__ = ["init_cache", "prefill", "decode_step", "generate"]
+
+_DECODERS = {"persistent": persistent_decoder, "reference": decoder_reference}
+_FILL = -1  # tokens past a row's length
+
+
+# ---- validation ---------------------------------------------------------------------------------
+
+def _check_model(fn: str, model) -> None:
+  """The model's non-layer weights agree with its config (the layers are checked by the decoder)."""
+  if not isinstance(model, DecoderModel):
+    raise TypeError(f"{fn}: model must be a jaxfuse.DecoderModel (e.g. from jaxfuse.load_hf), got "
+                    f"{type(model).__name__}")
+  if not isinstance(model.layers, DecoderWeights):
+    raise TypeError(f"{fn}: model.layers must be a jaxfuse.DecoderWeights")
+  D, dtype = model.config.hidden_size, model.dtype
+  heads = {"embed": model.embed, "lm_head": model.lm_head}
+  for name, a in heads.items():
+    if a is not None and (a.ndim != 2 or a.shape[1] != D):
+      raise ValueError(f"{fn}: model.{name} has shape {tuple(a.shape)}, expected (vocab, {D})")
+  if model.lm_head is not None and model.lm_head.shape != model.embed.shape:
+    raise ValueError(f"{fn}: model.lm_head has shape {tuple(model.lm_head.shape)}, expected the "
+                     f"embedding's {tuple(model.embed.shape)}")
+  if model.final_norm.shape != (D,):
+    raise ValueError(f"{fn}: model.final_norm has shape {tuple(model.final_norm.shape)}, "
+                     f"expected ({D},)")
+  for name, a in (("final_norm", model.final_norm), ("lm_head", model.lm_head)):
+    if a is not None and jnp.dtype(a.dtype) != dtype:
+      raise TypeError(f"{fn}: model.{name} has dtype {a.dtype}, expected the embedding's {dtype}")
+
+
+def _check_cache(fn: str, model: DecoderModel, cache, batch: int) -> None:
+  if not isinstance(cache, KVCache):
+    raise TypeError(f"{fn}: cache must be a jaxfuse.KVCache (see jaxfuse.init_cache), got "
+                    f"{type(cache).__name__}")
+  S = cache.k.shape[2] if cache.k.ndim == 5 else None
+  want = model.config.cache_shape(batch)[:2] + (S,) + model.config.cache_shape(batch)[3:]
+  if S is None or S > model.config.max_seq_len or cache.k.shape != want:
+    raise ValueError(f"{fn}: cache.k has shape {tuple(cache.k.shape)}, expected "
+                     f"(layers, batch, S, kv_heads, head_dim) = {want[:2]} + (S <= "
+                     f"{model.config.max_seq_len},) + {want[3:]}")
+
+
+def _concrete(a) -> np.ndarray | None:
+  """``a`` as NumPy when its value is known at trace time, else None."""
+  try:
+    return np.asarray(a)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_prompts(fn: str, model: DecoderModel, tokens, lengths) -> None:
+  """Shapes and dtypes; the values too when they are concrete (out-of-range ids or lengths
+  would otherwise be clamped silently by the embedding gather)."""
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{fn}: prompt_tokens must be an integer array [batch, prompt_len], got "
+                     f"{tokens.dtype}{list(tokens.shape)}")
+  if lengths.shape != tokens.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise ValueError(f"{fn}: prompt_lengths must be an integer array [{tokens.shape[0]}], got "
+                     f"{lengths.dtype}{list(lengths.shape)}")
+  t, n = _concrete(tokens), _concrete(lengths)
+  T = tokens.shape[1]
+  if n is not None and n.size and (n.min() < 1 or n.max() > T):
+    raise ValueError(f"{fn}: prompt_lengths must be in [1, {T}] (the prompt width), got "
+                     f"{n.tolist()}")
+  if t is not None and n is not None:
+    used = t[np.arange(T)[None, :] < n[:, None]]
+    if used.size and (used.min() < 0 or used.max() >= model.vocab_size):
+      raise ValueError(f"{fn}: prompt_tokens has ids outside [0, {model.vocab_size}) (the "
+                       f"vocabulary): {used.min()} .. {used.max()}")
+
+
+# ---- the pieces ---------------------------------------------------------------------------------
+
+def init_cache(model: DecoderModel, batch: int, max_seq_len: int) -> KVCache:
+  """An empty KV cache of ``max_seq_len`` positions for ``batch`` rows, in the model's dtype.
+
+  Raises:
+    ValueError: ``max_seq_len`` exceeds what the model supports (``model.config.max_seq_len``).
+  """
+  _check_model("init_cache", model)
+  if not 1 <= max_seq_len <= model.config.max_seq_len:
+    raise ValueError(f"init_cache: max_seq_len={max_seq_len} must be in [1, "
+                     f"{model.config.max_seq_len}] (the model's max_position_embeddings)")
+  shape = dataclasses.replace(model.config, max_seq_len=int(max_seq_len)).cache_shape(batch)
+  return KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+
+
+def _cache_config(model: DecoderModel, cache: KVCache):
+  """The decoder config of this cache's length."""
+  return dataclasses.replace(model.config, max_seq_len=int(cache.k.shape[2]))
+
+
+def prefill(model: DecoderModel, prompt_tokens, prompt_lengths, cache: KVCache):
+  """All prompt tokens through the stack at once (plain XLA, causal), written to the cache.
+
+  Row ``b``'s tokens ``prompt_tokens[b, :prompt_lengths[b]]`` go to cache positions 0.. (the
+  padding on the right is never cached). The math is :func:`jaxfuse.decoder_reference`'s (fp32
+  activations, as in the kernel).
+
+  Args:
+    model: the model.
+    prompt_tokens: int [B, T], right-padded.
+    prompt_lengths: int [B], each in [1, T].
+    cache: a KV cache for B rows of at least T positions (:func:`init_cache`).
+
+  Returns:
+    ``(logits, cache)``: fp32 [B, vocab] next-token logits after each row's last prompt token,
+    and the cache.
+  """
+  _check_model("prefill", model)
+  tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
+  _check_prompts("prefill", model, tokens, lengths)
+  B, T = tokens.shape
+  _check_cache("prefill", model, cache, B)
+  if T > cache.k.shape[2]:
+    raise ValueError(f"prefill: the prompts ({T} tokens wide) do not fit the cache "
+                     f"({cache.k.shape[2]} positions)")
+  t = jnp.arange(T, dtype=jnp.int32)
+  positions = jnp.where(t[None, :] < lengths[:, None], t[None, :], -1)  # padding: never cached
+  h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache,
+                               _cache_config(model, cache))
+  last = h[jnp.arange(B), lengths - 1]
+  return model.logits(last), cache
+
+
+def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
+                decoder: str = "persistent"):
+  """One new token per row through every layer (one persistent-decoder call), and the logits.
+
+  Args:
+    model: the model.
+    tokens: int [B], the new token of each row.
+    positions: int32 [B], the cache position each row writes and attends up to. A position
+      outside [0, cache length) leaves the row's cache untouched and gives NaN logits.
+    cache: the KV cache (donate it under jit to update it in place).
+    decoder: "persistent" (the kernel) or "reference" (:func:`jaxfuse.decoder_reference`).
+
+  Returns:
+    ``(logits, cache)``: fp32 [B, vocab] and the updated cache.
+  """
+  _check_model("decode_step", model)
+  tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
+  if tokens.ndim != 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"decode_step: tokens must be an integer array [batch], got "
+                     f"{tokens.dtype}{list(tokens.shape)}")
+  _check_cache("decode_step", model, cache, tokens.shape[0])
+  step = _decoder_fn("decode_step", decoder)
+  h, cache = step(model.embed_tokens(tokens), positions, model.layers, cache,
+                  _cache_config(model, cache))
+  return model.logits(h), cache
+
+
+def _decoder_fn(fn: str, decoder: str):
+  if decoder not in _DECODERS:
+    raise ValueError(f"{fn}: decoder must be one of {sorted(_DECODERS)}, got {decoder!r}")
+  return _DECODERS[decoder]
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+def _sample(logits, key, temperature: float, top_k: int | None, top_p: float | None):
+  """One token per row of fp32 ``logits`` [B, V]: the argmax when ``temperature == 0``, else a
+  draw from softmax(logits / temperature) restricted to the ``top_k`` largest logits and then to
+  the smallest set of those whose probability reaches ``top_p`` (nucleus sampling, Holtzman et
+  al. 2020, arXiv:1904.09751)."""
+  if temperature == 0.0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  logits = logits / jnp.float32(temperature)
+  if top_k is not None and top_k < logits.shape[-1]:
+    kth = lax.top_k(logits, top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if top_p is not None and top_p < 1.0:
+    ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # The smallest kept logit: the largest is always kept (its mass before is 0).
+    cutoff = jnp.min(jnp.where(mass_before < top_p, ordered, jnp.inf), axis=-1, keepdims=True)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+# ---- generate -----------------------------------------------------------------------------------
+
+def _stop_table(stop_tokens, batch: int) -> np.ndarray:
+  """Stop tokens as int32 [1 or batch, n] (-1 pads rows of different counts)."""
+  if isinstance(stop_tokens, (int, np.integer)):
+    stop_tokens = (stop_tokens,)
+  try:
+    table = np.asarray(stop_tokens if len(stop_tokens) else [[]], dtype=np.int64)
+  except ValueError:  # ragged
+    table = np.zeros((0, 0, 0))
+  if table.ndim == 1:
+    table = table[None, :]
+  if table.ndim != 2 or table.shape[0] not in (1, batch):
+    raise ValueError("generate: stop_tokens must be a sequence of token ids (every row) or one "
+                     f"sequence per row ([{batch}, n], padded with -1), got shape {table.shape}")
+  return table.astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p",
+                                             "decoder"))
+def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens: int,
+              temperature: float, top_k, top_p, decoder: str):
+  B, T = tokens.shape
+  N = max_new_tokens
+  cache = init_cache(model, B, T + N)
+  logits, cache = prefill(model, tokens, lengths, cache)
+  step = _DECODERS[decoder]
+  cfg = _cache_config(model, cache)
+
+  def sample_and_record(state):
+    """Token i of every running row into the output; rows that emit a stop token stop."""
+    i, cache, logits, out, count, done = state
+    token = _sample(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
+    token = jnp.where(done, _FILL, token)
+    out = lax.dynamic_update_slice(out, token[:, None], (0, i))
+    count = count + (~done).astype(jnp.int32)
+    done = done | jnp.any(token[:, None] == stop, axis=-1)
+    return token, (i, cache, logits, out, count, done)
+
+  def body(state):
+    token, (i, cache, logits, out, count, done) = sample_and_record(state)
+    positions = jnp.where(done, -1, lengths + i)  # stopped rows: no cache access
+    h, cache = step(model.embed_tokens(jnp.maximum(token, 0)), positions, model.layers, cache, cfg)
+    return i + 1, cache, model.logits(h), out, count, done
+
+  def running(state):
+    i, done = state[0], state[-1]
+    return (i < N - 1) & ~jnp.all(done)
+
+  out = jnp.full((B, N), _FILL, jnp.int32)
+  state = (jnp.int32(0), cache, logits, out, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
+  state = lax.while_loop(running, body, state)
+  _, (_, _, _, out, count, _) = sample_and_record(state)  # the last token needs no decode step
+  return out, count
+
+
+def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             key: jax.Array | None = None, stop_tokens: Sequence[int] | Sequence[Sequence[int]] = (),
+             decoder: str = "persistent"):
+  """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
+
+  Prefill in plain XLA, then one ``lax.while_loop`` of persistent-decoder steps (see the module
+  docstring). Row b's i-th new token is at position ``prompt_lengths[b] + i``; the KV cache holds
+  ``prompt_len + max_new_tokens`` positions, which must not exceed ``model.config.max_seq_len``.
+
+  Args:
+    model: the model (e.g. :func:`jaxfuse.load_hf`).
+    prompt_tokens: int [B, prompt_len], right-padded prompts.
+    prompt_lengths: int [B], the length of each prompt, in [1, prompt_len].
+    max_new_tokens: tokens to generate per row (>= 1).
+    temperature: 0 for greedy (argmax) decoding; > 0 samples from softmax(logits / temperature).
+    top_k: with sampling, keep only the ``top_k`` most likely tokens.
+    top_p: with sampling, keep the smallest set of most likely tokens whose probability reaches
+      ``top_p`` (in (0, 1]).
+    key: a PRNG key, required when sampling (token i of the generation draws with
+      ``fold_in(key, i)``).
+    stop_tokens: token ids that end a row's generation (the stop token is kept in the output), or
+      one sequence of ids per row ([B, n], padded with -1).
+    decoder: "persistent" (the kernel) or "reference" (plain JAX, the same loop).
+
+  Returns:
+    ``(tokens, lengths)``: int32 [B, max_new_tokens] generated tokens, -1 after each row's end;
+    int32 [B] the number generated per row (including a stop token).
+
+  Raises:
+    TypeError, ValueError: bad arguments (named), checked before anything runs.
+  """
+  _check_model("generate", model)
+  tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
+  _check_prompts("generate", model, tokens, lengths)
+  _decoder_fn("generate", decoder)
+  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+      or max_new_tokens < 1:
+    raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+  total = tokens.shape[1] + int(max_new_tokens)
+  if total > model.config.max_seq_len:
+    raise ValueError(f"generate: prompt width {tokens.shape[1]} + max_new_tokens "
+                     f"{max_new_tokens} = {total} exceeds the model's max_seq_len "
+                     f"{model.config.max_seq_len} (max_position_embeddings)")
+  temperature = float(temperature)
+  if not temperature >= 0.0 or not np.isfinite(temperature):
+    raise ValueError(f"generate: temperature must be finite and >= 0, got {temperature}")
+  if temperature > 0.0 and key is None:
+    raise ValueError("generate: sampling (temperature > 0) needs a PRNG key (key=)")
+  if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer))
+                            or top_k < 1):
+    raise ValueError(f"generate: top_k must be a positive integer or None, got {top_k!r}")
+  if top_p is not None and not 0.0 < float(top_p) <= 1.0:
+    raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")
+  if temperature == 0.0 and (top_k is not None or top_p is not None):
+    raise ValueError("generate: top_k / top_p apply to sampling; set temperature > 0 (greedy "
+                     "decoding takes the argmax)")
+  stop = _stop_table(stop_tokens, tokens.shape[0])
+  key = jax.random.key(0) if key is None else key  # unused when greedy
+  return _generate(model, tokens.astype(jnp.int32), lengths.astype(jnp.int32), key,
+                   jnp.asarray(stop), max_new_tokens=int(max_new_tokens), temperature=temperature,
+                   top_k=None if top_k is None else int(top_k),
+                   top_p=None if top_p is None else float(top_p), decoder=decoder)

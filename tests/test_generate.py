@@ -1,0 +1,218 @@
+"""jaxfuse.generate / decode_step / prefill against a teacher-forced full-model reference.
+
+The reference recomputes every step from scratch: the logits after row b's first n tokens are a
+``jaxfuse.prefill`` (decoder_reference over the whole sequence, no cache reuse) of those n tokens.
+Each generated token must be the reference's argmax given the tokens generated before it, up to
+a near-tie: its reference logit within ``tie_tol`` of the maximum (the kernel and the reference
+sum in different orders; with 16-bit models, the cache and the layer output are also rounded at
+slightly different values). Teacher forcing keeps every step comparable after a tie.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from helpers import random_decoder_problem, stable_seed
+
+# Near-tie tolerance on logits, relative to the largest |logit| of the step: fp32 differs by
+# summation order only (~1e-6); a 16-bit model by one rounding of the layer output and the cached
+# k/v (bf16: 2^-8 relative), compounding over two layers.
+TIE_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
+
+
+def random_model(dtype=jnp.float32, vocab=61, tied=False, seed=0, **features):
+  """A small random DecoderModel whose logits are O(3) (not dominated by the embedding)."""
+  cfg = jaxfuse.DecoderConfig(2, 64, 4, 2, 16, 96, 48, **features)
+  _, w, _ = random_decoder_problem(cfg, 1, dtype, seed)
+  rng = np.random.default_rng(seed + 1)
+  embed = jnp.asarray(rng.standard_normal((vocab, 64)), dtype)
+  head = None if tied else jnp.asarray(0.4 * rng.standard_normal((vocab, 64)), dtype)
+  final_norm = jnp.asarray(1.0 + 0.1 * rng.standard_normal(64), dtype)
+  return jaxfuse.DecoderModel(cfg, w, embed, final_norm, head)
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def _reference_logits(model, seq, lengths, *, width):
+  return jaxfuse.prefill(model, seq, lengths, jaxfuse.init_cache(model, seq.shape[0], width))[0]
+
+
+def teacher_forced_logits(model, prompts, lengths, out):
+  """fp32 [B, N, V]: the reference's next-token logits before each generated token."""
+  prompts, lengths, out = (np.asarray(a) for a in (prompts, lengths, out))
+  B, T = prompts.shape
+  N = out.shape[1]
+  seq = np.zeros((B, T + N), np.int32)
+  for b in range(B):
+    seq[b, :lengths[b]] = prompts[b, :lengths[b]]
+    seq[b, lengths[b]:lengths[b] + N] = np.maximum(out[b], 0)
+  steps = [_reference_logits(model, seq, lengths + i, width=T + N) for i in range(N)]
+  return np.stack([np.asarray(s) for s in steps], axis=1)
+
+
+def assert_follows_reference(model, prompts, lengths, out, count, tol):
+  """Each of row b's first count[b] tokens is the reference's argmax up to a near-tie."""
+  ref = teacher_forced_logits(model, prompts, lengths, out)
+  out, count = np.asarray(out), np.asarray(count)
+  for b in range(out.shape[0]):
+    for i in range(count[b]):
+      logits = ref[b, i]
+      best = logits.max()
+      assert logits[out[b, i]] >= best - tol * np.abs(logits).max(), (
+          f"row {b} token {i}: generated {out[b, i]} (logit {logits[out[b, i]]:.6f}), reference "
+          f"argmax {logits.argmax()} (logit {best:.6f})")
+    assert np.all(out[b, count[b]:] == -1)
+
+
+def prompts_for(model, batch, width, seed):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(0, model.vocab_size, (batch, width)).astype(np.int32)
+  lengths = np.array([width, 1, max(1, width // 2), width - 1][:batch], np.int32)
+  return tokens, lengths
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("features", [{}, dict(qkv_bias=True, qk_norm=True)],
+                         ids=["llama", "qwen"])
+def test_greedy_follows_reference(features, dtype):
+  model = random_model(dtype, seed=stable_seed(str(features)), **features)
+  prompts, lengths = prompts_for(model, 4, 7, seed=1)
+  out, count = jaxfuse.generate(model, prompts, lengths, 9)
+  assert out.shape == (4, 9) and out.dtype == jnp.int32 and np.all(np.asarray(count) == 9)
+  assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[dtype])
+  ref_out, ref_count = jaxfuse.generate(model, prompts, lengths, 9, decoder="reference")
+  if dtype == jnp.float32:  # the same loop with the plain-JAX step: identical tokens
+    np.testing.assert_array_equal(out, ref_out)
+  np.testing.assert_array_equal(count, ref_count)
+
+
+def test_decode_step_logits():
+  model = random_model(jnp.float32, tied=True)
+  prompts, lengths = prompts_for(model, 3, 5, seed=2)
+  cache = jaxfuse.init_cache(model, 3, 12)
+  logits, cache = jaxfuse.prefill(model, prompts, lengths, cache)
+  token = np.asarray(jnp.argmax(logits, -1), np.int32)
+  step = jax.jit(jaxfuse.decode_step, donate_argnums=3)
+  got, cache = step(model, token, jnp.asarray(lengths), cache)
+  seq = np.zeros((3, 12), np.int32)
+  for b in range(3):
+    seq[b, :lengths[b]] = prompts[b, :lengths[b]]
+    seq[b, lengths[b]] = token[b]
+  want = _reference_logits(model, seq, lengths + 1, width=12)
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
+  # An out-of-range position: NaN logits for that row, the others unaffected.
+  bad, _ = jaxfuse.decode_step(model, token, jnp.asarray([-1, 5, 12], jnp.int32),
+                               jaxfuse.init_cache(model, 3, 12))
+  assert np.isnan(np.asarray(bad)[[0, 2]]).all() and np.isfinite(np.asarray(bad)[1]).all()
+
+
+def test_stop_tokens_per_row():
+  model = random_model()
+  prompts, lengths = prompts_for(model, 4, 6, seed=3)
+  free, _ = jaxfuse.generate(model, prompts, lengths, 8)
+  free = np.asarray(free)
+  # Stop each row at a token it generates anyway (row 3 never stops).
+  stops = [[free[0, 2], -1], [free[1, 0], free[1, 5]], [free[2, 6], -1], [-1, -1]]
+  out, count = jaxfuse.generate(model, prompts, lengths, 8, stop_tokens=stops)
+  out, count = np.asarray(out), np.asarray(count)
+  for b in range(4):
+    first = next((i + 1 for i, t in enumerate(free[b]) if t in stops[b]), 8)
+    assert count[b] == first
+    np.testing.assert_array_equal(out[b, :first], free[b, :first])
+    assert np.all(out[b, first:] == -1)
+  # One shared set of stop tokens, and every row stopping at once ends the loop early.
+  out, count = jaxfuse.generate(model, prompts, lengths, 8, stop_tokens=free[:, 0].tolist())
+  assert np.all(np.asarray(count) == 1) and np.all(np.asarray(out)[:, 1:] == -1)
+
+
+def test_sampling():
+  model = random_model(seed=5)
+  batch = 512
+  prompts = np.tile(np.arange(5, dtype=np.int32), (batch, 1))
+  lengths = np.full(batch, 5, np.int32)
+  sample = functools.partial(jaxfuse.generate, model, prompts, lengths, 3, temperature=1.3)
+  a, _ = sample(key=jax.random.key(0))
+  b, _ = sample(key=jax.random.key(0))
+  c, _ = sample(key=jax.random.key(1))
+  np.testing.assert_array_equal(a, b)  # reproducible with a key
+  assert not np.array_equal(a, c)
+  # The first token's empirical distribution over 512 rows follows softmax(logits / 1.3).
+  logits = np.asarray(jaxfuse.prefill(model, prompts[:1], lengths[:1],
+                                      jaxfuse.init_cache(model, 1, 8))[0][0], np.float64)
+  p = np.exp((logits - logits.max()) / 1.3)
+  p /= p.sum()
+  freq = np.bincount(np.asarray(a)[:, 0], minlength=model.vocab_size) / batch
+  assert 0.5 * np.abs(freq - p).sum() < 0.12  # total variation; sampling noise is ~0.05
+  # top_k keeps the k most likely first tokens; top_k=1 and a tiny top_p are greedy.
+  top3 = set(np.argsort(logits)[-3:])
+  k3, _ = sample(key=jax.random.key(2), top_k=3)
+  assert set(np.asarray(k3)[:, 0]) <= top3 and len(set(np.asarray(k3)[:, 0])) == 3
+  greedy, _ = jaxfuse.generate(model, prompts[:4], lengths[:4], 3)
+  for kw in (dict(top_k=1), dict(top_p=1e-6)):
+    s, _ = jaxfuse.generate(model, prompts[:4], lengths[:4], 3, temperature=1.0,
+                            key=jax.random.key(3), **kw)
+    np.testing.assert_array_equal(s, greedy)
+  # top_p: only the smallest set of tokens reaching the mass (here the top few).
+  order = np.argsort(p)[::-1]
+  nucleus = set(order[:np.searchsorted(np.cumsum(p[order]), 0.5) + 1])
+  p5, _ = sample(key=jax.random.key(4), top_p=0.5)
+  assert set(np.asarray(p5)[:, 0]) <= nucleus
+
+
+def test_inside_jit_and_edge_lengths():
+  model = random_model()
+  prompts, lengths = prompts_for(model, 2, 4, seed=6)
+  want, want_n = jaxfuse.generate(model, prompts, lengths, 1)
+  assert want.shape == (2, 1) and np.all(np.asarray(want_n) == 1)
+  got, got_n = jax.jit(lambda t, n: jaxfuse.generate(model, t, n, 1))(prompts, lengths)
+  np.testing.assert_array_equal(got, want)
+  # The longest generation the model supports: prompt width + new tokens == max_seq_len.
+  out, n = jaxfuse.generate(model, prompts, lengths, model.config.max_seq_len - 4)
+  assert np.all(np.asarray(n) == model.config.max_seq_len - 4)
+
+
+def test_bad_arguments():
+  model = random_model()
+  prompts, lengths = prompts_for(model, 2, 4, seed=7)
+  gen = functools.partial(jaxfuse.generate, model)
+  cases = [
+      (lambda: gen(prompts, lengths, 0), "max_new_tokens must be a positive integer"),
+      (lambda: gen(prompts, lengths, 45), r"4 \+ max_new_tokens 45 = 49 exceeds the model's "
+                                          "max_seq_len 48"),
+      (lambda: gen(prompts, np.array([0, 2]), 3), r"prompt_lengths must be in \[1, 4\]"),
+      (lambda: gen(prompts, np.array([5, 2]), 3), r"prompt_lengths must be in \[1, 4\]"),
+      (lambda: gen(prompts, lengths[:1], 3), r"prompt_lengths must be an integer array \[2\]"),
+      (lambda: gen(prompts[0], lengths, 3), "prompt_tokens must be an integer array"),
+      (lambda: gen(prompts.astype(np.float32), lengths, 3), "prompt_tokens must be an integer"),
+      (lambda: gen(prompts + 100, lengths, 3), r"ids outside \[0, 61\)"),
+      (lambda: gen(prompts, lengths, 3, temperature=1.0), "needs a PRNG key"),
+      (lambda: gen(prompts, lengths, 3, temperature=-1.0), "temperature must be finite"),
+      (lambda: gen(prompts, lengths, 3, top_k=5), "set temperature > 0"),
+      (lambda: gen(prompts, lengths, 3, temperature=1.0, key=jax.random.key(0), top_k=0),
+       "top_k must be a positive integer"),
+      (lambda: gen(prompts, lengths, 3, temperature=1.0, key=jax.random.key(0), top_p=1.5),
+       r"top_p must be in \(0, 1\]"),
+      (lambda: gen(prompts, lengths, 3, stop_tokens=[[1], [2], [3]]), "stop_tokens must be"),
+      (lambda: gen(prompts, lengths, 3, stop_tokens=[[1, 2], [3]]), "stop_tokens must be"),
+      (lambda: gen(prompts, lengths, 3, decoder="xla"), "decoder must be one of"),
+      (lambda: jaxfuse.generate(model.layers, prompts, lengths, 3),
+       "model must be a jaxfuse.DecoderModel"),
+      (lambda: jaxfuse.generate(dataclasses.replace(model, final_norm=model.final_norm[:-1]),
+                                prompts, lengths, 3), r"model.final_norm has shape \(63,\)"),
+      (lambda: jaxfuse.generate(dataclasses.replace(model, lm_head=model.lm_head[:-1]), prompts,
+                                lengths, 3), r"model.lm_head has shape \(60, 64\), expected the"),
+      (lambda: jaxfuse.init_cache(model, 2, 49), r"max_seq_len=49 must be in \[1, 48\]"),
+      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths, (1, 2)),
+       "cache must be a jaxfuse.KVCache"),
+      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths,
+                                   jaxfuse.init_cache(model, 3, 8)), "cache.k has shape"),
+      (lambda: jaxfuse.prefill(model, prompts, lengths, jaxfuse.init_cache(model, 2, 3)),
+       r"prompts \(4 tokens wide\) do not fit the cache \(3 positions\)"),
+  ]
+  for call, match in cases:
+    with pytest.raises((ValueError, TypeError), match=match):
+      call()
