@@ -14,6 +14,7 @@ Reporting:
 Decode side:
   persistent_decoder   one decode step of a Llama-style decoder stack, all layers in one launch
   decoder_reference    the same step (or a multi-token prefill) in plain JAX
+  load_hf              a Llama / Mistral / Qwen2 / Qwen3 checkpoint (Hugging Face files)
   generate             prefill + a whole generation in one jitted while_loop of decoder launches
   decode_step          one token per row through the model (embedding, stack, head): logits
 """
@@ -29,6 +30,7 @@ from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling
                              decoder_reference, persistent_decoder)
 from jaxfuse.fused import fused_step
 from jaxfuse.generation import decode_step, generate, init_cache, prefill
+from jaxfuse.hf import load_hf
 from jaxfuse.model import DecoderModel
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
@@ -63,6 +65,7 @@ __all__ = [
     "generate",
     "global_norm",
     "init_cache",
+    "load_hf",
     "nadam",
     "multi_steps",
     "nadamw",
