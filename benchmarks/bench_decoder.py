@@ -55,15 +55,14 @@ def make_weights(cfg, dtype, device, seed=0):
 
   @jax.jit
   def init():
-    out = []
-    for k, name in zip(keys, DecoderWeights._fields):
-      shape = shapes[name]
+    out = {}
+    for k, (name, shape) in zip(keys, shapes.items()):
       if "norm" in name:
         a = 1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)
       else:
         a = jax.random.normal(k, shape, jnp.float32) / np.sqrt(shape[1])
-      out.append(a.astype(dtype))
-    return DecoderWeights(*out)
+      out[name] = a.astype(dtype)
+    return DecoderWeights(**out)
 
   # Committed to the device like every other argument (committed-ness is part of jit's cache key).
   with jax.default_device(device):

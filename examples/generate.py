@@ -1,25 +1,20 @@
-"""Generate text from the character model trained by train_char_lm.py, with jaxfuse's persistent
-decoder and with the plain-JAX reference, and compare their decode speed.
+"""Generate text from the character model trained by train_char_lm.py with ``jaxfuse.generate``
+(the persistent decoder) and with the same loop on the plain-JAX reference decoder, and compare
+their decode speed.
 
-The trained ``params["layers"]`` are a ``jaxfuse.DecoderWeights`` as they are: the training
-forward's layer math is the decoder's (RMSNorm, rotate-half RoPE, grouped-query attention,
-SwiGLU, pre-norm residuals; :func:`check_decoders` verifies it numerically). The decoder returns
-the hidden state after the last layer; the final RMSNorm and the LM head are applied here.
+The trained ``params["layers"]`` hold exactly the decoder's layer weights (the training
+forward's layer math is the decoder's: RMSNorm, rotate-half RoPE, grouped-query attention,
+SwiGLU, pre-norm residuals; :func:`check_decoders` verifies it numerically), so
+:func:`decoder_model` wraps them, the embedding, the final norm and the head as a
+``jaxfuse.DecoderModel``. Then, for a batch of prompts (byte strings, any lengths), ONE jitted
+``jaxfuse.generate`` call prefills all prompts at once (plain XLA) and runs every decode step in
+a ``lax.while_loop``: sample (temperature, or argmax with ``--greedy``), embed, all layers in one
+``jaxfuse.persistent_decoder`` call, final norm and head. ``decoder="reference"`` runs the same
+loop with ``jaxfuse.decoder_reference``.
 
-For a batch of prompts (byte strings, any lengths):
-
-  1. prefill: one ``jaxfuse.decoder_reference`` call over all prompt tokens at once (causal
-     attention; the padding of shorter prompts gets position -1, which never touches the
-     cache), giving the KV cache and each row's next-token logits. Both decoders continue from
-     this same prefill.
-  2. decode: ONE jitted call, the KV cache donated, runs a ``lax.fori_loop`` of ``n_new`` steps:
-     sample a token per row (temperature, or argmax with ``--greedy``), embed it, run the
-     decoder step (``jaxfuse.persistent_decoder``: all layers in one custom call; or
-     ``jaxfuse.decoder_reference``), apply the head. Rows decode at their own positions.
-
-Only the decode call is timed (compiled ahead, best of ``--repeats``, ``block_until_ready``).
-Both decoders get the same prefill and PRNG key, so their texts agree unless two candidate logits
-are so close that the two fp32 computations order them differently.
+Timed: the whole generate call (prefill included), compiled ahead, best of ``--repeats``. Both
+decoders get the same prompts and key, so their texts agree unless two candidate logits are so
+close that the two fp32 computations order them differently.
 
     python3 examples/generate.py                          # params from examples/out/
     python3 examples/generate.py --greedy --max-new 200 --prompt 'def main(' --prompt 'import '
@@ -28,7 +23,6 @@ are so close that the two fp32 computations order them differently.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import time
 from typing import Any
@@ -36,60 +30,52 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import jaxfuse
-from train_char_lm import ModelConfig, Params, forward, lm_logits, load_params
-
-DECODERS = {"jaxfuse": jaxfuse.persistent_decoder, "reference": jaxfuse.decoder_reference}
+from train_char_lm import ModelConfig, Params, forward, load_params
 
 DEFAULT_PROMPTS = ("def __init__(self, ", "import os\nimport ", "class ", "    for i in range(")
 
 
-def decoder_config(cfg: ModelConfig, max_seq_len: int) -> jaxfuse.DecoderConfig:
-  """The decoder's view of the model, with a KV cache of `max_seq_len` positions."""
-  return jaxfuse.DecoderConfig(
+def decoder_model(params: Params, cfg: ModelConfig, max_seq_len: int) -> jaxfuse.DecoderModel:
+  """The trained model as a jaxfuse.DecoderModel supporting sequences of `max_seq_len`."""
+  dcfg = jaxfuse.DecoderConfig(
       num_layers=cfg.n_layers, hidden_size=cfg.dim, num_heads=cfg.n_heads,
       num_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.hidden_dim,
       max_seq_len=max_seq_len, rms_norm_eps=cfg.norm_eps, rope_theta=cfg.rope_theta)
-
-
-def decoder_weights(params: Params) -> jaxfuse.DecoderWeights:
-  return jaxfuse.DecoderWeights(**{name: params["layers"][name]
-                                   for name in jaxfuse.DecoderWeights._fields})
-
-
-def empty_cache(dcfg: jaxfuse.DecoderConfig, batch: int, dtype=jnp.float32) -> jaxfuse.KVCache:
-  return jaxfuse.KVCache(jnp.zeros(dcfg.cache_shape(batch), dtype),
-                         jnp.zeros(dcfg.cache_shape(batch), dtype))
+  layers = jaxfuse.DecoderWeights(**{name: jnp.asarray(a) for name, a in params["layers"].items()})
+  head = None if cfg.tie_embeddings else jnp.asarray(params["lm_head"]).T  # [V, D], as HF's
+  return jaxfuse.DecoderModel(dcfg, layers, jnp.asarray(params["embed"]),
+                              jnp.asarray(params["final_norm"]), head)
 
 
 def check_decoders(params: Params, cfg: ModelConfig, tokens) -> dict[str, float]:
-  """Logits of the training `forward` on `tokens` [B, T] vs the same logits through the decoders:
-  a `decoder_reference` prefill of all T tokens, and T `persistent_decoder` steps (a scan, one
-  token per step). Returns the largest absolute differences and the largest |logit|.
+  """Logits of the training `forward` on `tokens` [B, T] vs the same logits through jaxfuse: a
+  `jaxfuse.prefill` of all T tokens (decoder_reference), and T `jaxfuse.decode_step` calls (a
+  scan, one token per step). Returns the largest absolute differences and the largest |logit|.
   Matmuls run at full fp32 precision (on GPUs the default would be TF32)."""
   tokens = jnp.asarray(tokens, jnp.int32)
   B, T = tokens.shape
-  dcfg = decoder_config(cfg, T)
+  model = decoder_model(params, cfg, T)
 
   @jax.jit
-  def run(params, tokens):
-    w, x = decoder_weights(params), params["embed"][tokens]
-    h, _ = jaxfuse.decoder_reference(x, jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)),
-                                     w, empty_cache(dcfg, B), dcfg)
+  def run(params, model, tokens):
+    cache = jaxfuse.init_cache(model, B, T)
+    # Logits after every prefix: a prefill per prefix length would be T calls; instead the
+    # prefill's per-position hidden states come from decoder_reference directly.
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    h, _ = jaxfuse.decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache,
+                                     model.config)
 
     def step(cache, t):
-      h_t, cache = jaxfuse.persistent_decoder(x[:, t], jnp.full((B,), t, jnp.int32), w, cache,
-                                              dcfg)
-      return cache, h_t
+      logits, cache = jaxfuse.decode_step(model, tokens[:, t], jnp.full((B,), t, jnp.int32), cache)
+      return cache, logits
 
-    _, h_steps = lax.scan(step, empty_cache(dcfg, B), jnp.arange(T))  # [T, B, D]
-    return (forward(params, tokens, cfg), lm_logits(params, h, cfg),
-            lm_logits(params, h_steps.swapaxes(0, 1), cfg))
+    _, steps = jax.lax.scan(step, cache, jnp.arange(T))  # [T, B, V]
+    return forward(params, tokens, cfg), model.logits(h), steps.swapaxes(0, 1)
 
   with jax.default_matmul_precision("highest"):
-    want, prefill, steps = run(params, tokens)
+    want, prefill, steps = run(params, model, tokens)
   return {"prefill": float(jnp.abs(prefill - want).max()),
           "steps": float(jnp.abs(steps - want).max()),
           "max_logit": float(jnp.abs(want).max())}
@@ -106,69 +92,31 @@ def encode(prompts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
   return tokens, lengths
 
 
-def prefill(params: Params, tokens: jax.Array, lengths: jax.Array, *, cfg: ModelConfig,
-            dcfg: jaxfuse.DecoderConfig) -> tuple[jax.Array, jaxfuse.KVCache]:
-  """One decoder_reference call over the padded prompts: (next-token logits [B, V], KV cache)."""
-  B, T = tokens.shape
-  t = jnp.arange(T, dtype=jnp.int32)
-  positions = jnp.where(t < lengths[:, None], t, -1)  # padding: position -1, never cached
-  h, cache = jaxfuse.decoder_reference(params["embed"][tokens], positions,
-                                       decoder_weights(params), empty_cache(dcfg, B), dcfg)
-  return lm_logits(params, h[jnp.arange(B), lengths - 1], cfg), cache
-
-
-def decode(params: Params, cache: jaxfuse.KVCache, logits: jax.Array, lengths: jax.Array,
-           key: jax.Array, *, decoder, n_new: int, temperature: float, cfg: ModelConfig,
-           dcfg: jaxfuse.DecoderConfig) -> tuple[jax.Array, jaxfuse.KVCache]:
-  """n_new steps of sample -> decoder step -> next logits, in one fori_loop. Row b's i-th new
-  token goes to position lengths[b] + i. Returns (new tokens int32 [B, n_new], KV cache)."""
-  w = decoder_weights(params)
-
-  def body(i, carry):
-    cache, logits, out = carry
-    if temperature > 0:
-      token = jax.random.categorical(jax.random.fold_in(key, i), logits / temperature)
-    else:
-      token = jnp.argmax(logits, axis=-1)
-    token = token.astype(jnp.int32)
-    h, cache = decoder(params["embed"][token], lengths + i, w, cache, dcfg)
-    return cache, lm_logits(params, h, cfg), out.at[:, i].set(token)
-
-  out = jnp.zeros((logits.shape[0], n_new), jnp.int32)
-  cache, _, out = lax.fori_loop(0, n_new, body, (cache, logits, out))
-  return out, cache
-
-
 def generate(params: Params, cfg: ModelConfig, prompts: list[bytes], n_new: int, *,
-             decoder: str = "jaxfuse", temperature: float = 0.8, seed: int = 0,
+             decoder: str = "persistent", temperature: float = 0.8, seed: int = 0,
              repeats: int = 5) -> dict[str, Any]:
-  """Prefills `prompts` and decodes `n_new` bytes for each with `decoder` ("jaxfuse" or
-  "reference"); temperature 0 is greedy. Decodes `repeats` times from a fresh prefill (same key,
-  so the same tokens) and times the fastest decode call, compiled beforehand.
+  """`n_new` bytes after each of `prompts` with ``jaxfuse.generate`` on `decoder` ("persistent"
+  or "reference"); temperature 0 is greedy. Runs `repeats` times (same key, so the same tokens)
+  and times the fastest call, compiled beforehand.
 
   Returns {"tokens": int [B, n_new], "texts": list[bytes] (prompt + continuation),
   "decode_s", "tokens_per_s" (B * n_new / decode_s), "compile_s"}.
   """
   device = jax.devices()[0]
-  params = jax.device_put(params, device)
   tokens, lengths = encode(prompts)
-  tokens, lengths = jax.device_put((tokens, lengths), device)
-  key = jax.device_put(jax.random.key(seed), device)
-  dcfg = decoder_config(cfg, int(lengths.max()) + n_new)
-  run_prefill = jax.jit(functools.partial(prefill, cfg=cfg, dcfg=dcfg))
-  run_decode = jax.jit(functools.partial(decode, decoder=DECODERS[decoder], n_new=n_new,
-                                         temperature=temperature, cfg=cfg, dcfg=dcfg),
-                       donate_argnums=1)  # the KV cache
-
-  logits, cache = run_prefill(params, tokens, lengths)
+  with jax.default_device(device):
+    model = decoder_model(params, cfg, tokens.shape[1] + n_new)
+    key = jax.random.key(seed)
+  options = dict(temperature=temperature, key=key, decoder=decoder)
+  if temperature > 0:
+    options["top_k"] = 40
   t0 = time.perf_counter()
-  compiled = run_decode.lower(params, cache, logits, lengths, key).compile()
-  compile_s = time.perf_counter() - t0
+  out, _ = jax.block_until_ready(jaxfuse.generate(model, tokens, lengths, n_new, **options))
+  compile_s = time.perf_counter() - t0  # the first call: tracing, compiling and one run
   times = []
   for _ in range(max(1, repeats)):
-    logits, cache = jax.block_until_ready(run_prefill(params, tokens, lengths))
     t0 = time.perf_counter()
-    out, cache = jax.block_until_ready(compiled(params, cache, logits, lengths, key))
+    out, _ = jax.block_until_ready(jaxfuse.generate(model, tokens, lengths, n_new, **options))
     times.append(time.perf_counter() - t0)
   out = np.asarray(out)
   decode_s = min(times)
@@ -189,12 +137,13 @@ def compare(params: Params, cfg: ModelConfig, prompts: list[bytes], n_new: int, 
     print(f"  note: positions beyond the trained context ({cfg.max_seq_len}) are extrapolation; "
           "expect the text to degrade there")
   results = {}
-  for name, label in (("jaxfuse", "jaxfuse.persistent_decoder"),
-                      ("reference", "jaxfuse.decoder_reference (plain JAX)")):
-    r = results[name] = generate(params, cfg, prompts, n_new, decoder=name,
+  for name, decoder, label in (
+      ("jaxfuse", "persistent", "jaxfuse.generate (persistent_decoder)"),
+      ("reference", "reference", "same loop, decoder_reference (plain JAX)")):
+    r = results[name] = generate(params, cfg, prompts, n_new, decoder=decoder,
                                  temperature=temperature, seed=seed, repeats=repeats)
-    print(f"  {label:38s} {r['tokens_per_s']:9,.0f} tokens/s  ({1e3 * r['decode_s']:7.2f} ms "
-          f"for {n_new} steps, best of {repeats}; compile {r['compile_s']:.2f} s)")
+    print(f"  {label:42s} {r['tokens_per_s']:9,.0f} tokens/s  ({1e3 * r['decode_s']:7.2f} ms "
+          f"for prefill + {n_new} steps, best of {repeats}; first call {r['compile_s']:.2f} s)")
   speedup = results["jaxfuse"]["tokens_per_s"] / results["reference"]["tokens_per_s"]
   print(f"  jaxfuse / reference: {speedup:.2f}x")
   same = [bool(np.array_equal(a, b)) for a, b in

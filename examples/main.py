@@ -1,13 +1,15 @@
 """jaxfuse end to end: train a small Llama-style character model with jaxfuse's fused AdamW, then
-generate text from it with jaxfuse.persistent_decoder and with the plain-JAX reference decoder.
+generate text from it with jaxfuse.generate (the persistent decoder) and with the same loop on the
+plain-JAX reference decoder.
 
   1. train   train_char_lm.train on Python standard-library source (no download; bytes, vocab
              256): clip_by_global_norm + AdamW applied by jaxfuse.fused_step in a jitted,
              donating train step. Saves loss.png, params.npz and config.json to --out-dir.
   2. check   the trained weights through the decoders give the training forward's logits
-             (decoder_reference prefill, and persistent_decoder one token at a time).
-  3. decode  a batch of prompts, one jitted fori_loop per decoder with the KV cache donated
-             (generate.py), timed: tokens/s for jaxfuse and for the reference, texts compared.
+             (decoder_reference prefill, and jaxfuse.decode_step one token at a time).
+  3. decode  a batch of prompts with jaxfuse.generate: prefill and a jitted while_loop of
+             decoder steps in one call (generate.py), timed: tokens/s with the persistent decoder
+             and with decoder_reference, texts compared.
 
     python3 examples/main.py            # ~3-4 minutes on a 2-core CPU (default device: GPU if any)
     python3 examples/main.py --quick    # under a minute
@@ -71,7 +73,7 @@ def check_model(params, cfg, corpus) -> None:
   windows = np.frombuffer(corpus[-2 * cfg.max_seq_len:], np.uint8).reshape(2, cfg.max_seq_len)
   diffs = check_decoders(params, cfg, windows)
   print(f"\n== check: max |logits - training forward logits| over 2 x {cfg.max_seq_len} "
-        f"positions: decoder_reference prefill {diffs['prefill']:.1e}, persistent_decoder "
+        f"positions: decoder_reference prefill {diffs['prefill']:.1e}, decode_step "
         f"steps {diffs['steps']:.1e} (max |logit| {diffs['max_logit']:.1f})")
   tol = 1e-4 * max(1.0, diffs["max_logit"])
   if max(diffs["prefill"], diffs["steps"]) > tol:
@@ -87,8 +89,8 @@ def print_summary(history, results, n_prompts, n_new, log_every, wall_s, platfor
       ("val loss", f"{history['val_loss'][-1]:.3f} nats/byte (from {history['val_loss'][0]:.3f})"),
       ("train step (jaxfuse AdamW)", f"{history['ms_per_step']:.1f} ms/step"),
       ("train throughput", f"{history['tokens_per_s']:,.0f} tokens/s"),
-      ("decode, jaxfuse.persistent_decoder", f"{fused['tokens_per_s']:,.0f} tokens/s"),
-      ("decode, decoder_reference (plain JAX)", f"{ref['tokens_per_s']:,.0f} tokens/s"),
+      ("generate, persistent_decoder", f"{fused['tokens_per_s']:,.0f} tokens/s"),
+      ("generate, decoder_reference (plain JAX)", f"{ref['tokens_per_s']:,.0f} tokens/s"),
       ("decode speedup, jaxfuse / reference",
        f"{fused['tokens_per_s'] / ref['tokens_per_s']:.2f}x ({n_prompts} x {n_new} tokens)"),
       ("texts identical (jaxfuse vs reference)", f"{same}/{n_prompts}"),

@@ -10,6 +10,8 @@ slightly different values). Teacher forcing keeps every step comparable after a 
 
 import dataclasses
 import functools
+import os
+import runpy
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,9 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from helpers import random_decoder_problem, stable_seed
+from jaxfuse import generation
+from hf_checkpoints import write_checkpoint
+from helpers import random_decoder_problem
 
 # Near-tie tolerance on logits, relative to the largest |logit| of the step: fp32 differs by
 # summation order only (~1e-6); a 16-bit model by one rounding of the layer output and the cached
@@ -75,11 +79,19 @@ def prompts_for(model, batch, width, seed):
   return tokens, lengths
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("features", [{}, dict(qkv_bias=True, qk_norm=True)],
-                         ids=["llama", "qwen"])
-def test_greedy_follows_reference(features, dtype):
-  model = random_model(dtype, seed=stable_seed(str(features)), **features)
+# Each architecture from Hugging Face files (tests/hf_checkpoints.py; test_hf.py checks load_hf's
+# logits against an independent NumPy forward pass): fp32 and bf16, tied and untied, scaled RoPE.
+HF_CASES = [("LlamaForCausalLM", "llama3", "float32", False),
+            ("MistralForCausalLM", "default", "bfloat16", False),
+            ("Qwen2ForCausalLM", "default", "float32", True),
+            ("Qwen3ForCausalLM", "default", "bfloat16", False)]
+
+
+@pytest.mark.parametrize("arch,rope,dtype,tied", HF_CASES, ids=[c[0][:-11] for c in HF_CASES])
+def test_greedy_follows_reference(tmp_path, arch, rope, dtype, tied):
+  write_checkpoint(tmp_path, arch, dtype=dtype, tied=tied, rope=rope, seed=len(arch))
+  model = jaxfuse.load_hf(tmp_path)
+  dtype = model.dtype.type
   prompts, lengths = prompts_for(model, 4, 7, seed=1)
   out, count = jaxfuse.generate(model, prompts, lengths, 9)
   assert out.shape == (4, 9) and out.dtype == jnp.int32 and np.all(np.asarray(count) == 9)
@@ -94,7 +106,7 @@ def test_decode_step_logits():
   model = random_model(jnp.float32, tied=True)
   prompts, lengths = prompts_for(model, 3, 5, seed=2)
   cache = jaxfuse.init_cache(model, 3, 12)
-  logits, cache = jaxfuse.prefill(model, prompts, lengths, cache)
+  logits, cache = jax.jit(jaxfuse.prefill)(model, prompts, lengths, cache)
   token = np.asarray(jnp.argmax(logits, -1), np.int32)
   step = jax.jit(jaxfuse.decode_step, donate_argnums=3)
   got, cache = step(model, token, jnp.asarray(lengths), cache)
@@ -105,8 +117,7 @@ def test_decode_step_logits():
   want = _reference_logits(model, seq, lengths + 1, width=12)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
   # An out-of-range position: NaN logits for that row, the others unaffected.
-  bad, _ = jaxfuse.decode_step(model, token, jnp.asarray([-1, 5, 12], jnp.int32),
-                               jaxfuse.init_cache(model, 3, 12))
+  bad, _ = step(model, token, jnp.asarray([-1, 5, 12], jnp.int32), jaxfuse.init_cache(model, 3, 12))
   assert np.isnan(np.asarray(bad)[[0, 2]]).all() and np.isfinite(np.asarray(bad)[1]).all()
 
 
@@ -129,38 +140,40 @@ def test_stop_tokens_per_row():
   assert np.all(np.asarray(count) == 1) and np.all(np.asarray(out)[:, 1:] == -1)
 
 
-def test_sampling():
+def test_sampling_in_generate():
   model = random_model(seed=5)
-  batch = 512
-  prompts = np.tile(np.arange(5, dtype=np.int32), (batch, 1))
-  lengths = np.full(batch, 5, np.int32)
-  sample = functools.partial(jaxfuse.generate, model, prompts, lengths, 3, temperature=1.3)
+  prompts, lengths = prompts_for(model, 4, 5, seed=4)
+  sample = functools.partial(jaxfuse.generate, model, prompts, lengths, 6, temperature=1.3,
+                             top_k=20, top_p=0.95)
   a, _ = sample(key=jax.random.key(0))
   b, _ = sample(key=jax.random.key(0))
   c, _ = sample(key=jax.random.key(1))
   np.testing.assert_array_equal(a, b)  # reproducible with a key
   assert not np.array_equal(a, c)
-  # The first token's empirical distribution over 512 rows follows softmax(logits / 1.3).
-  logits = np.asarray(jaxfuse.prefill(model, prompts[:1], lengths[:1],
-                                      jaxfuse.init_cache(model, 1, 8))[0][0], np.float64)
+
+
+_sample = jax.jit(generation._sample, static_argnames=("temperature", "top_k", "top_p"))
+
+
+def test_sampling_rules():
+  """Temperature, top-k and top-p on one row of logits repeated 4096 times."""
+  rows = 4096
+  logits = np.random.default_rng(6).normal(0.0, 2.0, 31).astype(np.float32)
+  batch = jnp.asarray(np.tile(logits, (rows, 1)))
+  draw = lambda seed, **kw: np.asarray(_sample(batch, jax.random.key(seed), **kw))
   p = np.exp((logits - logits.max()) / 1.3)
   p /= p.sum()
-  freq = np.bincount(np.asarray(a)[:, 0], minlength=model.vocab_size) / batch
-  assert 0.5 * np.abs(freq - p).sum() < 0.12  # total variation; sampling noise is ~0.05
-  # top_k keeps the k most likely first tokens; top_k=1 and a tiny top_p are greedy.
-  top3 = set(np.argsort(logits)[-3:])
-  k3, _ = sample(key=jax.random.key(2), top_k=3)
-  assert set(np.asarray(k3)[:, 0]) <= top3 and len(set(np.asarray(k3)[:, 0])) == 3
-  greedy, _ = jaxfuse.generate(model, prompts[:4], lengths[:4], 3)
-  for kw in (dict(top_k=1), dict(top_p=1e-6)):
-    s, _ = jaxfuse.generate(model, prompts[:4], lengths[:4], 3, temperature=1.0,
-                            key=jax.random.key(3), **kw)
-    np.testing.assert_array_equal(s, greedy)
-  # top_p: only the smallest set of tokens reaching the mass (here the top few).
-  order = np.argsort(p)[::-1]
-  nucleus = set(order[:np.searchsorted(np.cumsum(p[order]), 0.5) + 1])
-  p5, _ = sample(key=jax.random.key(4), top_p=0.5)
-  assert set(np.asarray(p5)[:, 0]) <= nucleus
+  freq = np.bincount(draw(0, temperature=1.3, top_k=None, top_p=None), minlength=31) / rows
+  assert 0.5 * np.abs(freq - p).sum() < 0.05  # total variation; sampling noise is ~0.02
+  order = np.argsort(logits)[::-1]
+  k3 = draw(1, temperature=1.3, top_k=3, top_p=None)
+  assert set(k3) == set(order[:3])
+  nucleus = order[:np.searchsorted(np.cumsum(p[order]), 0.6) + 1]  # smallest set reaching 0.6
+  p6 = draw(2, temperature=1.3, top_k=None, top_p=0.6)
+  assert set(p6) == set(nucleus) and len(nucleus) < 31
+  for kw in (dict(top_k=1, top_p=None), dict(top_k=None, top_p=1e-6)):
+    assert np.all(draw(3, temperature=1.3, **kw) == order[0])
+  assert np.all(draw(4, temperature=0.0, top_k=None, top_p=None) == order[0])
 
 
 def test_inside_jit_and_edge_lengths():
@@ -216,3 +229,28 @@ def test_bad_arguments():
   for call, match in cases:
     with pytest.raises((ValueError, TypeError), match=match):
       call()
+
+
+def test_generate_hf_example(tmp_path, monkeypatch, capsys):
+  """examples/generate_hf.py on a tiny checkpoint: token-id prompts, and text prompts through a
+  word-level tokenizer.json when the optional `tokenizers` package is installed."""
+  write_checkpoint(tmp_path, "Qwen3ForCausalLM", dtype="bfloat16", seed=3)
+  argv = ["generate_hf.py", str(tmp_path), "--tokens", "5,17,3", "--max-new", "6", "--compare"]
+  try:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+  except ImportError:
+    Tokenizer = None
+  if Tokenizer is not None:
+    vocab = {f"w{i}": i for i in range(96)} | {"[UNK]": 96}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    argv += ["--prompt", "w1 w2 w40"]
+  monkeypatch.setattr("sys.argv", argv)
+  example = os.path.join(os.path.dirname(__file__), "..", "examples", "generate_hf.py")
+  runpy.run_path(example, run_name="__main__")
+  out = capsys.readouterr().out
+  assert "persistent / reference speed" in out and "tokens identical" in out
+  assert "[0] [5, 17, 3] | [" in out or "[0] w5 w17 w3|" in out
+  if Tokenizer is not None:
+    assert "[1] w1 w2 w40|w" in out

@@ -3,9 +3,9 @@
 # Debug (asserts on, -O1) with both sanitizers into build/dev-sanitize and runs the test suite
 # against it, less the tests marked slow (a thousand leaves, a large tensor: they stress XLA's
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
-# tools/cuda_on_cpu.sh runs against this build), tests/test_frameworks.py and
-# tests/test_optax_suite.py. Exit status 0 when every test passes with no
-# sanitizer report.
+# tools/cuda_on_cpu.sh runs against this build), tests/test_frameworks.py,
+# tests/test_optax_suite.py, tests/test_generate.py and tests/test_hf.py. Exit status 0 when
+# every test passes with no sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,9 +19,12 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # test_fused.py already cover here, and tests/test_optax_suite.py runs optax's own tests on the
 # optax protocol, which is XLA's math (its one jaxfuse call, the norm, test_clip.py covers):
 # both mostly cost compile time; so do test_dtypes.py's eager optax-protocol cases, which call
-# no jaxfuse handler at all.
+# no jaxfuse handler at all. tests/test_generate.py drives the decoder handler through
+# generation loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
+# tests/test_hf.py is Python (the checkpoint loader) and plain XLA.
 if [ $# -eq 0 ]; then
   set -- tests -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
-    --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py
+    --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
+    --ignore=tests/test_generate.py --ignore=tests/test_hf.py
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"
