@@ -100,7 +100,7 @@ def test_vector_layouts_are_pinned():
   assert norm.names["grad_ctrl"] == _GRAD_CTRL
   assert _ffi.contract("jaxfuse_apply_grad_ctrl").names["grad_ctrl"] == _GRAD_CTRL
   dec = _ffi.contract("jaxfuse_decoder")
-  assert dec.names["operands"] == ("x", "positions", *_WEIGHTS, "k_cache", "v_cache")
+  assert dec.names["operands"] == _OPERANDS
   assert dec.names["results"] == ("out", "k_cache", "v_cache", "workspace")
 
 
