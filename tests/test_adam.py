@@ -169,22 +169,27 @@ def test_thousand_leaf_tree(device):
 
   fused = lambda p, s, g: jaxfuse.fused_step(tf, g, s, p)
 
-  def run(tx, update=None):
+  def run(tx, shape_of, update=None):
+    """Two steps on params and grads reshaped by ``shape_of``; returns the flat params and nu."""
     # jaxfuse: the kernel's optax-protocol layout (2 aliases per leaf; the in-place step's 3
     # make XLA's compile several times slower at this size); the fused step is lowered below
     update = update or tx.update
     step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
         *update(g, s, p)))
-    p, s = params, tx.init(params)
-    for t in (1, 2):
-      p, s = step(p, s, _grads(t, params))
+    p = shape_of(params)
+    s = jax.jit(tx.init)(p)  # one compile, not a dispatch (and compile) per leaf shape
+    for g in grads:
+      p, s = step(p, s, shape_of(g))
     return flat(p), flat(s[0].nu)
 
-  pf, nf = run(tf, lambda g, s, p: kernel_updates(tf, g, s, p))
-  po, no = run(to)
+  grads = [_grads(t, params) for t in (1, 2)]  # made once: a thousand transfers each
+  pf, nf = run(tf, lambda tree: tree, lambda g, s, p: kernel_updates(tf, g, s, p))
+  # optax on the leaves concatenated: the same element math (one hyperparameter set), without
+  # compiling a 1000-leaf optax program (most of this test's time otherwise).
+  po, no = run(to, flat)
   assert_trees_close(pf, po, rtol=2 * STEP_RTOL, atol=0)
   assert_trees_close(nf, no, rtol=2 * STEP_RTOL, atol=0)
-  text = jax.jit(fused).lower(params, tf.init(params), _grads(1, params)).as_text()
+  text = jax.jit(fused).lower(params, jax.jit(tf.init)(params), grads[0]).as_text()
   calls = math.ceil(1000 / MAX_LEAVES_PER_CALL)
   assert count_custom_calls(text, "jaxfuse_adam") == calls
 
@@ -527,13 +532,19 @@ def test_fused_step_over_several_calls(device):
   tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))
   to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
   step = jit_step(tf)
-  sf, so = tf.init(params), to.init(params)
+
+  @jax.jit
+  def optax_step(p, s, g):
+    u, s = to.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  # Jitted inits: eagerly, every leaf shape would be a dispatch and a compile of its own.
+  sf, so = jax.jit(tf.init)(params), jax.jit(to.init)(params)
   pf, po = jax.tree.map(jnp.copy, params), params
   for t in range(3):
     g = _grads(500 + t, params, scale=0.3)
     pf, sf = step(pf, sf, g)
-    u, so = to.update(g, so, po)
-    po = optax.apply_updates(po, u)
+    po, so = optax_step(po, so, g)
   assert_trees_close(pf, po, rtol=3 * 32 * F32_EPS, atol=0)
   # A NaN in the last leaf (in the last call) stops the update of the first leaf too.
   g = _grads(600, params)
