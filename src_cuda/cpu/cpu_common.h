@@ -37,6 +37,11 @@ struct Cpu {
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef float F32x4 __attribute__((vector_size(16)));
 typedef double F64x4 __attribute__((vector_size(32)));
+// Sixteen fp32 lanes, one AVX-512 register (two or four vectors on lower ISA levels), and the
+// 32-bit patterns of F32x8 / F32x16 lanes.
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
 
 // Runs fn(item) for item in [0, num_items) on the calling thread and up to
 // pool.num_threads() pool workers. Items are claimed from a shared counter, and the caller only
