@@ -44,14 +44,15 @@ typedef uint32_t U32x8 __attribute__((vector_size(32)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
 
 // Runs fn(item) for item in [0, num_items) on the calling thread and up to
-// pool.num_threads() pool workers. Items are claimed from a shared counter, and the caller only
-// waits for workers that actually started, so it cannot deadlock when the pool is busy or when
-// the caller is itself a pool thread. Workers that start after all items are claimed exit
-// without touching `fn`. A null pool runs everything on the calling thread.
+// min(pool.num_threads(), max_helpers) pool workers. Items are claimed from a shared counter,
+// and the caller only waits for workers that actually started, so it cannot deadlock when the
+// pool is busy or when the caller is itself a pool thread. Workers that start after all items
+// are claimed exit without touching `fn`. A null pool runs everything on the calling thread.
 template <typename Fn>
-void parallel_for(ffi::ThreadPool* pool, int64_t num_items, const Fn& fn) {
+void parallel_for(ffi::ThreadPool* pool, int64_t num_items, const Fn& fn,
+                  int64_t max_helpers = INT64_MAX) {
   const int64_t helpers =
-      pool == nullptr ? 0 : std::min<int64_t>(pool->num_threads(), num_items - 1);
+      pool == nullptr ? 0 : std::min({int64_t(pool->num_threads()), num_items - 1, max_helpers});
   if (helpers <= 0) {
     for (int64_t i = 0; i < num_items; ++i) fn(i);
     return;
@@ -79,6 +80,14 @@ void parallel_for(ffi::ThreadPool* pool, int64_t num_items, const Fn& fn) {
   for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) fn(i);
   std::unique_lock<std::mutex> lock(shared->mu);
   shared->done.wait(lock, [&] { return shared->active.load() == 0; });
+}
+
+// The most pool workers a parallel_for should add to its calling thread: one fewer than the
+// pool has threads. XLA sizes the intra-op pool to the cores and the caller (often the Python
+// thread) is one thread more; with more threads than cores the OS parks one of them, item in
+// hand, and the join waits for it.
+inline int64_t helpers_beside_caller(const ffi::ThreadPool* pool) {
+  return pool == nullptr ? 0 : pool->num_threads() - 1;
 }
 
 // The chunks of every tensor of `lists`, `chunk` elements each (the last one shorter): chunk c

@@ -313,7 +313,8 @@ template <typename Epilogue>
 void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const void* W,
           DType dtype, int64_t K, int64_t N, const Epilogue& epilogue) {
   pool = pool_for(pool, B * K * N);
-  const int64_t width = gemv_item_width(B, N, (pool == nullptr ? 0 : pool->num_threads()) + 1);
+  const int64_t helpers = helpers_beside_caller(pool);
+  const int64_t width = gemv_item_width(B, N, helpers + 1);
   parallel_for(pool, (N + width - 1) / width, [&](int64_t item) {
     const int64_t n0 = item * width;
     const int64_t len = std::min(width, N - n0);
@@ -323,7 +324,7 @@ void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const v
       gemv_pass(rows, a + b0 * lda, lda, W, dtype, K, N, n0, len, y);
       for (int64_t r = 0; r < rows; ++r) epilogue(b0 + r, n0, len, y + r * len);
     }
-  });
+  }, helpers);
 }
 
 // sum_i a[i] * b[i] over the 8 independent lanes of F32x8, then the lanes in order. A plain
