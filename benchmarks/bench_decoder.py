@@ -9,7 +9,8 @@ Two plain-JAX baselines are timed, and the speedup is against the faster of them
               weights to fp32 inside the step).
 
 On a GPU: Llama-3.2-1B layer shapes (16 layers, D 2048, 32 heads, 8 kv heads, hd 64, I 8192, bf16),
-batch 1/4/16, context 128/1024/4096. On CPU a small config (`--quick`: fewer cases and steps).
+batch 1/4/16, context 128/1024/4096. On CPU a small config, batch 1/4/8/16, context 128/512
+(`--quick`: fewer cases and steps).
 
 Bytes moved per step = all layer weights + the K and V cache read (B * context * kv_dim * 2 per
 layer); effective GB/s = bytes / time; "% copy" compares with a device copy measured here (read +
@@ -93,7 +94,8 @@ def plan(args, on_gpu):
     return p
   return dict(base=dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
                         intermediate_size=1536),
-              batches=[1, 4], contexts=[128] if args.quick else [128, 512],
+              batches=[1, 16] if args.quick else [1, 4, 8, 16],
+              contexts=[128] if args.quick else [128, 512],
               steps=args.steps or (3 if args.quick else 8), warmup=2,
               title="small config (4 x D512, 8/2 heads, hd 64, I 1536), bf16",
               copy_bytes=1 << 28, copy_reps=5)

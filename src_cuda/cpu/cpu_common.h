@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -37,16 +38,45 @@ struct Cpu {
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef float F32x4 __attribute__((vector_size(16)));
 typedef double F64x4 __attribute__((vector_size(32)));
+// Sixteen fp32 lanes, one AVX-512 register (two or four vectors on lower ISA levels), and the
+// 32-bit patterns of F32x8 / F32x16 lanes.
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef uint32_t U32x8 __attribute__((vector_size(32)));
+typedef uint32_t U32x16 __attribute__((vector_size(64)));
+
+// A spin-wait hint to the core (lets its sibling thread run, saves power).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Spins until done() or until `limit` has passed.
+template <typename Done>
+void spin_until(const Done& done, std::chrono::nanoseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!done() && std::chrono::steady_clock::now() < end) {
+    for (int i = 0; i < 16; ++i) cpu_relax();
+  }
+}
+
+// How long parallel_for's caller spins for its started workers before it sleeps: their last
+// items usually end within this, and waking a sleeping thread takes tens of microseconds (a
+// futex round trip, through the hypervisor on a VM), as long as a decoder GEMV at batch 1.
+constexpr std::chrono::microseconds kJoinSpin{100};
 
 // Runs fn(item) for item in [0, num_items) on the calling thread and up to
-// pool.num_threads() pool workers. Items are claimed from a shared counter, and the caller only
-// waits for workers that actually started, so it cannot deadlock when the pool is busy or when
-// the caller is itself a pool thread. Workers that start after all items are claimed exit
-// without touching `fn`. A null pool runs everything on the calling thread.
+// min(pool.num_threads(), max_helpers) pool workers. Items are claimed from a shared counter,
+// and the caller only waits for workers that actually started, so it cannot deadlock when the
+// pool is busy or when the caller is itself a pool thread. Workers that start after all items
+// are claimed exit without touching `fn`. A null pool runs everything on the calling thread.
 template <typename Fn>
-void parallel_for(ffi::ThreadPool* pool, int64_t num_items, const Fn& fn) {
+void parallel_for(ffi::ThreadPool* pool, int64_t num_items, const Fn& fn,
+                  int64_t max_helpers = INT64_MAX) {
   const int64_t helpers =
-      pool == nullptr ? 0 : std::min<int64_t>(pool->num_threads(), num_items - 1);
+      pool == nullptr ? 0 : std::min({int64_t(pool->num_threads()), num_items - 1, max_helpers});
   if (helpers <= 0) {
     for (int64_t i = 0; i < num_items; ++i) fn(i);
     return;
@@ -72,8 +102,17 @@ void parallel_for(ffi::ThreadPool* pool, int64_t num_items, const Fn& fn) {
     });
   }
   for (int64_t i = shared->next.fetch_add(1); i < num_items; i = shared->next.fetch_add(1)) fn(i);
+  spin_until([&] { return shared->active.load() == 0; }, kJoinSpin);
   std::unique_lock<std::mutex> lock(shared->mu);
   shared->done.wait(lock, [&] { return shared->active.load() == 0; });
+}
+
+// The most pool workers a parallel_for should add to its calling thread: one fewer than the
+// pool has threads. XLA sizes the intra-op pool to the cores and the caller (often the Python
+// thread) is one thread more; with more threads than cores the OS parks one of them, item in
+// hand, and the join waits for it.
+inline int64_t helpers_beside_caller(const ffi::ThreadPool* pool) {
+  return pool == nullptr ? 0 : pool->num_threads() - 1;
 }
 
 // The chunks of every tensor of `lists`, `chunk` elements each (the last one shorter): chunk c

@@ -17,8 +17,48 @@
 namespace jaxfuse {
 namespace {
 
-constexpr int64_t kColBlock = 128;  // most output columns per GEMV work item
-constexpr int64_t kMinColBlock = 16;
+// ---- GEMV: y[b, :] = a[b, :] @ W for the B rows of a decode step -----------------------------
+//
+// A decode GEMV streams every weight once per step for only B rows, so it is bound by how fast
+// the weights arrive and how cheaply each is widened and used B times:
+//  - memory order: W [K, N] is walked k-row by k-row, each row's span of a work item read front
+//    to back (the hardware prefetchers follow that; walking a narrow column strip down K, one
+//    cache line per 1-3 KB row, runs at a quarter of the bandwidth on this class of machine);
+//  - registers: the micro-kernel (gemv_tile) keeps an MR-row x NS-strip accumulator tile in
+//    registers over kStepRows k rows, widens each weight vector once for its MR rows and
+//    broadcasts a[r, k] against it. Between steps the accumulators wait in an L1-resident tile.
+// Every output is summed over k in ascending order, one fp32 multiply and one add per term
+// (no FMA contraction: see CMakeLists.txt), whatever the blocking, the vector width, the dtype's
+// load path and the thread count: results are deterministic and equal to the plain loop's.
+
+// Vector types of the micro-kernel: F32x8 (AVX2, and the default ISA as pairs of SSE vectors)
+// or F32x16 (AVX-512), with the unsigned type of the same lanes.
+template <typename V>
+struct Lanes;
+template <>
+struct Lanes<F32x8> {
+  using Bits = U32x8;
+  static constexpr int kCount = 8;
+};
+template <>
+struct Lanes<F32x16> {
+  using Bits = U32x16;
+  static constexpr int kCount = 16;
+};
+
+// Batch rows per register tile.
+constexpr int kTileRows = 4;
+// k rows per register-tile round trip: the accumulator loads and stores are 1/kStepRows of the
+// multiply-adds; the step's weights (16 rows x the item's columns, <= 8 KB at 16 batch rows)
+// stay in L1 while every row group of the batch uses them.
+constexpr int64_t kStepRows = 16;
+// The accumulator tile of one work item: at most kPassRows batch rows x (kTileFloats / rows)
+// columns of fp32, 16 KB, half of L1. Batches above kPassRows take further passes over W.
+constexpr int64_t kTileFloats = 4096;
+constexpr int64_t kPassRows = 16;
+// Work items span a multiple of the widest strip (2 x 16 lanes), so only the last item of a
+// matrix can end in a partial strip.
+constexpr int64_t kItemAlign = 32;
 // Below this many multiply-adds a stage runs on the calling thread: handing work to the pool
 // costs more than it saves for small models.
 constexpr int64_t kMinParallelWork = int64_t(1) << 17;
@@ -27,45 +67,264 @@ ffi::ThreadPool* pool_for(ffi::ThreadPool* pool, int64_t work) {
   return work >= kMinParallelWork ? pool : nullptr;
 }
 
-// acc[b, 0:len] = sum_k a[b, k] * W[k, n0:n0+len] for the B rows of `a` (fp32, row stride lda),
-// W [K, N] in storage `dtype`; acc has row stride kColBlock. Compiled per ISA level.
-JF_CPU_MULTIVERSION
-void gemv_block(int64_t B, const float* a, int64_t lda, const void* W, DType dtype, int64_t K,
-                int64_t N, int64_t n0, int64_t len, float* __restrict__ acc) {
-  alignas(64) float w[kColBlock];
-  std::fill(acc, acc + B * kColBlock, 0.0f);
-  for (int64_t k = 0; k < K; ++k) {
-    // fp32 weights are read in place; 16-bit ones are widened into `w` first.
-    const float* wk = dtype == DType::kF32 ? static_cast<const float*>(W) + k * N + n0 : w;
-    if (dtype != DType::kF32) load_tile(W, dtype, k * N + n0, len, w);
-    for (int64_t b = 0; b < B; ++b) {
-      const float ab = a[b * lda + k];
-      float* __restrict__ y = acc + b * kColBlock;
-      for (int64_t i = 0; i < len; ++i) y[i] += ab * wk[i];
+// Strips: kCols consecutive columns of a W row, held as two vectors V. load(w, v0, v1) widens
+// the kCols weights at w; to_columns(v0, v1, out) writes sums of those lanes as columns in order.
+
+// bf16 -> fp32 is a 16-bit left shift. A strip of bf16, read as 32-bit lanes, holds column 2i
+// in the low half of lane i and column 2i+1 in its high half: one shift (even columns) and one
+// mask (odd columns) widen it all, where zero-extension would take four shuffles. The
+// accumulators hold even / odd columns until to_columns() interleaves them.
+template <typename V>
+struct Bf16Strip {
+  using Storage = jaxfuse::Storage<DType::kBF16>;
+  using Vec = V;
+  static constexpr int kLanes = Lanes<V>::kCount;
+  static constexpr int64_t kCols = 2 * kLanes;
+  static void load(const uint16_t* w, V& even, V& odd) {
+    typename Lanes<V>::Bits u;
+    std::memcpy(&u, w, sizeof(u));
+    even = reinterpret_cast<V>(u << 16);
+    odd = reinterpret_cast<V>(u & 0xffff0000u);
+  }
+  static void to_columns(V even, V odd, float* out) {
+    for (int i = 0; i < kLanes; ++i) {
+      out[2 * i] = even[i];
+      out[2 * i + 1] = odd[i];
+    }
+  }
+};
+
+// Columns in order, lanes 0..kLanes-1 then kLanes..kCols-1.
+template <typename V>
+struct ContiguousStrip {
+  using Vec = V;
+  static constexpr int kLanes = Lanes<V>::kCount;
+  static constexpr int64_t kCols = 2 * kLanes;
+  static void to_columns(V lo, V hi, float* out) {
+    std::memcpy(out, &lo, sizeof(lo));
+    std::memcpy(out + kLanes, &hi, sizeof(hi));
+  }
+};
+
+// fp32 weights are read in place.
+template <typename V>
+struct F32Strip : ContiguousStrip<V> {
+  using Storage = jaxfuse::Storage<DType::kF32>;
+  static void load(const float* w, V& lo, V& hi) {
+    std::memcpy(&lo, w, sizeof(lo));
+    std::memcpy(&hi, w + Lanes<V>::kCount, sizeof(hi));
+  }
+};
+
+// The first `cols` columns widened one at a time, the rest zero: float16 (rare as decoder
+// weights; its widening has no cheap vector form below F16C) and the last, partial strip of
+// every dtype when N is not a multiple of the strip (so no load reads past a weight row).
+template <typename V, typename S>
+struct ScalarStrip : ContiguousStrip<V> {
+  using Storage = S;
+  int64_t cols = ContiguousStrip<V>::kCols;
+  void load(const typename S::Bits* w, V& lo, V& hi) const {
+    alignas(64) float f[ContiguousStrip<V>::kCols] = {};
+    for (int64_t i = 0; i < cols; ++i) f[i] = S::template load<float>(w[i]);
+    std::memcpy(&lo, f, sizeof(lo));
+    std::memcpy(&hi, f + Lanes<V>::kCount, sizeof(hi));
+  }
+};
+
+template <typename Strip>
+using WeightBits = typename Strip::Storage::Bits;
+
+// The accumulators of one work item: [rows][strips][2] vectors, in the strips' lane order.
+template <typename V>
+struct AccTile {
+  V* v;
+  int64_t row_vectors;  // 2 * strips
+  V* at(int64_t row, int64_t strip) const { return v + row * row_vectors + 2 * strip; }
+};
+
+// The micro-kernel: acc[r, strips 0..NS) += sum_{k < steps} a[r, k] * w[k, strips], k
+// ascending, for r < MR; w has row stride ldw, a row stride lda. Inlined into each ISA version
+// of gemv_pass (a call would run the default-ISA copy).
+template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
+[[gnu::always_inline]] inline void gemv_tile(const Strip& strip, const float* a, int64_t lda,
+                                             const WeightBits<Strip>* w, int64_t ldw,
+                                             int64_t steps, const AccTile<V>& acc) {
+  V sum[MR][NS][2];
+  for (int r = 0; r < MR; ++r) {
+    for (int s = 0; s < NS; ++s) {
+      sum[r][s][0] = acc.at(r, s)[0];
+      sum[r][s][1] = acc.at(r, s)[1];
+    }
+  }
+  for (int64_t k = 0; k < steps; ++k, w += ldw) {
+    for (int s = 0; s < NS; ++s) {
+      V w0, w1;
+      strip.load(w + s * Strip::kCols, w0, w1);
+      for (int r = 0; r < MR; ++r) {
+        const float ar = a[r * lda + k];
+        sum[r][s][0] += ar * w0;
+        sum[r][s][1] += ar * w1;
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int s = 0; s < NS; ++s) {
+      acc.at(r, s)[0] = sum[r][s][0];
+      acc.at(r, s)[1] = sum[r][s][1];
     }
   }
 }
 
+// One step of MR rows across `cols` columns: NS strips per register tile, then single strips,
+// then the partial strip.
+template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
+[[gnu::always_inline]] inline void gemv_step(const Strip& strip, const float* a, int64_t lda,
+                                             const WeightBits<Strip>* w, int64_t ldw,
+                                             int64_t steps, int64_t cols, const AccTile<V>& acc) {
+  constexpr int64_t kCols = Strip::kCols;
+  const int64_t full = cols / kCols;
+  int64_t s = 0;
+  for (; s + NS <= full; s += NS) {
+    gemv_tile<MR, NS>(strip, a, lda, w + s * kCols, ldw, steps, {acc.at(0, s), acc.row_vectors});
+  }
+  for (; s < full; ++s) {
+    gemv_tile<MR, 1>(strip, a, lda, w + s * kCols, ldw, steps, {acc.at(0, s), acc.row_vectors});
+  }
+  if (cols % kCols != 0) {
+    const ScalarStrip<V, typename Strip::Storage> partial{{}, cols % kCols};
+    gemv_tile<MR, 1>(partial, a, lda, w + s * kCols, ldw, steps, {acc.at(0, s), acc.row_vectors});
+  }
+}
+
+// Strips per register tile for MR rows: 8 accumulators (hiding the 3-4 cycle add latency) with
+// 16 vector registers; 16 with the 32 of AVX-512.
+template <typename V>
+constexpr int tile_strips(int rows) {
+  return Lanes<V>::kCount == 16 ? (rows <= 2 ? 4 : 2) : (rows == 1 ? 4 : rows == 2 ? 2 : 1);
+}
+
+// One kStepRows step of rows r < rows (row groups of kTileRows).
+template <typename Strip, typename V = typename Strip::Vec>
+[[gnu::always_inline]] inline void gemv_step_rows(const Strip& strip, int64_t rows,
+                                                  const float* a, int64_t lda,
+                                                  const WeightBits<Strip>* w, int64_t ldw,
+                                                  int64_t steps, int64_t cols,
+                                                  const AccTile<V>& acc) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+    const float* ar = a + r0 * lda;
+    const AccTile<V> acc_r{acc.at(r0, 0), acc.row_vectors};
+    switch (std::min<int64_t>(kTileRows, rows - r0)) {
+      case 1: gemv_step<1, tile_strips<V>(1)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
+      case 2: gemv_step<2, tile_strips<V>(2)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
+      case 3: gemv_step<3, tile_strips<V>(3)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
+      default: gemv_step<4, tile_strips<V>(4)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
+    }
+  }
+}
+
+// y[r, 0:len] = sum_k a[r, k] * W[k, n0 + 0:len] for r < rows: kStepRows k rows at a time,
+// each step across all rows and columns of the item. Needs rows * round_up(len, kCols) <=
+// kTileFloats.
+template <typename Strip, typename V = typename Strip::Vec>
+[[gnu::always_inline]] inline void gemv_pass_with(const Strip& strip, int64_t rows,
+                                                  const float* a, int64_t lda, const void* W,
+                                                  int64_t K, int64_t N, int64_t n0, int64_t len,
+                                                  float* y) {
+  constexpr int64_t kCols = Strip::kCols;
+  const int64_t strips = (len + kCols - 1) / kCols;
+  alignas(64) V sums[kTileFloats / Lanes<V>::kCount];
+  const AccTile<V> acc{sums, 2 * strips};
+  std::fill_n(sums, rows * acc.row_vectors, V{});
+  const WeightBits<Strip>* w = static_cast<const WeightBits<Strip>*>(W) + n0;
+  for (int64_t k0 = 0; k0 < K; k0 += kStepRows) {
+    const int64_t steps = std::min(kStepRows, K - k0);
+    gemv_step_rows(strip, rows, a + k0, lda, w + k0 * N, N, steps, len, acc);
+  }
+  const int64_t full = len / kCols;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = y + r * len;
+    for (int64_t s = 0; s < full; ++s) {
+      strip.to_columns(acc.at(r, s)[0], acc.at(r, s)[1], yr + s * kCols);
+    }
+    if (full < strips) {  // the partial strip, summed in ScalarStrip's column order
+      alignas(64) float columns[kCols];
+      ContiguousStrip<V>::to_columns(acc.at(r, full)[0], acc.at(r, full)[1], columns);
+      std::copy_n(columns, len - full * kCols, yr + full * kCols);
+    }
+  }
+}
+
+// gemv_pass_with the strip of W's storage `dtype`, in vectors V.
+template <typename V>
+[[gnu::always_inline]] inline void gemv_pass_as(int64_t rows, const float* a, int64_t lda,
+                                                const void* W, DType dtype, int64_t K, int64_t N,
+                                                int64_t n0, int64_t len, float* y) {
+  switch (dtype) {
+    case DType::kBF16: return gemv_pass_with(Bf16Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
+    case DType::kF32: return gemv_pass_with(F32Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
+    default:
+      return gemv_pass_with(ScalarStrip<V, Storage<DType::kF16>>{}, rows, a, lda, W, K, N, n0,
+                            len, y);
+  }
+}
+
+// y[r, 0:len] (row stride len) = sum_k a[r, k] * W[k, n0 + 0:len] for r < rows, where
+// rows * round_up(len, kItemAlign) <= kTileFloats; a fp32 with row stride lda, W [K, N] in
+// storage `dtype`. One version per ISA level, picked at load time: 512-bit vectors where
+// AVX-512 has them (half the instructions per multiply-add, and 32 registers for the
+// accumulators), 256-bit ones otherwise.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+__attribute__((target("default"))) void gemv_pass(int64_t rows, const float* a, int64_t lda,
+                                                  const void* W, DType dtype, int64_t K,
+                                                  int64_t N, int64_t n0, int64_t len, float* y) {
+  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y);
+}
+__attribute__((target("avx2"))) void gemv_pass(int64_t rows, const float* a, int64_t lda,
+                                               const void* W, DType dtype, int64_t K, int64_t N,
+                                               int64_t n0, int64_t len, float* y) {
+  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y);
+}
+__attribute__((target("avx512f"))) void gemv_pass(int64_t rows, const float* a, int64_t lda,
+                                                  const void* W, DType dtype, int64_t K,
+                                                  int64_t N, int64_t n0, int64_t len, float* y) {
+  gemv_pass_as<F32x16>(rows, a, lda, W, dtype, K, N, n0, len, y);
+}
+#else
+void gemv_pass(int64_t rows, const float* a, int64_t lda, const void* W, DType dtype, int64_t K,
+               int64_t N, int64_t n0, int64_t len, float* y) {
+  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y);
+}
+#endif
+
+// Columns per GEMV work item: as many as the accumulator tile holds for min(B, kPassRows) rows,
+// but no more than N / threads, so every thread gets one.
+int64_t gemv_item_width(int64_t B, int64_t N, int64_t threads) {
+  const int64_t tile_units = kTileFloats / std::min(B, kPassRows) / kItemAlign;
+  const int64_t thread_units = (N + threads * kItemAlign - 1) / (threads * kItemAlign);
+  return std::max<int64_t>(std::min(tile_units, thread_units), 1) * kItemAlign;
+}
+
 // y[b, n] = sum_k a[b, k] * W[k, n] for the B rows of `a` (fp32, row stride lda), W [K, N] in
-// storage `dtype`. Column blocks are spread over the pool; epilogue(b, n0, len, y) receives each
-// finished block of a row (fp32).
+// storage `dtype`. Work items are column ranges, as wide as the accumulator tile allows (long
+// sequential runs of each weight row) but at least one per thread; each covers all rows and all
+// of K, so its sums do not depend on who computes it. epilogue(b, n0, len, y) receives each
+// finished range of a row (fp32).
 template <typename Epilogue>
 void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const void* W,
           DType dtype, int64_t K, int64_t N, const Epilogue& epilogue) {
   pool = pool_for(pool, B * K * N);
-  // Column blocks: at least ~4 per thread when N allows, so small projections still spread.
-  const int64_t threads = (pool == nullptr ? 0 : pool->num_threads()) + 1;
-  int64_t width = (N + 4 * threads - 1) / (4 * threads);
-  width = std::clamp<int64_t>((width + kMinColBlock - 1) / kMinColBlock * kMinColBlock,
-                              kMinColBlock, kColBlock);
-  const int64_t blocks = (N + width - 1) / width;
-  parallel_for(pool, blocks, [&](int64_t blk) {
-    const int64_t n0 = blk * width;
+  const int64_t helpers = helpers_beside_caller(pool);
+  const int64_t width = gemv_item_width(B, N, helpers + 1);
+  parallel_for(pool, (N + width - 1) / width, [&](int64_t item) {
+    const int64_t n0 = item * width;
     const int64_t len = std::min(width, N - n0);
-    std::vector<float> acc(B * kColBlock);
-    gemv_block(B, a, lda, W, dtype, K, N, n0, len, acc.data());
-    for (int64_t b = 0; b < B; ++b) epilogue(b, n0, len, acc.data() + b * kColBlock);
-  });
+    alignas(64) float y[kTileFloats];
+    for (int64_t b0 = 0; b0 < B; b0 += kPassRows) {
+      const int64_t rows = std::min(kPassRows, B - b0);
+      gemv_pass(rows, a + b0 * lda, lda, W, dtype, K, N, n0, len, y);
+      for (int64_t r = 0; r < rows; ++r) epilogue(b0 + r, n0, len, y + r * len);
+    }
+  }, helpers);
 }
 
 // sum_i a[i] * b[i] over the 8 independent lanes of F32x8, then the lanes in order. A plain
