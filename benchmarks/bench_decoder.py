@@ -125,7 +125,7 @@ def measure_case(cfg, w, B, ctx, dtype, device, steps, warmup, copy_gbs):
   # Kernels launched per step (jaxfuse.report; compiled, not run: the cache is abstract).
   cache = KVCache(*[jax.ShapeDtypeStruct(cfg.cache_shape(B), dtype)] * 2)
   launches = [jaxfuse.report(fn, x, pos, w, cache).launches for fn in (fused, plain16)]
-  weight_bytes = sum(a.size * a.dtype.itemsize for a in w)
+  weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
   kv_bytes = cfg.num_layers * B * ctx * cfg.kv_dim * 2 * jnp.dtype(dtype).itemsize
   moved = weight_bytes + kv_bytes
   gbs = moved / t_fused / 1e9
