@@ -327,20 +327,32 @@ void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const v
   }, helpers);
 }
 
-// sum_i a[i] * b[i] over the 8 independent lanes of F32x8, then the lanes in order. A plain
-// serial sum would be one dependent add per element.
+// sum_i a[i] * b[i]: 8-element chunk c into F32x8 accumulator c % 4, then the accumulators and
+// the 8 lanes added pairwise. Attention calls this once per head and cache position with
+// n = head_dim; at 64, one accumulator and a lane-by-lane sum were a chain of 16 dependent adds,
+// this order is 7. The lanes are F32x8's on every ISA level, so the result is the same
+// everywhere.
 JF_CPU_MULTIVERSION
 float dot(const float* a, const float* b, int64_t n) {
-  F32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  const auto add_chunk = [&](F32x8& acc, int64_t i) {  // acc += a[i:i+8] * b[i:i+8]
     F32x8 va, vb;
-    std::memcpy(&va, a + i, 32);
-    std::memcpy(&vb, b + i, 32);
+    std::memcpy(&va, a + i, sizeof(va));
+    std::memcpy(&vb, b + i, sizeof(vb));
     acc += va * vb;
+  };
+  F32x8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    add_chunk(acc0, i);
+    add_chunk(acc1, i + 8);
+    add_chunk(acc2, i + 16);
+    add_chunk(acc3, i + 24);
   }
-  float sum = 0.0f;
-  for (int j = 0; j < 8; ++j) sum += acc[j];
+  if (i + 8 <= n) add_chunk(acc0, i), i += 8;
+  if (i + 8 <= n) add_chunk(acc1, i), i += 8;
+  if (i + 8 <= n) add_chunk(acc2, i), i += 8;
+  const F32x8 s = (acc0 + acc1) + (acc2 + acc3);
+  float sum = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
