@@ -139,16 +139,44 @@ template <typename V>
 struct AccTile {
   V* v;
   int64_t row_vectors;  // 2 * strips
+
   V* at(int64_t row, int64_t strip) const { return v + row * row_vectors + 2 * strip; }
+  AccTile from(int64_t row, int64_t strip) const { return {at(row, strip), row_vectors}; }
 };
 
-// The micro-kernel: acc[r, strips 0..NS) += sum_{k < steps} a[r, k] * w[k, strips], k
-// ascending, for r < MR; w has row stride ldw, a row stride lda. Inlined into each ISA version
-// of gemv_pass (a call would run the default-ISA copy).
+// The operands of one step of a pass: `steps` k rows of the activations a (row stride lda) and
+// of the weights w (row stride ldw). `ahead`: how far on the next step's weights are (0 if there
+// is no full next step), for the prefetches.
+template <typename Bits>
+struct StepOperands {
+  const float* a;
+  int64_t lda;
+  const Bits* w;
+  int64_t ldw;
+  int64_t steps;
+  int64_t ahead;
+
+  StepOperands from(int64_t row, int64_t column) const {
+    return {a + row * lda, lda, w + column, ldw, steps, ahead};
+  }
+};
+
+// Asks for the cache lines of the strip at w.
+template <typename Strip>
+[[gnu::always_inline]] inline void prefetch_strip(const WeightBits<Strip>* w) {
+  for (int64_t byte = 0; byte < Strip::kCols * int64_t(sizeof(*w)); byte += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(w) + byte);
+  }
+}
+
+// The micro-kernel: acc[r, strips 0..NS) += sum_k a[r, k] * w[k, strips 0..NS) for r < MR over
+// the step's k rows, k ascending. It prefetches the same strips of the next step, which the
+// hardware prefetchers would not fetch in time (16 rows, each a short run). Inlined into each
+// ISA version of gemv_pass (a call would run the default-ISA copy).
 template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
-[[gnu::always_inline]] inline void gemv_tile(const Strip& strip, const float* a, int64_t lda,
-                                             const WeightBits<Strip>* w, int64_t ldw,
-                                             int64_t steps, const AccTile<V>& acc) {
+[[gnu::always_inline]] inline void gemv_tile(const Strip& strip,
+                                             const StepOperands<WeightBits<Strip>>& op,
+                                             const AccTile<V>& acc) {
   V sum[MR][NS][2];
   for (int r = 0; r < MR; ++r) {
     for (int s = 0; s < NS; ++s) {
@@ -156,12 +184,14 @@ template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
       sum[r][s][1] = acc.at(r, s)[1];
     }
   }
-  for (int64_t k = 0; k < steps; ++k, w += ldw) {
+  const WeightBits<Strip>* w = op.w;
+  for (int64_t k = 0; k < op.steps; ++k, w += op.ldw) {
     for (int s = 0; s < NS; ++s) {
+      prefetch_strip<Strip>(w + op.ahead + s * Strip::kCols);
       V w0, w1;
       strip.load(w + s * Strip::kCols, w0, w1);
       for (int r = 0; r < MR; ++r) {
-        const float ar = a[r * lda + k];
+        const float ar = op.a[r * op.lda + k];
         sum[r][s][0] += ar * w0;
         sum[r][s][1] += ar * w1;
       }
@@ -178,21 +208,17 @@ template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
 // One step of MR rows across `cols` columns: NS strips per register tile, then single strips,
 // then the partial strip.
 template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
-[[gnu::always_inline]] inline void gemv_step(const Strip& strip, const float* a, int64_t lda,
-                                             const WeightBits<Strip>* w, int64_t ldw,
-                                             int64_t steps, int64_t cols, const AccTile<V>& acc) {
+[[gnu::always_inline]] inline void gemv_step(const Strip& strip,
+                                             const StepOperands<WeightBits<Strip>>& op,
+                                             int64_t cols, const AccTile<V>& acc) {
   constexpr int64_t kCols = Strip::kCols;
   const int64_t full = cols / kCols;
   int64_t s = 0;
-  for (; s + NS <= full; s += NS) {
-    gemv_tile<MR, NS>(strip, a, lda, w + s * kCols, ldw, steps, {acc.at(0, s), acc.row_vectors});
-  }
-  for (; s < full; ++s) {
-    gemv_tile<MR, 1>(strip, a, lda, w + s * kCols, ldw, steps, {acc.at(0, s), acc.row_vectors});
-  }
+  for (; s + NS <= full; s += NS) gemv_tile<MR, NS>(strip, op.from(0, s * kCols), acc.from(0, s));
+  for (; s < full; ++s) gemv_tile<MR, 1>(strip, op.from(0, s * kCols), acc.from(0, s));
   if (cols % kCols != 0) {
     const ScalarStrip<V, typename Strip::Storage> partial{{}, cols % kCols};
-    gemv_tile<MR, 1>(partial, a, lda, w + s * kCols, ldw, steps, {acc.at(0, s), acc.row_vectors});
+    gemv_tile<MR, 1>(partial, op.from(0, s * kCols), acc.from(0, s));
   }
 }
 
@@ -203,21 +229,19 @@ constexpr int tile_strips(int rows) {
   return Lanes<V>::kCount == 16 ? (rows <= 2 ? 4 : 2) : (rows == 1 ? 4 : rows == 2 ? 2 : 1);
 }
 
-// One kStepRows step of rows r < rows (row groups of kTileRows).
+// One step of rows r < rows across `cols` columns, in row groups of kTileRows.
 template <typename Strip, typename V = typename Strip::Vec>
 [[gnu::always_inline]] inline void gemv_step_rows(const Strip& strip, int64_t rows,
-                                                  const float* a, int64_t lda,
-                                                  const WeightBits<Strip>* w, int64_t ldw,
-                                                  int64_t steps, int64_t cols,
-                                                  const AccTile<V>& acc) {
+                                                  const StepOperands<WeightBits<Strip>>& op,
+                                                  int64_t cols, const AccTile<V>& acc) {
   for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-    const float* ar = a + r0 * lda;
-    const AccTile<V> acc_r{acc.at(r0, 0), acc.row_vectors};
+    const StepOperands<WeightBits<Strip>> op_r = op.from(r0, 0);
+    const AccTile<V> acc_r = acc.from(r0, 0);
     switch (std::min<int64_t>(kTileRows, rows - r0)) {
-      case 1: gemv_step<1, tile_strips<V>(1)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
-      case 2: gemv_step<2, tile_strips<V>(2)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
-      case 3: gemv_step<3, tile_strips<V>(3)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
-      default: gemv_step<4, tile_strips<V>(4)>(strip, ar, lda, w, ldw, steps, cols, acc_r); break;
+      case 1: gemv_step<1, tile_strips<V>(1)>(strip, op_r, cols, acc_r); break;
+      case 2: gemv_step<2, tile_strips<V>(2)>(strip, op_r, cols, acc_r); break;
+      case 3: gemv_step<3, tile_strips<V>(3)>(strip, op_r, cols, acc_r); break;
+      default: gemv_step<4, tile_strips<V>(4)>(strip, op_r, cols, acc_r); break;
     }
   }
 }
@@ -238,7 +262,8 @@ template <typename Strip, typename V = typename Strip::Vec>
   const WeightBits<Strip>* w = static_cast<const WeightBits<Strip>*>(W) + n0;
   for (int64_t k0 = 0; k0 < K; k0 += kStepRows) {
     const int64_t steps = std::min(kStepRows, K - k0);
-    gemv_step_rows(strip, rows, a + k0, lda, w + k0 * N, N, steps, len, acc);
+    const int64_t ahead = k0 + 2 * kStepRows <= K ? kStepRows * N : 0;
+    gemv_step_rows(strip, rows, {a + k0, lda, w + k0 * N, N, steps, ahead}, len, acc);
   }
   const int64_t full = len / kCols;
   for (int64_t r = 0; r < rows; ++r) {
@@ -327,20 +352,32 @@ void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const v
   }, helpers);
 }
 
-// sum_i a[i] * b[i] over the 8 independent lanes of F32x8, then the lanes in order. A plain
-// serial sum would be one dependent add per element.
+// sum_i a[i] * b[i]: 8-element chunk c into F32x8 accumulator c % 4, then the accumulators and
+// the 8 lanes added pairwise. Attention calls this once per head and cache position with
+// n = head_dim; at 64, one accumulator and a lane-by-lane sum were a chain of 16 dependent adds,
+// this order is 7. The lanes are F32x8's on every ISA level, so the result is the same
+// everywhere.
 JF_CPU_MULTIVERSION
 float dot(const float* a, const float* b, int64_t n) {
-  F32x8 acc = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  const auto add_chunk = [&](F32x8& acc, int64_t i) {  // acc += a[i:i+8] * b[i:i+8]
     F32x8 va, vb;
-    std::memcpy(&va, a + i, 32);
-    std::memcpy(&vb, b + i, 32);
+    std::memcpy(&va, a + i, sizeof(va));
+    std::memcpy(&vb, b + i, sizeof(vb));
     acc += va * vb;
+  };
+  F32x8 acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    add_chunk(acc0, i);
+    add_chunk(acc1, i + 8);
+    add_chunk(acc2, i + 16);
+    add_chunk(acc3, i + 24);
   }
-  float sum = 0.0f;
-  for (int j = 0; j < 8; ++j) sum += acc[j];
+  if (i + 8 <= n) add_chunk(acc0, i), i += 8;
+  if (i + 8 <= n) add_chunk(acc1, i), i += 8;
+  if (i + 8 <= n) add_chunk(acc2, i), i += 8;
+  const F32x8 s = (acc0 + acc1) + (acc2 + acc3);
+  float sum = ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
 }
