@@ -529,20 +529,25 @@ struct DecodeStep {
     for (int64_t b = 0; b < d.B; ++b) {
       work += 2 * d.H * d.hd * (int64_t(std::max(io.positions[b], 0)) + 1);
     }
-    parallel_for(pool_for(pool, work), d.B * d.H,
-                 [&](int64_t item) { attend_head(l, item / d.H, item % d.H); });
+    const int64_t chunks = d.head_chunks();  // of <= kDecHeadChunk query heads per kv head
+    parallel_for(pool_for(pool, work), d.B * d.KV * chunks, [&](int64_t item) {
+      const int64_t chunk = item % chunks, kv_head = item / chunks % d.KV, b = item / chunks / d.KV;
+      const int64_t first = kv_head * d.group() + chunk * kDecHeadChunk;
+      attend_heads(l, b, kv_head, first, std::min(kDecHeadChunk, (kv_head + 1) * d.group() - first));
+    });
   }
 
-  // Online softmax of query head `head` of row b over the cache positions 0..p.
-  void attend_head(int64_t l, int64_t b, int64_t head) const {
-    float* o = ws.attn_out.head(b, head);
-    std::fill(o, o + d.hd, 0.0f);
+  // Online softmax of query heads first .. first + heads - 1 (all on kv head `kv_head`) of row b
+  // over the cache positions 0..p, as the CUDA kernel's work item: each K and V row is read (and
+  // widened from a 16-bit cache) once for all the chunk's heads.
+  void attend_heads(int64_t l, int64_t b, int64_t kv_head, int64_t first, int64_t heads) const {
+    for (int64_t g = 0; g < heads; ++g) std::fill_n(ws.attn_out.head(b, first + g), d.hd, 0.0f);
     const int32_t p = io.positions[b];
     if (!position_valid(p, d.S)) return;
-    const float* q = ws.qkv.q(b, head);
-    const int64_t kv_head = head / d.group();
     std::vector<float> kv_row(2 * d.hd);
-    float m = neg_inf_f32(), lsum = 0.0f;
+    float m[kDecHeadChunk], lsum[kDecHeadChunk];
+    std::fill_n(m, heads, neg_inf_f32());
+    std::fill_n(lsum, heads, 0.0f);
     for (int64_t s = 0; s <= p; ++s) {
       const int64_t at = cache_index(l, b, s, kv_head);
       // An fp32 cache is read in place; a 16-bit one is widened into kv_row first.
@@ -555,12 +560,19 @@ struct DecodeStep {
         load_tile(io.k_cache, dtype, at, d.hd, kv_row.data());
         load_tile(io.v_cache, dtype, at, d.hd, kv_row.data() + d.hd);
       }
-      float pw;
-      const float alpha = online_softmax_step(m, lsum, dot(q, kf, d.hd) * attn_scale, &pw);
-      for (int64_t i = 0; i < d.hd; ++i) o[i] = o[i] * alpha + pw * vf[i];
+      for (int64_t g = 0; g < heads; ++g) {
+        float* o = ws.attn_out.head(b, first + g);
+        float pw;
+        const float score = dot(ws.qkv.q(b, first + g), kf, d.hd) * attn_scale;
+        const float alpha = online_softmax_step(m[g], lsum[g], score, &pw);
+        for (int64_t i = 0; i < d.hd; ++i) o[i] = o[i] * alpha + pw * vf[i];
+      }
     }
-    const float inv = 1.0f / lsum;
-    for (int64_t i = 0; i < d.hd; ++i) o[i] *= inv;
+    for (int64_t g = 0; g < heads; ++g) {
+      float* o = ws.attn_out.head(b, first + g);
+      const float inv = 1.0f / lsum[g];
+      for (int64_t i = 0; i < d.hd; ++i) o[i] *= inv;
+    }
   }
 
   // h += attn_out @ wo
