@@ -68,12 +68,12 @@ def _check_cache(fn: str, model: DecoderModel, cache, batch: int) -> None:
   if not isinstance(cache, KVCache):
     raise TypeError(f"{fn}: cache must be a jaxfuse.KVCache (see jaxfuse.init_cache), got "
                     f"{type(cache).__name__}")
+  L, _, S_max, KV, hd = model.config.cache_shape(batch)
   S = cache.k.shape[2] if cache.k.ndim == 5 else None
-  want = model.config.cache_shape(batch)[:2] + (S,) + model.config.cache_shape(batch)[3:]
-  if S is None or S > model.config.max_seq_len or cache.k.shape != want:
-    raise ValueError(f"{fn}: cache.k has shape {tuple(cache.k.shape)}, expected "
-                     f"(layers, batch, S, kv_heads, head_dim) = {want[:2]} + (S <= "
-                     f"{model.config.max_seq_len},) + {want[3:]}")
+  if S is None or S > S_max or cache.k.shape != (L, batch, S, KV, hd):
+    raise ValueError(f"{fn}: cache.k has shape {tuple(cache.k.shape)}, expected ({L}, {batch}, S, "
+                     f"{KV}, {hd}) with S <= {S_max} (layers, batch, cache length, kv_heads, "
+                     "head_dim)")
 
 
 def _concrete(a) -> np.ndarray | None:
