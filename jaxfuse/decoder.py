@@ -21,9 +21,17 @@ kernel launch per step, on CPU a thread-pooled handler. Per layer and batch row 
 and the output is ``h`` after the last layer (no final norm, no LM head). ``x``, the weights and the
 cache share one dtype (float32, bfloat16 or float16); all arithmetic and accumulation is fp32.
 
-Out-of-range positions: a row whose position is negative or ``>= max_seq_len`` never touches
-the cache (that row's cache stays bitwise unchanged) and its output row is NaN; the other rows
-are unaffected.
+Out-of-range positions (negative or ``>= max_seq_len``): when the positions are concrete (NumPy
+or a jax.Array, also as a constant under a trace), :func:`persistent_decoder` raises ValueError
+naming the first bad row. Traced positions (under jit, vmap, scan...) cannot be checked before the
+kernel runs: such a row never touches the cache (its cache stays bitwise unchanged) and its output
+row is NaN; the other rows are unaffected. With ``check_positions=True`` a traced call also emits
+a :func:`jax.experimental.checkify.check` naming the first bad row, to be run under
+:func:`~jax.experimental.checkify.checkify` (the default adds nothing to the program)::
+
+  step = functools.partial(persistent_decoder, cfg=cfg, check_positions=True)
+  err, (h, cache) = checkify.checkify(jax.jit(step))(x, positions, w, cache)
+  err.throw()  # JaxRuntimeError: persistent_decoder: positions[3] = 4096 is outside [0, 4096) ...
 
 The cache is updated in place when it is donated (``jax.jit(..., donate_argnums=...)``); the
 k/v operands are aliased to the k/v results of the custom call.
@@ -48,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 
 from jaxfuse import _ffi
 from jaxfuse import _partition
@@ -372,6 +381,41 @@ def _check_operands(x, positions, w: DecoderWeights, cache: KVCache, cfg: Decode
     _expect(name, a, cfg.cache_shape(batch), dtype, _CACHE_AXES, _SHARED_DTYPE)
 
 
+def _concrete(a) -> np.ndarray | None:
+  """``a`` as NumPy when its value is known without tracing, else None.
+
+  Reading a jax.Array waits for it to be computed; a tracer (jit, vmap, grad...) is never read,
+  nor is an array with shards on other processes.
+  """
+  if isinstance(a, jax.core.Tracer) or (isinstance(a, jax.Array) and not a.is_fully_addressable):
+    return None
+  try:
+    return np.asarray(a)
+  except jax.errors.TracerArrayConversionError:  # a sequence holding tracers
+    return None
+
+
+def _check_rows(fn: str, name: str, values, lo: int, hi: int, bounds: str,
+                traced_check: bool) -> None:
+  """Refuses a row of the integer vector ``values`` outside [lo, hi).
+
+  Concrete values are checked now (ValueError naming the first bad row). Traced values are checked
+  by a :func:`checkify.check` with the same message only when ``traced_check``: the default adds
+  nothing to the traced program. ``bounds`` is how the messages write the range.
+  """
+  message = f"{fn}: {name}[{{}}] = {{}} is outside {bounds}"
+  known = _concrete(values)
+  if known is not None:
+    bad = np.flatnonzero((known < lo) | (known >= hi))
+    if bad.size:
+      raise ValueError(message.format(bad[0], known[bad[0]]))
+  elif traced_check and jnp.size(values):  # (no rows: nothing to check, and no argmin)
+    values = jnp.asarray(values)
+    ok = (values >= lo) & (values < hi)
+    row = jnp.argmin(ok)  # the first bad row (any row when all are good)
+    checkify.check(jnp.all(ok), message, row, values[row])
+
+
 # ---- the custom call, its vmap rule and its (absent) derivative ---------------------------------
 
 def _kernel_weights(w: DecoderWeights, cfg: DecoderConfig, dtype) -> DecoderWeights:
@@ -495,7 +539,8 @@ def _decoder_step(cfg: DecoderConfig):
 
 # ---- public API --------------------------------------------------------------------------------
 
-def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig):
+def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig, *,
+                       check_positions: bool = False):
   """One decode step of every layer of the stack, in one custom call.
 
   See the module docstring for the math and the handling of out-of-range positions. Works under
@@ -508,21 +553,29 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
     w: the stacked layer weights, in the dtype of ``x``.
     cache: the KV cache, [L, B, max_seq_len, KV, hd] each, in the dtype of ``x``.
     cfg: the static configuration of the stack.
+    check_positions: with traced positions, emit a :func:`jax.experimental.checkify.check` that
+      every position is in [0, max_seq_len) (run the caller under ``checkify.checkify``). Concrete
+      positions are always checked.
 
   Returns:
-    ``(h_out, new_cache)``: the [B, D] hidden state after the last layer and the updated cache.
+    ``(h_out, new_cache)``: the [B, D] hidden state after the last layer and the updated cache; a
+    row whose traced position is out of range gets NaN and its cache is left unchanged.
 
   Raises:
     TypeError: an argument has the wrong type or dtype.
-    ValueError: an argument has the wrong shape.
+    ValueError: an argument has the wrong shape, or a concrete position is outside
+      [0, max_seq_len).
     NotImplementedError: when differentiated (use :func:`decoder_reference`), or vmapped over
       the weights.
   """
   _check_structure(w, cache, cfg)
+  given = positions  # checked as given: no device round trip, no int64 -> int32 wrap-around
   x, positions = jnp.asarray(x), jnp.asarray(positions)
   w = DecoderWeights(*(None if a is None else jnp.asarray(a) for a in w))
   cache = KVCache(jnp.asarray(cache.k), jnp.asarray(cache.v))
   _check_operands(x, positions, w, cache, cfg)
+  _check_rows("persistent_decoder", "positions", given, 0, cfg.max_seq_len,
+              f"[0, {cfg.max_seq_len}) (max_seq_len)", check_positions)
   inv_freq = jnp.asarray(cfg.rope_inv_freq())
   out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq,
                                              _kernel_weights(w, cfg, x.dtype), cache.k, cache.v)

@@ -1,10 +1,13 @@
 """jaxfuse.persistent_decoder against the pure-JAX reference, on every available backend."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.experimental import checkify
 
 from jaxfuse import (DecoderConfig, DecoderWeights, KVCache, RopeScaling, decoder_reference,
                      persistent_decoder)
@@ -192,6 +195,7 @@ def test_future_positions_not_read(device):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_out_of_range_positions(device, dtype):
+  """Traced (jitted) positions out of range: NaN rows, their cache bitwise unchanged."""
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
   x, w, cache = random_decoder_problem(cfg, 4, dtype, 9, device)
   pos = np.array([-1, 16, 7, -2147483648], np.int32)
@@ -204,6 +208,68 @@ def test_out_of_range_positions(device, dtype):
   ref, ref_cache = reference(x, jax.device_put(pos, device), w, cache, cfg)
   assert rel_err(out[2], ref[2]) < TOL[dtype]  # the valid row is unaffected
   assert rel_err(new.k[:, 2], ref_cache.k[:, 2]) < TOL[dtype]
+
+
+def test_concrete_out_of_range_positions_raise():
+  """Concrete positions are checked at call time: the first bad row, its position, the range."""
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  x, w, cache = random_decoder_problem(cfg, 4, jnp.float32, 9, jax.devices("cpu")[0])
+  cases = [([-1, 3, 5, 2], 0), ([3, 16, 5, 2], 1), ([3, 5, 2, -7], 3), ([16, 99, -1, 2], 0),
+           ([0, 15, 7, -2147483648], 3)]
+  for positions, row in cases:
+    message = (rf"persistent_decoder: positions\[{row}\] = {positions[row]} is outside \[0, 16\) "
+               r"\(max_seq_len\)")
+    for given in (np.array(positions, np.int32), jnp.array(positions, jnp.int32), positions):
+      with pytest.raises(ValueError, match=message):
+        persistent_decoder(x, given, w, cache, cfg)
+    # A NumPy constant inside a jitted function is concrete too: refused while tracing.
+    with pytest.raises(ValueError, match=message):
+      jax.jit(lambda x: persistent_decoder(x, np.array(positions, np.int32), w, cache, cfg))(x)
+  # int64 positions are checked before the conversion to int32 (which would wrap 2^32 + 5 to 5).
+  with pytest.raises(ValueError, match=r"positions\[1\] = 4294967301 is outside"):
+    persistent_decoder(x, np.array([3, 2**32 + 5, 1, 2], np.int64), w, cache, cfg)
+  # The ends of the range are accepted.
+  good = np.array([0, 15, 7, 1], np.int32)
+  out, new = persistent_decoder(x, good, w, cache, cfg)
+  ref, ref_cache = reference(x, good, w, cache, cfg)
+  assert rel_err(out, ref) < TOL[jnp.float32] and rel_err(new.k, ref_cache.k) < TOL[jnp.float32]
+
+
+def test_checkify_positions(device):
+  """check_positions=True under checkify(jit(...)) reports the first bad row; a good batch passes
+  and decodes as the reference; vmapped, each mapped call names its own row."""
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
+  x, w, cache = random_decoder_problem(cfg, 3, jnp.float32, 12, device)
+  step = functools.partial(persistent_decoder, cfg=cfg, check_positions=True)
+  checked = checkify.checkify(jax.jit(step))
+  good = jax.device_put(np.array([0, 15, 6], np.int32), device)
+  err, (out, new) = checked(x, good, w, cache)
+  assert err.get() is None
+  ref, ref_cache = reference(x, good, w, cache, cfg)
+  assert rel_err(out, ref) < TOL[jnp.float32] and rel_err(new.k, ref_cache.k) < TOL[jnp.float32]
+  for bad, row in (([0, 16, 6], 1), ([-3, 15, -1], 0)):
+    err, (out, _) = checked(x, jax.device_put(np.array(bad, np.int32), device), w, cache)
+    with pytest.raises(checkify.JaxRuntimeError, match=rf"persistent_decoder: positions\[{row}\] = "
+                       rf"{bad[row]} is outside \[0, 16\) \(max_seq_len\)"):
+      err.throw()
+    assert np.isnan(np.asarray(out)[row]).all()  # the program itself is unchanged
+  xs, caches = jnp.stack([x, x]), jax.tree.map(lambda a: jnp.stack([a, a]), cache)
+  mapped = checkify.checkify(jax.jit(jax.vmap(step, in_axes=(0, 0, None, 0))))
+  err, _ = mapped(xs, jax.device_put(np.array([[1, 2, 3], [4, 5, 16]], np.int32), device), w, caches)
+  with pytest.raises(checkify.JaxRuntimeError, match=r"positions\[2\] = 16 is outside"):
+    err.throw()
+
+
+def test_position_checks_not_traced_by_default():
+  """Without check_positions the traced program has no check (nor the ops computing it)."""
+  cfg, x, pos, w, cache = _small(jax.devices("cpu")[0])
+
+  def primitives(check_positions):
+    step = functools.partial(persistent_decoder, cfg=cfg, check_positions=check_positions)
+    return {e.primitive.name for e in jax.make_jaxpr(step)(x, pos, w, cache).eqns}
+
+  assert {"check", "argmin"} <= primitives(True)
+  assert not {"check", "argmin"} & primitives(False)
 
 
 def test_vmap_folds_into_batch(device):
