@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse.decoder import DecoderWeights, KVCache, decoder_reference, persistent_decoder
+from jaxfuse.decoder import (DecoderWeights, KVCache, _check_rows, _concrete, decoder_reference,
+                             persistent_decoder)
 from jaxfuse.model import DecoderModel
 
 __all__ = ["init_cache", "prefill", "decode_step", "generate"]
@@ -76,33 +77,38 @@ def _check_cache(fn: str, model: DecoderModel, cache, batch: int) -> None:
                      "head_dim)")
 
 
-def _concrete(a) -> np.ndarray | None:
-  """``a`` as NumPy when its value is known at trace time, else None."""
-  try:
-    return np.asarray(a)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return None
-
-
-def _check_prompts(fn: str, model: DecoderModel, tokens, lengths) -> None:
+def _check_prompts(fn: str, model: DecoderModel, tokens, lengths,
+                   check_lengths: bool = False) -> None:
   """Shapes and dtypes; the values too when they are concrete (out-of-range ids or lengths
-  would otherwise be clamped silently by the embedding gather)."""
+  would otherwise be clamped silently by the embedding gather). ``check_lengths``: a checkify
+  check of traced lengths (:func:`jaxfuse.decoder._check_rows`)."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"{fn}: prompt_tokens must be an integer array [batch, prompt_len], got "
                      f"{tokens.dtype}{list(tokens.shape)}")
   if lengths.shape != tokens.shape[:1] or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise ValueError(f"{fn}: prompt_lengths must be an integer array [{tokens.shape[0]}], got "
                      f"{lengths.dtype}{list(lengths.shape)}")
-  t, n = _concrete(tokens), _concrete(lengths)
   T = tokens.shape[1]
-  if n is not None and n.size and (n.min() < 1 or n.max() > T):
-    raise ValueError(f"{fn}: prompt_lengths must be in [1, {T}] (the prompt width), got "
-                     f"{n.tolist()}")
+  _check_rows(fn, "prompt_lengths", lengths, 1, T + 1, f"[1, {T}] (the prompt width)",
+              check_lengths)
+  t, n = _concrete(tokens), _concrete(lengths)
   if t is not None and n is not None:
     used = t[np.arange(T)[None, :] < n[:, None]]
     if used.size and (used.min() < 0 or used.max() >= model.vocab_size):
       raise ValueError(f"{fn}: prompt_tokens has ids outside [0, {model.vocab_size}) (the "
                        f"vocabulary): {used.min()} .. {used.max()}")
+
+
+def _check_total_length(model: DecoderModel, width: int, lengths, max_new_tokens: int) -> None:
+  """The cache of a generation (prompt width + max_new_tokens) fits the model's max_seq_len."""
+  total, limit = width + max_new_tokens, model.config.max_seq_len
+  if total <= limit:
+    return
+  n = _concrete(lengths)
+  # The longest row tells the caller whether trimming the padding would do.
+  longest = "" if n is None else f"; the longest prompt, row {n.argmax()}, has {n.max()} tokens"
+  raise ValueError(f"generate: prompt width {width} + max_new_tokens {max_new_tokens} = {total} "
+                   f"exceeds the model's max_seq_len {limit} (max_position_embeddings){longest}")
 
 
 # ---- the pieces ---------------------------------------------------------------------------------
@@ -160,26 +166,40 @@ def prefill(model: DecoderModel, prompt_tokens, prompt_lengths, cache: KVCache):
 
 
 def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
-                decoder: str = "persistent"):
+                decoder: str = "persistent", check_positions: bool = False):
   """One new token per row through every layer (one persistent-decoder call), and the logits.
 
   Args:
     model: the model.
     tokens: int [B], the new token of each row.
-    positions: int32 [B], the cache position each row writes and attends up to. A position
-      outside [0, cache length) leaves the row's cache untouched and gives NaN logits.
+    positions: int32 [B], the cache position each row writes and attends up to, in [0, cache
+      length). Concrete positions outside it are refused; a traced one leaves the row's cache
+      untouched and gives NaN logits (see ``check_positions``).
     cache: the KV cache (donate it under jit to update it in place).
     decoder: "persistent" (the kernel) or "reference" (:func:`jaxfuse.decoder_reference`).
+    check_positions: with traced positions, emit a :func:`jax.experimental.checkify.check` that
+      every position is in [0, cache length) (run the caller under ``checkify.checkify``).
 
   Returns:
     ``(logits, cache)``: fp32 [B, vocab] and the updated cache.
+
+  Raises:
+    TypeError, ValueError: bad arguments (named), or a concrete position outside
+      [0, cache length).
   """
   _check_model("decode_step", model)
+  given = positions  # checked as given (see persistent_decoder)
   tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
   if tokens.ndim != 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"decode_step: tokens must be an integer array [batch], got "
                      f"{tokens.dtype}{list(tokens.shape)}")
+  if positions.shape != tokens.shape or not jnp.issubdtype(positions.dtype, jnp.integer):
+    raise ValueError(f"decode_step: positions must be an integer array [{tokens.shape[0]}], got "
+                     f"{positions.dtype}{list(positions.shape)}")
   _check_cache("decode_step", model, cache, tokens.shape[0])
+  S = cache.k.shape[2]
+  _check_rows("decode_step", "positions", given, 0, S, f"[0, {S}) (the cache length)",
+              check_positions)
   step = _decoder_fn("decode_step", decoder)
   h, cache = step(model.embed_tokens(tokens), positions, model.layers, cache,
                   _cache_config(model, cache))
@@ -274,12 +294,14 @@ def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens
 def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              key: jax.Array | None = None, stop_tokens: Sequence[int] | Sequence[Sequence[int]] = (),
-             decoder: str = "persistent"):
+             decoder: str = "persistent", check_positions: bool = False):
   """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
   Prefill in plain XLA, then one ``lax.while_loop`` of persistent-decoder steps (see the module
   docstring). Row b's i-th new token is at position ``prompt_lengths[b] + i``; the KV cache holds
   ``prompt_len + max_new_tokens`` positions, which must not exceed ``model.config.max_seq_len``.
+  Prompt lengths in [1, prompt_len] keep every position inside the cache: concrete ones are
+  checked at call time, traced ones only with ``check_positions``.
 
   Args:
     model: the model (e.g. :func:`jaxfuse.load_hf`).
@@ -295,6 +317,10 @@ def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens:
     stop_tokens: token ids that end a row's generation (the stop token is kept in the output), or
       one sequence of ids per row ([B, n], padded with -1).
     decoder: "persistent" (the kernel) or "reference" (plain JAX, the same loop).
+    check_positions: with traced ``prompt_lengths``, emit a
+      :func:`jax.experimental.checkify.check` that each is in [1, prompt_len] (run the caller
+      under ``checkify.checkify``). Otherwise a bad traced length is not detected: its row's
+      tokens are garbage.
 
   Returns:
     ``(tokens, lengths)``: int32 [B, max_new_tokens] generated tokens, -1 after each row's end;
@@ -305,16 +331,12 @@ def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens:
   """
   _check_model("generate", model)
   tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
-  _check_prompts("generate", model, tokens, lengths)
+  _check_prompts("generate", model, tokens, lengths, check_positions)
   _decoder_fn("generate", decoder)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-  total = tokens.shape[1] + int(max_new_tokens)
-  if total > model.config.max_seq_len:
-    raise ValueError(f"generate: prompt width {tokens.shape[1]} + max_new_tokens "
-                     f"{max_new_tokens} = {total} exceeds the model's max_seq_len "
-                     f"{model.config.max_seq_len} (max_position_embeddings)")
+  _check_total_length(model, tokens.shape[1], lengths, int(max_new_tokens))
   temperature = float(temperature)
   if not temperature >= 0.0 or not np.isfinite(temperature):
     raise ValueError(f"generate: temperature must be finite and >= 0, got {temperature}")

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import jaxfuse
 from jaxfuse import generation
@@ -116,9 +117,17 @@ def test_decode_step_logits():
     seq[b, lengths[b]] = token[b]
   want = _reference_logits(model, seq, lengths + 1, width=12)
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
-  # An out-of-range position: NaN logits for that row, the others unaffected.
-  bad, _ = step(model, token, jnp.asarray([-1, 5, 12], jnp.int32), jaxfuse.init_cache(model, 3, 12))
+  # A traced out-of-range position: NaN logits for that row, the others unaffected.
+  bad_positions = jnp.asarray([-1, 5, 12], jnp.int32)
+  bad, _ = step(model, token, bad_positions, jaxfuse.init_cache(model, 3, 12))
   assert np.isnan(np.asarray(bad)[[0, 2]]).all() and np.isfinite(np.asarray(bad)[1]).all()
+  # With check_positions under checkify, the same call reports the first bad row.
+  checked = checkify.checkify(jax.jit(functools.partial(jaxfuse.decode_step, check_positions=True)))
+  err, (logits, _) = checked(model, token, bad_positions, jaxfuse.init_cache(model, 3, 12))
+  with pytest.raises(checkify.JaxRuntimeError, match=r"decode_step: positions\[0\] = -1 is outside "
+                     r"\[0, 12\) \(the cache length\)"):
+    err.throw()
+  np.testing.assert_array_equal(logits, bad)
 
 
 def test_stop_tokens_per_row():
@@ -188,6 +197,24 @@ def test_inside_jit_and_edge_lengths():
   assert np.all(np.asarray(n) == model.config.max_seq_len - 4)
 
 
+def test_checkify_prompt_lengths():
+  """Traced prompt lengths (which set every position) under checkify with check_positions: a
+  bad row is reported, a good batch passes with the tokens of an eager call."""
+  model = random_model()
+  prompts, lengths = prompts_for(model, 2, 4, seed=6)
+  want, _ = jaxfuse.generate(model, prompts, lengths, 1)
+  checked = checkify.checkify(jax.jit(
+      lambda t, n: jaxfuse.generate(model, t, n, 1, check_positions=True)))
+  err, (got, _) = checked(prompts, lengths)
+  assert err.get() is None
+  np.testing.assert_array_equal(got, want)
+  for bad, row in (([4, 0], 1), ([5, 1], 0)):
+    err, _ = checked(prompts, np.array(bad, np.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match=rf"generate: prompt_lengths\[{row}\] = "
+                       rf"{bad[row]} is outside \[1, 4\] \(the prompt width\)"):
+      err.throw()
+
+
 def test_bad_arguments():
   model = random_model()
   prompts, lengths = prompts_for(model, 2, 4, seed=7)
@@ -195,9 +222,13 @@ def test_bad_arguments():
   cases = [
       (lambda: gen(prompts, lengths, 0), "max_new_tokens must be a positive integer"),
       (lambda: gen(prompts, lengths, 45), r"4 \+ max_new_tokens 45 = 49 exceeds the model's "
-                                          "max_seq_len 48"),
-      (lambda: gen(prompts, np.array([0, 2]), 3), r"prompt_lengths must be in \[1, 4\]"),
-      (lambda: gen(prompts, np.array([5, 2]), 3), r"prompt_lengths must be in \[1, 4\]"),
+                                          r"max_seq_len 48 \(max_position_embeddings\); the "
+                                          "longest prompt, row 0, has 4 tokens"),
+      (lambda: gen(np.pad(prompts, ((0, 0), (0, 2))), lengths[::-1], 43),
+       r"6 \+ max_new_tokens 43 = 49 exceeds .*; the longest prompt, row 1, has 4 tokens"),
+      (lambda: gen(prompts, np.array([0, 2]), 3),
+       r"generate: prompt_lengths\[0\] = 0 is outside \[1, 4\] \(the prompt width\)"),
+      (lambda: gen(prompts, np.array([2, 5]), 3), r"prompt_lengths\[1\] = 5 is outside \[1, 4\]"),
       (lambda: gen(prompts, lengths[:1], 3), r"prompt_lengths must be an integer array \[2\]"),
       (lambda: gen(prompts[0], lengths, 3), "prompt_tokens must be an integer array"),
       (lambda: gen(prompts.astype(np.float32), lengths, 3), "prompt_tokens must be an integer"),
@@ -225,10 +256,22 @@ def test_bad_arguments():
                                    jaxfuse.init_cache(model, 3, 8)), "cache.k has shape"),
       (lambda: jaxfuse.prefill(model, prompts, lengths, jaxfuse.init_cache(model, 2, 3)),
        r"prompts \(4 tokens wide\) do not fit the cache \(3 positions\)"),
+      (lambda: jaxfuse.prefill(model, prompts, [1, 0], jaxfuse.init_cache(model, 2, 8)),
+       r"prefill: prompt_lengths\[1\] = 0 is outside \[1, 4\]"),
+      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths[:, None],
+                                   jaxfuse.init_cache(model, 2, 8)),
+       r"decode_step: positions must be an integer array \[2\], got int32\[2, 1\]"),
   ]
   for call, match in cases:
     with pytest.raises((ValueError, TypeError), match=match):
       call()
+  # Concrete positions outside the cache, with either decoder (the kernel is never reached).
+  for decoder in ("persistent", "reference"):
+    for positions, row in (([3, 8], 1), ([-1, 7], 0), ([9, -4], 0)):
+      with pytest.raises(ValueError, match=rf"decode_step: positions\[{row}\] = {positions[row]} "
+                         r"is outside \[0, 8\) \(the cache length\)"):
+        jaxfuse.decode_step(model, prompts[:, 0], np.array(positions, np.int32),
+                            jaxfuse.init_cache(model, 2, 8), decoder=decoder)
 
 
 def test_generate_hf_example(tmp_path, monkeypatch, capsys):
