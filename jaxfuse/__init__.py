@@ -40,10 +40,21 @@ except _metadata.PackageNotFoundError:  # source tree on sys.path without an ins
 
 
 def __getattr__(name: str):
-  # jaxfuse.report (a callable module) loads on first use, so that `python -m jaxfuse.report`
-  # runs it once, as __main__.
+  # Submodules loaded on first use (PEP 562). jaxfuse.report (a callable module), so that
+  # `python -m jaxfuse.report` runs it once, as __main__; jaxfuse.flax, because flax is an
+  # optional dependency that `import jaxfuse` must not need (`jaxfuse.flax.TrainState` then works
+  # without an `import jaxfuse.flax` of its own).
   if name == "report":
     return _importlib.import_module("jaxfuse.report")
+  if name == "flax":
+    try:
+      return _importlib.import_module("jaxfuse.flax")
+    except ModuleNotFoundError as e:
+      if e.name is None or e.name.split(".")[0] != "flax":
+        raise
+      # An AttributeError, so that hasattr(jaxfuse, "flax") and getattr(..., default) still work.
+      raise AttributeError("jaxfuse.flax needs flax, an optional dependency: "
+                           "pip install 'jaxfuse[flax]'") from e
   raise AttributeError(f"module 'jaxfuse' has no attribute {name!r}")
 
 

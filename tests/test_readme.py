@@ -1,0 +1,280 @@
+"""The README's and docs/' code runs as written, and their relative links resolve.
+
+Every ```python block of a page runs, in order, in one namespace, in a fresh interpreter (so the
+blocks' own imports are what is tested), one interpreter per page. A block that cannot run as
+written (it needs a checkpoint, 8 devices, another page's variables) is fenced ```python no-run
+instead; any other Python fence fails the test, so that no block goes untested by accident. A
+failing block fails its page's test with the block's file and line; the traceback's lines are the
+page's own (each block is compiled at its line in the page).
+
+The blocks use tiny shapes and few steps: the README's and docs/decoder.md's take 10-15 s each
+on 2 CPU cores, most of it compiling; the whole file about 35 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import jaxfuse
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+RUN, NO_RUN = "python", "python no-run"
+PYTHON_LANGS = {"python", "python3", "py", "pycon", "pyi", "ipython", "ipython3"}
+TIMEOUT_S = 300
+
+
+@dataclasses.dataclass
+class Block:
+  line: int  # 1-based line of the opening fence
+  info: str  # the fence's info string, stripped
+  code: str
+
+
+def fenced_blocks(text: str) -> list[Block]:
+  """The fenced code blocks of a Markdown text (CommonMark fences: ``` or ~~~, at most three
+  spaces of indentation, closed by a fence of the same character at least as long)."""
+  blocks, lines, i = [], text.splitlines(), 0
+  while i < len(lines):
+    m = re.match(r"^( {0,3})(`{3,}|~{3,})(.*)$", lines[i])
+    if not m or (m[2][0] == "`" and "`" in m[3]):
+      i += 1
+      continue
+    indent, fence, info, start = len(m[1]), m[2], m[3].strip(), i
+    close = re.compile(rf"^ {{0,3}}{re.escape(fence[0])}{{{len(fence)},}}\s*$")
+    body = []
+    i += 1
+    while i < len(lines) and not close.match(lines[i]):
+      line = lines[i]
+      body.append(line[min(indent, len(line) - len(line.lstrip(" "))):])  # up to the fence's
+      i += 1
+    blocks.append(Block(start + 1, info, "\n".join(body) + "\n"))
+    i += 1  # past the closing fence (or the end: an unclosed fence runs to the end)
+  return blocks
+
+
+def python_blocks(page: Path) -> tuple[list[Block], list[Block], list[Block]]:
+  """(blocks to run, blocks marked no-run, Python blocks marked neither) of a page."""
+  run, skipped, unmarked = [], [], []
+  for block in fenced_blocks(page.read_text()):
+    words = block.info.split()
+    if not words or words[0].lower() not in PYTHON_LANGS:
+      continue
+    if block.info == RUN:
+      run.append(block)
+    elif words == NO_RUN.split():
+      skipped.append(block)
+    else:
+      unmarked.append(block)
+  return run, skipped, unmarked
+
+
+# Runs the blocks listed in a JSON file [[path, fence line, code], ...] in one namespace. Each
+# block is compiled padded with newlines to its first code line, under the page's path, so that
+# tracebacks name the page's own lines (and linecache shows them).
+_RUNNER = textwrap.dedent("""
+    import json, sys, traceback
+    blocks = json.load(open(sys.argv[1]))
+    namespace = {"__name__": "__main__"}
+    for path, line, code in blocks:
+      print(f"=== running the block at {path}:{line}", flush=True)
+      try:
+        exec(compile("\\n" * line + code, path, "exec"), namespace)
+      except BaseException:
+        traceback.print_exc()
+        print(f"=== FAILED: the block at {path}:{line}", flush=True)
+        sys.exit(1)
+    print("=== all blocks ran", flush=True)
+    """)
+
+
+def _subprocess_env() -> dict[str, str]:
+  """This environment, with the jaxfuse this test session imported first on the path."""
+  env = dict(os.environ)
+  package_root = str(Path(jaxfuse.__file__).resolve().parent.parent)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+  return env
+
+
+def run_blocks(page: Path, blocks: list[Block], tmp_path: Path) -> tuple[int, str]:
+  """Runs `blocks` of `page` in a fresh interpreter, in tmp_path. Returns (exit status, stdout
+  and stderr)."""
+  listing = tmp_path / "blocks.json"
+  listing.write_text(json.dumps([[str(page), b.line, b.code] for b in blocks]))
+  try:
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(listing)], cwd=tmp_path,
+                          env=_subprocess_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+  except subprocess.TimeoutExpired as e:
+    out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    return -1, f"{out}\n=== timed out after {TIMEOUT_S} s"
+  return proc.returncode, proc.stdout
+
+
+def _rel(page: Path) -> str:
+  """The page's path relative to the repository (as given when outside it)."""
+  page = Path(page)
+  return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page)
+
+
+def _failure(page: Path, rc: int, out: str) -> str:
+  """The assertion message: which block failed (file and line), then the output's end."""
+  failed = re.findall(r"=== FAILED: the block at (.*):(\d+)", out)
+  where = (f"the ```python block at {_rel(failed[-1][0])}:{failed[-1][1]} failed"
+           if failed else f"{_rel(page)}'s blocks exited with status {rc}")
+  return f"{where}\n{out[-6000:]}"
+
+
+RUNNABLE_PAGES = [p for p in PAGES if python_blocks(p)[0]]
+
+
+def test_every_python_block_is_run_or_marked_no_run():
+  unmarked = [f"{_rel(p)}:{b.line}: ```{b.info}" for p in PAGES for b in python_blocks(p)[2]]
+  assert not unmarked, (f"Python blocks neither ```{RUN} (run by this test) nor ```{NO_RUN}: "
+                        f"{unmarked}")
+  # The README's Quick start is what this file exists for: it must keep running blocks.
+  assert len(python_blocks(ROOT / "README.md")[0]) >= 2
+
+
+@pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=_rel)
+def test_python_blocks_run_as_written(page, tmp_path):
+  rc, out = run_blocks(page, python_blocks(page)[0], tmp_path)
+  assert rc == 0 and out.rstrip().endswith("=== all blocks ran"), _failure(page, rc, out)
+
+
+def test_a_failing_block_fails_with_its_line(tmp_path):
+  """The runner itself: blocks share one namespace, and a failing block is reported at its line
+  in the page (and the traceback at the failing line)."""
+  page = tmp_path / "page.md"
+  page.write_text("# page\n\n```python\nx = 41\n```\n\ntext\n\n```python\ny = x + 1\n"
+                  "assert y == 41, 'planted'\n```\n\n```python no-run\nnever run\n```\n")
+  run, skipped, unmarked = python_blocks(page)
+  assert [b.line for b in run] == [3, 9] and [b.line for b in skipped] == [14] and not unmarked
+  rc, out = run_blocks(page, run, tmp_path)
+  assert rc == 1, out
+  assert f"=== FAILED: the block at {page}:9" in out, out
+  assert f'File "{page}", line 11' in out and "planted" in out, out
+  assert _failure(page, rc, out).startswith(f"the ```python block at {page}:9 failed")
+
+
+def test_fence_parsing():
+  text = ("````markdown\n```python\nnot a block of its own\n```\n````\n"
+          "  ```py\n  a = 1\n  ```\n"
+          "inline ```python``` is no fence\n"
+          "~~~python no-run\nb = 2\n~~~\n")
+  blocks = fenced_blocks(text)
+  assert [(b.line, b.info, b.code) for b in blocks] == [
+      (1, "markdown", "```python\nnot a block of its own\n```\n"),
+      (6, "py", "a = 1\n"),
+      (10, "python no-run", "b = 2\n"),
+  ]
+
+
+# ---- links ---------------------------------------------------------------------------------------
+
+def _outside_fences(text: str) -> list[str]:
+  """The text's lines, those of fenced blocks (fences included) blanked."""
+  lines = text.splitlines()
+  for block in fenced_blocks(text):
+    end = block.line + block.code.count("\n")  # the closing fence's 0-based index
+    lines[block.line - 1:end + 1] = [""] * (end + 2 - block.line)
+  return lines
+
+
+def _prose(text: str) -> str:
+  """The text without its fenced blocks and inline code spans (links are not parsed there)."""
+  return re.sub(r"(`+)(?!`).*?(?<!`)\1(?!`)", "", "\n".join(_outside_fences(text)))
+
+
+def heading_anchors(text: str) -> set[str]:
+  """GitHub's anchors of a page's headings: lowercased, punctuation dropped, spaces to hyphens,
+  repeats numbered -1, -2, ..."""
+  anchors, seen = set(), {}
+  for line in _outside_fences(text):  # headings keep their inline code: it is in the anchor
+    m = re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+    if not m:
+      continue
+    slug = re.sub(r"[^\w\- ]", "", m[1].lower()).replace(" ", "-")
+    n = seen.get(slug, 0)
+    seen[slug] = n + 1
+    anchors.add(slug if n == 0 else f"{slug}-{n}")
+  return anchors
+
+
+def relative_links(page: Path) -> list[str]:
+  """The targets of the page's links and images that are not URLs."""
+  return [target for target in re.findall(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?[^)]*\)",
+                                          _prose(page.read_text()))
+          if not re.match(r"^[a-z][a-z0-9+.-]*:", target)]  # http:, https:, mailto:
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_relative_links_resolve(page):
+  broken = []
+  for target in relative_links(page):
+    path, _, anchor = target.partition("#")
+    dest = (page.parent / path).resolve() if path else page
+    if not dest.exists():
+      broken.append(f"{target} (no file {dest})")
+    elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text()):
+      broken.append(f"{target} (no heading #{anchor} in {_rel(dest)})")
+  assert not broken, f"{_rel(page)}: broken links: {broken}"
+
+
+def test_links_are_found():
+  """The link check sees the README's links to docs/ (a regex that found nothing would pass)."""
+  links = relative_links(ROOT / "README.md")
+  assert "docs/optimizers.md" in links and "docs/decoder.md#trying-it-without-a-checkpoint" in links
+  assert "optimizers.md#which-path" in relative_links(ROOT / "docs" / "api.md")
+  assert "which-path" in heading_anchors(ROOT.joinpath("docs", "optimizers.md").read_text())
+  assert "what-fusion-saves-jaxfusereport" in heading_anchors(
+      ROOT.joinpath("docs", "report.md").read_text())
+
+
+# ---- jaxfuse.flax without `import jaxfuse.flax` --------------------------------------------------
+
+_LAZY_FLAX = textwrap.dedent("""
+    import importlib.util, sys
+    sys.modules["flax"] = None          # flax missing: import jaxfuse must not need it
+    import jaxfuse
+    assert "jaxfuse.flax" not in sys.modules
+    assert not hasattr(jaxfuse, "flax")
+    try:
+      jaxfuse.flax
+    except AttributeError as e:
+      assert "pip install 'jaxfuse[flax]'" in str(e), e
+      assert isinstance(e.__cause__, ModuleNotFoundError), repr(e.__cause__)
+    try:
+      jaxfuse.no_such_name
+    except AttributeError as e:
+      assert "no_such_name" in str(e), e
+    else:
+      raise AssertionError("jaxfuse.no_such_name did not raise AttributeError")
+    del sys.modules["flax"]             # flax installed: jaxfuse.flax loads on first use
+    if importlib.util.find_spec("flax") is None:
+      print("flax not installed")
+    else:
+      assert jaxfuse.flax.TrainState.__module__ == "jaxfuse.flax"
+      assert jaxfuse.flax.Optimizer is sys.modules["jaxfuse.flax"].Optimizer
+      print("jaxfuse.flax loaded")
+    """)
+
+
+def test_jaxfuse_flax_loads_without_its_own_import(tmp_path):
+  proc = subprocess.run([sys.executable, "-c", _LAZY_FLAX], cwd=tmp_path,
+                        env=_subprocess_env(), stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+  assert proc.returncode == 0, proc.stdout
+  if "flax not installed" in proc.stdout:
+    pytest.skip("flax is not installed (the missing-flax half ran)")
+  assert "jaxfuse.flax loaded" in proc.stdout
