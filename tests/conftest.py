@@ -5,6 +5,12 @@ import functools
 import os
 import sys
 
+# Under pytest-xdist (`-n auto`) every worker is a process with its own jax client on the same
+# GPU: each takes the memory it uses instead of jax's default 75% of the card. (Read when the
+# backend starts, so before any test touches a device.)
+if "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 import pytest
 
