@@ -4,8 +4,8 @@
 # against it, less the tests marked slow (a thousand leaves, a large tensor: they stress XLA's
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
 # tools/cuda_on_cpu.sh runs against this build), tests/test_frameworks.py,
-# tests/test_optax_suite.py, tests/test_generate.py and tests/test_hf.py. Exit status 0 when
-# every test passes with no sanitizer report.
+# tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py and tests/test_readme.py.
+# Exit status 0 when every test passes with no sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,10 +21,11 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # both mostly cost compile time; so do test_dtypes.py's eager optax-protocol cases, which call
 # no jaxfuse handler at all. tests/test_generate.py drives the decoder handler through
 # generation loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
-# tests/test_hf.py is Python (the checkpoint loader) and plain XLA.
+# tests/test_hf.py is Python (the checkpoint loader) and plain XLA; tests/test_readme.py runs the
+# documentation's examples, whose calls the op tests cover.
 if [ $# -eq 0 ]; then
   set -- tests -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
-    --ignore=tests/test_generate.py --ignore=tests/test_hf.py
+    --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_readme.py
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"
