@@ -174,7 +174,9 @@ def in_manual_region() -> bool:
 def partitioned_call(op: str, body: Body, layout: Layout,
                      operands: Sequence[jax.Array]) -> list[jax.Array]:
   """Runs ``body`` on every device's shards of ``operands`` (see the module docstring) and
-  returns the results, each sharded as its layout says."""
+  returns the results, each sharded as its layout says. Ops keep zero-size arrays out of
+  ``operands`` (a zero-size shard_map operand segfaults jaxlib 0.11.2's compiler): they leave
+  zero-size leaves out (_trees.nonempty) and make placeholders inside ``body``."""
   operands = list(operands)
   if len(operands) != len(layout.operands):
     raise AssertionError(f"{op}: {len(operands)} operands for a layout of {len(layout.operands)}")

@@ -36,6 +36,14 @@ def as_arrays(tree: Any) -> Any:
   return jax.tree.map(convert, tree)
 
 
+def nonempty(leaves: list[Any]) -> list[int]:
+  """The indices of the leaves with elements: the only leaves jaxfuse's multi-tensor ops pass to
+  their kernels. A zero-size leaf has nothing to read or update, so the op makes its results
+  directly. That also keeps it out of the shard_map or custom_partitioning that runs the kernels
+  on sharded leaves: a zero-size shard_map operand segfaults jaxlib 0.11.2's compiler."""
+  return [i for i, x in enumerate(leaves) if np.size(x)]
+
+
 def leaf_names(tree: Any) -> list[str]:
   """Readable names of a tree's leaves, e.g. "['dense']['kernel']", in flatten order."""
   paths, _ = jax.tree_util.tree_flatten_with_path(tree)

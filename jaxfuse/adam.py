@@ -423,13 +423,12 @@ def _output_dtype(spec: AdamSpec, leaves: _Leaves, i: int):
   return jnp.result_type(leaves.grads[i].dtype, leaves.mu[i].dtype, leaves.nu[i].dtype)
 
 
-def _calls(leaves: _Leaves) -> list[list[int]]:
-  """The leaves of each FFI call: non-empty leaves, one family (compute type, real or complex)
-  per call, at most MAX_LEAVES_PER_CALL each."""
+def _calls(leaves: _Leaves, nonempty: list[int]) -> list[list[int]]:
+  """The leaves of each FFI call: the ``nonempty`` ones, one family (compute type, real or
+  complex) per call, at most MAX_LEAVES_PER_CALL each."""
   families: dict[tuple[bool, bool], list[int]] = {}
-  for i, g in enumerate(leaves.grads):
-    if np.size(g) > 0:
-      families.setdefault(leaves.family(i), []).append(i)
+  for i in nonempty:
+    families.setdefault(leaves.family(i), []).append(i)
   return [idx[k:k + MAX_LEAVES_PER_CALL] for idx in families.values()
           for k in range(0, len(idx), MAX_LEAVES_PER_CALL)]
 
@@ -473,11 +472,11 @@ def _run_step(spec: AdamSpec, grads: Any, state: Any, params: Any, grad_ctrl: Op
   step = _Step([None] * n, list(leaves.mu), list(leaves.nu),
                None if leaves.master_params is None else list(leaves.master_params),
                None, grad_ctrl[_CONTRACT.names["grad_ctrl"].index("skip")] != 0)
-  for i in range(n):  # empty leaves (no call touches them): nothing to compute
-    if np.size(leaves.grads[i]) == 0:
-      step.outputs[i] = (jnp.zeros(jnp.shape(leaves.grads[i]), _output_dtype(spec, leaves, i))
-                         if write_updates else leaves.params[i])
-  for idx in _calls(leaves):
+  nonempty = _trees.nonempty(leaves.grads)
+  for i in sorted(set(range(n)) - set(nonempty)):  # zero-size: no call, nothing to compute
+    step.outputs[i] = (jnp.zeros(jnp.shape(leaves.grads[i]), _output_dtype(spec, leaves, i))
+                       if write_updates else leaves.params[i])
+  for idx in _calls(leaves, nonempty):
     count, out = _adam_ffi(adam_state.count, hyper, grad_ctrl, leaves.select(idx),
                            decay=[decay[i] for i in idx], nesterov=spec.nesterov,
                            write_updates=write_updates,

@@ -131,7 +131,8 @@ def norm_and_grad_ctrl(grads: Any, *, max_norm: Any = None, grad_scale: Any = No
   params = _ffi.device_vector(_CONTRACT.names["norm_params"],
                               loss_scale=1.0 if grad_scale is None else grad_scale,
                               max_norm=math.inf if max_norm is None else max_norm)
-  wide = any(_trees.is_wide(x.dtype) for x in leaves)
+  wide = any(_trees.is_wide(x.dtype) for x in leaves)  # a zero-size leaf counts: optax's dtype
+  leaves = [leaves[i] for i in _trees.nonempty(leaves)]
   call = functools.partial(_norm_ffi, norm_dtype=jnp.float64 if wide else jnp.float32,
                            clip=max_norm is not None, skip_nonfinite=bool(skip_nonfinite),
                            clip_apply_loss_scale=bool(clip_apply_loss_scale))
@@ -168,7 +169,8 @@ def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
   because XLA fuses it into the next pass; kept and tested on both drivers until a GPU shows
   whether the kernel ever wins (see adam.kernel_updates)."""
   leaves, treedef = jax.tree.flatten(_trees.as_arrays(grads))
-  if not leaves:
+  scaled = _trees.nonempty(leaves)
+  if not scaled:
     return grads
 
   def body(shards, grad_ctrl, *local):
@@ -179,11 +181,16 @@ def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
         vmap_method="sequential")
     return call(grad_ctrl, *local)
 
-  dims = _partition.leaf_dims(leaves, "grads")
+  operands = [leaves[i] for i in scaled]
+  dims = _partition.leaf_dims(operands, "grads")
   layout = _partition.Layout(((None,),) + dims, dims,
-                             ("grad_ctrl",) + tuple(f"grads leaf {i}" for i in range(len(leaves))))
-  return treedef.unflatten(_partition.partitioned_call("jaxfuse.clip_by_global_norm", body,
-                                                       layout, [grad_ctrl, *leaves]))
+                             ("grad_ctrl",) + tuple(f"grads leaf {i}" for i in scaled))
+  results = _partition.partitioned_call("jaxfuse.clip_by_global_norm", body, layout,
+                                        [grad_ctrl, *operands])
+  out = list(leaves)  # a zero-size leaf is its own result
+  for i, x in zip(scaled, results):
+    out[i] = x
+  return treedef.unflatten(out)
 
 
 def scale_by_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:

@@ -425,21 +425,25 @@ def _kernel_weights(w: DecoderWeights, cfg: DecoderConfig, dtype) -> DecoderWeig
   return DecoderWeights(*(empty if a is None else a for a in w))
 
 
-def _call_kernel(cfg: DecoderConfig, x, positions, inv_freq, weights: DecoderWeights, k_cache,
+def _call_kernel(cfg: DecoderConfig, x, positions, inv_freq, w: DecoderWeights, k_cache,
                  v_cache):
   """One ``jaxfuse_decoder`` custom call on validated operands; returns (out, k_cache, v_cache).
 
-  ``weights`` has every field (:func:`_kernel_weights`); ``inv_freq`` is cfg.rope_inv_freq().
-  Operands and results are matched to the call's slots by name, in the contract's order; the
-  cache operands alias the cache results, and the workspace result is dropped. Sharded operands
-  split over the batch (x, positions and the caches' batch axis; weights replicated): each
-  device decodes its own rows into its own part of the cache (_partition.partitioned_call).
+  ``w`` holds None for the optional weights ``cfg`` does not use; ``inv_freq`` is
+  cfg.rope_inv_freq(). Operands and results are matched to the call's slots by name, in the
+  contract's order; the cache operands alias the cache results, and the workspace result is
+  dropped. Sharded operands split over the batch (x, positions and the caches' batch axis;
+  weights replicated): each device decodes its own rows into its own part of the cache
+  (_partition.partitioned_call). The empty stand-ins of the unused weights are made inside the
+  body, on each device: a zero-size operand of a shard_map segfaults jaxlib 0.11.2's compiler.
   """
   names = _CONTRACT.names
+  used = jax.tree.structure(w)  # None (no leaf) where a weight is unused
 
   def body(shards, x, positions, inv_freq, *rest):
     del shards  # rows are independent
-    weights, (k_cache, v_cache) = DecoderWeights(*rest[:-2]), rest[-2:]
+    weights = _kernel_weights(used.unflatten(rest[:-2]), cfg, x.dtype)
+    k_cache, v_cache = rest[-2:]
     operands = {"x": x, "positions": positions, "rope_inv_freq": inv_freq, **weights._asdict(),
                 "k_cache": k_cache, "v_cache": v_cache}
     workspace = (_workspace_bytes(cfg, x.shape[0], x.dtype),)
@@ -453,7 +457,7 @@ def _call_kernel(cfg: DecoderConfig, x, positions, inv_freq, weights: DecoderWei
                                            **_attributes(cfg))))
     return outs["out"], outs["k_cache"], outs["v_cache"]
 
-  operands = [x, positions, inv_freq, *weights, k_cache, v_cache]
+  operands = [x, positions, inv_freq, *jax.tree.leaves(w), k_cache, v_cache]
   return tuple(_partition.partitioned_call("persistent_decoder", body, _partition_layout(cfg),
                                            operands))
 
@@ -464,13 +468,14 @@ _CACHE_DIMS = (None, "b", None, None, None)  # [L, B, S, KV, hd]
 
 
 def _partition_layout(cfg: DecoderConfig) -> _partition.Layout:
+  """x, positions, rope_inv_freq, the weights ``cfg`` uses (in field order), the two caches."""
   shapes = cfg.weight_shapes()
+  used = tuple(name for name in DecoderWeights._fields if name in shapes)
   return _partition.Layout(
-      operands=(("b", None), ("b",), (None,))
-      + tuple((None,) * len(shapes.get(name, (0, 0))) for name in DecoderWeights._fields)
+      operands=(("b", None), ("b",), (None,)) + tuple((None,) * len(shapes[n]) for n in used)
       + (_CACHE_DIMS, _CACHE_DIMS),
       results=(("b", None), _CACHE_DIMS, _CACHE_DIMS),
-      names=("x", "positions", "rope_inv_freq") + DecoderWeights._fields + ("cache.k", "cache.v"))
+      names=("x", "positions", "rope_inv_freq") + used + ("cache.k", "cache.v"))
 
 
 def _fold(size: int, a, batched: bool, axis: int):
@@ -521,7 +526,7 @@ def _not_differentiable(primals, tangents):
 @functools.cache
 def _decoder_step(cfg: DecoderConfig):
   """The decode step for ``cfg``: ``(x, positions, inv_freq, weights, k_cache, v_cache) -> (out,
-  k, v)``, ``weights`` with every field (:func:`_kernel_weights`).
+  k, v)``, ``weights`` with None for the weights ``cfg`` does not use.
 
   The custom call with a vmap rule (:class:`jax.custom_batching.custom_vmap`) inside a
   :class:`jax.custom_jvp` whose rule raises, so that jax.grad, jax.jvp, jax.vjp and friends fail
@@ -577,8 +582,7 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
   _check_rows("persistent_decoder", "positions", given, 0, cfg.max_seq_len,
               f"[0, {cfg.max_seq_len}) (max_seq_len)", check_positions)
   inv_freq = jnp.asarray(cfg.rope_inv_freq())
-  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq,
-                                             _kernel_weights(w, cfg, x.dtype), cache.k, cache.v)
+  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq, w, cache.k, cache.v)
   return out, KVCache(k_cache, v_cache)
 
 

@@ -2,6 +2,7 @@
 on sys.path through tests/conftest.py, and running a single test file does the same). Fixtures
 and hooks live in conftest.py."""
 
+import re
 import zlib
 
 import jax
@@ -88,6 +89,31 @@ def count_custom_calls(hlo_text, target):
   """Custom calls to handler `target` in compiled HLO text or lowered StableHLO text."""
   target = _ffi.target(target)  # the CUDA-on-CPU check runs the suite under other target names
   return hlo_text.count(f'custom_call_target="{target}"') + hlo_text.count(f"custom_call @{target}(")
+
+
+def zero_size_float_operands(lowered):
+  """The zero-size floating-point operands of the custom calls (kernels, custom_partitioning) and
+  shard_maps in a lowered function's StableHLO, as "op: type" strings. Integer operands are left
+  out: the global norm's peer-sum rows (uint32) are empty by design on one device."""
+  found = []
+
+  def walk(op):
+    name = op.operation.name
+    if name in ("stablehlo.custom_call", "sdy.manual_computation"):
+      if name == "stablehlo.custom_call":
+        name = str(op.attributes["call_target_name"]).strip('"')
+      for value in op.operands:
+        m = re.fullmatch(r"tensor<((?:\d+x)*)(.+)>", str(value.type))
+        if m and "0" in m[1].split("x") and not re.fullmatch(r"u?i\d+", m[2]):
+          found.append(f"{name}: {value.type}")
+    for region in op.regions:
+      for block in region:
+        for inner in block:
+          walk(inner)
+
+  for op in lowered.compiler_ir("stablehlo").body.operations:
+    walk(op)
+  return found
 
 
 class Snapshot:

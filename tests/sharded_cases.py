@@ -18,7 +18,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
-from helpers import assert_trees_close, random_decoder_problem, random_tree, ulp
+from helpers import (assert_trees_close, random_decoder_problem, random_tree, ulp,
+                     zero_size_float_operands)
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (tests/test_sharding.py runs this file)")
@@ -182,6 +183,25 @@ def test_global_norm(mesh_name, kind):
   assert np.asarray(first).tobytes() == np.asarray(unsharded).tobytes()
 
 
+def test_zero_size_leaves_reach_no_kernel(mesh_name, kind):
+  """No zero-size leaf is an operand of a kernel or of the shard_map (Explicit axes) or
+  custom_partitioning op (Auto axes) around it: jaxlib 0.11.2's compiler segfaults on a zero-size
+  shard_map operand. (test_fused_clip_adamw_step checks the values.)"""
+  mesh = make_mesh(mesh_name, kind)
+  params, specs = tree_and_specs(mesh_name, kind, 19)
+  params.update(empty=jnp.zeros((0, 8)), empty_split=jnp.zeros((8, 0)))
+  specs.update(empty=P(), empty_split=P(mesh.axis_names[0]))
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
+  around = "sdy.manual_computation" if kind == "explicit" else "@CustomSPMDPartitioning"
+  with jax.set_mesh(mesh):
+    p = put(params, mesh, specs)
+    for step in (lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True),
+                 lambda p, s, g: tx.update(g, s, p)):
+      lowered = jax.jit(step).lower(p, tx.init(p), p)
+      assert around in lowered.as_text()
+      assert zero_size_float_operands(lowered) == []
+
+
 def test_training_loop_in_scan_and_fori_loop(kind):
   """The fused step as a lax.scan / fori_loop carry (the Explicit-axes case failed with a carry
   type mismatch before); three steps equal optax's."""
@@ -281,6 +301,9 @@ def test_batch_sharded_decoder(kind):
     cs = jax.device_put(cache, rows(P(None, "fsdp")))
     step = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg),
                    donate_argnums=(3,))
+    # The kernel takes empty stand-ins of the unused weights; what runs it on shards takes none.
+    assert all(o.startswith("jaxfuse_decoder:")
+               for o in zero_size_float_operands(step.lower(xs, ps, ws, cs)))
     assert collectives(step.lower(xs, ps, ws, cs).compile().as_text()) == (0, 0)
     h, new_cache = step(xs, ps, ws, cs)
     assert full_spec(new_cache.k.sharding.spec, 5) == P(None, "fsdp", None, None, None)

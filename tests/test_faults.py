@@ -7,6 +7,7 @@ import pickle
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import optax
 import pytest
@@ -46,6 +47,15 @@ PARAM_KINDS = {
 }
 
 
+# jaxlib 0.11.2 (not 0.10.2, not 0.12) on the CPU leaves a donated bfloat16 array undeleted once
+# np.asarray has read it (Snapshot does), as plain jax shows:
+#   x = jnp.ones(8, jnp.bfloat16); np.asarray(x)
+#   jax.jit(lambda x: x + 1, donate_argnums=0)(x); assert x.is_deleted()  # fails
+_BF16_DONATION_BUG = pytest.mark.xfail(
+    condition=jaxlib.__version__ == "0.11.2", strict=True,
+    reason="jaxlib 0.11.2 bug: a CPU bfloat16 array read by np.asarray is not deleted when donated")
+
+
 def _make_tx(opt, clip, master):
   if opt == "adam":
     inner = jaxfuse.adam(3e-2, master_weights=master, skip_nonfinite=True)
@@ -73,7 +83,10 @@ def _adam_count(state, chained):
 @pytest.mark.parametrize("clip", [False, True], ids=["noclip", "clip"])
 @pytest.mark.parametrize("opt", ["adam", "adamw"])
 @pytest.mark.parametrize("path", ["optax", "fused"])
-def test_nonfinite_step_leaves_everything_bitwise_unchanged(device, path, opt, clip, kind):
+def test_nonfinite_step_leaves_everything_bitwise_unchanged(request, device, path, opt, clip,
+                                                            kind):
+  if path == "fused" and kind == "bf16_master" and device.platform == "cpu":
+    request.applymarker(_BF16_DONATION_BUG)  # the donation check below meets it
   dtype, master = PARAM_KINDS[kind]
   seed = [100, ["optax", "fused"].index(path), ["adam", "adamw"].index(opt), int(clip),
           list(PARAM_KINDS).index(kind)]

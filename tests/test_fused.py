@@ -9,7 +9,9 @@ import optax
 import pytest
 
 import jaxfuse
-from helpers import assert_trees_close, count_custom_calls, random_tree
+from jaxfuse.adam import default_grad_ctrl, kernel_updates
+from jaxfuse.clip import apply_grad_ctrl
+from helpers import assert_trees_close, count_custom_calls, random_tree, zero_size_float_operands
 
 SHAPES = [(), (0,), (7,), (33, 5), (4, 3, 2)]
 
@@ -84,6 +86,23 @@ def test_clip_is_folded_into_the_adam_kernels(device):
   assert count_custom_calls(text, "jaxfuse_global_norm") == 1
   assert count_custom_calls(text, "jaxfuse_adam") == 1
   assert count_custom_calls(text, "jaxfuse_apply_grad_ctrl") == 0
+
+
+def test_zero_size_leaves_reach_no_kernel(device):
+  """A zero-size leaf has nothing to update: no kernel gets one as an operand (nor, sharded, the
+  shard_map around it, which jaxlib 0.11.2's compiler segfaults on), and the step is optax's."""
+  params = random_tree(1, [(0,), (33, 5), (4, 0, 2)], device=device)
+  adamw = jaxfuse.adamw(1e-2)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(0.5), adamw)
+  steps = [("jaxfuse_adam", lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)),
+           ("jaxfuse_adam", lambda p, s, g: kernel_updates(adamw, g, s[1], p)),
+           ("jaxfuse_global_norm", lambda p, s, g: tx.update(g, s, p)),
+           ("jaxfuse_apply_grad_ctrl", lambda p, s, g: apply_grad_ctrl(g, default_grad_ctrl()))]
+  for target, step in steps:
+    lowered = jax.jit(step).lower(params, tx.init(params), _grads(0, params))
+    assert count_custom_calls(lowered.as_text(), target) == 1, target
+    assert zero_size_float_operands(lowered) == [], target
+  _assert_same_step(tx, optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)), params)
 
 
 @pytest.mark.parametrize("use_grad_mean", [True, False])
