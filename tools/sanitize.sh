@@ -24,7 +24,7 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # tests/test_hf.py is Python (the checkpoint loader) and plain XLA; tests/test_readme.py runs the
 # documentation's examples, whose calls the op tests cover.
 if [ $# -eq 0 ]; then
-  set -- tests -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
+  set -- tests -n auto -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_readme.py
 fi
