@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs a built wheel as a user without a CUDA compiler would (a fresh virtual environment,
 # no nvcc on the PATH) and runs the tests against the installed package.
-#   bash tools/test_wheel.sh [WHEEL [pytest args]]   # default: dist/jaxfuse-*.whl, the op tests
+#   bash tools/test_wheel.sh [WHEEL [pytest args]]   # WHEEL "" or none: dist/jaxfuse-*.whl;
+#                                                    # no pytest args: the op tests
 # JAX_VERSION=0.11.2 installs that jax and jaxlib beside it (default: the newest pip gives).
 set -euo pipefail
 cd "$(dirname "$0")/.."
