@@ -1,0 +1,117 @@
+"""Runs each jaxfuse CUDA op on the GPU on fresh random inputs and compares it with the CPU
+handler on the same inputs: how many output elements differ and by how much. Small and quick on
+purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process.
+
+  python3 tools/gpu_ops.py [norm] [adam] [decoder]     # default: all three
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxfuse
+
+SHAPES = [(), (1,), (7,), (1023,), (3, 17), (257, 129), (4096 * 9 + 5,)]
+
+
+def tree(seed, dtypes):
+  rng = np.random.default_rng(seed)
+  return {f"p{i}": jnp.asarray(rng.standard_normal(s), dt)
+          for i, (s, dt) in enumerate(zip(SHAPES, dtypes))}
+
+
+def on(device, x):
+  return jax.device_put(x, device)
+
+
+def compare(name, gpu, cpu):
+  """One line: leaves, elements that differ, the largest difference in units of the leaf's max."""
+  n = differ = 0
+  worst = 0.0
+  for a, b in zip(jax.tree.leaves(gpu), jax.tree.leaves(cpu)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    n += a.size
+    ne = ~((a == b) | (np.isnan(a) & np.isnan(b)))
+    differ += int(ne.sum())
+    if ne.any():
+      worst = max(worst, float(np.max(np.abs(a - b)[ne]) / max(np.max(np.abs(b)), 1e-30)))
+  print(f"{name:42s} {differ:7d} of {n:7d} elements differ (GPU vs CPU); max diff / leaf max {worst:.2e}")
+
+
+def run_norm(gpu, cpu):
+  for dts, label in (([jnp.float32] * 7, "f32"), ([jnp.bfloat16] * 7, "bf16"),
+                     ([jnp.float32, jnp.bfloat16, jnp.float16] * 2 + [jnp.float32], "mixed")):
+    t = tree(1, dts)
+    f = jax.jit(jaxfuse.global_norm)
+    compare(f"global_norm {label}", f(on(gpu, t)), f(on(cpu, t)))
+
+
+ADAM_CASES = {
+    "adamw f32": (dict(), jnp.float32),
+    "adamw f32 nesterov": (dict(nesterov=True), jnp.float32),
+    "adamw f32 mu bf16": (dict(mu_dtype=jnp.bfloat16), jnp.float32),
+    "adamw bf16 + f32 master": (dict(master_weights=True), jnp.bfloat16),
+    "adamw bf16 + master, mu bf16": (dict(master_weights=True, mu_dtype=jnp.bfloat16), jnp.bfloat16),
+    "adamw f16 + master": (dict(master_weights=True), jnp.float16),
+    "adamw bf16 (no master)": (dict(), jnp.bfloat16),
+}
+
+
+def run_adam(gpu, cpu):
+  def fused(tx):
+    return jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(1, 2))
+
+  def optax_step(tx):
+    def step(g, s, p):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    return jax.jit(step, donate_argnums=(1, 2))
+
+  cases = [(f"{label}{' + clip' if clip else ''}", fused, jaxfuse.adamw, kw, dt, clip)
+           for label, (kw, dt) in ADAM_CASES.items() for clip in (False, True)]
+  # XLA's own arithmetic on the two platforms, for scale: optax itself, GPU vs CPU.
+  cases += [("optax: adamw f32", optax_step, optax.adamw, {}, jnp.float32, False),
+            ("optax: adamw f32 mu bf16", optax_step, optax.adamw, dict(mu_dtype=jnp.bfloat16),
+             jnp.float32, False)]
+  for label, make_step, adamw, kw, dt, clip in cases:
+    inner = adamw(1e-2, weight_decay=0.1, **kw)
+    tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), inner) if clip else inner
+    step = make_step(tx)
+    out = {}
+    for name, device in (("gpu", gpu), ("cpu", cpu)):
+      p = on(device, tree(2, [dt] * 7))
+      s = tx.init(p)
+      for t in range(5):
+        g = on(device, tree(10 + t, [dt] * 7))
+        p, s = step(g, s, p)
+      out[name] = (p, s)
+    compare(f"{label} (5 steps)", out["gpu"], out["cpu"])
+
+
+def run_decoder(gpu, cpu):
+  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                              head_dim=64, intermediate_size=640, max_seq_len=96)
+  rng = np.random.default_rng(3)
+  for dt in (jnp.float32, jnp.bfloat16):
+    w = jaxfuse.DecoderWeights(**{
+        n: jnp.asarray((1.0 if "norm" in n else 0.0) + rng.standard_normal(s) / np.sqrt(s[-1]), dt)
+        for n, s in cfg.weight_shapes().items()})
+    cache = jaxfuse.KVCache(*[jnp.asarray(rng.standard_normal(cfg.cache_shape(3)), dt)] * 2)
+    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), dt)
+    pos = jnp.array([0, 37, 95], jnp.int32)
+    f = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg))
+    res = {name: f(*on(d, (x, pos, w, cache))) for name, d in (("gpu", gpu), ("cpu", cpu))}
+    compare(f"persistent_decoder {jnp.dtype(dt).name}", res["gpu"], res["cpu"])
+
+
+def main(ops):
+  gpu, cpu = jax.devices("cuda")[0], jax.devices("cpu")[0]
+  for op in ops or ("norm", "adam", "decoder"):
+    {"norm": run_norm, "adam": run_adam, "decoder": run_decoder}[op](gpu, cpu)
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

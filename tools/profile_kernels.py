@@ -1,0 +1,47 @@
+"""Runs each jaxfuse CUDA kernel a few times at benchmark sizes, for a profiler to look at:
+
+  ncu --clock-control none --kernel-name regex:'decoder_kernel|multi_tensor|norm_finish' --launch-skip 6 --launch-count 4 \
+      python3 tools/profile_kernels.py
+
+One decode step of Llama-3.2-1B layer shapes (bf16, batch 1, context 1024) and one fused
+clip+AdamW step on a 64M-parameter fp32 tensor, each run 3 times (the first compiles).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxfuse
+
+
+def main():
+  cfg = jaxfuse.DecoderConfig(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
+                              head_dim=64, intermediate_size=8192, max_seq_len=1024)
+  keys = jax.random.split(jax.random.key(0), len(cfg.weight_shapes()) + 3)
+  w = jaxfuse.DecoderWeights(**{
+      n: ((1.0 if "norm" in n else 0.0) + jax.random.normal(k, s) / np.sqrt(s[-1])).astype(jnp.bfloat16)
+      for k, (n, s) in zip(keys, cfg.weight_shapes().items())})
+  cache = jaxfuse.KVCache(*[jax.random.normal(k, cfg.cache_shape(1)).astype(jnp.bfloat16)
+                            for k in keys[-2:]])
+  x = jax.random.normal(keys[-3], (1, cfg.hidden_size)).astype(jnp.bfloat16)
+  pos = jnp.array([1023], jnp.int32)
+  step = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg), donate_argnums=3)
+  for _ in range(3):
+    x, cache = step(x, pos, w, cache)
+  jax.block_until_ready(x)
+
+  n = 64 << 20
+  params = {"w": jax.random.normal(keys[0], (n,)) * 0.02}
+  grads = {"w": jax.random.normal(keys[1], (n,)) * 0.01}
+  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-3, weight_decay=0.1))
+  state = tx.init(params)
+  opt = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+  for _ in range(3):
+    params, state = opt(params, state, grads)
+  jax.block_until_ready(params)
+  print("done")
+
+
+if __name__ == "__main__":
+  main()
