@@ -1,7 +1,7 @@
 """What a jitted step launches, moves and holds: ``jaxfuse.report(fn, *args)``.
 
-The report compiles ``fn(*args, **kwargs)`` for the default backend (nothing runs) and reads the
-compiled HLO:
+The report compiles ``fn(*args, **kwargs)`` where its arguments live (nothing runs) and reads
+the compiled HLO:
 
 * XLA kernels: the instructions the step executes that launch work (fusions, copies, library
   calls such as cuBLAS, collectives), counted once per run: the body of a ``while`` loop with
@@ -113,8 +113,9 @@ class Report:
 
 def report(fn: Callable, *args: Any, baseline: Optional[tuple] = None, **kwargs: Any) -> Report:
   """Compiles ``fn(*args, **kwargs)`` (a jitted or plain function; arguments may be arrays or
-  ``jax.ShapeDtypeStruct``) for the default backend without running it, and reports what one
-  call launches, moves and holds (see the module docstring).
+  ``jax.ShapeDtypeStruct``) without running it, for the devices its arguments are on (jax's
+  default device for abstract ones), and reports what one call launches, moves and holds (see
+  the module docstring).
 
   ``baseline=(fn2, args2)`` or ``(fn2, args2, kwargs2)`` reports a second step beside it;
   ``report.ratios()`` then gives baseline / step for launches, XLA kernels, bytes and memory.
@@ -135,7 +136,7 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   compiled = jitted.lower(*args, **kwargs).compile()
   module = _hlo.Module.parse(compiled.as_text())
-  platform = _platform()
+  platform = _platform(compiled)
   rows, exact = _rows(module, platform)
   jf = [r for r in rows if r.jaxfuse]
   memory = _memory(compiled)
@@ -164,8 +165,11 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
   )
 
 
-def _platform() -> str:
-  device = jax.devices()[0]
+def _platform(compiled) -> str:
+  """Where the executable runs: the device of its first argument or result sharding."""
+  shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+  devices = next((s.device_set for s in shardings if isinstance(s, jax.sharding.Sharding)), None)
+  device = next(iter(devices)) if devices else jax.devices()[0]
   if device.platform == "gpu" and "cuda" in device.client.platform_version.lower():
     return "cuda"
   return device.platform
