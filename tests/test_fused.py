@@ -179,7 +179,7 @@ def test_refused_compositions_say_what_to_use(tx, match):
 def test_export_with_the_safety_checks_disabled(device):
   params = random_tree(3, [(5, 3), (3,)], device=device)
   tx = optax.chain(jaxfuse.clip_by_global_norm(0.5), jaxfuse.adamw(1e-2))
-  state = tx.init(params)
+  state = jax.device_put(tx.init(params), device)  # optax makes the count on the default device
   leaves, treedef = jax.tree.flatten((params, state))
 
   @jax.jit
@@ -188,9 +188,11 @@ def test_export_with_the_safety_checks_disabled(device):
     return jax.tree.leaves(jaxfuse.fused_step(tx, g, s, p))
 
   g = _grads(4, params)
+  platforms = ["cuda" if device.platform == "gpu" else device.platform]
   with pytest.raises(ValueError, match="custom calls"):
-    jax.export.export(step)(g, *leaves)
-  exported = jax.export.export(step, disabled_checks=jaxfuse.export_safety_checks())(g, *leaves)
+    jax.export.export(step, platforms=platforms)(g, *leaves)
+  exported = jax.export.export(step, platforms=platforms,
+                               disabled_checks=jaxfuse.export_safety_checks())(g, *leaves)
   expected = step(g, *leaves)
   assert_trees_close(exported.call(g, *leaves), expected, rtol=0, atol=0)
   pytest.importorskip("flatbuffers")  # jax's serialization needs it
