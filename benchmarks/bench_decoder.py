@@ -9,7 +9,7 @@ Two plain-JAX baselines are timed, and the speedup is against the faster of them
               weights to fp32 inside the step).
 
 On a GPU: Llama-3.2-1B layer shapes (16 layers, D 2048, 32 heads, 8 kv heads, hd 64, I 8192, bf16),
-batch 1/4/16, context 128/1024/4096. On CPU a small config, batch 1/4/8/16, context 128/512
+batch 1/4/16, context 1k/4k/16k. On CPU a small config, batch 1/4/8/16, context 128/512
 (`--quick`: fewer cases and steps).
 
 Bytes moved per step = all layer weights + the K and V cache read (B * context * kv_dim * 2 per
@@ -86,7 +86,7 @@ def plan(args, on_gpu):
   if on_gpu:
     p = dict(base=dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
                        intermediate_size=8192),
-             batches=[1, 4, 16], contexts=[128, 1024, 4096], steps=args.steps or 50, warmup=5,
+             batches=[1, 4, 16], contexts=[1024, 4096, 16384], steps=args.steps or 50, warmup=5,
              title="Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192), bf16",
              copy_bytes=1 << 30, copy_reps=10)
     if args.quick:

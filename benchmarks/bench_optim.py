@@ -138,6 +138,8 @@ def main(argv=None):
                   help="comma-separated single-tensor sizes in millions (default: 0.0625 to 64 on CPU, "
                        "to 256 on GPU)")
   ap.add_argument("--skip-gpt2", action="store_true")
+  ap.add_argument("--compile-times", action="store_true",
+                  help="only time compiling the clipped step for 1000 and 3000 leaves")
   ap.add_argument("--out", type=str, default=None, help="also write the markdown table here")
   ap.add_argument("--plot", type=str, default=None,
                   help="PNG of achieved GB/s against tensor size (default: "
@@ -147,6 +149,9 @@ def main(argv=None):
   device = jax.devices()[0]
   on_gpu = device.platform == "gpu"
   progress(f"device {device} ({device.device_kind}); jaxfuse backends {jaxfuse.backends()}")
+  if args.compile_times:
+    emit_table(compile_times([1000, 3000], progress), args.out)
+    return
   copy_bw = 1e9 * copy_bandwidth(device, 1 << (24 if args.quick else 28))
   progress(f"copy bandwidth {copy_bw / 1e9:.1f} GB/s")
 
@@ -169,6 +174,25 @@ def main(argv=None):
   plot_bandwidth(rows, device, args.plot or os.path.join(
       os.path.dirname(os.path.abspath(__file__)), f"optim_bandwidth_{device.platform}.png"),
       progress)
+
+
+def compile_times(leaf_counts, progress):
+  """Seconds to lower and compile the clipped AdamW step, jaxfuse fused vs optax, per tree size
+  (64x64 leaves): what bounds the leaves per jaxfuse call."""
+  lines = ["| leaves | variant | lower s | compile s |", "|---:|---|---:|---:|"]
+  for leaves in leaf_counts:
+    params = make_tree([(64, 64)] * leaves)
+    for name, _, (tx, fn) in variants():
+      if not name.endswith("+clip"):
+        continue
+      t0 = time.perf_counter()
+      lowered = jax.jit(fn, donate_argnums=(0, 1)).lower(params, tx.init(params), params)
+      t1 = time.perf_counter()
+      lowered.compile()
+      t2 = time.perf_counter()
+      lines.append(f"| {leaves} | {name} | {t1 - t0:.2f} | {t2 - t1:.2f} |")
+      progress(lines[-1])
+  return "\n".join(lines)
 
 
 def plot_bandwidth(rows, device, path, progress):
