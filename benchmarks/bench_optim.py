@@ -138,6 +138,8 @@ def main(argv=None):
                   help="comma-separated single-tensor sizes in millions (default: 0.0625 to 64 on CPU, "
                        "to 256 on GPU)")
   ap.add_argument("--skip-gpt2", action="store_true")
+  ap.add_argument("--tensors-only", action="store_true",
+                  help="only the single-tensor trees of --sizes (no GPT-2, no 1000 leaves)")
   ap.add_argument("--compile-times", action="store_true",
                   help="only time compiling the clipped step for 1000 and 3000 leaves")
   ap.add_argument("--out", type=str, default=None, help="also write the markdown table here")
@@ -160,9 +162,10 @@ def main(argv=None):
     trees.append(("1000 leaves x 4K", [(64, 64)] * 1000 if on_gpu else [(32, 32)] * 200))
     trees.append(("1M tensor", [(1 << 20,)]))
   else:
-    if not args.skip_gpt2:
+    if not (args.skip_gpt2 or args.tensors_only):
       trees.append(("GPT-2 small", gpt2_small_shapes()))
-    trees.append(("1000 leaves x 4K", [(64, 64)] * 1000))
+    if not args.tensors_only:
+      trees.append(("1000 leaves x 4K", [(64, 64)] * 1000))
     sizes = args.sizes or ("0.0625,0.25,1,4,16,64,256" if on_gpu else "0.0625,0.25,1,4,16,64")
     for m in sizes.split(","):
       trees.append((f"{m}M tensor", [(int(float(m) * (1 << 20)),)]))

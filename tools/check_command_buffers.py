@@ -152,6 +152,9 @@ def main() -> int:
     for program, wanted in TARGETS.items():
       got = captured(dump, program)
       print(f"{name:8s} {program:12s} jaxfuse targets inside command buffers: {sorted(got)}")
+      if name == "off" and got:
+        print("  captured with command buffers off: the flag no longer disables them")
+        ok = False
       if name != "off" and not wanted <= got:
         print(f"  NOT captured: {sorted(wanted - got)}")
         ok = False

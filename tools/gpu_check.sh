@@ -5,19 +5,24 @@
 #   STAGE_LIMIT_S=285 bash tools/gpu_check.sh bench_optim bench_decoder   # ~6.5 min
 #   STAGE_LIMIT_S=110 bash tools/gpu_check.sh sanitize report             # ~1.5 min
 #   STAGE_LIMIT_S=200 bash tools/gpu_check.sh bench_train profile bench_leaves
+#   STAGE_LIMIT_S=400 bash tools/gpu_check.sh variants
 #   bash tools/gpu_check.sh all                                           # all, in that order
 # (times measured on an H100 on 2026-11-24, from a carried build).
 #
-# Stages: env (driver, toolkit, jax), build (use a carried build/gpu-carry whose CUDA module loads
-# there, else build with the machine's nvcc into build/gpu-device), build_pip (the user's editable
+# Stages: env (driver, toolkit, jax), build (use a carried build/gpu-carry of these sources whose
+# CUDA module loads there, else build with the machine's nvcc into build/gpu-device), build_pip (the user's editable
 # install, with --no-build-isolation), tests (the suite, CUDA backend included), graphs (command
 # buffers on vs off, bitwise, training step and decode loop), sanitize (memcheck, racecheck,
 # synccheck over tools/gpu_ops.py, one op per process), report, bench_optim, bench_decoder,
 # bench_train, profile (ncu over tools/profile_kernels.py), bench_leaves (the 1000-leaf tree with
-# XLA's command buffers off, beside bench_optim's run with them on).
+# XLA's command buffers off, beside bench_optim's run with them on), variants (tuning switches,
+# timed beside the default build).
 #
-# Carry a build: on the CPU machine, build the CUDA module for Python 3.12 (cmake -DJAXFUSE_CUDA=ON
-# with a 3.12 Python_EXECUTABLE) and copy its two .so files into build/gpu-carry.
+# Before the lease, on the CPU machine: PYTHON=<a Python 3.12 with jax and nanobind> bash
+# tools/gpu_check.sh carry builds the modules (sm_90) into build/gpu-carry and build/variant-*,
+# each stamped with a hash of the sources; name those folders in the device call's carry. The
+# build and variants stages use a carried build only if its hash matches the tree's, and else
+# build there (~minutes).
 #
 # Every stage logs to $OUT/<stage>.log (default ./gpu_out) and has a time limit (STAGE_LIMIT_S,
 # default 540 s); its row of the summary is kept in build/gpu_check_summary.md, so a later command
@@ -26,31 +31,46 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
+SELF="$ROOT/tools/gpu_check.sh"
 OUT="${OUT:-$ROOT/gpu_out}"
 mkdir -p "$OUT" build
 SUMMARY=build/gpu_check_summary.md
 EXT_FILE=build/gpu_check_extension_dir
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 LIMIT="${STAGE_LIMIT_S:-540}"
+# The whole command's budget: a step gets at most what is left of it, so that the summary still
+# prints inside the device's 10-minute limit.
+START=$(date +%s)
+DEADLINE="${DEADLINE_S:-570}"
 Q=${QUICK:+--quick}
 
 step() {  # step NAME COMMAND...: runs under the time limit, logs, records a summary row
   local name="$1"; shift
   local t0=$(date +%s)
-  echo "=== $name: $*"
-  timeout --kill-after=10 "$LIMIT" "$@" > "$OUT/$name.log" 2>&1
+  local limit=$(( DEADLINE - 15 - (t0 - START) ))
+  [ "$limit" -gt "$LIMIT" ] && limit=$LIMIT
+  if [ "$limit" -lt 10 ]; then
+    echo "| $name | SKIPPED (the command's ${DEADLINE}s are spent) | - | $(date -u +%H:%M) |" >> "$SUMMARY"
+    return 1
+  fi
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   local dt=$(( $(date +%s) - t0 ))
   tail -n 15 "$OUT/$name.log"
   local result="ok"
-  [ $rc -eq 124 ] && result="TIMED OUT (${LIMIT}s)"
+  [ $rc -eq 124 ] && result="TIMED OUT (${limit}s)"
   [ $rc -ne 0 ] && [ $rc -ne 124 ] && result="FAILED ($rc)"
   echo "| $name | $result | ${dt}s | $(date -u +%H:%M) |" >> "$SUMMARY"
   return $rc
 }
 
-use_extension() {  # the directory holding _jaxfuse_cpu / _jaxfuse_cuda that later stages load
-  [ -f "$EXT_FILE" ] && export JAXFUSE_EXTENSION_DIR="$(cat "$EXT_FILE")"
+use_extension() {  # the modules later stages load: the build stage's choice, else a carried build
+  if [ -f "$EXT_FILE" ]; then
+    export JAXFUSE_EXTENSION_DIR="$(cat "$EXT_FILE")"
+  elif carried build/gpu-carry; then
+    export JAXFUSE_EXTENSION_DIR="$ROOT/build/gpu-carry"
+  fi
 }
 
 cuda_usable() {
@@ -73,20 +93,48 @@ stage_env() {
   cat "$OUT/env.log"
 }
 
+source_hash() {  # source_hash [FLAGS]: what a build is of: the CMake file, the sources, flags
+  { cat CMakeLists.txt $(find src_cuda -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' \
+      -o -name '*.cuh' \) | LC_ALL=C sort); echo "flags: ${1:-}"; } | sha256sum | cut -c1-16
+}
+
+build_into() {  # build_into DIR PYTHON [CUDA FLAGS]: both modules for sm_90, copied into DIR
+  local dir=$1 py=$2 flags=${3:-}
+  cmake -S . -B "$dir-cmake" -G Ninja -DSKBUILD_PROJECT_NAME=jaxfuse -DPython_EXECUTABLE="$py" \
+      -DCMAKE_BUILD_TYPE=Release -DJAXFUSE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DCMAKE_CUDA_FLAGS="$flags -Xptxas=-v" \
+    && cmake --build "$dir-cmake" -j"$(nproc)" -v \
+    && mkdir -p "$dir" && cp "$dir-cmake"/*.so "$dir"/ && source_hash "$flags" > "$dir/SOURCE_HASH"
+}
+
+carried() {  # carried DIR [FLAGS]: DIR holds a build of exactly these sources with these flags
+  [ -f "$1/SOURCE_HASH" ] && [ "$(cat "$1/SOURCE_HASH")" = "$(source_hash "${2:-}")" ] \
+    && ls "$1"/_jaxfuse_cuda.*.so > /dev/null 2>&1
+}
+
+stage_carry() {  # on the CPU machine, before the lease: PYTHON=<a Python 3.12 with jax, nanobind>
+  local py=${PYTHON:?PYTHON must name a Python 3.12 with jax and nanobind installed} v
+  carried build/gpu-carry || step carry_default bash "$SELF" _run build_into build/gpu-carry "$py"
+  for v in "${VARIANTS[@]}"; do
+    carried "build/variant-${v%%:*}" "${v#*:}" \
+      || step "carry_${v%%:*}" bash "$SELF" _run build_into "build/variant-${v%%:*}" "$py" "${v#*:}"
+  done
+  du -sh build/gpu-carry build/variant-*/ | grep -v cmake
+}
+
 stage_build() {
-  if [ -d build/gpu-carry ] && cuda_usable build/gpu-carry > "$OUT/build.log" 2>&1; then
+  rm -f "$EXT_FILE"
+  if carried build/gpu-carry && cuda_usable build/gpu-carry > "$OUT/build.log" 2>&1; then
     echo "$ROOT/build/gpu-carry" > "$EXT_FILE"
-    echo "| build | carried build/gpu-carry loads, CUDA usable | - | $(date -u +%H:%M) |" >> "$SUMMARY"
+    echo "| build | carried build/gpu-carry ($(source_hash)) loads, CUDA usable | - | $(date -u +%H:%M) |" >> "$SUMMARY"
     cat "$OUT/build.log"
     return 0
   fi
-  echo "carried build unusable here ($(tail -1 "$OUT/build.log")): building with this machine's nvcc"
-  step build bash -c "cmake -S . -B build/gpu-device -G Ninja -DSKBUILD_PROJECT_NAME=jaxfuse \
-      -DPython_EXECUTABLE=$(command -v python3) -DCMAKE_BUILD_TYPE=Release -DJAXFUSE_CUDA=ON \
-      -DCMAKE_CUDA_FLAGS=-Xptxas=-v && cmake --build build/gpu-device -j16 -v" || return 1
+  echo "no carried build of these sources ($(source_hash)) that loads here: building with this machine's nvcc"
+  step build bash "$SELF" _run build_into build/gpu-device "$(command -v python3)" || return 1
   grep -E "spill|registers" "$OUT/build.log" | sort -u > "$OUT/ptxas.txt"
   echo "$ROOT/build/gpu-device" > "$EXT_FILE"
-  step backends cuda_usable "$ROOT/build/gpu-device"
+  step backends bash "$SELF" _run cuda_usable "$ROOT/build/gpu-device"
 }
 
 stage_build_pip() {  # what a user on this machine would run (compiles everything: ~minutes)
@@ -109,7 +157,7 @@ stage_graphs() {
 stage_sanitize() {
   use_extension
   for tool in memcheck racecheck synccheck; do
-    step "sanitize_$tool" bash "$0" _sanitize_one "$tool"
+    step "sanitize_$tool" bash "$SELF" _run _sanitize_one "$tool"
   done
 }
 
@@ -117,7 +165,7 @@ _sanitize_one() {  # _sanitize_one TOOL: a plain jax program, then each op in it
   # The plain program tells a problem of the sanitizer with jax from one in jaxfuse. Every
   # kernel is checked, XLA's too: judge findings by the kernel they name.
   local tool=$1 rc=0 r
-  for op in plain norm adam decoder; do
+  for op in plain norm grad_ctrl adam decoder; do
     echo "--- $tool: $op"
     if [ "$op" = plain ]; then
       set -- python3 -c "import jax.numpy as j; print(float((j.ones(1000) * 2).sum()))"
@@ -151,7 +199,7 @@ stage_bench_train() {
 stage_profile() {
   use_extension
   step profile ncu --clock-control none --kernel-name regex:'decoder_kernel|multi_tensor|norm_finish' \
-    --launch-skip 2 --launch-count 4 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    --launch-skip 2 --launch-count 13 --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
     python3 tools/profile_kernels.py
 }
@@ -163,16 +211,42 @@ stage_bench_leaves() {
   rm -f "$OUT/unused.png"
 }
 
+# Tuning variants: the default build beside builds that differ by one switch (see the switches'
+# comments in src_cuda/cuda), timed side by side. A variant's build is carried in
+# build/variant-NAME (stage carry) or built here, all in parallel.
+VARIANTS=("mt_min4:-DJAXFUSE_MT_MIN_BLOCKS_PER_SM=4" "mt_min3:-DJAXFUSE_MT_MIN_BLOCKS_PER_SM=3"
+          "decoder_1:-DJAXFUSE_DECODER_BLOCKS_PER_SM=1")
+
+stage_variants() {
+  use_extension
+  local v specs=("default=${JAXFUSE_EXTENSION_DIR:?no build: run the build stage first}")
+  local left=$(( DEADLINE - 120 - ($(date +%s) - START) ))
+  for v in "${VARIANTS[@]}"; do  # the missing builds, in parallel, leaving 2 minutes to time them
+    carried "build/variant-${v%%:*}" "${v#*:}" || timeout "$left" bash "$SELF" _run build_into \
+        "build/variant-${v%%:*}" "$(command -v python3)" "${v#*:}" >> "$OUT/variant_builds.log" 2>&1 &
+  done
+  wait
+  for v in "${VARIANTS[@]}"; do
+    if carried "build/variant-${v%%:*}" "${v#*:}"; then
+      specs+=("${v%%:*}=$ROOT/build/variant-${v%%:*}")
+    else
+      echo "| variant ${v%%:*} | build FAILED (variant_builds.log) | - | $(date -u +%H:%M) |" >> "$SUMMARY"
+    fi
+  done
+  step variants python3 tools/bench_variants.py "${specs[@]}"
+}
+
 stage_report() {
   use_extension
   step report python3 -m jaxfuse.report
 }
 
-if [ "${1:-}" = _sanitize_one ]; then use_extension; _sanitize_one "$2"; exit; fi
+# `step` runs commands, not functions: a stage's function runs under it as `bash $SELF _run FN ...`.
+if [ "${1:-}" = _run ]; then shift; use_extension; "$@"; exit; fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && { echo "usage: $0 STAGE... | all (see the header)"; exit 2; }
 [ "${stages[0]}" = all ] && stages=(env build graphs tests bench_optim bench_decoder sanitize report
-                                    bench_train profile bench_leaves)
+                                    bench_train profile bench_leaves variants)
 for s in "${stages[@]}"; do
   if ! declare -F "stage_$s" > /dev/null; then echo "unknown stage: $s"; exit 2; fi
 done

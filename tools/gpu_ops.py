@@ -2,7 +2,7 @@
 handler on the same inputs: how many output elements differ and by how much. Small and quick on
 purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process.
 
-  python3 tools/gpu_ops.py [norm] [adam] [decoder]     # default: all three
+  python3 tools/gpu_ops.py [norm] [grad_ctrl] [adam] [decoder]     # default: all four
 """
 
 import sys
@@ -47,6 +47,14 @@ def run_norm(gpu, cpu):
     t = tree(1, dts)
     f = jax.jit(jaxfuse.global_norm)
     compare(f"global_norm {label}", f(on(gpu, t)), f(on(cpu, t)))
+
+
+def run_grad_ctrl(gpu, cpu):
+  """jaxfuse.clip.apply_grad_ctrl: the kernel that scales every leaf by the clip factor."""
+  from jaxfuse.clip import apply_grad_ctrl, norm_and_grad_ctrl
+  t = tree(4, [jnp.float32, jnp.bfloat16, jnp.float16] * 2 + [jnp.float32])
+  f = jax.jit(lambda t: apply_grad_ctrl(t, norm_and_grad_ctrl(t, max_norm=1.0)[1]))
+  compare("apply_grad_ctrl mixed", f(on(gpu, t)), f(on(cpu, t)))
 
 
 ADAM_CASES = {
@@ -109,8 +117,9 @@ def run_decoder(gpu, cpu):
 
 def main(ops):
   gpu, cpu = jax.devices("cuda")[0], jax.devices("cpu")[0]
-  for op in ops or ("norm", "adam", "decoder"):
-    {"norm": run_norm, "adam": run_adam, "decoder": run_decoder}[op](gpu, cpu)
+  runs = {"norm": run_norm, "grad_ctrl": run_grad_ctrl, "adam": run_adam, "decoder": run_decoder}
+  for op in ops or runs:
+    runs[op](gpu, cpu)
 
 
 if __name__ == "__main__":

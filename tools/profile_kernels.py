@@ -1,10 +1,13 @@
 """Runs each jaxfuse CUDA kernel a few times at benchmark sizes, for a profiler to look at:
 
-  ncu --clock-control none --kernel-name regex:'decoder_kernel|multi_tensor|norm_finish' --launch-skip 6 --launch-count 4 \
-      python3 tools/profile_kernels.py
+  ncu --clock-control none --kernel-name regex:'decoder_kernel|multi_tensor|norm_finish' \
+      --launch-skip 2 --launch-count 13 python3 tools/profile_kernels.py
 
-One decode step of Llama-3.2-1B layer shapes (bf16, batch 1, context 1024) and one fused
-clip+AdamW step on a 64M-parameter fp32 tensor, each run 3 times (the first compiles).
+One decode step of Llama-3.2-1B layer shapes (bf16, batch 1, context 1024), then fused
+clip+AdamW steps on a 64M-parameter fp32 tensor and on the GPT-2-small tree (148 leaves: one
+Adam launch), each run 3 times (the first compiles). A clipped step is 3 launches (norm
+partials, norm finish, Adam); ncu counts only the kernels its filter matches, so the skip and
+count above take the third decoder launch, the three 64M steps and the first GPT-2 step.
 """
 
 import jax
@@ -13,6 +16,7 @@ import numpy as np
 import optax
 
 import jaxfuse
+from jaxfuse.report import gpt2_small_shapes
 
 
 def main():
@@ -31,15 +35,16 @@ def main():
     x, cache = step(x, pos, w, cache)
   jax.block_until_ready(x)
 
-  n = 64 << 20
-  params = {"w": jax.random.normal(keys[0], (n,)) * 0.02}
-  grads = {"w": jax.random.normal(keys[1], (n,)) * 0.01}
   tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-3, weight_decay=0.1))
-  state = tx.init(params)
-  opt = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
-  for _ in range(3):
-    params, state = opt(params, state, grads)
-  jax.block_until_ready(params)
+  for shapes in ([(64 << 20,)], gpt2_small_shapes()):
+    params = {f"p{i:03d}": jax.random.normal(jax.random.key(i), s) * 0.02
+              for i, s in enumerate(shapes)}
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    state = tx.init(params)
+    opt = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+    for _ in range(3):
+      params, state = opt(params, state, grads)
+    jax.block_until_ready(params)
   print("done")
 
 

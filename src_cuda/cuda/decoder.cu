@@ -61,7 +61,13 @@ constexpr int kKChunk = 256;      // GEMV input rows staged in shared memory at 
 constexpr int kMaxHeadDim = 256;  // lanes hold head_dim / 32 <= 8 elements
 constexpr int kLaneElems = kMaxHeadDim / 32;  // head elements of a lane: lane + 32 * e
 constexpr int kHeadChunk = int(kDecHeadChunk);
-constexpr int kMaxBlocksPerSm = 2;
+// Blocks per SM, which caps registers at 65536 / (kThreads * blocks): at 2 (128 registers) the
+// kernel spills 56-224 B (ncu on an H100: 1.45M local-memory requests per bf16 step).
+// JAXFUSE_DECODER_BLOCKS_PER_SM is a tuning switch for tools/gpu_check.sh's variants stage.
+#ifndef JAXFUSE_DECODER_BLOCKS_PER_SM
+#define JAXFUSE_DECODER_BLOCKS_PER_SM 2
+#endif
+constexpr int kMaxBlocksPerSm = JAXFUSE_DECODER_BLOCKS_PER_SM;
 constexpr int kMaxTile = 256;  // columns per tile for 16-bit dtypes
 constexpr int kStaged = 2048;  // floats of the shared staging area
 

@@ -20,6 +20,19 @@ namespace jaxfuse {
 
 inline constexpr int kMultiTensorThreads = 256;
 
+// A tuning switch for tools/gpu_check.sh's variants stage: a minimum of resident blocks per SM,
+// which caps the kernels' registers (4: 64 registers; the fp32 Adam kernels then spill 0-56 B and
+// the float64 ones 668-1156 B). 0, the default, sets no minimum (87-108 registers in fp32, 2
+// blocks per SM: ncu on an H100 measured 25% occupancy and 72% of DRAM bandwidth).
+#ifndef JAXFUSE_MT_MIN_BLOCKS_PER_SM
+#define JAXFUSE_MT_MIN_BLOCKS_PER_SM 0
+#endif
+#if JAXFUSE_MT_MIN_BLOCKS_PER_SM > 0
+#define JF_MULTI_TENSOR_BOUNDS __launch_bounds__(kMultiTensorThreads, JAXFUSE_MT_MIN_BLOCKS_PER_SM)
+#else
+#define JF_MULTI_TENSOR_BOUNDS __launch_bounds__(kMultiTensorThreads)
+#endif
+
 template <int kLists>
 struct TensorTable {
   static constexpr int kCap = table_capacity(kLists);  // multi_tensor_plan.h
@@ -57,7 +70,7 @@ __device__ __forceinline__ int find_entry(const int32_t* chunk_start, int num, i
 // and `finish(block)` after them, with `block` numbering blocks across all launches of one
 // multi_tensor_apply (for ops that write one partial result per block).
 template <int kLists, typename Op>
-__global__ void __launch_bounds__(kMultiTensorThreads)
+__global__ void JF_MULTI_TENSOR_BOUNDS
     multi_tensor_kernel(const __grid_constant__ TensorTable<kLists> table, Op op, int block_offset) {
   op.prepare();
   const int total = table.chunk_start[table.num_tensors];
