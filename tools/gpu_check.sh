@@ -114,6 +114,7 @@ carried() {  # carried DIR [FLAGS]: DIR holds a build of exactly these sources w
 
 stage_carry() {  # on the CPU machine, before the lease: PYTHON=<a Python 3.12 with jax, nanobind>
   local py=${PYTHON:?PYTHON must name a Python 3.12 with jax and nanobind installed} v
+  DEADLINE=${DEADLINE_S:-3600}  # no device limit here: four full builds on a small machine
   carried build/gpu-carry || step carry_default bash "$SELF" _run build_into build/gpu-carry "$py"
   for v in "${VARIANTS[@]}"; do
     carried "build/variant-${v%%:*}" "${v#*:}" \
