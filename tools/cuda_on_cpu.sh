@@ -36,7 +36,7 @@ cp "$BUILD"/_jaxfuse_cpu.*.so "$SMALL"/  # the CPU handlers to compare against
 emu_tests() {  # BUILD_DIR [pytest args]: tests/test_cuda_on_cpu.py against that build
   local dir="$1"; shift
   with_dev_build "$dir" env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 \
-    python3 -m pytest -q -p no:cacheprovider tests/test_cuda_on_cpu.py "$@"
+    python3 -m pytest -q -n auto -p no:cacheprovider tests/test_cuda_on_cpu.py "$@"
 }
 
 if has_stage driver; then
