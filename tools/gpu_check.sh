@@ -6,7 +6,7 @@
 #   STAGE_LIMIT_S=110 bash tools/gpu_check.sh sanitize report             # ~1.5 min
 #   STAGE_LIMIT_S=200 bash tools/gpu_check.sh bench_train profile bench_leaves
 #   STAGE_LIMIT_S=400 bash tools/gpu_check.sh variants
-#   bash tools/gpu_check.sh all                                           # all, in that order
+#   DEADLINE_S=3600 bash tools/gpu_check.sh all    # all, in that order, where no 10-minute limit is
 # (times measured on an H100 on 2026-11-24, from a carried build).
 #
 # Stages: env (driver, toolkit, jax), build (use a carried build/gpu-carry of these sources whose
