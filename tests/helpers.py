@@ -57,6 +57,13 @@ def random_decoder_problem(cfg, batch, dtype, seed, device=None):
   return jax.device_put(problem, device) if device is not None else problem
 
 
+def init_beside(tx, params):
+  """``tx.init(params)`` with the whole state on the params' device: optax makes its step count
+  on jax's default device, which on a GPU machine is not where CPU params are."""
+  device = next(iter(jax.tree.leaves(params)[0].devices()))
+  return jax.device_put(tx.init(params), device)
+
+
 def ulp(dtype):
   """Relative spacing of floats of `dtype` (2^-23 for fp32, 2^-7 for bf16, 2^-10 for fp16)."""
   return float(jnp.finfo(dtype).eps)

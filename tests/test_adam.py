@@ -12,7 +12,7 @@ import jaxfuse
 from jaxfuse import _ffi
 from jaxfuse.adam import MAX_LEAVES_PER_CALL
 from jaxfuse.adam import kernel_updates
-from helpers import assert_trees_close, count_custom_calls, random_tree, ulp
+from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]
 F32_EPS = ulp(jnp.float32)
@@ -50,7 +50,7 @@ def _run_both(fused_tx, optax_tx, params, steps, seed=1, grad_scale=1.0, rtol=ST
   upd_f = jax.jit(fused_tx.update)
   upd_o = jax.jit(optax_tx.update)
   pf, po = params, _on_cpu(params)
-  sf, so = fused_tx.init(pf), _on_cpu(optax_tx.init(po))
+  sf, so = fused_tx.init(pf), init_beside(optax_tx, po)
   lr_scale = 1.0
   for t in range(steps):
     g = _grads(seed * 1000 + t, params, grad_scale)
@@ -261,7 +261,7 @@ def test_master_weights(device, dtype, grad_dtype, mu_dtype):
   master0 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
   tf = jaxfuse.adamw(1e-2, mu_dtype=mu_dtype, weight_decay=0.1, master_weights=True)
   to = optax.adamw(1e-2, mu_dtype=mu_dtype, weight_decay=0.1)
-  sf, so = tf.init(params), _on_cpu(to.init(_on_cpu(master0)))
+  sf, so = tf.init(params), init_beside(to, _on_cpu(master0))
   extra = sf[-1]
   assert isinstance(extra, jaxfuse.AdamExtraState)
   assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(extra.master_params))

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxfuse
-from helpers import assert_trees_close, count_custom_calls, random_tree, ulp
+from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5)]
 # optax's global norm (optax.tree.norm in newer optax, optax.global_norm before).
@@ -134,7 +134,7 @@ def test_clip_adamw_chain_matches_optax(device, ratio, fused):
 def test_fused_clip_step_launches_and_no_host_traffic(device):
   params = random_tree(9, [(64,), (8, 8), ()], device=device)
   tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(optax.cosine_decay_schedule(1e-3, 100)))
-  state = jax.device_put(tx.init(params), device)  # optax makes the count on the default device
+  state = init_beside(tx, params)
   step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True),
                  donate_argnums=(0, 1))
   g = jax.tree.map(lambda x: x * 10, params)

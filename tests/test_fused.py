@@ -11,7 +11,8 @@ import pytest
 import jaxfuse
 from jaxfuse.adam import default_grad_ctrl, kernel_updates
 from jaxfuse.clip import apply_grad_ctrl
-from helpers import assert_trees_close, count_custom_calls, random_tree, zero_size_float_operands
+from helpers import (assert_trees_close, count_custom_calls, init_beside, random_tree,
+                     zero_size_float_operands)
 
 SHAPES = [(), (0,), (7,), (33, 5), (4, 3, 2)]
 
@@ -179,7 +180,7 @@ def test_refused_compositions_say_what_to_use(tx, match):
 def test_export_with_the_safety_checks_disabled(device):
   params = random_tree(3, [(5, 3), (3,)], device=device)
   tx = optax.chain(jaxfuse.clip_by_global_norm(0.5), jaxfuse.adamw(1e-2))
-  state = jax.device_put(tx.init(params), device)  # optax makes the count on the default device
+  state = init_beside(tx, params)
   leaves, treedef = jax.tree.flatten((params, state))
 
   @jax.jit

@@ -14,7 +14,7 @@ import pytest
 import jaxfuse
 from jaxfuse import report as report_module
 from jaxfuse.adam import MAX_LEAVES_PER_CALL
-from helpers import random_decoder_problem, random_tree
+from helpers import init_beside, random_decoder_problem, random_tree
 
 SHAPES = [(3, 5), (7,), (), (0,), (33, 17), (4097,)]
 
@@ -36,10 +36,9 @@ def adamw_steps(shapes, clip=True, dtype=jnp.float32, device=None, **adam_kwargs
     return optax.apply_updates(p, u), s
 
   donate = dict(donate_argnums=(0, 1))
-  # optax makes the count on the default device: the states go where the params are.
-  states = jax.device_put((jf.init(params), ox.init(params)), device)
   return (jax.jit(lambda p, s, g: jaxfuse.fused_step(jf, g, s, p), **donate),
-          jax.jit(optax_step, **donate), params, *states, grads)
+          jax.jit(optax_step, **donate), params, init_beside(jf, params), init_beside(ox, params),
+          grads)
 
 
 def entry_ops(compiled_text, opcode):

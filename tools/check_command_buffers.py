@@ -41,6 +41,9 @@ def child(out_path: str) -> None:
 
   import jaxfuse
 
+  sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+  from helpers import random_decoder_problem  # the tests' decoder inputs
+
   assert jax.devices()[0].platform == "gpu", jax.devices()
   results = {}
   k = jax.random.split(jax.random.key(0), 4)
@@ -71,16 +74,7 @@ def child(out_path: str) -> None:
 
   cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                               head_dim=64, intermediate_size=512, max_seq_len=64)
-  shapes = cfg.weight_shapes()
-  keys = jax.random.split(jax.random.key(1), len(shapes) + 2)
-  w = jaxfuse.DecoderWeights(**{
-      name: ((1.0 if "norm" in name else 0.0)
-             + jax.random.normal(kk, shape) / np.sqrt(shape[-1])).astype(jnp.bfloat16)
-      for kk, (name, shape) in zip(keys, shapes.items())})
-  batch = 2
-  cache = jaxfuse.KVCache(*[jax.random.normal(kk, cfg.cache_shape(batch)).astype(jnp.bfloat16)
-                            for kk in keys[-2:]])
-  h = jax.random.normal(keys[0], (batch, cfg.hidden_size)).astype(jnp.bfloat16)
+  h, w, cache = random_decoder_problem(cfg, 2, jnp.bfloat16, seed=1)
 
   def decode_loop(h, pos, cache):
     for _ in range(4):

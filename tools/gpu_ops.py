@@ -5,6 +5,7 @@ purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process.
   python3 tools/gpu_ops.py [norm] [grad_ctrl] [adam] [decoder]     # default: all four
 """
 
+import os
 import sys
 
 import jax
@@ -14,13 +15,10 @@ import optax
 
 import jaxfuse
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from helpers import random_decoder_problem, random_tree  # noqa: E402  (the tests' inputs)
+
 SHAPES = [(), (1,), (7,), (1023,), (3, 17), (257, 129), (4096 * 9 + 5,)]
-
-
-def tree(seed, dtypes):
-  rng = np.random.default_rng(seed)
-  return {f"p{i}": jnp.asarray(rng.standard_normal(s), dt)
-          for i, (s, dt) in enumerate(zip(SHAPES, dtypes))}
 
 
 def on(device, x):
@@ -44,7 +42,7 @@ def compare(name, gpu, cpu):
 def run_norm(gpu, cpu):
   for dts, label in (([jnp.float32] * 7, "f32"), ([jnp.bfloat16] * 7, "bf16"),
                      ([jnp.float32, jnp.bfloat16, jnp.float16] * 2 + [jnp.float32], "mixed")):
-    t = tree(1, dts)
+    t = random_tree(1, SHAPES, dts)
     f = jax.jit(jaxfuse.global_norm)
     compare(f"global_norm {label}", f(on(gpu, t)), f(on(cpu, t)))
 
@@ -52,7 +50,7 @@ def run_norm(gpu, cpu):
 def run_grad_ctrl(gpu, cpu):
   """jaxfuse.clip.apply_grad_ctrl: the kernel that scales every leaf by the clip factor."""
   from jaxfuse.clip import apply_grad_ctrl, norm_and_grad_ctrl
-  t = tree(4, [jnp.float32, jnp.bfloat16, jnp.float16] * 2 + [jnp.float32])
+  t = random_tree(4, SHAPES, [jnp.float32, jnp.bfloat16, jnp.float16] * 2 + [jnp.float32])
   f = jax.jit(lambda t: apply_grad_ctrl(t, norm_and_grad_ctrl(t, max_norm=1.0)[1]))
   compare("apply_grad_ctrl mixed", f(on(gpu, t)), f(on(cpu, t)))
 
@@ -90,10 +88,10 @@ def run_adam(gpu, cpu):
     step = make_step(tx)
     out = {}
     for name, device in (("gpu", gpu), ("cpu", cpu)):
-      p = on(device, tree(2, [dt] * 7))
+      p = on(device, random_tree(2, SHAPES, dt))
       s = tx.init(p)
       for t in range(5):
-        g = on(device, tree(10 + t, [dt] * 7))
+        g = on(device, random_tree(10 + t, SHAPES, dt))
         p, s = step(g, s, p)
       out[name] = (p, s)
     compare(f"{label} (5 steps)", out["gpu"], out["cpu"])
@@ -102,13 +100,8 @@ def run_adam(gpu, cpu):
 def run_decoder(gpu, cpu):
   cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                               head_dim=64, intermediate_size=640, max_seq_len=96)
-  rng = np.random.default_rng(3)
   for dt in (jnp.float32, jnp.bfloat16):
-    w = jaxfuse.DecoderWeights(**{
-        n: jnp.asarray((1.0 if "norm" in n else 0.0) + rng.standard_normal(s) / np.sqrt(s[-1]), dt)
-        for n, s in cfg.weight_shapes().items()})
-    cache = jaxfuse.KVCache(*[jnp.asarray(rng.standard_normal(cfg.cache_shape(3)), dt)] * 2)
-    x = jnp.asarray(rng.standard_normal((3, cfg.hidden_size)), dt)
+    x, w, cache = random_decoder_problem(cfg, 3, dt, seed=3)
     pos = jnp.array([0, 37, 95], jnp.int32)
     f = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg))
     res = {name: f(*on(d, (x, pos, w, cache))) for name, d in (("gpu", gpu), ("cpu", cpu))}

@@ -10,22 +10,25 @@ partials, norm finish, Adam); ncu counts only the kernels its filter matches, so
 count above take the third decoder launch, the three 64M steps and the first GPT-2 step.
 """
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import jaxfuse
 from jaxfuse.report import gpt2_small_shapes
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_decoder import make_weights  # noqa: E402
+
 
 def main():
   cfg = jaxfuse.DecoderConfig(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8,
                               head_dim=64, intermediate_size=8192, max_seq_len=1024)
-  keys = jax.random.split(jax.random.key(0), len(cfg.weight_shapes()) + 3)
-  w = jaxfuse.DecoderWeights(**{
-      n: ((1.0 if "norm" in n else 0.0) + jax.random.normal(k, s) / np.sqrt(s[-1])).astype(jnp.bfloat16)
-      for k, (n, s) in zip(keys, cfg.weight_shapes().items())})
+  w = make_weights(cfg, jnp.bfloat16, jax.devices()[0])  # initialized on the device: 2.5 GB
+  keys = jax.random.split(jax.random.key(0), 3)
   cache = jaxfuse.KVCache(*[jax.random.normal(k, cfg.cache_shape(1)).astype(jnp.bfloat16)
                             for k in keys[-2:]])
   x = jax.random.normal(keys[-3], (1, cfg.hidden_size)).astype(jnp.bfloat16)
