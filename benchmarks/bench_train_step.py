@@ -32,7 +32,7 @@ import optax
 
 import jaxfuse
 from _common import emit_table
-from jaxfuse.report import gpt2_small_shapes
+from jaxfuse._report import gpt2_small_shapes
 
 try:
   from flax.training import train_state as flax_train_state

@@ -23,15 +23,16 @@ import importlib as _importlib
 from importlib import metadata as _metadata
 
 from jaxfuse._ffi import backends, export_safety_checks
-from jaxfuse.accumulate import multi_steps
-from jaxfuse.adam import AdamExtraState, adam, adamw, nadam, nadamw
-from jaxfuse.clip import clip_by_global_norm, global_norm
-from jaxfuse.decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
-                             decoder_reference, persistent_decoder)
-from jaxfuse.fused import fused_step
-from jaxfuse.generation import decode_step, generate, init_cache, prefill
-from jaxfuse.hf import load_hf
-from jaxfuse.model import DecoderModel
+from jaxfuse._accumulate import multi_steps
+from jaxfuse._adam import AdamExtraState, adam, adamw, nadam, nadamw
+from jaxfuse._clip import clip_by_global_norm, global_norm
+from jaxfuse._decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
+                              decoder_reference, persistent_decoder)
+from jaxfuse._fused import fused_step
+from jaxfuse._generation import decode_step, generate, init_cache, prefill
+from jaxfuse._hf import load_hf
+from jaxfuse._model import DecoderModel
+from jaxfuse._report import Report, report
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
   __version__ = _metadata.version("jaxfuse")
@@ -40,12 +41,9 @@ except _metadata.PackageNotFoundError:  # source tree on sys.path without an ins
 
 
 def __getattr__(name: str):
-  # Submodules loaded on first use (PEP 562). jaxfuse.report (a callable module), so that
-  # `python -m jaxfuse.report` runs it once, as __main__; jaxfuse.flax, because flax is an
-  # optional dependency that `import jaxfuse` must not need (`jaxfuse.flax.TrainState` then works
-  # without an `import jaxfuse.flax` of its own).
-  if name == "report":
-    return _importlib.import_module("jaxfuse.report")
+  # jaxfuse.flax loads on first use (PEP 562): flax is an optional dependency that `import
+  # jaxfuse` must not need (`jaxfuse.flax.TrainState` then works without an `import jaxfuse.flax`
+  # of its own).
   if name == "flax":
     try:
       return _importlib.import_module("jaxfuse.flax")
@@ -64,6 +62,8 @@ __all__ = [
     "DecoderModel",
     "DecoderWeights",
     "KVCache",
+    "Report",
+    "Report",
     "RopeScaling",
     "adam",
     "adamw",

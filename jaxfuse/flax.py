@@ -21,7 +21,7 @@ import flax.nnx as nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from jaxfuse.fused import fused_step
+from jaxfuse._fused import fused_step
 
 
 class TrainState(train_state.TrainState):

@@ -10,8 +10,8 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi
-from jaxfuse.adam import MAX_LEAVES_PER_CALL
-from jaxfuse.adam import kernel_updates
+from jaxfuse._adam import MAX_LEAVES_PER_CALL
+from jaxfuse._adam import kernel_updates
 from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]

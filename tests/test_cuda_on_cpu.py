@@ -18,8 +18,8 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _ffi, clip
-from jaxfuse.adam import kernel_updates
+from jaxfuse import _ffi, _clip as clip
+from jaxfuse._adam import kernel_updates
 from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:

@@ -427,7 +427,7 @@ def test_handler_validates_buffers(device):
                num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
                max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), qkv_bias=np.bool_(True),
                qk_norm=np.bool_(True))
-  from jaxfuse.decoder import _workspace_bytes
+  from jaxfuse._decoder import _workspace_bytes
 
   def call(ws_bytes, **over):
     a = dict(attrs, **over)

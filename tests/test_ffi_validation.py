@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from jaxfuse import _ffi
-from jaxfuse.decoder import DecoderConfig, DecoderWeights, _workspace_bytes
+from jaxfuse._decoder import DecoderConfig, DecoderWeights, _workspace_bytes
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse.adam import default_grad_ctrl, kernel_updates
-from jaxfuse.clip import apply_grad_ctrl
+from jaxfuse._adam import default_grad_ctrl, kernel_updates
+from jaxfuse._clip import apply_grad_ctrl
 from helpers import (assert_trees_close, count_custom_calls, init_beside, random_tree,
                      zero_size_float_operands)
 

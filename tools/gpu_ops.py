@@ -49,7 +49,7 @@ def run_norm(gpu, cpu):
 
 def run_grad_ctrl(gpu, cpu):
   """jaxfuse.clip.apply_grad_ctrl: the kernel that scales every leaf by the clip factor."""
-  from jaxfuse.clip import apply_grad_ctrl, norm_and_grad_ctrl
+  from jaxfuse._clip import apply_grad_ctrl, norm_and_grad_ctrl
   t = random_tree(4, SHAPES, [jnp.float32, jnp.bfloat16, jnp.float16] * 2 + [jnp.float32])
   f = jax.jit(lambda t: apply_grad_ctrl(t, norm_and_grad_ctrl(t, max_norm=1.0)[1]))
   compare("apply_grad_ctrl mixed", f(on(gpu, t)), f(on(cpu, t)))

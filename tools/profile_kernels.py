@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import optax
 
 import jaxfuse
-from jaxfuse.report import gpt2_small_shapes
+from jaxfuse._report import gpt2_small_shapes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 from bench_decoder import make_weights  # noqa: E402

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxfuse.decoder import DecoderConfig, DecoderWeights, _ref_rmsnorm
+from jaxfuse._decoder import DecoderConfig, DecoderWeights, _ref_rmsnorm
 
 __all__ = ["DecoderModel"]
 

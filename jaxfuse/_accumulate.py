@@ -10,8 +10,8 @@ import optax
 
 from jaxfuse import _inplace
 from jaxfuse import _trees
-from jaxfuse.clip import global_norm
-from jaxfuse.fused import fused_step
+from jaxfuse._clip import global_norm
+from jaxfuse._fused import fused_step
 
 
 def multi_steps(tx: optax.GradientTransformation,

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxfuse.decoder import DecoderConfig, DecoderWeights, RopeScaling
-from jaxfuse.model import DecoderModel
+from jaxfuse._decoder import DecoderConfig, DecoderWeights, RopeScaling
+from jaxfuse._model import DecoderModel
 
 __all__ = ["load_hf"]
 

@@ -330,7 +330,7 @@ def grad_ctrl_for(spec: AdamSpec, grads: Any, grad_scale: Any = None, *,
   only when something needs it (clipping, the non-finite check, or the norm itself); a bare loss
   scale goes into the vector directly."""
   if clip_max_norm is not None or spec.skip_nonfinite or need_norm:
-    from jaxfuse.clip import norm_and_grad_ctrl  # the finite check is the global-norm op's
+    from jaxfuse._clip import norm_and_grad_ctrl  # the finite check is the global-norm op's
 
     return norm_and_grad_ctrl(grads, max_norm=clip_max_norm, grad_scale=grad_scale,
                               skip_nonfinite=spec.skip_nonfinite, axis_name=axis_name)

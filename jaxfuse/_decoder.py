@@ -284,7 +284,7 @@ def _check_contract(contract: _ffi.Contract) -> None:
     problems.append(f"attributes {attrs} are not the DecoderConfig fields {fields}")
   if problems:
     raise ImportError("jaxfuse.decoder: the C++ contract of jaxfuse_decoder disagrees with "
-                      f"jaxfuse/decoder.py: {'; '.join(problems)} (rebuild jaxfuse, or update "
+                      f"jaxfuse/_decoder.py: {'; '.join(problems)} (rebuild jaxfuse, or update "
                       "decoder.py to match src_cuda/include/jaxfuse/decoder.h)")
 
 

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse.decoder import (DecoderWeights, KVCache, _check_rows, _concrete, decoder_reference,
+from jaxfuse._decoder import (DecoderWeights, KVCache, _check_rows, _concrete, decoder_reference,
                              persistent_decoder)
-from jaxfuse.model import DecoderModel
+from jaxfuse._model import DecoderModel
 
 __all__ = ["init_cache", "prefill", "decode_step", "generate"]
 
@@ -81,7 +81,7 @@ def _check_prompts(fn: str, model: DecoderModel, tokens, lengths,
                    check_lengths: bool = False) -> None:
   """Shapes and dtypes; the values too when they are concrete (out-of-range ids or lengths
   would otherwise be clamped silently by the embedding gather). ``check_lengths``: a checkify
-  check of traced lengths (:func:`jaxfuse.decoder._check_rows`)."""
+  check of traced lengths (:func:`jaxfuse._decoder._check_rows`)."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"{fn}: prompt_tokens must be an integer array [batch, prompt_len], got "
                      f"{tokens.dtype}{list(tokens.shape)}")
