@@ -63,7 +63,6 @@ __all__ = [
     "DecoderWeights",
     "KVCache",
     "Report",
-    "Report",
     "RopeScaling",
     "adam",
     "adamw",

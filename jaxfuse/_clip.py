@@ -51,6 +51,7 @@ class ClipSpec:
 
 
 _SUM_WORDS = _CONTRACT.numbers["norm_sum_words"]
+GRAD_CTRL_NAMES = _CONTRACT.names["grad_ctrl"]  # GradCtrl (norm_math.h), what optimizers read
 
 
 def _no_peers() -> jax.Array:
@@ -163,41 +164,11 @@ def global_norm(tree: Any, *, grad_scale: Optional[Any] = None,
   return norm_and_grad_ctrl(tree, grad_scale=grad_scale, axis_name=axis_name)[0]
 
 
-def apply_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
-  """Scales every leaf as the control vector says (one jaxfuse_apply_grad_ctrl call; each device
-  scales its own shards). The kernel twin of scale_by_grad_ctrl, which the transforms use
-  because XLA fuses it into the next pass; kept and tested on both drivers until a GPU shows
-  whether the kernel ever wins (see adam.kernel_updates)."""
-  leaves, treedef = jax.tree.flatten(_trees.as_arrays(grads))
-  scaled = _trees.nonempty(leaves)
-  if not scaled:
-    return grads
-
-  def body(shards, grad_ctrl, *local):
-    del shards
-    call = jax.ffi.ffi_call(
-        _ffi.target("jaxfuse_apply_grad_ctrl"),
-        [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in local],
-        vmap_method="sequential")
-    return call(grad_ctrl, *local)
-
-  operands = [leaves[i] for i in scaled]
-  dims = _partition.leaf_dims(operands, "grads")
-  layout = _partition.Layout(((None,),) + dims, dims,
-                             ("grad_ctrl",) + tuple(f"grads leaf {i}" for i in scaled))
-  results = _partition.partitioned_call("jaxfuse.clip_by_global_norm", body, layout,
-                                        [grad_ctrl, *operands])
-  out = list(leaves)  # a zero-size leaf is its own result
-  for i, x in zip(scaled, results):
-    out[i] = x
-  return treedef.unflatten(out)
-
-
 def scale_by_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
   """``(g / clip_div) * clip_mul`` for every leaf (computed in at least float32, rounded to the
   leaf's dtype), as XLA operations: XLA fuses the scaling into whatever reads the gradients next
   (an optax or jaxfuse Adam's element math), so clipping costs no extra pass over them."""
-  names = _CONTRACT.names["grad_ctrl"]
+  names = GRAD_CTRL_NAMES
 
   def scale(g):
     c = jnp.promote_types(g.dtype, jnp.float32)

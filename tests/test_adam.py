@@ -10,8 +10,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi
-from jaxfuse._adam import MAX_LEAVES_PER_CALL
-from jaxfuse._adam import kernel_updates
+from jaxfuse._optimizer import MAX_LEAVES_PER_CALL
 from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]
@@ -179,11 +178,8 @@ def test_thousand_leaf_tree(device):
 
   def run(tx, shape_of, update=None):
     """Two steps on params and grads reshaped by ``shape_of``; returns the flat params and nu."""
-    # jaxfuse: the kernel's optax-protocol layout (2 aliases per leaf; the in-place step's 3
-    # make XLA's compile several times slower at this size); the fused step is lowered below
-    update = update or tx.update
-    step = jax.jit(lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
-        *update(g, s, p)))
+    step = jax.jit(update or (lambda p, s, g: (lambda u, s: (optax.apply_updates(p, u), s))(
+        *tx.update(g, s, p))))
     p = shape_of(params)
     s = jax.jit(tx.init)(p)  # one compile, not a dispatch (and compile) per leaf shape
     for g in grads:
@@ -191,7 +187,7 @@ def test_thousand_leaf_tree(device):
     return flat(p), flat(s[0].nu)
 
   grads = [_grads(t, params) for t in (1, 2)]  # made once: a thousand transfers each
-  pf, nf = run(tf, lambda tree: tree, lambda g, s, p: kernel_updates(tf, g, s, p))
+  pf, nf = run(tf, lambda tree: tree, lambda p, s, g: jaxfuse.fused_step(tf, g, s, p))
   # optax on the leaves concatenated: the same element math (one hyperparameter set), without
   # compiling a 1000-leaf optax program (most of this test's time otherwise).
   po, no = run(to, flat)
@@ -468,20 +464,20 @@ def test_handler_rejects_inconsistent_calls():
   hyper, grad_ctrl = jnp.zeros((len(layout["hyper"]),)), jnp.zeros((len(layout["grad_ctrl"]),))
   results = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct((4,), jnp.float32)] * 3
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, vmap_method="sequential")
-  attrs = dict(nesterov=False, write_updates=True, master=False, params=True,
-               decay_mask=np.zeros(1, np.uint8))
+  attrs = dict(flags=np.int64(0), master=False, tensor_flags=np.zeros(1, np.uint8))
   one = dict(attrs, num_tensors=np.int64(1))
   with pytest.raises(Exception, match="do not fit num_tensors=2"):
     jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, num_tensors=np.int64(2), **attrs))
   with pytest.raises(Exception, match="hyper has 3 elements"):
     jax.block_until_ready(call(count, jnp.zeros((3,)), grad_ctrl, *xs, **one))
-  with pytest.raises(Exception, match="not aliased"):  # mu/nu must be updated in place
+  with pytest.raises(Exception, match="not aliased"):  # params, mu, nu updated in place
     jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, **one))
-  bad = [jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.float32)] + \
-      [jax.ShapeDtypeStruct((4,), jnp.float32)] * 2
-  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), bad, input_output_aliases={5: 2, 6: 3})
-  with pytest.raises(Exception, match="has 5 elements"):
-    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, **one))
+  with pytest.raises(Exception, match="flags 2 has bits beyond"):
+    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, **dict(one, flags=np.int64(2))))
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results,
+                          input_output_aliases={4: 1, 5: 2, 6: 3})
+  with pytest.raises(Exception, match="list 'params' has 4 elements, list 'grads' has 5"):
+    jax.block_until_ready(call(count, hyper, grad_ctrl, jnp.ones((5,)), *xs[1:], **one))
 
 
 def test_vmap_over_an_ensemble(device):

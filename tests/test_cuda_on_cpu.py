@@ -19,7 +19,6 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi, _clip as clip
-from jaxfuse._adam import kernel_updates
 from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:
@@ -99,12 +98,12 @@ def x64_for_wide(request):
 
 def adam_case(mode, dtypes, sizes=SIZES):
   """An optimizer, params, grads and state for one mode, over leaves of `sizes`."""
-  master = mode in ("master", "master_fused")
+  master = mode == "master"
   nesterov = mode == "nesterov"
   if master:
     dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
-  if mode == "no_params":
-    tx = jaxfuse.adam(3e-3, master_weights=master)
+  if mode == "adam":
+    tx = jaxfuse.adam(3e-3)
   else:
     tx = jaxfuse.adamw(3e-3, weight_decay=0.1, nesterov=nesterov, master_weights=master,
                        skip_nonfinite=mode == "skip")
@@ -118,23 +117,16 @@ def adam_case(mode, dtypes, sizes=SIZES):
   return tx, params, grads, state
 
 
-ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] + [("fused", "f32")] +
-              [(mode, "mixed") for mode in ("nesterov", "master", "master_fused", "skip", "fused",
-                                            "loss_scale")] +
-              [(mode, "wide") for mode in ("nesterov", "master", "fused", "no_params")])
+ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] +
+              [(mode, "mixed") for mode in ("nesterov", "master", "skip", "loss_scale")] +
+              [(mode, "wide") for mode in ("nesterov", "master", "adam")])
 
 
 @pytest.mark.parametrize("mode,mix", ADAM_CASES)
 def test_adam_bitwise(mode, mix, launch):
   tx, params, grads, state = adam_case(mode, DTYPE_MIXES[mix])
-  if mode in ("fused", "master_fused"):
-    fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
-  elif mode == "loss_scale":
-    fn = lambda g, s, p: kernel_updates(tx, g, s, p, grad_scale=jnp.float32(128.0))
-  elif mode == "no_params":
-    fn = lambda g, s, p: kernel_updates(tx, g, s)
-  else:  # the kernel's optax-protocol layout (tx.update itself is XLA's math)
-    fn = lambda g, s, p: kernel_updates(tx, g, s, p)
+  scale = jnp.float32(128.0) if mode == "loss_scale" else None
+  fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=scale)
   native, emu = on_both(fn, grads, state, params)
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
 
@@ -173,16 +165,6 @@ def test_fused_clip_adamw(max_norm, launch):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * max(1.0, float(np.max(np.abs(b), initial=0))))
 
 
-def test_clip_by_global_norm_alone(launch):
-  dtypes = DTYPE_MIXES["mixed"]
-  grads = random_tree(8, SIZES, dtypes, scale=3.0)
-  # the apply kernel (clip_by_global_norm's optax protocol scales in XLA)
-  fn = lambda g: clip.apply_grad_ctrl(g, clip.norm_and_grad_ctrl(g, max_norm=1.0)[1])
-  native, emu = on_both(fn, grads)
-  for a, b in zip(jax.tree.leaves(emu), jax.tree.leaves(native)):
-    tol = float(jnp.finfo(a.dtype).eps)
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2 * tol,
-                               atol=tol)
 
 
 # The architecture features (Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm, Llama 3.1's
@@ -235,7 +217,7 @@ def test_failed_launch_does_not_poison_later_calls(monkeypatch):
   tree = random_tree(10, [(5,), (7,)], [jnp.float32] * 2)
   emulated(jaxfuse.global_norm, tree)
   tx = jaxfuse.adam(1e-3)
-  emulated(lambda g, s: kernel_updates(tx, g, s, tree), tree, tx.init(tree))
+  emulated(lambda g, s: jaxfuse.fused_step(tx, g, s, tree), tree, tx.init(tree))
   emulated(decode, x, positions, w, cache)
 
 
@@ -294,12 +276,7 @@ def test_global_norm_from_peer_rows_same_bits_under_every_schedule(grid, monkeyp
 # fill several tables, and the 200-element leaf is cut into slices of 3 chunks of 64.
 REPORT_SIZES = SIZES[:6] + [(200,)]
 MANY_SIZES = REPORT_SIZES * 43  # 301 leaves: two Adam calls
-ADAM_MODES = {  # mode: step
-    "plain": lambda tx: lambda g, s, p: kernel_updates(tx, g, s, p),
-    "master": lambda tx: lambda g, s, p: kernel_updates(tx, g, s, p),
-    "master_fused": lambda tx: lambda g, s, p: jaxfuse.fused_step(tx, g, s, p),
-    "no_params": lambda tx: lambda g, s, p: kernel_updates(tx, g, s),
-}
+ADAM_MODES = ("plain", "master", "adam")
 # Every op and layout over a few leaves; over many (two Adam calls) where the split matters.
 REPORT_CASES = ([f"{op}-few" for op in ("fused_clip_adamw", "clip_alone",
                                          *(f"adam_{mode}" for mode in ADAM_MODES))] +
@@ -320,7 +297,7 @@ def report_case(case):
     return (lambda g: jaxfuse.clip_by_global_norm(1.0).update(g, optax.EmptyState())[0]), (tree(3),)
   if op.startswith("adam_"):
     tx, params, grads, state = adam_case(op[5:], dtypes, sizes)
-    return ADAM_MODES[op[5:]](tx), (grads, state, params)
+    return (lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)), (grads, state, params)
   if op == "norm_from_peer_rows":
     return _norm_in_two_calls, tuple(random_tree(40 + i, sizes, dtypes) for i in range(2))
   cfg, x, positions, w, cache = decoder_case(jnp.float32, batch=int(size[len("batch"):]))

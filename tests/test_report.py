@@ -13,7 +13,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _report as report_module
-from jaxfuse._adam import MAX_LEAVES_PER_CALL
+from jaxfuse._optimizer import MAX_LEAVES_PER_CALL
 from helpers import init_beside, random_decoder_problem, random_tree
 
 SHAPES = [(3, 5), (7,), (), (0,), (33, 17), (4097,)]

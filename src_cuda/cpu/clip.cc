@@ -1,4 +1,4 @@
-// jaxfuse_global_norm and jaxfuse_apply_grad_ctrl, CPU. Partial sums are per chunk, in double,
+// jaxfuse_global_norm, CPU. Partial sums are per chunk, in double,
 // combined in chunk order: the result does not depend on how the thread pool ran the chunks.
 #include "jaxfuse/clip.h"
 
@@ -79,19 +79,6 @@ NormSum chunk_partial(const TensorLists& grads, int64_t t, int64_t start, int64_
   return p;
 }
 
-// Tensor t of the apply-grad-ctrl call, scaled in the compute type Real.
-template <typename Real>
-void scale_chunk(const TensorLists& lists, const GradScaling<Real>& scaling, int64_t t,
-                 int64_t start, int64_t len) {
-  alignas(64) Real x[kTile];
-  for (int64_t off = start; off < start + len; off += kTile) {
-    const int64_t m = std::min(kTile, start + len - off);
-    load_tile(lists.ptr[t][0], lists.dtype[t][0], off, m, x);
-    scale_group(scaling, m, x);
-    store_tile(lists.ptr[t][1], lists.dtype[t][1], off, m, x);
-  }
-}
-
 }  // namespace
 
 template <>
@@ -114,23 +101,6 @@ ffi::Error GlobalNormOp::run<Cpu>(ffi::ThreadPool pool, const Call& call) {
   return ffi::Error::Success();
 }
 
-template <>
-ffi::Error ApplyGradCtrlOp::run<Cpu>(ffi::ThreadPool pool, const Call& call) {
-  const GradScaling<float> scale_f32 = make_grad_scaling<float>(call.grad_ctrl);
-  const GradScaling<double> scale_f64 = make_grad_scaling<double>(call.grad_ctrl);
-  const TensorLists& lists = call.grads;
-  const ChunkIndex chunks(lists, kChunk);
-  for_each_chunk(&pool, lists, chunks, [&](int64_t t, int64_t start, int64_t len, int64_t) {
-    if (computes_in_double(lists.dtype[t].data(), 2)) {
-      scale_chunk(lists, scale_f64, t, start, len);
-    } else {
-      scale_chunk(lists, scale_f32, t, start, len);
-    }
-  });
-  return ffi::Error::Success();
-}
-
 JAXFUSE_REGISTER_OP(GlobalNormOp, Cpu);
-JAXFUSE_REGISTER_OP(ApplyGradCtrlOp, Cpu);
 
 }  // namespace jaxfuse

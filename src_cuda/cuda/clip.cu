@@ -1,4 +1,4 @@
-// jaxfuse_global_norm and jaxfuse_apply_grad_ctrl, CUDA.
+// jaxfuse_global_norm, CUDA.
 // Global norm: stage 1 is a multi-tensor launch whose blocks each write one partial (sum of
 // squares, non-finite marker) to a fixed slot; stage 2 is one block that sums the slots in a
 // fixed order and writes the norm and the gradient-control vector. No atomics: the result is
@@ -66,36 +66,6 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
-// Scales each tensor in its compute type: double when stored in float64, else float.
-struct ScaleChunkOp : MultiTensorOpBase {
-  ScalarVector grad_ctrl;
-  GradScaling<float> scale_f32;
-  GradScaling<double> scale_f64;
-
-  __device__ void prepare() {
-    scale_f32 = make_grad_scaling<float>(grad_ctrl);
-    scale_f64 = make_grad_scaling<double>(grad_ctrl);
-  }
-
-  template <typename Real>
-  __device__ void scale(const ChunkRef<2>& r, const GradScaling<Real>& scaling) const {
-    for_each_group(r, [&](int64_t i, int n, bool vec) {
-      Real x[4] = {Real(0), Real(0), Real(0), Real(0)};
-      load_group(r.ptr[0], r.dtype[0], i, n, vec, x);
-      scale_group(scaling, 4, x);
-      store_group(r.ptr[1], r.dtype[1], i, n, vec, x);
-    });
-  }
-
-  __device__ void operator()(const ChunkRef<2>& r) const {
-    if (computes_in_double(r.dtype, 2)) {
-      scale(r, scale_f64);
-    } else {
-      scale(r, scale_f32);
-    }
-  }
-};
-
 }  // namespace
 
 template <>
@@ -119,14 +89,6 @@ ffi::Error GlobalNormOp::run<Cuda>(cudaStream_t stream, const Call& call) {
                        call.clip_apply_loss_scale, call.norm, call.grad_ctrl);
 }
 
-template <>
-ffi::Error ApplyGradCtrlOp::run<Cuda>(cudaStream_t stream, const Call& call) {
-  ScaleChunkOp op;
-  op.grad_ctrl = call.grad_ctrl;
-  return multi_tensor_apply<2>(stream, call.grads, op);
-}
-
 JAXFUSE_REGISTER_OP(GlobalNormOp, Cuda);
-JAXFUSE_REGISTER_OP(ApplyGradCtrlOp, Cuda);
 
 }  // namespace jaxfuse

@@ -52,7 +52,7 @@ struct ChunkRef {
   DType dtype[kLists];
   int64_t start;  // first element of the chunk within the tensor
   int n;          // elements in the chunk
-  bool mask;      // the tensor's entry of TensorLists::mask
+  uint8_t mask;   // the tensor's entry of TensorLists::mask
   bool aligned;   // every list's pointer allows 4-element vector access
 };
 
@@ -80,7 +80,7 @@ __global__ void JF_MULTI_TENSOR_BOUNDS
     const int local = c - table.chunk_start[e];
     ref.start = int64_t(local) * kMultiTensorChunk;
     ref.n = min(kMultiTensorChunk, table.size[e] - local * kMultiTensorChunk);
-    ref.mask = table.mask[e] != 0;
+    ref.mask = table.mask[e];
     bool aligned = true;
 #pragma unroll
     for (int k = 0; k < kLists; ++k) {

@@ -1,13 +1,13 @@
-// Adam / AdamW element math and the per-group program of the Adam kernel, one definition
-// compiled for the host (CPU handler) and the device (CUDA kernel), as PyTorch shares its
-// adam_math between its drivers. `Real` is the compute type: float, or double for calls with
-// float64 storage.
+// Adam / AdamW (and NAdam, NAdamW): the element math and the family of the optimizer op
+// (optimizer.h), one definition compiled for the host (CPU handler) and the device (CUDA
+// kernel), as PyTorch shares its adam_math between its drivers. `Real` is the compute type:
+// float, or double for calls with float64 storage.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
-#include "jaxfuse/norm_math.h"
+#include "jaxfuse/optimizer.h"
 
 namespace jaxfuse {
 
@@ -25,13 +25,9 @@ struct AdamStep {
   Real bc1;       // 1 - b1^t
   Real bc1_next;  // 1 - b1^(t+1), for nesterov
   Real bc2;       // 1 - b2^t
-  GradScaling<Real> grad;
   bool nesterov;
   bool complex;  // elements are (re, im) pairs sharing one second moment
 };
-
-// optax.safe_increment on an int32 count: saturates at INT32_MAX.
-JF_HD int32_t safe_increment(int32_t count) { return count < INT32_MAX ? count + 1 : count; }
 
 // 1 - b^t as optax computes it, in JAX's default float type (float64 under jax_enable_x64, when
 // the vector is float64, else float32), then rounded to the compute type.
@@ -44,8 +40,8 @@ JF_HD Real bias_correction(ScalarVector hyper, int field, int32_t t) {
 // Resolve the per-step scalars. `count` is the state count *before* this step (optax increments
 // first, then bias-corrects with the new count).
 template <typename Real>
-JF_HD AdamStep<Real> make_adam_step(ScalarVector hyper, ScalarVector grad_ctrl, int32_t count,
-                                    bool nesterov, bool complex) {
+JF_HD AdamStep<Real> make_adam_step(ScalarVector hyper, int32_t count, bool nesterov,
+                                    bool complex) {
   AdamStep<Real> s;
   s.lr = Real(hyper[AdamHyper::learning_rate]);
   s.b1 = Real(hyper[AdamHyper::b1]);
@@ -59,15 +55,9 @@ JF_HD AdamStep<Real> make_adam_step(ScalarVector hyper, ScalarVector grad_ctrl, 
   s.bc1 = bias_correction<Real>(hyper, AdamHyper::b1, t);
   s.bc1_next = bias_correction<Real>(hyper, AdamHyper::b1, safe_increment(t));
   s.bc2 = bias_correction<Real>(hyper, AdamHyper::b2, t);
-  s.grad = make_grad_scaling<Real>(grad_ctrl);
   s.nesterov = nesterov;
   s.complex = complex;
   return s;
-}
-
-// The count written back: advanced unless the step is skipped.
-JF_HD int32_t adam_next_count(int32_t count, bool skip) {
-  return skip ? count : safe_increment(count);
 }
 
 // ---- element math (optax's scale_by_adam -> add_decayed_weights -> scale_by_learning_rate,
@@ -129,89 +119,36 @@ JF_HD void adam_elements(const AdamStep<Real>& s, Count n, bool decay, const Rea
   }
 }
 
-// ---- the per-group program ------------------------------------------------------------------
+// The Adam family of the optimizer op (optimizer.h): states mu and nu; `decay` marks the tensors
+// with weight decay.
+struct Adam {
+  static constexpr const char* kName = "jaxfuse_adam";
+  using Hyper = AdamHyper;
+  enum Flag : uint32_t { kNesterov = 1 };
+  static constexpr const char* kFlagNames[] = {"nesterov"};
+  static constexpr const char* kTensorFlagNames[] = {"decay"};
+  static constexpr bool kComplex = true;
+  static constexpr int kMaxStates = 2;
+  static constexpr bool allows_states(int k) { return k == 2; }
+  static constexpr int num_states(uint32_t) { return 2; }
+  static const char* state_name(uint32_t, int k) { return k == 0 ? "mu" : "nu"; }
 
-// The tensor lists of an Adam call in kernel order. The optional lists (params, absent only in
-// the optax protocol called without params; updates, in the optax protocol; master params, with
-// master_weights) take the next free slots when present.
-enum AdamList : int { kGrads = 0, kMu = 1, kNu = 2, kAdamFixedLists = 3 };
+  template <typename Real>
+  using Step = AdamStep<Real>;
 
-// Where the optional lists are in one call (-1: absent).
-struct AdamLists {
-  int params = -1;
-  int updates = -1;
-  int master = -1;
-
-  // constexpr: the CUDA kernels take a layout as compile-time constants (adam.cu).
-  static constexpr AdamLists of(bool write_updates, bool master, bool params) {
-    AdamLists l;
-    int next = kAdamFixedLists;
-    l.params = params ? next++ : -1;
-    l.updates = write_updates ? next++ : -1;
-    l.master = master ? next++ : -1;
-    return l;
+  template <typename Real>
+  static JF_HD Step<Real> make_step(ScalarVector hyper, int32_t count, uint32_t flags,
+                                    bool complex) {
+    return make_adam_step<Real>(hyper, count, (flags & kNesterov) != 0, complex);
   }
-  constexpr int count() const {
-    return kAdamFixedLists + int(params >= 0) + int(updates >= 0) + int(master >= 0);
+
+  template <typename Real, typename Count>
+  static JF_HD void update(const Step<Real>& s, Count n, uint8_t tensor_flags,
+                           const Real* __restrict__ g, const Real* __restrict__ p,
+                           Real* __restrict__ mu, Real* __restrict__ nu, Real* __restrict__,
+                           Real* __restrict__ u) {
+    adam_elements(s, n, tensor_flags != 0, g, p, mu, nu, u);
   }
-  // The param value the math reads: the master copy when present (-1: no params).
-  constexpr int param_source() const { return master >= 0 ? master : params; }
 };
-
-// The end of adam_group() when params are present: the new (master) params p + u, stored in
-// place, or the update stored (`scratch` is free for reuse).
-template <typename Group, typename Lists, typename Values>
-JF_HD void adam_store_params(const Lists& lists, const Group& group, Values& p, Values& u,
-                             Values& scratch) {
-  const auto n = group.size();
-  for (decltype(+n) i = 0; i < n; ++i) p[i] = p[i] + u[i];
-  if (lists.master >= 0) group.store(lists.master, p);
-  if (lists.updates < 0) {
-    group.store(lists.params, p);
-    return;
-  }
-  if (lists.master >= 0) {
-    // The update that moves the low-precision params exactly onto the rounding of the new master
-    // value: both are values of the params' dtype, so the difference is exact when they are
-    // within a factor 2 of each other (Sterbenz), and optax.apply_updates lands on it.
-    group.load(lists.params, scratch);
-    group.round(lists.params, p);
-    for (decltype(+n) i = 0; i < n; ++i) u[i] = p[i] - scratch[i];
-  }
-  group.store(lists.updates, u);
-}
-
-// One group of elements through an Adam step. `Group` is the platform's group (the GPU: 4
-// scalars of one thread, in registers; the CPU: a tile of a chunk, in scratch); it provides
-// `Values` (an array of Real), size(), load(list, x), store(list, x), round(list, x) (x as list's
-// dtype holds it) and update(step, g, p, m, v, u), the element loop adam_elements(). `Lists` is
-// an AdamLists or a type with the same members as compile-time constants. The skipped
-// (non-finite) step leaves the state as it is and reports a zero update.
-template <typename Real, typename Group, typename Lists>
-JF_HD void adam_group(const AdamStep<Real>& step, const Lists& lists, const Group& group) {
-  typename Group::Values g, p, m, v, u;
-  const auto n = group.size();
-  if (step.grad.skip) {
-    if (lists.updates >= 0) {
-      for (decltype(+n) i = 0; i < n; ++i) u[i] = Real(0);
-      group.store(lists.updates, u);
-    }
-    return;
-  }
-  group.load(kGrads, g);
-  scale_group(step.grad, n, g);
-  if (lists.param_source() >= 0) group.load(lists.param_source(), p);
-  group.load(kMu, m);
-  group.load(kNu, v);
-  // Without params nothing reads them (no weight decay): g stands in.
-  group.update(step, g, lists.param_source() >= 0 ? p : g, m, v, u);
-  group.store(kMu, m);
-  group.store(kNu, v);
-  if (lists.params >= 0) {
-    adam_store_params(lists, group, p, u, g);
-  } else {  // the optax protocol without params: the update is all there is
-    group.store(lists.updates, u);
-  }
-}
 
 }  // namespace jaxfuse

@@ -1,6 +1,6 @@
-// The jaxfuse_global_norm and jaxfuse_apply_grad_ctrl ops: FFI signatures, decoding and
-// validation, shared by the CPU and CUDA handlers (op.h). The math is norm_math.h; the run
-// steps are src_cuda/{cpu/clip.cc,cuda/clip.cu}.
+// The jaxfuse_global_norm op: its FFI signature, decoding and validation, shared by the CPU and
+// CUDA handlers (op.h). The math is norm_math.h; the run steps are
+// src_cuda/{cpu/clip.cc,cuda/clip.cu}.
 //
 // jaxfuse_global_norm
 //   operands: norm_params f32/f64[NormParams::kSize], peer_sums u32[R, kNormSumWords] (the
@@ -13,9 +13,6 @@
 //   The norm is that of the peers' rows, added in row order, plus this call's own total. A
 //   sharded norm (jaxfuse/clip.py) makes two calls per device: one over its shards (own_sum),
 //   then, after an all-reduce of the rows, one over no gradients with every device's row.
-// jaxfuse_apply_grad_ctrl
-//   operands: grad_ctrl f32/f64[GradCtrl::kSize], then n gradient buffers; results: n buffers.
-//   Each tensor is scaled in its compute type (double for float64 storage, else float).
 #pragma once
 
 #include "jaxfuse/multi_tensor_plan.h"
@@ -131,52 +128,6 @@ struct GlobalNormOp {
     c.bytes_read += partial_bytes;
     c.bytes_written += partial_bytes - shape.results.at(2).bytes();
     return c;
-  }
-};
-
-struct ApplyGradCtrlOp {
-  static constexpr const char* kName = "jaxfuse_apply_grad_ctrl";
-
-  struct Call {
-    TensorLists grads;  // lists: grads, scaled grads
-    ScalarVector grad_ctrl;
-  };
-
-  template <typename Context>
-  static auto binding() {
-    return ffi::Ffi::Bind()
-        .Ctx<Context>()
-        .template Arg<ffi::AnyBuffer>()  // grad_ctrl
-        .RemainingArgs()
-        .RemainingRets();
-  }
-
-  static ffi::Error decode(ffi::AnyBuffer grad_ctrl, ffi::RemainingArgs args,
-                           ffi::RemainingRets rets, Call* call) {
-    const auto vector = scalar_vector("grad_ctrl", grad_ctrl, GradCtrl::kSize);
-    if (vector.has_error()) return vector.error();
-    const int64_t n = static_cast<int64_t>(args.size());
-    if (static_cast<int64_t>(rets.size()) != n) {
-      return invalid_argument(n, " operands but ", rets.size(), " results");
-    }
-    const ListSource sources[2] = {{"grads", false, 0}, {"scaled_grads", true, 0}};
-    call->grad_ctrl = *vector;
-    return collect_lists(args, &rets, sources, 2, n, {}, &call->grads);
-  }
-
-  template <typename Platform>
-  static ffi::Error run(typename Platform::Arg ctx, const Call& call);
-
-  static Contract contract() {
-    Contract c;
-    c.names["grad_ctrl"] = name_list(GradCtrl::kNames);
-    return c;
-  }
-
-  // One multi-tensor kernel (cuda/clip.cu). Operands: grad_ctrl, the gradients.
-  static CallCost cost(const CallShape& shape) {
-    const int64_t grads = static_cast<int64_t>(shape.operands.size()) - 1;
-    return streaming_cost(shape, multi_tensor_launches(2, shape.scalars(1, grads)));
   }
 };
 

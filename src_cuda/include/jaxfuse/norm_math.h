@@ -1,4 +1,4 @@
-// Global norm and gradient control: the math shared by the global-norm, apply-grad-ctrl and Adam
+// Global norm and gradient control: the math shared by the global-norm kernels and the optimizer
 // kernels, one definition for the host (CPU handlers) and the device (CUDA kernels).
 #pragma once
 

@@ -1,0 +1,508 @@
+"""The generic fused optimizer: what every element-wise family (Adam, SGD, Lion, ...) shares.
+
+A family is a :class:`Spec` subclass (its hyperparameters, its optax twin, where its state
+lists live in the optax state, its element math as XLA operations) plus a C++ family struct
+(src_cuda/include/jaxfuse/optimizer.h). Everything else is here, written once:
+
+* ``init``: the optax twin's state (so checkpoints move both ways), with an :class:`ExtraState`
+  appended for the opt-in master weights and non-finite skipping;
+* argument checks at trace time, naming the leaf at fault;
+* the optax protocol (``tx.update``): the family's element math as XLA operations, which XLA
+  fuses with ``optax.apply_updates`` into one pass, as optax's own step is;
+* the in-place step of :func:`jaxfuse.fused_step`: one FFI call per family of dtypes (float32
+  math, float64, complex64, complex128) and per MAX_LEAVES_PER_CALL leaves, params, state and
+  master copy aliased in place, a jaxfuse clip directly before it folded in, on every device's
+  own shards when the leaves are sharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxfuse import _clip
+from jaxfuse import _ffi
+from jaxfuse import _inplace
+from jaxfuse import _partition
+from jaxfuse import _trees
+
+ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
+
+# Leaves per optimizer call. XLA's fusion pass takes time quadratic in the number of
+# input/output aliases of one custom call (measured on CPU, jaxlib 0.10.2: 1500 aliases, 5 s;
+# 3000, 56 s), and the fused step aliases two to four buffers per leaf. Calls of 256 leaves keep
+# compilation near-linear; on the GPU a call of 256 leaves is one launch.
+MAX_LEAVES_PER_CALL = 256
+
+
+class ExtraState(NamedTuple):
+  """jaxfuse's additions to the optax state, appended only when an opt-in feature is on.
+
+  Attributes:
+    master_params: copy of the params (``master_weights=True``) in float32, or in the params'
+      own dtype where that is wider (float64, complex), else None.
+    skipped_steps: int32 count of steps skipped for non-finite gradients
+      (``skip_nonfinite=True``), else None.
+  """
+
+  master_params: Any = None
+  skipped_steps: Any = None
+
+
+def scalar(value: Any, count: jax.Array) -> Any:
+  """A hyperparameter's value at this step: schedules evaluated on the count."""
+  return value(count) if callable(value) else value
+
+
+def one_minus(b: Any) -> Any:
+  """``1 - b`` as optax writes it: with a Python float the difference is taken in float64 and
+  then rounded, with an array in the array's dtype. The kernels get it precomputed so that the
+  rounding matches."""
+  return 1.0 - b if isinstance(b, (int, float)) else 1.0 - jnp.asarray(b)
+
+
+def decays(weight_decay: Any) -> bool:
+  """Whether an update has a weight-decay term: optax's add_decayed_weights is dropped for a
+  Python zero (not for a zero array or a schedule reaching zero), so that 0 * inf never reaches
+  it."""
+  return weight_decay is not None and not (isinstance(weight_decay, (int, float))
+                                           and weight_decay == 0)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class Spec:
+  """Everything a jaxfuse optimizer transform was built with; a family subclasses it.
+
+  A family defines ``op`` (its XLA target), ``name`` (for messages), and the hooks below."""
+
+  op: ClassVar[str]
+  name: ClassVar[str]
+  learning_rate: ScalarOrSchedule
+  master_weights: bool = False
+  skip_nonfinite: bool = False
+
+  # ---- the family's hooks ----------------------------------------------------------------
+
+  def optax_twin(self) -> optax.GradientTransformation:
+    """The optax transform this one reproduces (its state layout is ours, less extensions)."""
+    raise NotImplementedError
+
+  def flags(self) -> dict[str, bool]:
+    """The call's flags by the op's flag names (the contract's ``flags``)."""
+    return {}
+
+  def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
+    """Per leaf, its flags by the op's tensor-flag names (e.g. the weight-decay mask, evaluated
+    once; raises on a traced or misshapen mask)."""
+    return [{} for _ in jax.tree.leaves(params)]
+
+  def check_params(self, params: Any) -> None:
+    """Family-specific trace-time checks of the params (e.g. a moment dtype that does not fit)."""
+
+  def states(self, state: Any) -> list[Any]:
+    """The trees of the state lists in the op's list order (the contract's ``lists``)."""
+    raise NotImplementedError
+
+  def with_states(self, state: Any, trees: list[Any]) -> Any:
+    """``state`` (the optax part) with its state-list trees replaced."""
+    raise NotImplementedError
+
+  def hyper(self, count: jax.Array) -> dict[str, Any]:
+    """The step's hyperparameters by the op's hyper field names, schedules evaluated on the
+    count: what the kernels read as a vector."""
+    raise NotImplementedError
+
+  def xla_hyper(self, count: jax.Array) -> dict[str, Any]:
+    """The scalars the XLA element math reads (by default the kernels' ones)."""
+    return self.hyper(count)
+
+  def leaf_math(self, k: dict[str, jax.Array], g: jax.Array, p: Optional[jax.Array],
+                states: list[jax.Array], flags: dict[str, bool]) -> tuple[jax.Array, list]:
+    """The family's element math for one leaf as XLA operations, in the kernels' operation
+    order, on values of the compute type: (update, new states). ``k`` holds xla_hyper() in the
+    compute type's real dtype, ``g`` is unscaled, ``p`` the param value the math reads (the
+    master copy with master weights; None when update() got no params)."""
+    raise NotImplementedError
+
+  @property
+  def needs_params(self) -> bool:
+    """Whether update() needs params (e.g. for weight decay)."""
+    return self.master_weights
+
+  # ---- derived ---------------------------------------------------------------------------
+
+  @property
+  def has_extra_state(self) -> bool:
+    return self.master_weights or self.skip_nonfinite
+
+  @property
+  def contract(self) -> _ffi.Contract:
+    return _ffi.contract(self.op)
+
+  def flag_bits(self) -> int:
+    names = self.contract.names["flags"]
+    return sum(1 << names.index(k) for k, on in self.flags().items() if on)
+
+  def lists(self, master: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(operand lists, result lists) of a call, by name."""
+    names = self.contract.call("lists", flags=self.flag_bits(), master=master).names
+    return names["operands"], names["results"]
+
+  def init(self, params: Any) -> Any:
+    params = _trees.as_arrays(params)
+    self.check(params)
+    if not self.master_weights:
+      state = self.optax_twin().init(params)
+      return (*state, ExtraState(None, jnp.zeros([], jnp.int32))) if self.skip_nonfinite \
+          else state
+    # A copy even where the dtype stays: the master must not be the params' buffer (both are
+    # donated). The state as if the params were the master.
+    wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
+    master = jax.tree.map(lambda p: jnp.array(p, dtype=wide(p), copy=True), params)
+    state = self.optax_twin().init(master)
+    return (*state, ExtraState(master, jnp.zeros([], jnp.int32) if self.skip_nonfinite
+                               else None))
+
+  def check(self, params: Any) -> list[int]:
+    """Trace-time checks of params against this spec, naming the leaf. Returns the per-leaf
+    tensor flags as the op's bits."""
+    _trees.check_float_leaves(params, "params")
+    self.check_params(params)
+    names = self.contract.names["tensor_flags"]
+    return [sum(1 << names.index(k) for k, on in f.items() if on)
+            for f in self.tensor_flags(params)]
+
+
+# ---- checks and flattening ---------------------------------------------------------------------
+
+
+def _check_state(spec: Spec, state: Any, params: Any) -> None:
+  """Raises unless `state` is what spec.init(params) makes (structure, shapes, dtypes)."""
+  expected = jax.eval_shape(spec.init, params)
+  exp_def, got_def = jax.tree.structure(expected), jax.tree.structure(state)
+  if exp_def != got_def:
+    raise ValueError(
+        f"jaxfuse: opt_state does not match the state of this {spec.name} transform for these "
+        "params (a state from another optimizer, or from init() on other params?)\n"
+        f"  expected: {exp_def}\n  got:      {got_def}")
+  for name, e, g in zip(_trees.leaf_names(expected), jax.tree.leaves(expected),
+                        jax.tree.leaves(state)):
+    if jnp.shape(g) != e.shape or jnp.dtype(getattr(g, "dtype", type(g))) != e.dtype:
+      raise ValueError(
+          f"jaxfuse: opt_state leaf {name} has {jnp.dtype(getattr(g, 'dtype', type(g))).name}"
+          f"{list(jnp.shape(g))}, expected {e.dtype.name}{list(e.shape)}")
+
+
+class _Leaves(NamedTuple):
+  """The flat per-leaf lists of one step: grads, params (None in the optax protocol called
+  without params), one list per state list, master params (None without master weights)."""
+
+  grads: list
+  params: Optional[list]
+  states: list[list]
+  master_params: Optional[list]
+
+  def select(self, idx: list[int]) -> "_Leaves":
+    pick = lambda x: None if x is None else [x[i] for i in idx]
+    return _Leaves(pick(self.grads), pick(self.params), [pick(s) for s in self.states],
+                   pick(self.master_params))
+
+  def family(self, i: int) -> tuple[bool, bool]:
+    """(computed in double, complex) for leaf i: leaves of one family share FFI calls."""
+    dtypes = [x[i].dtype for x in (self.grads, self.params, *self.states, self.master_params)
+              if x is not None]
+    return any(_trees.is_wide(d) for d in dtypes), _trees.is_complex(self.grads[i].dtype)
+
+
+def _stand_in_params(spec: Spec, grads: Any, state: Any) -> Any:
+  """Shapes and dtypes of the params for checks when update() gets none: the grads' shapes with
+  the dtypes of the state that init() would make from them (the optax twin's)."""
+  shapes = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
+  return shapes if not spec.states(state) else jax.tree.structure(grads).unflatten(
+      [jax.ShapeDtypeStruct(jnp.shape(g), s.dtype) for g, s in
+       zip(jax.tree.leaves(grads), jax.tree.structure(grads).flatten_up_to(
+           spec.states(state)[-1]))])
+
+
+def _checked_leaves(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[_Leaves, list[int]]:
+  """Checks one step's arguments (naming the leaf at fault) and flattens them: the per-leaf
+  lists and the tensor flags. All leaves are JAX arrays (as_arrays)."""
+  _trees.check_float_leaves(grads, "grads")
+  reference = _stand_in_params(spec, grads, state) if params is None else params
+  flags = spec.check(reference)
+  _trees.check_same_structure(reference, grads, "params", "grads")
+  _check_state(spec, state, reference)
+  treedef = jax.tree.structure(grads)
+  leaves = _Leaves(jax.tree.leaves(grads), None if params is None else jax.tree.leaves(params),
+                   [treedef.flatten_up_to(s) for s in spec.states(state)],
+                   treedef.flatten_up_to(state[-1].master_params) if spec.master_weights
+                   else None)
+  return leaves, flags
+
+
+def _count(state: Any) -> jax.Array:
+  """The step count the schedules and bias corrections read: the first ``count`` in the state
+  (every optax count advances together), zero when the state keeps none."""
+  counts = optax.tree_utils.tree_get_all_with_path(state, "count")
+  return counts[0][1] if counts else jnp.zeros([], jnp.int32)
+
+
+def _new_state(spec: Spec, state: Any, treedef: Any, states: list[list],
+               master_params: Optional[list], count: jax.Array, skip: jax.Array) -> Any:
+  """The state after a step: state lists, master params and skip count replaced, and every
+  optax `count` in it (the family's, the schedules') advanced together."""
+  core = state[:-1] if spec.has_extra_state else state
+  core = spec.with_states(core, [treedef.unflatten(s) for s in states])
+  if spec.has_extra_state:
+    extra = state[-1]
+    core = (*core, ExtraState(
+        treedef.unflatten(master_params) if spec.master_weights else None,
+        extra.skipped_steps + skip.astype(jnp.int32) if spec.skip_nonfinite else None))
+  if optax.tree_utils.tree_get_all_with_path(core, "count"):
+    core = optax.tree_utils.tree_set(core, count=count)
+  return core
+
+
+# ---- gradient control ------------------------------------------------------------------------
+
+
+def default_grad_ctrl(grad_scale: Any = None) -> jax.Array:
+  """Gradient control (GradCtrl in norm_math.h): a loss scale (default 1), no clipping, no skip."""
+  return _ffi.device_vector(_clip.GRAD_CTRL_NAMES, clip_div=1.0, clip_mul=1.0, skip=0.0,
+                            loss_scale=1.0 if grad_scale is None else grad_scale)
+
+
+def grad_ctrl_for(spec: Spec, grads: Any, grad_scale: Any = None, *, clip_max_norm: Any = None,
+                  need_norm: bool = False, axis_name: Any = None):
+  """(global norm or None, gradient-control vector) for one step. The global-norm op runs only
+  when something needs it (clipping, the non-finite check, or the norm itself); a bare loss
+  scale goes into the vector directly."""
+  if clip_max_norm is not None or spec.skip_nonfinite or need_norm:
+    return _clip.norm_and_grad_ctrl(grads, max_norm=clip_max_norm, grad_scale=grad_scale,
+                              skip_nonfinite=spec.skip_nonfinite, axis_name=axis_name)
+  return None, default_grad_ctrl(grad_scale)
+
+
+def _skip_flag(grad_ctrl: jax.Array) -> jax.Array:
+  return grad_ctrl[_clip.GRAD_CTRL_NAMES.index("skip")] != 0
+
+
+# ---- the optax protocol: XLA element math ------------------------------------------------------
+
+
+def _compute_dtype(*dtypes) -> Any:
+  """The type a leaf is computed in (optimizer.h): float32, float64 where a buffer is 64-bit,
+  and the complex type of that width for complex leaves."""
+  wide = any(_trees.is_wide(d) for d in dtypes)
+  if any(_trees.is_complex(d) for d in dtypes):
+    return jnp.dtype(jnp.complex128 if wide else jnp.complex64)
+  return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+
+def _output_dtype(spec: Spec, grad: jax.Array, states: list) -> Any:
+  # optax's updates have the grads' dtype, or wider where its math promotes them (a wider
+  # state dtype); with master weights the update is the exact step between two values of the
+  # params' dtype, so the grads' dtype holds it.
+  if spec.master_weights:
+    return grad.dtype
+  return jnp.result_type(grad.dtype, *[s.dtype for s in states])
+
+
+def _leaf_update(spec: Spec, h: dict, g, p, states: list, master, flags: dict, skip) -> tuple:
+  """optimizer_group() (optimizer.h) for one leaf as XLA operations, in the same operation
+  order: (update, new states, new master or None)."""
+  c = _compute_dtype(*[x.dtype for x in (g, p, *states, master) if x is not None])
+  real = jnp.finfo(c).dtype
+  k = {name: jnp.asarray(x, real) for name, x in h.items()}
+  gc = g.astype(c)
+  if "loss_scale" in k:
+    gc = gc / k["loss_scale"]
+  source = master if master is not None else p
+  u, new_states = spec.leaf_math(k, gc, None if source is None else source.astype(c),
+                                 [s.astype(c) for s in states], flags)
+  new_master = None
+  if master is not None:
+    # The exact step from the params to the new master's rounding: both are values of the
+    # params' dtype, so the difference is exact when they are within a factor 2 of each other
+    # (Sterbenz), and optax.apply_updates lands on it.
+    new_master = source.astype(c) + u
+    u = new_master.astype(p.dtype).astype(c) - p.astype(c)
+  keep = lambda new, old: new.astype(old.dtype) if skip is None else jnp.where(
+      skip, old, new.astype(old.dtype))
+  out_dtype = _output_dtype(spec, g, states)
+  update = u.astype(out_dtype) if skip is None else jnp.where(skip, 0, u.astype(out_dtype))
+  return (update, [keep(n, o) for n, o in zip(new_states, states)],
+          None if master is None else keep(new_master, master))
+
+
+def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
+                grad_scale: Any = None) -> tuple[Any, Any]:
+  """The optax protocol: (updates, new_state), params untouched, with the element math as XLA
+  operations, so that XLA fuses it with what consumes the updates (``optax.apply_updates``):
+  the step then reads and writes each buffer once, as optax's does, on every backend. The math
+  is the kernels' (16-bit leaves computed in float32 and rounded once, master weights, loss
+  scale); with ``skip_nonfinite`` one global-norm call decides the skip."""
+  grads, state, params = _trees.as_arrays((grads, state, params))
+  leaves, flags = _checked_leaves(spec, grads, state, params)
+  names = spec.contract.names["tensor_flags"]
+  skip = None
+  if spec.skip_nonfinite:
+    skip = _skip_flag(grad_ctrl_for(spec, grads, grad_scale)[1])
+  count = _count(state)
+  h = spec.xla_hyper(count)
+  if grad_scale is not None:
+    h["loss_scale"] = grad_scale
+  n = len(leaves.grads)
+  outputs, masters = [None] * n, [None] * n
+  states = [[None] * n for _ in leaves.states]
+  for i in range(n):
+    u, new_states, new_master = _leaf_update(
+        spec, h, leaves.grads[i], None if leaves.params is None else leaves.params[i],
+        [s[i] for s in leaves.states],
+        None if leaves.master_params is None else leaves.master_params[i],
+        {name: bool(flags[i] >> b & 1) for b, name in enumerate(names)}, skip)
+    outputs[i], masters[i] = u, new_master
+    for s, x in zip(states, new_states):
+      s[i] = x
+  t = optax.safe_increment(count)
+  treedef = jax.tree.structure(grads)
+  return treedef.unflatten(outputs), _new_state(
+      spec, state, treedef, states, masters if spec.master_weights else None,
+      t if skip is None else jnp.where(skip, count, t),
+      jnp.bool_(False) if skip is None else skip)
+
+
+# ---- the fused in-place step: the kernels ------------------------------------------------------
+
+
+def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
+              flags: list[int]) -> tuple[jax.Array, dict[str, list]]:
+  """One FFI call of the family's op over `leaves`, in place, on every device's own shards when
+  they are sharded. Returns (new count, result leaves by list name)."""
+  n = len(leaves.grads)
+  master = leaves.master_params is not None
+  operand_lists, result_lists = spec.lists(master)
+  by_name = dict(grads=leaves.grads, params=leaves.params, master_params=leaves.master_params,
+                 **dict(zip(operand_lists[2:2 + len(leaves.states)], leaves.states)))
+  fixed = dict(count=count, hyper=hyper, grad_ctrl=grad_ctrl)
+  fixed_names = spec.contract.names["fixed_operands"]
+  operands = [fixed[name] for name in fixed_names]
+  operands += [x for name in operand_lists for x in by_name[name]]
+  result_dtypes = [jnp.int32] + [x.dtype for name in result_lists for x in by_name[name]]
+  aliases = _ffi.aliases(operand_lists, result_lists, n, operand_offset=len(fixed_names),
+                         result_offset=len(spec.contract.names["fixed_results"]))
+
+  def body(shards, *local):
+    del shards  # elementwise: each device updates its own shards
+    shapes = [()] + [jnp.shape(x) for _ in result_lists
+                     for x in local[len(fixed):len(fixed) + n]]
+    call = jax.ffi.ffi_call(_ffi.target(spec.op),
+                            [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, result_dtypes)],
+                            input_output_aliases=aliases, vmap_method="sequential")
+    return call(*local, num_tensors=np.int64(n), flags=np.int64(spec.flag_bits()),
+                master=master, tensor_flags=np.asarray(flags, np.uint8))
+
+  leaf_dims = _partition.leaf_dims(leaves.grads, "leaf")
+  partition = _partition.Layout(
+      operands=tuple(_partition.whole(x) for x in operands[:len(fixed)])
+      + leaf_dims * len(operand_lists),
+      results=((),) + leaf_dims * len(result_lists),
+      names=tuple(fixed_names)
+      + tuple(f"{name} leaf {i}" for name in operand_lists for i in range(n)),
+      # The state written back keeps its sharding; the gradients follow it.
+      prefer=tuple(len(fixed) + k * n + i for k, name in enumerate(operand_lists)
+                   if name != "grads" for i in range(n)))
+  out = _partition.partitioned_call(spec.name, body, partition, operands)
+  lists = {name: list(out[1 + i * n:1 + (i + 1) * n]) for i, name in enumerate(result_lists)}
+  return out[0], lists
+
+
+def _calls(leaves: _Leaves, nonempty: list[int]) -> list[list[int]]:
+  """The leaves of each FFI call: the ``nonempty`` ones, one family (compute type, real or
+  complex) per call, at most MAX_LEAVES_PER_CALL each."""
+  families: dict[tuple[bool, bool], list[int]] = {}
+  for i in nonempty:
+    families.setdefault(leaves.family(i), []).append(i)
+  return [idx[k:k + MAX_LEAVES_PER_CALL] for idx in families.values()
+          for k in range(0, len(idx), MAX_LEAVES_PER_CALL)]
+
+
+def in_place(spec: Spec, grads: Any, state: Any, params: Any,
+             grad_ctrl: Optional[jax.Array] = None) -> tuple[Any, Any]:
+  """The fused step: (new_params, new_state), params, state lists and master params updated in
+  place. `grad_ctrl` is the gradient-control vector (loss scale, clip divisor and multiplier,
+  skip flag) that the global-norm kernel produces; None means no clip, no loss scale, and with
+  `skip_nonfinite` the caller must pass the vector of a norm call made with it."""
+  grads, state, params = _trees.as_arrays((grads, state, params))
+  if params is None:
+    raise ValueError("jaxfuse.fused_step: params are required")
+  leaves, flags = _checked_leaves(spec, grads, state, params)
+  if grad_ctrl is None:
+    if spec.skip_nonfinite:
+      raise ValueError("jaxfuse: skip_nonfinite needs the control vector of a norm call")
+    grad_ctrl = default_grad_ctrl()
+  count = _count(state)
+  hyper = _ffi.device_vector(spec.contract.names["hyper"], **spec.hyper(count))
+  new_params = list(leaves.params)  # a zero-size leaf is its own result: no call
+  states = [list(s) for s in leaves.states]
+  masters = None if leaves.master_params is None else list(leaves.master_params)
+  new_count = None
+  operand_lists = spec.lists(masters is not None)[0]
+  for idx in _calls(leaves, _trees.nonempty(leaves.grads)):
+    c, out = _ffi_call(spec, count, hyper, grad_ctrl, leaves.select(idx), [flags[i] for i in idx])
+    new_count = c if new_count is None else new_count
+    for k, i in enumerate(idx):
+      new_params[i] = out["params"][k]
+      for s, name in zip(states, operand_lists[2:]):
+        s[i] = out[name][k]
+      if masters is not None:
+        masters[i] = out["master_params"][k]
+  skip = _skip_flag(grad_ctrl)
+  if new_count is None:  # no element anywhere: the count still advances, as in optax
+    new_count = jnp.where(skip, count, optax.safe_increment(count))
+  treedef = jax.tree.structure(params)
+  return treedef.unflatten(new_params), _new_state(spec, state, treedef, states, masters,
+                                                   new_count, skip)
+
+
+def _update_in_place(spec: Spec, step: _inplace.InPlaceStep, grads: Any, state: Any,
+                     params: Any) -> tuple[Any, Any]:
+  """The optimizer of a fused_step: params and state updated in place (a jaxfuse clip directly
+  before it folded in), the new params recorded; the updates returned are placeholders."""
+  if params is None:
+    raise ValueError("jaxfuse.fused_step: params are required")
+  clip = step.take_clip(grads)
+  norm, grad_ctrl = grad_ctrl_for(spec, grads, step.grad_scale,
+                                  clip_max_norm=None if clip is None else clip.max_norm,
+                                  need_norm=step.need_norm,
+                                  axis_name=None if clip is None else clip.axis_name)
+  new_params, new_state = in_place(spec, grads, state, params, grad_ctrl)
+  placeholders = jax.tree.map(jnp.zeros_like, _trees.as_arrays(grads))
+  step.record_step(spec.name, new_params, norm, placeholders)
+  return placeholders, new_state
+
+
+def transform(spec: Spec) -> optax.GradientTransformationExtraArgs:
+  """The optax transform of `spec`: the optax protocol, or the in-place step under
+  :func:`jaxfuse.fused_step`."""
+  spec.contract  # noqa: B018  (fails early when the op is not built)
+
+  def init_fn(params):
+    return spec.init(params)
+
+  def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
+    del extra_args
+    if params is None and spec.needs_params:
+      why = "master weights" if spec.master_weights else "weight decay"
+      raise ValueError(f"{spec.name}: update() needs params (for {why}), as optax's does")
+    step = _inplace.current()
+    if step is not None:
+      return _update_in_place(spec, step, updates, state, params)
+    return xla_updates(spec, updates, state, params, grad_scale)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,150 @@
+// The CPU driver of the optimizer op (optimizer.h), one for every family: chunks of every
+// tensor spread over XLA's intra-op thread pool, each chunk through optimizer_group() (the GPU's
+// program too) in L1-sized tiles of the compute type (float, or double for float64 calls):
+// converting loads, one vectorizable element loop of the family, converting stores. Tensors
+// stored in the compute type without a master copy take a shortcut: the same element loop in
+// place on their buffers, with no tile copies.
+//
+// A family's CPU file is one line, JAXFUSE_CPU_OPTIMIZER(Family, elements): `elements` is the
+// element loop as the family wants it compiled (e.g. with its flags hoisted into template
+// arguments so that each variant vectorizes); the macro compiles it once per ISA level and
+// registers the op.
+#pragma once
+
+#include <algorithm>
+
+#include "cpu_common.h"
+#include "jaxfuse/optimizer.h"
+
+namespace jaxfuse {
+namespace cpu_optimizer {
+
+constexpr int64_t kChunk = 1 << 16;  // elements per parallel work item (even: complex pairs)
+constexpr int64_t kTile = 512;       // elements per scratch tile (even)
+
+JF_CPU_MULTIVERSION
+static void scale_tile(const GradScaling<float>& s, int64_t len, float* g) {
+  scale_group(s, len, g);
+}
+
+JF_CPU_MULTIVERSION
+static void scale_tile(const GradScaling<double>& s, int64_t len, double* g) {
+  scale_group(s, len, g);
+}
+
+JF_CPU_MULTIVERSION
+static void add_into(int64_t len, float* __restrict__ p, const float* __restrict__ u) {
+  for (int64_t i = 0; i < len; ++i) p[i] = p[i] + u[i];
+}
+
+JF_CPU_MULTIVERSION
+static void add_into(int64_t len, double* __restrict__ p, const double* __restrict__ u) {
+  for (int64_t i = 0; i < len; ++i) p[i] = p[i] + u[i];
+}
+
+// optimizer_group()'s view of one tile [start, start + len) of tensor t. `tile_elements` is the
+// family's per-ISA element loop (JAXFUSE_CPU_OPTIMIZER), found by argument-dependent lookup.
+template <typename Family, typename Real>
+struct Tile {
+  using Values = Real[kTile];
+  const TensorLists& tensors;
+  int64_t t, start, len;
+
+  int64_t size() const { return len; }
+  void load(int list, Real* x) const {
+    load_tile(tensors.ptr[t][list], tensors.dtype[t][list], start, len, x);
+  }
+  void store(int list, const Real* x) const {
+    store_tile(tensors.ptr[t][list], tensors.dtype[t][list], start, len, x);
+  }
+  void update(const typename Family::template Step<Real>& s, const Real* g, const Real* p,
+              Real* s0, Real* s1, Real* s2, Real* u) const {
+    tile_elements(Family{}, s, len, tensors.mask[t], g, p, s0, s1, s2, u);
+  }
+};
+
+// Whether tensor t takes the shortcut: every list stored in the compute type, no master copy.
+template <typename Real>
+bool native_in_place(const TensorLists& tensors, const OptimizerLists& lists, int64_t t) {
+  if (lists.master >= 0) return false;
+  for (int k = 0; k < lists.count(); ++k) {
+    if (tensors.dtype[t][k] != kNativeDType<Real>) return false;
+  }
+  return true;
+}
+
+// The shortcut for a tile: optimizer_group()'s program for that case, on the buffers.
+template <typename Family, typename Real>
+void native_tile(const OptimizerStep<Family, Real>& step, const OptimizerLists& lists,
+                 const Tile<Family, Real>& tile, Real* scratch_g, Real* scratch_u) {
+  auto at = [&](int list) {
+    return list < lists.count() ? static_cast<Real*>(tile.tensors.ptr[tile.t][list]) + tile.start
+                                : nullptr;
+  };
+  const Real* g = at(OptimizerLists::kGrads);
+  if (step.grad.scale || step.grad.clip) {
+    std::copy(g, g + tile.len, scratch_g);
+    scale_tile(step.grad, tile.len, scratch_g);
+    g = scratch_g;
+  }
+  Real* p = at(OptimizerLists::kParams);
+  tile.update(step.math, g, p, at(OptimizerLists::state(0)), at(OptimizerLists::state(1)),
+              at(OptimizerLists::state(2)), scratch_u);
+  add_into(tile.len, p, scratch_u);
+}
+
+template <typename Family, typename Real>
+void run_chunk(const OptimizerStep<Family, Real>& step, const typename OptimizerOp<Family>::Call& call,
+               int64_t t, int64_t start, int64_t n) {
+  const bool native = native_in_place<Real>(call.tensors, call.lists, t);
+  alignas(64) Real g[kTile], u[kTile];
+  for (int64_t off = start; off < start + n; off += kTile) {
+    const Tile<Family, Real> tile{call.tensors, t, off, std::min(kTile, start + n - off)};
+    if (native) {
+      native_tile(step, call.lists, tile, g, u);
+    } else {
+      optimizer_group(step, call.lists, tile);
+    }
+  }
+}
+
+template <typename Family, typename Real>
+void run(ffi::ThreadPool* pool, const typename OptimizerOp<Family>::Call& call) {
+  const auto step = make_optimizer_step<Family, Real>(call.hyper, call.grad_ctrl, *call.count,
+                                                      call.flags, call.complex);
+  *call.new_count = next_count(*call.count, step.grad.skip);
+  if (step.grad.skip) return;  // the state stays as it is
+  const ChunkIndex chunks(call.tensors, kChunk);
+  for_each_chunk(pool, call.tensors, chunks, [&](int64_t t, int64_t start, int64_t n, int64_t) {
+    run_chunk<Family, Real>(step, call, t, start, n);
+  });
+}
+
+}  // namespace cpu_optimizer
+
+// Compiles `elements(step, n, tensor_flags, g, p, s0, s1, s2, u)` (a template over the compute
+// type, inlined) per ISA level for float and double, and registers Family's CPU handler.
+#define JAXFUSE_CPU_OPTIMIZER(Family, elements)                                                  \
+  JF_CPU_MULTIVERSION void tile_elements(Family, const Family::Step<float>& s, int64_t n,         \
+                                         uint8_t tensor_flags, const float* g, const float* p,    \
+                                         float* s0, float* s1, float* s2, float* u) {             \
+    elements(s, n, tensor_flags, g, p, s0, s1, s2, u);                                           \
+  }                                                                                              \
+  JF_CPU_MULTIVERSION void tile_elements(Family, const Family::Step<double>& s, int64_t n,        \
+                                         uint8_t tensor_flags, const double* g, const double* p,  \
+                                         double* s0, double* s1, double* s2, double* u) {         \
+    elements(s, n, tensor_flags, g, p, s0, s1, s2, u);                                           \
+  }                                                                                              \
+  template <>                                                                                    \
+  template <>                                                                                    \
+  ffi::Error OptimizerOp<Family>::run<Cpu>(ffi::ThreadPool pool, const Call& call) {             \
+    if (call.f64) {                                                                              \
+      cpu_optimizer::run<Family, double>(&pool, call);                                           \
+    } else {                                                                                     \
+      cpu_optimizer::run<Family, float>(&pool, call);                                            \
+    }                                                                                            \
+    return ffi::Error::Success();                                                                \
+  }                                                                                              \
+  JAXFUSE_REGISTER_OP(OptimizerOp<Family>, Cpu)
+
+}  // namespace jaxfuse

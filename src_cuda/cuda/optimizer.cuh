@@ -1,0 +1,116 @@
+// The CUDA driver of the optimizer op (optimizer.h), one for every family: every leaf in one
+// multi-tensor launch (a few for very many leaves). Each thread runs optimizer_group() (the
+// CPU's program too) on groups of 4 scalars held in registers, in float (double for float64
+// calls), with 16-byte (32-/64-bit) or 8-byte (16-bit) accesses when aligned. Each list layout
+// (number of states, master copy or not) is its own kernel, with no branches on it.
+//
+// A family's CUDA file is one line, JAXFUSE_CUDA_OPTIMIZER(Family).
+#pragma once
+
+#include "jaxfuse/optimizer.h"
+#include "multi_tensor.cuh"
+
+namespace jaxfuse {
+namespace cuda_optimizer {
+
+// OptimizerLists as compile-time constants.
+template <int kStates, bool kMaster>
+struct StaticLists {
+  static constexpr OptimizerLists kLists = OptimizerLists::of(kStates, kMaster);
+  static constexpr int num_states = kStates;
+  static constexpr int master = kLists.master;
+  static constexpr int kCount = kLists.count();
+  static constexpr int param_source() { return kLists.param_source(); }
+};
+
+// optimizer_group()'s view of 4 consecutive scalars of one chunk.
+template <typename Family, typename Real, int kLists>
+struct RegisterGroup {
+  using Values = Real[4];
+  const ChunkRef<kLists>& chunk;
+  int64_t i;  // first scalar
+  int n;      // valid scalars (the others are computed and dropped)
+  bool vec;   // vector access allowed
+
+  static constexpr int size() { return 4; }
+  __device__ void load(int list, Real* x) const {
+    load_group(chunk.ptr[list], chunk.dtype[list], i, n, vec, x);
+  }
+  __device__ void store(int list, const Real* x) const {
+    store_group(chunk.ptr[list], chunk.dtype[list], i, n, vec, x);
+  }
+  __device__ void update(const typename Family::template Step<Real>& s, const Real* g,
+                         const Real* p, Real* s0, Real* s1, Real* s2, Real* u) const {
+    Family::update(s, 4, chunk.mask, g, p, s0, s1, s2, u);
+  }
+};
+
+template <typename Family, typename Real, typename Lists>
+struct ChunkOp : MultiTensorOpBase {
+  static constexpr int kLists = Lists::kCount;
+
+  const int32_t* count;
+  int32_t* new_count;
+  ScalarVector hyper;
+  ScalarVector grad_ctrl;
+  uint32_t flags;
+  bool complex;
+  OptimizerStep<Family, Real> step;
+
+  __device__ void prepare() {
+    const int32_t c = *count;
+    step = make_optimizer_step<Family, Real>(hyper, grad_ctrl, c, flags, complex);
+    if (blockIdx.x == 0 && threadIdx.x == 0) *new_count = next_count(c, step.grad.skip);
+  }
+
+  __device__ void operator()(const ChunkRef<kLists>& chunk) const {
+    for_each_group(chunk, [&](int64_t i, int n, bool vec) {
+      // A short group (n < 4; even for complex tensors) computes all 4 lanes and stores n.
+      const RegisterGroup<Family, Real, kLists> group{chunk, i, n, vec};
+      optimizer_group(step, Lists{}, group);
+    });
+  }
+};
+
+template <typename Family, typename Real, int kStates, bool kMaster>
+ffi::Error launch(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
+  using Op = ChunkOp<Family, Real, StaticLists<kStates, kMaster>>;
+  Op op;
+  op.count = call.count;
+  op.new_count = call.new_count;
+  op.hyper = call.hyper;
+  op.grad_ctrl = call.grad_ctrl;
+  op.flags = call.flags;
+  op.complex = call.complex;
+  return multi_tensor_apply<Op::kLists>(stream, call.tensors, op);
+}
+
+// The kernel for the call's layout: only the state counts the family allows are compiled.
+template <typename Family, typename Real, int kStates = 0>
+ffi::Error launch_for_layout(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
+  if constexpr (kStates > kMaxOptimizerStates) {
+    return internal_error("no kernel for ", call.lists.num_states, " state lists");
+  } else {
+    if constexpr (Family::allows_states(kStates)) {
+      if (call.lists.num_states == kStates) {
+        return call.lists.master >= 0 ? launch<Family, Real, kStates, true>(stream, call)
+                                      : launch<Family, Real, kStates, false>(stream, call);
+      }
+    }
+    return launch_for_layout<Family, Real, kStates + 1>(stream, call);
+  }
+}
+
+}  // namespace cuda_optimizer
+
+// Registers Family's CUDA handler.
+#define JAXFUSE_CUDA_OPTIMIZER(Family)                                                         \
+  template <>                                                                                  \
+  template <>                                                                                  \
+  ffi::Error OptimizerOp<Family>::run<Cuda>(cudaStream_t stream, const Call& call) {           \
+    return call.f64 ? cuda_optimizer::launch_for_layout<Family, double>(stream, call)          \
+                    : cuda_optimizer::launch_for_layout<Family, float>(stream, call);          \
+  }                                                                                            \
+  JAXFUSE_REGISTER_OP(OptimizerOp<Family>, Cuda)
+
+}  // namespace jaxfuse

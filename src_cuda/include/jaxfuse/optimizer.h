@@ -1,0 +1,301 @@
+// One op for every element-wise optimizer: OptimizerOp<Family> is the FFI signature, operand
+// layout, decoding and validation of the fused in-place step of any family, and
+// optimizer_group() the per-group program both drivers run (the CPU's tiles, cpu/optimizer.h; the
+// GPU's registers, cuda/optimizer.cuh). A family (adam_math.h, sgd_math.h, ...) is a struct:
+//
+//   kName                  the XLA target, e.g. "jaxfuse_adam"
+//   Hyper                  its hyperparameter vector layout (JF_DEFINE_VECTOR_LAYOUT)
+//   kFlagNames             the bits of the call's `flags` attribute, in bit order
+//   kTensorFlagNames       the bits of each tensor's entry of `tensor_flags` (e.g. "decay")
+//   kComplex               whether complex tensors are allowed
+//   kMaxStates             the most state lists it keeps per tensor (at most 3)
+//   allows_states(k)       constexpr: whether some configuration keeps k state lists
+//   num_states(flags)      how many this configuration keeps; state_name(flags, k) their names
+//   Step<Real>             the per-step scalars; make_step(hyper, count, flags, complex)
+//   update(step, n, tensor_flags, g, p, s0, s1, s2, u)
+//                          the element loop over n scalars: the state lists s0.. (as many as the
+//                          configuration keeps) updated in place, u = the update added to p
+//
+// Operands: count s32[], hyper f32/f64[Hyper::kSize], grad_ctrl f32/f64[GradCtrl::kSize], then
+//   n buffers per list: grads, params, the state lists in order, master params (attribute
+//   `master`). Results: the new count s32[], then every list but the grads, updated in place:
+//   each result buffer must be aliased to its operand (the handler checks).
+// The math runs in double when any buffer of the call is float64, else in float; the tensors of
+// one call are all real or all complex.
+#pragma once
+
+#include <iterator>
+#include <string>
+
+#include "jaxfuse/multi_tensor_plan.h"
+#include "jaxfuse/norm_math.h"
+#include "jaxfuse/op.h"
+#include "jaxfuse/tensor_lists.h"
+
+namespace jaxfuse {
+
+inline constexpr int kMaxOptimizerStates = 3;
+
+// The kernel lists of one call: grads, params, the states, the master params when present.
+struct OptimizerLists {
+  static constexpr int kGrads = 0;
+  static constexpr int kParams = 1;
+  int num_states = 0;
+  int master = -1;  // list index, -1: absent
+
+  static constexpr OptimizerLists of(int num_states, bool master) {
+    OptimizerLists l;
+    l.num_states = num_states;
+    l.master = master ? 2 + num_states : -1;
+    return l;
+  }
+  static constexpr int state(int k) { return 2 + k; }
+  constexpr int count() const { return 2 + num_states + (master >= 0 ? 1 : 0); }
+  // The param value the math reads: the master copy when present.
+  constexpr int param_source() const { return master >= 0 ? master : kParams; }
+};
+
+// optax.safe_increment on an int32 count: saturates at INT32_MAX.
+JF_HD int32_t safe_increment(int32_t count) { return count < INT32_MAX ? count + 1 : count; }
+
+// The count written back: advanced unless the step is skipped.
+JF_HD int32_t next_count(int32_t count, bool skip) { return skip ? count : safe_increment(count); }
+
+// What one step of a family needs per element: its scalars and how it sees the gradients.
+template <typename Family, typename Real>
+struct OptimizerStep {
+  typename Family::template Step<Real> math;
+  GradScaling<Real> grad;
+};
+
+template <typename Family, typename Real>
+JF_HD OptimizerStep<Family, Real> make_optimizer_step(ScalarVector hyper, ScalarVector grad_ctrl,
+                                                      int32_t count, uint32_t flags,
+                                                      bool complex) {
+  return {Family::template make_step<Real>(hyper, count, flags, complex),
+          make_grad_scaling<Real>(grad_ctrl)};
+}
+
+// One group of elements through a step. `Group` is the platform's group (the GPU: 4 scalars of
+// one thread, in registers; the CPU: a tile of a chunk, in scratch): Values (an array of Real),
+// size(), load(list, x), store(list, x) and update(math, g, p, s0, s1, s2, u), the family's
+// element loop. `Lists` is an OptimizerLists or a type with its members as compile-time
+// constants. A skipped (non-finite) step leaves everything as it is. With master weights the
+// math reads and writes the master copy, and the params are its rounding.
+template <typename Family, typename Real, typename Lists, typename Group>
+JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists& lists,
+                           const Group& group) {
+  if (step.grad.skip) return;
+  typename Group::Values g, p, s0, s1, s2, u;
+  const auto n = group.size();
+  group.load(OptimizerLists::kGrads, g);
+  scale_group(step.grad, n, g);
+  group.load(lists.param_source(), p);
+  if (lists.num_states > 0) group.load(OptimizerLists::state(0), s0);
+  if (lists.num_states > 1) group.load(OptimizerLists::state(1), s1);
+  if (lists.num_states > 2) group.load(OptimizerLists::state(2), s2);
+  group.update(step.math, g, p, s0, s1, s2, u);
+  if (lists.num_states > 0) group.store(OptimizerLists::state(0), s0);
+  if (lists.num_states > 1) group.store(OptimizerLists::state(1), s1);
+  if (lists.num_states > 2) group.store(OptimizerLists::state(2), s2);
+  for (decltype(+n) i = 0; i < n; ++i) p[i] = p[i] + u[i];
+  if (lists.master >= 0) group.store(lists.master, p);
+  group.store(OptimizerLists::kParams, p);
+}
+
+namespace optimizer_detail {
+
+template <size_t N>
+uint32_t bit_limit(const char* const (&)[N]) {
+  return uint32_t(1) << N;
+}
+
+inline ffi::Error check_tensor_flags(ffi::Span<const uint8_t> flags, int64_t n, uint32_t limit) {
+  if (static_cast<int64_t>(flags.size()) != n) {
+    return invalid_argument("tensor_flags has ", flags.size(), " entries, expected num_tensors=",
+                            n);
+  }
+  for (size_t t = 0; t < flags.size(); ++t) {
+    if (flags[t] >= limit) {
+      return invalid_argument("tensor_flags entry ", t, " is ", int(flags[t]), ", expected < ",
+                              limit);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// One call computes in one type and treats all its tensors alike: all real or all complex.
+inline ffi::Error check_uniform_complex(const TensorLists& tensors, bool allowed) {
+  for (int64_t t = 0; t < tensors.num_tensors(); ++t) {
+    if (tensors.complex[t] && !allowed) {
+      return invalid_argument("tensor ", t, " is complex; this optimizer takes real tensors");
+    }
+    if (tensors.complex[t] != tensors.complex[0]) {
+      return invalid_argument("tensor ", t, " is ", tensors.complex[t] ? "complex" : "real",
+                              ", tensor 0 is not (one call takes real or complex tensors)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// Result buffer t of a list must be its operand buffer t (in-place update).
+inline ffi::Error check_aliased(const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                                int64_t arg_offset, int64_t ret_offset, int64_t n,
+                                const char* name) {
+  for (int64_t t = 0; t < n; ++t) {
+    auto a = args.get<ffi::AnyBuffer>(arg_offset + t);
+    if (a.has_error()) return a.error();
+    auto r = rets.get<ffi::AnyBuffer>(ret_offset + t);
+    if (r.has_error()) return r.error();
+    if (a->untyped_data() != (*r)->untyped_data()) {
+      return internal_error("output '", name, "' of tensor ", t,
+                            " is not aliased to its input (input_output_aliases missing)");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace optimizer_detail
+
+template <typename Family>
+struct OptimizerOp {
+  static constexpr const char* kName = Family::kName;
+  using Hyper = typename Family::Hyper;
+
+  struct Call {
+    TensorLists tensors;  // OptimizerLists order; mask: the tensor flags
+    OptimizerLists lists;
+    const int32_t* count = nullptr;
+    int32_t* new_count = nullptr;
+    ScalarVector hyper;
+    ScalarVector grad_ctrl;
+    uint32_t flags = 0;
+    bool f64 = false;      // compute in double (a buffer is float64)
+    bool complex = false;  // every tensor is complex
+  };
+
+  template <typename Context>
+  static auto binding() {
+    return ffi::Ffi::Bind()
+        .Ctx<Context>()
+        .template Arg<CountBuffer>()     // count
+        .template Arg<ffi::AnyBuffer>()  // hyper
+        .template Arg<ffi::AnyBuffer>()  // grad_ctrl
+        .RemainingArgs()
+        .template Ret<CountBuffer>()  // new count
+        .RemainingRets()
+        .template Attr<int64_t>("num_tensors")
+        .template Attr<int64_t>("flags")
+        .template Attr<bool>("master")
+        .template Attr<ffi::Span<const uint8_t>>("tensor_flags");
+  }
+
+  // The name of kernel list `list`.
+  static std::string list_name(uint32_t flags, const OptimizerLists& lists, int list) {
+    if (list == OptimizerLists::kGrads) return "grads";
+    if (list == OptimizerLists::kParams) return "params";
+    if (list == lists.master) return "master_params";
+    return Family::state_name(flags, list - OptimizerLists::state(0));
+  }
+
+  static ffi::Error decode(CountBuffer count, ffi::AnyBuffer hyper, ffi::AnyBuffer grad_ctrl,
+                           ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
+                           ffi::RemainingRets rets, int64_t n, int64_t flags, bool master,
+                           ffi::Span<const uint8_t> tensor_flags, Call* call);
+
+  template <typename Platform>
+  static ffi::Error run(typename Platform::Arg ctx, const Call& call);
+
+  // Python builds the hyper vector, the flags and the lists by these names.
+  static Contract contract() {
+    Contract c;
+    c.names["hyper"] = name_list(Hyper::kNames);
+    c.names["grad_ctrl"] = name_list(GradCtrl::kNames);
+    c.names["flags"] = name_list(Family::kFlagNames);
+    c.names["tensor_flags"] = name_list(Family::kTensorFlagNames);
+    c.names["fixed_operands"] = {"count", "hyper", "grad_ctrl"};  // binding() order
+    c.names["fixed_results"] = {"count"};
+    c.functions["lists"] = [](const std::map<std::string, int64_t>& args) {
+      const uint32_t flags = static_cast<uint32_t>(contract_arg(args, "flags"));
+      const OptimizerLists lists =
+          OptimizerLists::of(Family::num_states(flags), contract_arg(args, "master") != 0);
+      ContractValues v;
+      for (int k = 0; k < lists.count(); ++k) {
+        v.names["operands"].push_back(list_name(flags, lists, k));
+        if (k != OptimizerLists::kGrads) v.names["results"].push_back(list_name(flags, lists, k));
+      }
+      return v;
+    };
+    return c;
+  }
+
+  // One multi-tensor kernel over the call's lists, every buffer read or written once.
+  static CallCost cost(const CallShape& shape) {
+    const int64_t n = contract_arg(shape.attrs, "num_tensors");
+    const int64_t fixed = 3;  // count, hyper, grad_ctrl; the grads are the first list
+    const int64_t lists = n > 0 ? (static_cast<int64_t>(shape.operands.size()) - fixed) / n : 0;
+    return streaming_cost(shape, multi_tensor_launches(static_cast<int>(lists),
+                                                       shape.scalars(fixed, n)));
+  }
+};
+
+template <typename Family>
+ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
+                                       ffi::AnyBuffer grad_ctrl, ffi::RemainingArgs args,
+                                       ffi::Result<CountBuffer> new_count,
+                                       ffi::RemainingRets rets, int64_t n, int64_t flags,
+                                       bool master, ffi::Span<const uint8_t> tensor_flags,
+                                       Call* call) {
+  using namespace optimizer_detail;
+  const auto hyper_vector = scalar_vector("hyper", hyper, Hyper::kSize);
+  if (hyper_vector.has_error()) return hyper_vector.error();
+  const auto grad_ctrl_vector = scalar_vector("grad_ctrl", grad_ctrl, GradCtrl::kSize);
+  if (grad_ctrl_vector.has_error()) return grad_ctrl_vector.error();
+  if (flags < 0 || flags >= bit_limit(Family::kFlagNames)) {
+    return invalid_argument("flags ", flags, " has bits beyond the ",
+                            std::size(Family::kFlagNames), " flags of the op");
+  }
+  const uint32_t op_flags = static_cast<uint32_t>(flags);
+  const OptimizerLists lists = OptimizerLists::of(Family::num_states(op_flags), master);
+  // n is bounded by the operand count before any product is formed (no overflow).
+  const int64_t num_args = static_cast<int64_t>(args.size());
+  if (n < 0 || n > num_args || num_args != lists.count() * n ||
+      static_cast<int64_t>(rets.size()) != (lists.count() - 1) * n) {
+    return invalid_argument(args.size(), " tensor operands and ", rets.size(),
+                            " tensor results do not fit num_tensors=", n, " (expected ",
+                            lists.count(), " and ", lists.count() - 1, " per tensor)");
+  }
+  JF_RETURN_IF_ERROR(
+      check_tensor_flags(tensor_flags, n, bit_limit(Family::kTensorFlagNames)));
+  std::string names[kMaxLists];
+  ListSource sources[kMaxLists];
+  for (int k = 0; k < lists.count(); ++k) {
+    names[k] = list_name(op_flags, lists, k);
+    sources[k] = {names[k].c_str(), false, k * n};
+    if (k == OptimizerLists::kGrads) continue;
+    JF_RETURN_IF_ERROR(check_aliased(args, rets, k * n, (k - 1) * n, n, names[k].c_str()));
+  }
+  JF_RETURN_IF_ERROR(
+      collect_lists(args, &rets, sources, lists.count(), n, tensor_flags, &call->tensors));
+  JF_RETURN_IF_ERROR(check_uniform_complex(call->tensors, Family::kComplex));
+  call->f64 = call->tensors.computes_in_double();
+  if (master) {
+    const DType compute = call->f64 ? DType::kF64 : DType::kF32;
+    for (int64_t t = 0; t < n; ++t) {
+      if (call->tensors.dtype[t][lists.master] != compute) {
+        return invalid_argument("master params of tensor ", t, " must be ", dtype_name(compute),
+                                " (the compute type)");
+      }
+    }
+  }
+  call->lists = lists;
+  call->count = count.typed_data();
+  call->new_count = new_count->typed_data();
+  call->hyper = *hyper_vector;
+  call->grad_ctrl = *grad_ctrl_vector;
+  call->flags = op_flags;
+  call->complex = n > 0 && call->tensors.complex[0];
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxfuse
