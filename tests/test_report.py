@@ -2,9 +2,11 @@
 HLO text, the ops' documented launches, byte bounds per parameter and XLA's cost analysis."""
 
 import math
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -222,8 +224,14 @@ def test_cuda_graph_readiness_follows_xla_flags(monkeypatch, flags, ready):
   assert not jaxfuse.report(lambda t: t["leaf0000"] * 2, tree).cuda_graph_ready
 
 
-def test_command_line():
-  out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "jaxfuse.report"],
+def test_gpt2_command_line():
+  """benchmarks/report_gpt2.py, run as a script (its own directory on sys.path, not the repo's):
+  the jaxfuse under test goes on PYTHONPATH."""
+  script = Path(__file__).resolve().parent.parent / "benchmarks" / "report_gpt2.py"
+  package_root = str(Path(jaxfuse.__file__).resolve().parent.parent)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+  out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)], env=env,
                        capture_output=True, text=True, timeout=300, check=True)
   assert "jaxfuse" in out.stdout and "optax" in out.stdout
   launches = re.search(r"kernels launched per step\s+(\d+)\s+([\d,]+)", out.stdout)
