@@ -29,8 +29,6 @@ import dataclasses
 import math
 import os
 import re
-import sys
-import types
 from typing import Any, Callable, Optional
 
 import jax
@@ -399,13 +397,3 @@ def _format_rows(r: Report) -> str:
   return "\n".join("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                     for i, (c, w) in enumerate(zip(row, widths)))
                    for row in table)
-
-
-class _ReportModule(types.ModuleType):
-  """``jaxfuse.report(fn, *args)`` calls report(); the module also holds Report."""
-
-  def __call__(self, fn: Callable, *args: Any, **kwargs: Any) -> Report:
-    return report(fn, *args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _ReportModule

@@ -1,6 +1,7 @@
 """jaxfuse.report: launches, bytes and memory of compiled steps, checked against the compiled
 HLO text, the ops' documented launches, byte bounds per parameter and XLA's cost analysis."""
 
+import inspect
 import math
 import os
 import re
@@ -195,7 +196,7 @@ def test_abstract_arguments_and_plain_functions():
   assert r.jaxfuse_cuda_launches == 3 and r.params == 19
 
 
-def test_table_and_module():
+def test_table_and_names():
   step, optax_step, p, s, os_, g = adamw_steps([(8, 8)])
   r = report_module.report(step, p, s, g, baseline=(optax_step, (p, os_, g), {}))
   text = str(r)
@@ -203,7 +204,9 @@ def test_table_and_module():
                "optimizer state per param", "jaxfuse_adam", "jaxfuse_global_norm",
                "baseline / step"):
     assert line in text
-  assert isinstance(r, report_module.Report) and callable(jaxfuse.report)
+  # Plain names: jaxfuse.report is the function (no callable module), Report its result type.
+  assert jaxfuse.report is report_module.report and inspect.isfunction(jaxfuse.report)
+  assert jaxfuse.Report is report_module.Report and isinstance(r, jaxfuse.Report)
   with pytest.raises(TypeError, match="baseline"):
     jaxfuse.report(step, p, s, g, baseline=optax_step)
   with pytest.raises(ValueError, match="no baseline"):
