@@ -29,3 +29,13 @@ def emit_table(table: str, out_path=None) -> None:
   if out_path:
     with open(out_path, "w") as f:
       f.write(table + "\n")
+
+
+def gpt2_small_shapes() -> list[tuple[int, ...]]:
+  """The 148 parameter shapes of GPT-2 small (124M parameters)."""
+  d, vocab, n_ctx, layers = 768, 50257, 1024, 12
+  shapes = [(vocab, d), (n_ctx, d)]
+  for _ in range(layers):
+    shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
+               (4 * d, d), (d,)]
+  return shapes + [(d,), (d,)]

@@ -38,7 +38,7 @@ import optax
 
 import jaxfuse
 from _common import copy_bandwidth, emit_table
-from jaxfuse._report import gpt2_small_shapes
+from _common import gpt2_small_shapes
 
 
 def make_tree(shapes, seed=0):

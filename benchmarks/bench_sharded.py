@@ -26,8 +26,8 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxfuse  # noqa: E402
-from _common import emit_table  # noqa: E402
-from bench_optim import gpt2_small_shapes, make_tree, time_step  # noqa: E402
+from _common import emit_table, gpt2_small_shapes  # noqa: E402
+from bench_optim import make_tree, time_step  # noqa: E402
 
 
 def mlp_shapes():

@@ -31,8 +31,7 @@ import numpy as np
 import optax
 
 import jaxfuse
-from _common import emit_table
-from jaxfuse._report import gpt2_small_shapes
+from _common import emit_table, gpt2_small_shapes
 
 try:
   from flax.training import train_state as flax_train_state

@@ -19,8 +19,8 @@ the compiled HLO:
   (donation) shares (``memory_analysis()``).
 * Optimizer-state bytes per parameter, when an argument holds optax or jaxfuse state.
 
-``python -m jaxfuse.report`` prints the report of a GPT-2-small step: jaxfuse's fused clip+AdamW
-against optax's chain.
+``python3 benchmarks/report_gpt2.py`` prints the report of a GPT-2-small step: jaxfuse's fused
+clip+AdamW against optax's chain.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import dataclasses
 import math
 import os
 import re
-import sys
-import types
 from typing import Any, Callable, Optional
 
 import jax
@@ -399,72 +397,3 @@ def _format_rows(r: Report) -> str:
   return "\n".join("  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                                     for i, (c, w) in enumerate(zip(row, widths)))
                    for row in table)
-
-
-# ---- python -m jaxfuse.report ----------------------------------------------------------------
-
-
-def gpt2_small_shapes() -> list[tuple[int, ...]]:
-  """The 148 parameter shapes of GPT-2 small (124M parameters)."""
-  d, vocab, n_ctx, layers = 768, 50257, 1024, 12
-  shapes = [(vocab, d), (n_ctx, d)]
-  for _ in range(layers):
-    shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
-               (4 * d, d), (d,)]
-  return shapes + [(d,), (d,)]
-
-
-def optimizer_steps(shapes, max_norm: float = 1.0, learning_rate: float = 1e-3,
-                    weight_decay: float = 0.1):
-  """(jaxfuse step, optax step, params, jaxfuse state, optax state, grads) for a clip+AdamW
-  step over a tree of ``shapes`` (abstract: nothing is allocated). Each step donates params and
-  state and returns them in that order."""
-  import optax
-
-  import jaxfuse
-
-  params = {f"p{i:04d}": jax.ShapeDtypeStruct(s, np.float32) for i, s in enumerate(shapes)}
-  jf_tx = optax.chain(jaxfuse.clip_by_global_norm(max_norm),
-                      jaxfuse.adamw(learning_rate, weight_decay=weight_decay))
-  optax_tx = optax.chain(optax.clip_by_global_norm(max_norm),
-                         optax.adamw(learning_rate, weight_decay=weight_decay))
-
-  def jf_step(p, s, g):
-    return jaxfuse.fused_step(jf_tx, g, s, p)
-
-  def optax_step(p, s, g):
-    updates, s = optax_tx.update(g, s, p)
-    return optax.apply_updates(p, updates), s
-
-  donate = dict(donate_argnums=(0, 1))
-  return (jax.jit(jf_step, **donate), jax.jit(optax_step, **donate), params,
-          jax.eval_shape(jf_tx.init, params), jax.eval_shape(optax_tx.init, params), params)
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-  import argparse
-
-  parser = argparse.ArgumentParser(
-      prog="python -m jaxfuse.report",
-      description="Launches, bytes and memory of a GPT-2-small clip+AdamW step: jaxfuse's "
-                  "fused step against optax's chain (compiled, not run).")
-  parser.parse_args(argv)
-  print(f"compiling both steps for {jax.devices()[0]} ...", file=sys.stderr, flush=True)
-  jf_step, optax_step, params, jf_state, optax_state, grads = optimizer_steps(gpt2_small_shapes())
-  r = report(jf_step, params, jf_state, grads,
-             baseline=(optax_step, (params, optax_state, grads)))
-  r.label, r.baseline.label = "jaxfuse", "optax"
-  print(r)
-
-
-class _ReportModule(types.ModuleType):
-  """``jaxfuse.report(fn, *args)`` calls report(); the module also holds Report and the CLI."""
-
-  def __call__(self, fn: Callable, *args: Any, **kwargs: Any) -> Report:
-    return report(fn, *args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _ReportModule
-
-if __name__ == "__main__":
-  main()

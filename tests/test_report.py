@@ -1,10 +1,13 @@
 """jaxfuse.report: launches, bytes and memory of compiled steps, checked against the compiled
 HLO text, the ops' documented launches, byte bounds per parameter and XLA's cost analysis."""
 
+import inspect
 import math
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +196,7 @@ def test_abstract_arguments_and_plain_functions():
   assert r.jaxfuse_cuda_launches == 3 and r.params == 19
 
 
-def test_table_and_module():
+def test_table_and_names():
   step, optax_step, p, s, os_, g = adamw_steps([(8, 8)])
   r = report_module.report(step, p, s, g, baseline=(optax_step, (p, os_, g), {}))
   text = str(r)
@@ -201,7 +204,9 @@ def test_table_and_module():
                "optimizer state per param", "jaxfuse_adam", "jaxfuse_global_norm",
                "baseline / step"):
     assert line in text
-  assert isinstance(r, report_module.Report) and callable(jaxfuse.report)
+  # Plain names: jaxfuse.report is the function (no callable module), Report its result type.
+  assert jaxfuse.report is report_module.report and inspect.isfunction(jaxfuse.report)
+  assert jaxfuse.Report is report_module.Report and isinstance(r, jaxfuse.Report)
   with pytest.raises(TypeError, match="baseline"):
     jaxfuse.report(step, p, s, g, baseline=optax_step)
   with pytest.raises(ValueError, match="no baseline"):
@@ -222,8 +227,14 @@ def test_cuda_graph_readiness_follows_xla_flags(monkeypatch, flags, ready):
   assert not jaxfuse.report(lambda t: t["leaf0000"] * 2, tree).cuda_graph_ready
 
 
-def test_command_line():
-  out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "jaxfuse.report"],
+def test_gpt2_command_line():
+  """benchmarks/report_gpt2.py, run as a script (its own directory on sys.path, not the repo's):
+  the jaxfuse under test goes on PYTHONPATH."""
+  script = Path(__file__).resolve().parent.parent / "benchmarks" / "report_gpt2.py"
+  package_root = str(Path(jaxfuse.__file__).resolve().parent.parent)
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+  out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)], env=env,
                        capture_output=True, text=True, timeout=300, check=True)
   assert "jaxfuse" in out.stdout and "optax" in out.stdout
   launches = re.search(r"kernels launched per step\s+(\d+)\s+([\d,]+)", out.stdout)

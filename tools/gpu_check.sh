@@ -239,7 +239,7 @@ stage_variants() {
 
 stage_report() {
   use_extension
-  step report python3 -m jaxfuse.report
+  step report python3 benchmarks/report_gpt2.py
 }
 
 # `step` runs commands, not functions: a stage's function runs under it as `bash $SELF _run FN ...`.

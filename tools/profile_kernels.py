@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import optax
 
 import jaxfuse
-from jaxfuse._report import gpt2_small_shapes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from _common import gpt2_small_shapes  # noqa: E402
 from bench_decoder import make_weights  # noqa: E402
 
 
