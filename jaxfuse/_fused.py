@@ -15,30 +15,31 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
   """One optimizer step with params and optimizer state updated in place.
 
   The result equals ``updates, s = tx.update(grads, opt_state, params)`` then
-  ``optax.apply_updates(params, updates), s``, computed by one Adam kernel (plus the two
+  ``optax.apply_updates(params, updates), s``, computed by one optimizer kernel (plus the two
   global-norm kernels when clipping, skipping non-finite steps or returning the norm) that reads
-  each of params, grads, mu and nu once and writes params, mu and nu in place: 28 bytes per fp32
-  parameter (32 with clipping). Under ``jax.jit(step, donate_argnums=...)`` with params and
-  opt_state donated (in the order they are returned), no new parameter or state buffers are
-  allocated; without donation XLA copies them first.
+  params, grads and the optimizer's state once and writes params and state in place: 28 bytes
+  per fp32 parameter for Adam (32 with clipping), 20 for SGD with momentum, Lion, Adagrad and
+  RMSprop. Under ``jax.jit(step, donate_argnums=...)`` with params and opt_state donated (in
+  the order they are returned), no new parameter or state buffers are allocated; without
+  donation XLA copies them first.
 
-  ``tx`` is any transform whose last step is a jaxfuse Adam (``adam``, ``adamw``, ``nadam``,
-  ``nadamw``): alone; in ``optax.chain``/``optax.named_chain`` (nested or not) after any
-  transforms, ``jaxfuse.clip_by_global_norm`` directly before it folding into its kernels;
+  ``tx`` is any transform whose last step is a jaxfuse optimizer (``adam``, ``adamw``,
+  ``nadam``, ``nadamw``, ``sgd``, ``lion``, ``adagrad``, ``rmsprop``): alone; in
+  ``optax.chain``/``optax.named_chain`` (nested or not) after any transforms, ``jaxfuse.clip_by_global_norm`` directly before it folding into its kernels;
   ``optax.inject_hyperparams(jaxfuse.adamw)(...)`` (hyperparameters read from the state);
   ``jaxfuse.multi_steps(tx, k)`` (gradient accumulation). fused_step runs ``tx.update`` with
   jaxfuse's transforms switched to in place (``jaxfuse/_inplace.py``): every wrapper's own state
-  advances as optax defines it, and a transform after the Adam, which would change updates that
-  are already applied, raises an error naming the alternative (``skip_nonfinite=True`` for
+  advances as optax defines it, and a transform after the optimizer, which would change updates
+  that are already applied, raises an error naming the alternative (``skip_nonfinite=True`` for
   ``optax.apply_if_finite``, ``jaxfuse.multi_steps`` for ``optax.MultiSteps``).
 
   Args:
     tx: the transform that ``opt_state`` belongs to.
     grads, opt_state, params: as for ``tx.update``.
     grad_scale: optional loss scale (device scalar); gradients are divided by it as the jaxfuse
-      kernels read them (transforms before the Adam see them scaled).
-    return_grad_norm: also return the global norm of the gradients that reach the Adam (before
-      a folded clip and unscaled), a device scalar: free when clipping or skipping non-finite
+      kernels read them (transforms before the optimizer see them scaled).
+    return_grad_norm: also return the global norm of the gradients that reach the optimizer
+      (before a folded clip and unscaled), a device scalar: free when clipping or skipping non-finite
       steps, one extra read of the gradients otherwise.
 
   Returns:
