@@ -7,10 +7,10 @@ decoding raises read "<target>: ..." (the handler names its op once, in front); 
 operand, result or attribute of the wrong type is rejected by XLA's FFI binding before the
 handler runs, with XLA's own message.
 
-The operand/result/attribute contracts are in src_cuda/include/jaxfuse/{adam,clip,decoder}.h;
-the vector layouts and sizes Python shares with them come from _ffi.contract(). The tests below
-build those vectors by position on purpose: they pin the wire contract
-(test_vector_layouts_are_pinned checks that the positions are the contract's).
+The operand/result/attribute contracts are in src_cuda/include/jaxfuse/ (optimizer.h with
+adam_math.h, clip.h, decoder.h); the vector layouts and sizes Python shares with them come from
+_ffi.contract(). The tests below build those vectors and lists by position on purpose: they pin
+the wire contract (test_vector_layouts_are_pinned checks that the positions are the contract's).
 Cases already covered in test_adam.py (test_handler_rejects_inconsistent_calls) and
 test_decoder.py (test_handler_validates_buffers) are not repeated here.
 """
@@ -67,24 +67,28 @@ def _put(device, *arrays):
   return jax.device_put(list(arrays), device)
 
 
-# ---- jaxfuse_adam ------------------------------------------------------------------------------
-# operands: count s32[], hyper f32/f64[8], grad_ctrl f32/f64[4], n each of grads, [params], mu,
-#           nu, [master]
-# results:  new_count s32[], n each of [updates], mu, nu, [params], [master]
+# ---- jaxfuse_adam (OptimizerOp<Adam>, optimizer.h) ---------------------------------------------
+# operands: count s32[], hyper f32/f64[8], grad_ctrl f32/f64[4], then n each of grads, params,
+#           mu, nu, [master_params]
+# results:  new count s32[], then n each of params, mu, nu, [master_params], aliased in place
+# attributes: num_tensors s64, flags s64 (bit 0: nesterov), master pred,
+#             tensor_flags u8[n] (bit 0: decay)
 
 
-def _adam_attrs(**over):
-  attrs = dict(num_tensors=np.int64(1), nesterov=False, write_updates=True, master=False,
-               params=True, decay_mask=np.zeros(1, np.uint8))
+def _adam_attrs(n=1, **over):
+  attrs = dict(num_tensors=np.int64(n), flags=np.int64(0), master=False,
+               tensor_flags=np.zeros(n, np.uint8))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
 
-# The device vectors by position (test_vector_layouts_are_pinned holds them to the contract).
+# The device vectors and lists by position (test_vector_layouts_are_pinned holds them to the
+# contract).
 _HYPER = ("learning_rate", "b1", "one_minus_b1", "b2", "one_minus_b2", "eps", "eps_root",
           "weight_decay")
 _GRAD_CTRL = ("loss_scale", "clip_div", "clip_mul", "skip")
 _NORM_PARAMS = ("loss_scale", "max_norm")
+_LISTS = ("grads", "params", "mu", "nu")
 
 
 def test_vector_layouts_are_pinned():
@@ -94,54 +98,87 @@ def test_vector_layouts_are_pinned():
   norm = _ffi.contract("jaxfuse_global_norm")
   assert adam.names["hyper"] == _HYPER
   assert adam.names["grad_ctrl"] == _GRAD_CTRL
+  assert adam.names["flags"] == ("nesterov",)
+  assert adam.names["tensor_flags"] == ("decay",)
   assert adam.names["fixed_operands"] == ("count", "hyper", "grad_ctrl")
   assert adam.names["fixed_results"] == ("count",)
+  for flags in (0, 1):  # nesterov keeps the same lists
+    lists = adam.call("lists", flags=flags, master=0).names
+    assert lists["operands"] == _LISTS and lists["results"] == _LISTS[1:]
+    lists = adam.call("lists", flags=flags, master=1).names
+    assert lists["operands"] == _LISTS + ("master_params",)
+    assert lists["results"] == _LISTS[1:] + ("master_params",)
   assert norm.names["norm_params"] == _NORM_PARAMS
   assert norm.names["grad_ctrl"] == _GRAD_CTRL
-  assert _ffi.contract("jaxfuse_apply_grad_ctrl").names["grad_ctrl"] == _GRAD_CTRL
   dec = _ffi.contract("jaxfuse_decoder")
   assert dec.names["operands"] == _OPERANDS
   assert dec.names["results"] == ("out", "k_cache", "v_cache", "workspace")
 
 
-def _adam_fixed(device, seed=0):
+def _adam_fixed(device, seed=0, dtype=np.float32):
   rng = np.random.default_rng(seed)
-  hyper = np.array([1e-3, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.0], np.float32)  # _HYPER
-  grad_ctrl = np.array([1.0, 1.0, 1.0, 0.0], np.float32)  # _GRAD_CTRL
+  # Weight decay on, so that a tensor's decay flag shows in its result.
+  hyper = np.array([1e-3, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, 0.1], dtype)  # _HYPER
+  grad_ctrl = np.array([1.0, 1.0, 1.0, 0.0], dtype)  # _GRAD_CTRL
   return _put(device, np.array(3, np.int32), hyper, grad_ctrl) + [rng]
 
 
-def _adam_call(operands, results, aliases, **attrs):
+def _adam_in_place(device, *tensors, master=None, sizes=None, seed=0):
+  """Operands, results and aliases of a well-formed in-place call over `tensors` (default one),
+  each a dict {list: dtype} (float32 where missing); `master`: the master params' dtype (None:
+  no master list). Tensor t has 4 - t elements unless sizes[(t, list)] says otherwise."""
+  tensors = tensors or ({},)
+  lists = _LISTS + (("master_params",) if master is not None else ())
+  n = len(tensors)
+  count, hyper, grad_ctrl, rng = _adam_fixed(device, seed)
+  bufs = {name: [] for name in lists}
+  for t, dtypes in enumerate(tensors):
+    for name in lists:
+      dt = dtypes.get(name, master if name == "master_params" else F32)
+      x = _rng_array(rng, ((sizes or {}).get((t, name), 4 - t),), dt)
+      # A second moment is not negative (as a complex one, a real part with no imaginary one).
+      bufs[name].append(np.abs(x).astype(x.dtype) if name == "nu" else x)
+  ops = [count, hyper, grad_ctrl] + _put(device, *[x for name in lists for x in bufs[name]])
+  res = [S((), I32)] + [S(x.shape, x.dtype) for name in lists[1:] for x in bufs[name]]
+  aliases = _ffi.aliases(lists, lists[1:], n, operand_offset=3, result_offset=1)
+  return ops, res, aliases
+
+
+def _adam_call(operands, results, aliases, n=1, **attrs):
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, input_output_aliases=aliases)
-  return _run(call, operands, _adam_attrs(**attrs))
-
-
-def _adam_updates_mode(device, grads=F32, params=F32, mu=F32, nu=F32, updates=F32, size=4):
-  """Operands, results and aliases of a one-tensor call in updates (optax protocol) mode."""
-  count, hyper, grad_ctrl, rng = _adam_fixed(device)
-  g, p, m, v = [_rng_array(rng, (size,), dt) for dt in (grads, params, mu, nu)]
-  v = v if np.iscomplexobj(v) else np.abs(v)  # a second moment is not negative
-  g, p, m, v = _put(device, g, p, m, v)
-  results = [S((), I32), S((size,), updates), S((size,), mu), S((size,), nu)]
-  return [count, hyper, grad_ctrl, g, p, m, v], results, {5: 2, 6: 3}
+  return _run(call, operands, _adam_attrs(n, **attrs))
 
 
 def test_adam_good_call_succeeds(device):
-  """The harness itself is right: a well-formed call (both modes, two tensors) runs."""
-  count, hyper, grad_ctrl, rng = _adam_fixed(device)
-  a4, b4, c4, d4 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
-  a3, b3, c3, d3 = _put(device, *[_rng_array(rng, (3,), BF16) for _ in range(4)])
-  ops = [count, hyper, grad_ctrl, a4, a3, b4, b3, c4, c3, d4, d3]
-  res = [S((), I32), S((4,), F32), S((3,), BF16), S((4,), F32), S((3,), BF16), S((4,), F32),
-         S((3,), BF16)]
-  out = _adam_call(ops, res, {7: 3, 8: 4, 9: 5, 10: 6}, num_tensors=np.int64(2),
-                   decay_mask=np.array([1, 0], np.uint8))
-  assert int(out[0]) == 4
-  # Fused mode: params, mu, nu in place.
-  ops = [count, hyper, grad_ctrl, a4, b4, c4, d4]
-  out = _adam_call(ops, [S((), I32)] + [S((4,), F32)] * 3, {5: 1, 6: 2, 4: 3},
-                   write_updates=False)
-  assert int(out[0]) == 4
+  """The harness itself is right: well-formed calls over two tensors (float32 and bfloat16)
+  run, and each tensor's decay flag reaches that tensor only."""
+  ops, res, aliases = _adam_in_place(device, {}, {k: BF16 for k in _LISTS})
+  params = lambda out: [np.asarray(x, np.float32) for x in out[1:3]]
+  decayed = _adam_call(ops, res, aliases, 2, tensor_flags=np.array([1, 0], np.uint8))
+  assert int(decayed[0]) == 4
+  assert all(np.isfinite(np.asarray(x, np.float32)).all() for x in decayed[1:])
+  plain = _adam_call(ops, res, aliases, 2)
+  assert not np.array_equal(params(decayed)[0], params(plain)[0])
+  np.testing.assert_array_equal(params(decayed)[1], params(plain)[1])
+  nesterov = _adam_call(ops, res, aliases, 2, flags=np.int64(1))
+  assert int(nesterov[0]) == 4 and not np.array_equal(params(nesterov)[0], params(plain)[0])
+
+
+def test_adam_master_params(device):
+  """Master params are in the compute type: float32, or float64 when a buffer is float64."""
+  ops, res, aliases = _adam_in_place(device, {"params": BF16}, master=F32)
+  out = _adam_call(ops, res, aliases, master=True)
+  # The params are the rounded master copy.
+  np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(out[4].astype(BF16)))
+  ops, res, aliases = _adam_in_place(device, {"params": BF16}, master=BF16)
+  with jaxfuse_error("jaxfuse_adam", r"master params of tensor 0 must be float32 \(the compute"):
+    _adam_call(ops, res, aliases, master=True)
+  with jax.enable_x64(True):
+    ops, res, aliases = _adam_in_place(device, {"grads": jnp.float64}, master=jnp.float64)
+    _adam_call(ops, res, aliases, master=True)
+    ops, res, aliases = _adam_in_place(device, {}, {"grads": jnp.float64}, master=F32)
+    with jaxfuse_error("jaxfuse_adam", "master params of tensor 0 must be float64"):
+      _adam_call(ops, res, aliases, 2, master=True)
 
 
 @pytest.mark.parametrize("what, operand, match, ours", [
@@ -149,13 +186,17 @@ def test_adam_good_call_succeeds(device):
     ("count_rank1", 0, "Wrong buffer rank: expected 0 but got 1", False),
     ("hyper_bf16", 1, "hyper must be float32 or float64", True),
     ("hyper_rank2", 1, "hyper must have rank 1, got 2", True),
+    ("hyper_9", 1, "hyper has 9 elements, expected 8", True),
     ("grad_ctrl_i32", 2, "grad_ctrl must be float32 or float64", True),
+    ("grad_ctrl_5", 2, "grad_ctrl has 5 elements, expected 4", True),
+    ("grad_ctrl_scalar", 2, "grad_ctrl must have rank 1, got 0", True),
 ])
 def test_adam_fixed_operand_types(device, what, operand, match, ours):
-  ops, res, aliases = _adam_updates_mode(device)
+  ops, res, aliases = _adam_in_place(device)
   bad = {"count_f32": np.float32(3), "count_rank1": np.array([3], np.int32),
          "hyper_bf16": np.zeros(8, jnp.bfloat16), "hyper_rank2": np.zeros((2, 4), np.float32),
-         "grad_ctrl_i32": np.ones(4, np.int32)}[what]
+         "hyper_9": np.zeros(9, np.float32), "grad_ctrl_i32": np.ones(4, np.int32),
+         "grad_ctrl_5": np.ones(5, np.float32), "grad_ctrl_scalar": np.float32(1)}[what]
   ops[operand] = jax.device_put(bad, device)
   with (jaxfuse_error("jaxfuse_adam", match) if ours else xla_error(match)):
     _adam_call(ops, res, aliases)
@@ -164,11 +205,10 @@ def test_adam_fixed_operand_types(device, what, operand, match, ours):
 def test_adam_float64_vectors(device):
   """Under jax_enable_x64 the vectors are float64; the kernel reads either."""
   with jax.enable_x64(True):
-    ops, res, aliases = _adam_updates_mode(device)
-    ops[1] = jax.device_put(np.asarray(ops[1], np.float64), device)
-    ops[2] = jax.device_put(np.asarray(ops[2], np.float64), device)
+    ops, res, aliases = _adam_in_place(device)
+    ops[1:3] = _put(device, *[np.asarray(x, np.float64) for x in ops[1:3]])
     with_f64 = _adam_call(ops, res, aliases)
-  ops, res, aliases = _adam_updates_mode(device)
+  ops, res, aliases = _adam_in_place(device)
   # Equal but for the bias corrections, which a float64 vector has computed in double.
   for a, b in zip(with_f64, _adam_call(ops, res, aliases)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
@@ -176,17 +216,10 @@ def test_adam_float64_vectors(device):
 
 def test_adam_count_int64(device):
   with jax.enable_x64(True):
-    ops, res, aliases = _adam_updates_mode(device)
+    ops, res, aliases = _adam_in_place(device)
     ops[0] = jax.device_put(np.array(3, np.int64), device)
     with xla_error("Wrong buffer dtype: expected S32 but got S64"):
       _adam_call(ops, res, aliases)
-
-
-def test_adam_grad_ctrl_size(device):
-  ops, res, aliases = _adam_updates_mode(device)
-  ops[2] = jax.device_put(np.ones(5, np.float32), device)
-  with jaxfuse_error("jaxfuse_adam", "grad_ctrl has 5 elements, expected 4"):
-    _adam_call(ops, res, aliases)
 
 
 @pytest.mark.parametrize("result, match", [
@@ -194,102 +227,121 @@ def test_adam_grad_ctrl_size(device):
     (S((1,), I32), "Wrong buffer rank: expected 0 but got 1"),
 ])
 def test_adam_new_count_result_type(device, result, match):
-  ops, res, aliases = _adam_updates_mode(device)
+  ops, res, aliases = _adam_in_place(device)
   res[0] = result
   with xla_error(match):
     _adam_call(ops, res, aliases)
 
 
 @pytest.mark.parametrize("lst, dtype", list(itertools.product(
-    ["grads", "params", "mu", "nu", "updates"], [I32, U8, jnp.bool_])))
+    _LISTS + ("master_params",), [I32, U8, jnp.bool_])))
 def test_adam_tensor_dtype(device, lst, dtype):
   """A non-float buffer in any list is rejected and named (list and tensor index)."""
-  ops, res, aliases = _adam_updates_mode(device, **{lst: dtype})
+  ops, res, aliases = _adam_in_place(device, {lst: dtype}, master=F32)
   with jaxfuse_error("jaxfuse_adam", rf"list '{lst}' tensor 0: unsupported dtype"):
-    _adam_call(ops, res, aliases)
+    _adam_call(ops, res, aliases, master=True)
 
 
-@pytest.mark.parametrize("lst", ["grads", "params", "mu", "nu"])
+@pytest.mark.parametrize("lst", _LISTS)
 def test_adam_tensor_float64(device, lst):
   """A float64 buffer in any list is taken: the call then computes in double."""
   with jax.enable_x64(True):
-    ops, res, aliases = _adam_updates_mode(device, **{lst: jnp.float64})
-    assert ops[3 + ["grads", "params", "mu", "nu"].index(lst)].dtype == jnp.float64
+    ops, res, aliases = _adam_in_place(device, {lst: jnp.float64})
+    assert ops[3 + _LISTS.index(lst)].dtype == jnp.float64
     out = _adam_call(ops, res, aliases)
     assert all(np.isfinite(np.asarray(x)).all() for x in out[1:])
 
 
-@pytest.mark.parametrize("lst", ["params", "mu", "nu", "updates"])
+@pytest.mark.parametrize("lst", _LISTS[1:] + ("master_params",))
 def test_adam_complex_and_real_lists(device, lst):
   """A tensor's lists are all complex or all real."""
-  ops, res, aliases = _adam_updates_mode(device, **{lst: jnp.complex64})
+  ops, res, aliases = _adam_in_place(device, {lst: jnp.complex64}, master=F32)
   with jaxfuse_error("jaxfuse_adam", rf"tensor 0: list '{lst}' is complex, list 'grads' is not"):
-    _adam_call(ops, res, aliases)
+    _adam_call(ops, res, aliases, master=True)
 
 
 def test_adam_complex_and_real_tensors(device):
-  """One call takes real or complex tensors, not both."""
-  count, hyper, grad_ctrl, rng = _adam_fixed(device, seed=3)
-  t0 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
-  t1 = _put(device, *[_rng_array(rng, (3,), jnp.complex64) for _ in range(4)])
-  ops = [count, hyper, grad_ctrl] + [x for pair in zip(t0, t1) for x in pair]
-  res = [S((), I32)] + [S((4,), F32), S((3,), jnp.complex64)] * 3  # updates, mu, nu
-  with jaxfuse_error("jaxfuse_adam", "tensor 1 is complex, tensor 0 is not"):
-    _adam_call(ops, res, {7: 3, 8: 4, 9: 5, 10: 6}, num_tensors=np.int64(2),
-               decay_mask=np.zeros(2, np.uint8))
-
-
-def test_adam_without_params(device):
-  """The optax protocol may run without params (no weight decay); the fused step may not."""
-  ops, res, _ = _adam_updates_mode(device)
-  del ops[4]  # params
-  out = _adam_call(ops, res, {4: 2, 5: 3}, params=False)
+  """Adam takes complex tensors, but one call takes real or complex tensors, not both."""
+  complex64 = {k: jnp.complex64 for k in _LISTS}
+  ops, res, aliases = _adam_in_place(device, complex64, complex64)
+  out = _adam_call(ops, res, aliases, 2)
   assert all(np.isfinite(np.asarray(x)).all() for x in out[1:])
-  ops, res, aliases = _adam_updates_mode(device)
-  with_params = _adam_call(ops, res, aliases)
-  for a, b in zip(out, with_params):  # no weight decay: params change nothing
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  ops, res, _ = _adam_updates_mode(device)
-  del ops[4]
-  with jaxfuse_error("jaxfuse_adam", r"decay_mask entry 0 is 1, expected 0 \(weight decay needs"):
-    _adam_call(ops, res, {4: 2, 5: 3}, params=False, decay_mask=np.ones(1, np.uint8))
-  with jaxfuse_error("jaxfuse_adam", "the in-place step needs params"):
-    _adam_call(ops, res[:3], {4: 1, 5: 2}, params=False, write_updates=False)
+  ops, res, aliases = _adam_in_place(device, {}, complex64)
+  with jaxfuse_error("jaxfuse_adam", r"tensor 1 is complex, tensor 0 is not \(one call takes"):
+    _adam_call(ops, res, aliases, 2)
 
 
-@pytest.mark.parametrize("lst", ["params", "mu", "nu", "updates"])
+@pytest.mark.parametrize("lst", ["mu", "nu", "master_params"])  # params: test_adam.py
 def test_adam_element_count_mismatch(device, lst):
   """Tensor 1 of two has a list whose element count differs from its grads."""
-  count, hyper, grad_ctrl, rng = _adam_fixed(device, seed=1)
-  sizes = {k: 3 for k in ("grads", "params", "mu", "nu", "updates")}
-  sizes[lst] = 5
-  t0 = _put(device, *[_rng_array(rng, (4,), F32) for _ in range(4)])
-  t1 = _put(device, *[_rng_array(rng, (sizes[k],), F32) for k in ("grads", "params", "mu", "nu")])
-  ops = [count, hyper, grad_ctrl] + [x for pair in zip(t0, t1) for x in pair]
-  res = [S((), I32), S((4,), F32), S((sizes["updates"],), F32), S((4,), F32),
-         S((sizes["mu"],), F32), S((4,), F32), S((sizes["nu"],), F32)]
+  ops, res, aliases = _adam_in_place(device, {}, {}, master=F32, sizes={(1, lst): 5})
   with jaxfuse_error("jaxfuse_adam", rf"tensor 1: list '{lst}' has 5 elements, list 'grads' has 3"):
-    _adam_call(ops, res, {7: 3, 8: 4, 9: 5, 10: 6}, num_tensors=np.int64(2),
-               decay_mask=np.zeros(2, np.uint8))
+    _adam_call(ops, res, aliases, 2, master=True)
 
 
-@pytest.mark.parametrize("n", [-1, 0, 3, -(2**62), 2**62, 2**63 - 1])
+@pytest.mark.parametrize("lst, t", [("params", 0), ("mu", 1), ("nu", 0), ("master_params", 1)])
+def test_adam_in_place_outputs_must_alias(device, lst, t):
+  """Every result list is updated in place: one missing alias is named (list and tensor)."""
+  ops, res, aliases = _adam_in_place(device, {}, {}, master=F32)
+  del aliases[3 + 2 * (_LISTS + ("master_params",)).index(lst) + t]
+  with jaxfuse_error("jaxfuse_adam", rf"output '{lst}' of tensor {t} is not aliased"):
+    _adam_call(ops, res, aliases, 2, master=True)
+
+
+@pytest.mark.parametrize("flags", [-1, 4, 2**40])  # 2: test_adam.py
+def test_adam_flags_beyond_the_op(device, flags):
+  ops, res, aliases = _adam_in_place(device)
+  with jaxfuse_error("jaxfuse_adam", rf"flags {flags} has bits beyond the 1 flags of the op"):
+    _adam_call(ops, res, aliases, flags=np.int64(flags))
+
+
+@pytest.mark.parametrize("tensor_flags, match", [
+    ([], "tensor_flags has 0 entries, expected num_tensors=2"),
+    ([0, 0, 0], "tensor_flags has 3 entries, expected num_tensors=2"),
+    ([0, 2], "tensor_flags entry 1 is 2, expected < 2"),  # bit 1: no such tensor flag
+    ([255, 1], "tensor_flags entry 0 is 255, expected < 2"),
+])
+def test_adam_tensor_flags(device, tensor_flags, match):
+  ops, res, aliases = _adam_in_place(device, {}, {})
+  with jaxfuse_error("jaxfuse_adam", match):
+    _adam_call(ops, res, aliases, 2, tensor_flags=np.array(tensor_flags, np.uint8))
+
+
+def test_adam_attribute_types(device):
+  ops, res, aliases = _adam_in_place(device)
+  with xla_error("Wrong scalar data type: expected S64 but got S32"):
+    _adam_call(ops, res, aliases, num_tensors=np.int32(1))
+  with xla_error("Wrong scalar data type: expected S64 but got PRED"):
+    _adam_call(ops, res, aliases, flags=True)
+  with xla_error("Wrong scalar data type: expected PRED but got S64"):
+    _adam_call(ops, res, aliases, master=np.int64(0))
+  with xla_error("Wrong array data type: expected U8 but got S32"):
+    _adam_call(ops, res, aliases, tensor_flags=np.zeros(1, np.int32))
+  with xla_error("Wrong attribute type: expected array but got scalar"):
+    _adam_call(ops, res, aliases, tensor_flags=np.uint8(0))
+  with xla_error("Unsupported array element type for attribute: tensor_flags"):
+    _adam_call(ops, res, aliases, tensor_flags=np.zeros(1, bool))
+  with xla_error(r"Wrong number of attributes: expected 4 but got 3"):
+    _adam_call(ops, res, aliases, flags=None)
+
+
+@pytest.mark.parametrize("n", [-1, 0, 3, -(2**62), 2**62, 2**63 - 1])  # 2: test_adam.py
 def test_adam_num_tensors_inconsistent(device, n):
-  ops, res, aliases = _adam_updates_mode(device)
+  """num_tensors is checked against the operand count before anything is sized by it."""
+  ops, res, aliases = _adam_in_place(device)
   with jaxfuse_error("jaxfuse_adam", rf"4 tensor operands and 3 tensor results do not fit "
                                      rf"num_tensors={n} \(expected 4 and 3 per tensor\)"):
-    _adam_call(ops, res, aliases, num_tensors=np.int64(n),
-               decay_mask=np.zeros(max(0, min(n, 3)), np.uint8))
+    _adam_call(ops, res, aliases, num_tensors=np.int64(n))
 
 
 def test_adam_operand_and_result_counts(device):
-  ops, res, aliases = _adam_updates_mode(device)
+  ops, res, aliases = _adam_in_place(device)
   # One tensor operand too many (5 for num_tensors=1 without master params).
   with jaxfuse_error("jaxfuse_adam", "5 tensor operands and 3 tensor results do not fit"):
     _adam_call(ops + [ops[3]], res, aliases)
   # One tensor result too few, and one too many.
   with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 2 tensor results do not fit"):
-    _adam_call(ops, res[:3], {5: 2})
+    _adam_call(ops, res[:3], {4: 1, 5: 2})
   with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 4 tensor results do not fit"):
     _adam_call(ops, res + [S((4,), F32)], aliases)
   # Fewer than the three fixed operands.
@@ -301,67 +353,19 @@ def test_adam_operand_and_result_counts(device):
 
 
 def test_adam_master_flag_inconsistent(device):
-  ops, res, aliases = _adam_updates_mode(device)
   # master=True but no master operand / result.
+  ops, res, aliases = _adam_in_place(device)
   with jaxfuse_error("jaxfuse_adam", r"do not fit num_tensors=1 \(expected 5 and 4 per tensor\)"):
     _adam_call(ops, res, aliases, master=True)
   # master=False with a master operand and result.
-  master = jax.device_put(np.ones(4, np.float32), device)
+  ops, res, aliases = _adam_in_place(device, master=F32)
   with jaxfuse_error("jaxfuse_adam", r"do not fit num_tensors=1 \(expected 4 and 3 per tensor\)"):
-    _adam_call(ops + [master], res + [S((4,), F32)], {**aliases, 7: 4})
+    _adam_call(ops, res, aliases)
 
 
-def test_adam_master_params_not_float32(device):
-  ops, res, aliases = _adam_updates_mode(device)
-  master = jax.device_put(np.ones(4, jnp.bfloat16), device)
-  with jaxfuse_error("jaxfuse_adam", r"master params of tensor 0 must be float32 \(the compute"):
-    _adam_call(ops + [master], res + [S((4,), BF16)], {**aliases, 7: 4}, master=True)
-
-
-def test_adam_in_place_outputs_must_alias(device):
-  """The fused step's params and the master params must be updated in place."""
-  ops, _, _ = _adam_updates_mode(device)
-  fused = [S((), I32)] + [S((4,), F32)] * 3
-  with jaxfuse_error("jaxfuse_adam", "output 'params' of tensor 0 is not aliased"):
-    _adam_call(ops, fused, {5: 1, 6: 2}, write_updates=False)
-  with jaxfuse_error("jaxfuse_adam", "output 'nu' of tensor 0 is not aliased"):
-    _adam_call(ops, fused, {5: 1, 4: 3}, write_updates=False)
-  master = jax.device_put(np.ones(4, np.float32), device)
-  ops_m, res_m, aliases_m = _adam_updates_mode(device)
-  with jaxfuse_error("jaxfuse_adam", "output 'master_params' of tensor 0 is not aliased"):
-    _adam_call(ops_m + [master], res_m + [S((4,), F32)], aliases_m, master=True)
-
-
-@pytest.mark.parametrize("mask, match", [
-    (np.zeros(3, np.uint8), "decay_mask has 3 entries, expected num_tensors=1"),
-    (np.zeros(0, np.uint8), "decay_mask has 0 entries, expected num_tensors=1"),
-    (np.array([7], np.uint8), "decay_mask entry 0 is 7, expected 0 or 1"),
-])
-def test_adam_decay_mask(device, mask, match):
-  ops, res, aliases = _adam_updates_mode(device)
-  with jaxfuse_error("jaxfuse_adam", match):
-    _adam_call(ops, res, aliases, decay_mask=mask)
-
-
-def test_adam_attribute_types(device):
-  ops, res, aliases = _adam_updates_mode(device)
-  with xla_error("Wrong scalar data type: expected S64 but got S32"):
-    _adam_call(ops, res, aliases, num_tensors=np.int32(1))
-  with xla_error("Wrong array data type: expected U8 but got S32"):
-    _adam_call(ops, res, aliases, decay_mask=np.zeros(1, np.int32))
-  with xla_error("Wrong attribute type: expected array but got scalar"):
-    _adam_call(ops, res, aliases, decay_mask=np.uint8(0))
-  with xla_error("Unsupported array element type for attribute: decay_mask"):
-    _adam_call(ops, res, aliases, decay_mask=np.zeros(1, bool))
-  with xla_error(r"Wrong number of attributes: expected 6 but got 5"):
-    _adam_call(ops, res, aliases, decay_mask=None)
-
-
-# ---- jaxfuse_global_norm / jaxfuse_apply_grad_ctrl -------------------------------------------
-# global_norm: operands norm_params f32/f64[2], peer_sums u32[R, 4], n grads;
-#              results norm f32/f64[], grad_ctrl f32/f64[4], workspace u8[workspace_bytes],
-#              own_sum u32[4]
-# apply_grad_ctrl: operands grad_ctrl f32/f64[4], n grads; results n grads
+# ---- jaxfuse_global_norm -----------------------------------------------------------------------
+# operands: norm_params f32/f64[2], peer_sums u32[R, 4], n grads
+# results:  norm f32/f64[], grad_ctrl f32/f64[4], workspace u8[workspace_bytes], own_sum u32[4]
 
 # The partials workspace: its size in bytes from the C++ contract.
 _WORKSPACE = _ffi.contract("jaxfuse_global_norm").numbers["workspace_bytes"]
@@ -374,11 +378,6 @@ def _norm_call(operands, results=_NORM_RESULTS, **attrs):
   a.update(attrs)
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), results)
   return _run(call, operands, a)
-
-
-def _apply_call(operands, results):
-  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_apply_grad_ctrl"), results)
-  return _run(call, operands, {})
 
 
 def _norm_operands(device, *dtypes, seed=2):
@@ -394,9 +393,6 @@ def test_norm_good_call_succeeds(device):
   expect = np.sqrt(sum(float(np.sum(np.asarray(x, np.float64) ** 2)) for x in ops[2:]))
   np.testing.assert_allclose(float(norm), expect, rtol=1e-5)
   assert grad_ctrl.shape == (4,)
-  out = _apply_call([jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device), *ops[2:]],
-                    [S((4,), F32), S((5,), BF16)])
-  np.testing.assert_array_equal(np.asarray(out[1], np.float32), np.asarray(ops[3], np.float32))
 
 
 def _sum_rows(*trees):
@@ -488,35 +484,6 @@ def test_norm_attributes(device):
   with xla_error("Wrong number of attributes: expected 3 but got 2"):
     _run(jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), _NORM_RESULTS), ops,
          dict(clip=True, skip_nonfinite=False))
-
-
-def test_apply_grad_ctrl_grad_ctrl_operand(device):
-  (x,) = _norm_operands(device, F32)[2:]
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl has 3 elements, expected 4"):
-    _apply_call([jax.device_put(np.ones(3, np.float32), device), x], [S((4,), F32)])
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl must be float32 or float64"):
-    _apply_call([jax.device_put(np.ones(4, np.int32), device), x], [S((4,), F32)])
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "grad_ctrl must have rank 1, got 0"):
-    _apply_call([jax.device_put(np.float32(1), device), x], [S((4,), F32)])
-
-
-def test_apply_grad_ctrl_lists(device):
-  grad_ctrl = jax.device_put(np.array([1.0, 1.0, 1.0, 0.0], np.float32), device)
-  x, y = _norm_operands(device, F32, F32)[2:]  # shapes (4,), (5,)
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "1 operands but 2 results"):
-    _apply_call([grad_ctrl, x], [S((4,), F32), S((4,), F32)])
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "2 operands but 1 results"):
-    _apply_call([grad_ctrl, x, y], [S((4,), F32)])
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "0 operands but 1 results"):
-    _apply_call([grad_ctrl], [S((4,), F32)])
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "tensor 1: list 'scaled_grads' has 4 elements, "
-                                                "list 'grads' has 5"):
-    _apply_call([grad_ctrl, x, y], [S((4,), F32), S((4,), F32)])
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "list 'scaled_grads' tensor 0: unsupported dtype"):
-    _apply_call([grad_ctrl, x], [S((4,), I32)])
-  xi = jax.device_put(np.arange(1, 5, dtype=np.int32), device)
-  with jaxfuse_error("jaxfuse_apply_grad_ctrl", "list 'grads' tensor 0: unsupported dtype"):
-    _apply_call([grad_ctrl, xi], [S((4,), F32)])
 
 
 # ---- jaxfuse_decoder ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 handler on the same inputs: how many output elements differ and by how much. Small and quick on
 purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process.
 
-  python3 tools/gpu_ops.py [norm] [grad_ctrl] [adam] [decoder]     # default: all four
+  python3 tools/gpu_ops.py [norm] [adam] [decoder]     # default: all three
 """
 
 import os
@@ -45,14 +45,6 @@ def run_norm(gpu, cpu):
     t = random_tree(1, SHAPES, dts)
     f = jax.jit(jaxfuse.global_norm)
     compare(f"global_norm {label}", f(on(gpu, t)), f(on(cpu, t)))
-
-
-def run_grad_ctrl(gpu, cpu):
-  """jaxfuse.clip.apply_grad_ctrl: the kernel that scales every leaf by the clip factor."""
-  from jaxfuse._clip import apply_grad_ctrl, norm_and_grad_ctrl
-  t = random_tree(4, SHAPES, [jnp.float32, jnp.bfloat16, jnp.float16] * 2 + [jnp.float32])
-  f = jax.jit(lambda t: apply_grad_ctrl(t, norm_and_grad_ctrl(t, max_norm=1.0)[1]))
-  compare("apply_grad_ctrl mixed", f(on(gpu, t)), f(on(cpu, t)))
 
 
 ADAM_CASES = {
@@ -110,7 +102,7 @@ def run_decoder(gpu, cpu):
 
 def main(ops):
   gpu, cpu = jax.devices("cuda")[0], jax.devices("cpu")[0]
-  runs = {"norm": run_norm, "grad_ctrl": run_grad_ctrl, "adam": run_adam, "decoder": run_decoder}
+  runs = {"norm": run_norm, "adam": run_adam, "decoder": run_decoder}
   for op in ops or runs:
     runs[op](gpu, cpu)
 
