@@ -19,6 +19,8 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi, _clip as clip
+from jaxfuse._adagrad import adagrad
+from jaxfuse._sgd import sgd
 from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:
@@ -320,3 +322,40 @@ def test_report_counts_what_the_handlers_enqueue(case):
   assert r.jaxfuse_launches == r.jaxfuse_cuda_launches  # the emulated handlers are CUDA's
   assert after["kernels"] - before["kernels"] == r.jaxfuse_cuda_launches
   assert after["memsets"] - before["memsets"] == r.jaxfuse_cuda_memsets
+
+
+def sgd_adagrad_case(mode, dtypes, sizes=SIZES):
+  """An SGD or Adagrad optimizer, params, grads and a second step's state for one mode."""
+  master = mode.endswith("master")
+  if master:
+    dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
+  make = {
+      "sgd": lambda: sgd(3e-2),
+      "momentum": lambda: sgd(3e-2, momentum=0.9, accumulator_dtype=jnp.bfloat16),
+      "nesterov": lambda: sgd(3e-2, momentum=0.9, nesterov=True),
+      "sgd_master": lambda: sgd(3e-2, momentum=0.9, master_weights=True),
+      "adagrad": lambda: adagrad(3e-2, eps=1e-6),
+      "adagrad_skip": lambda: adagrad(3e-2, skip_nonfinite=True),
+      "adagrad_master": lambda: adagrad(3e-2, master_weights=True),
+  }
+  tx = make[mode]()
+  params = random_tree(1, sizes, dtypes)
+  grads = random_tree(2, sizes, dtypes, scale=0.5)
+  if mode.endswith("skip"):
+    grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
+  state = tx.init(params)
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, sizes, dtypes), state, params)
+  return tx, params, grads, state
+
+
+SGD_ADAGRAD_CASES = ([(mode, "mixed") for mode in ("sgd", "momentum", "nesterov", "sgd_master",
+                                                    "adagrad", "adagrad_skip", "adagrad_master")] +
+                     [("nesterov", "wide"), ("adagrad", "f32")])
+
+
+@pytest.mark.parametrize("mode,mix", SGD_ADAGRAD_CASES)
+def test_sgd_adagrad_bitwise(mode, mix, launch):
+  tx, params, grads, state = sgd_adagrad_case(mode, DTYPE_MIXES[mix])
+  fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(128.0))
+  native, emu = on_both(fn, grads, state, params)
+  assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
