@@ -3,6 +3,7 @@
 Optimizer side (optax-compatible):
   adam, adamw          Adam/AdamW for a whole pytree in one fused kernel
   nadam, nadamw        the same with Nesterov momentum (as optax.nadam/nadamw)
+  sgd, adagrad         SGD (momentum, Nesterov) and Adagrad, as optax's, fused the same way
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
@@ -24,6 +25,7 @@ from importlib import metadata as _metadata
 
 from jaxfuse._ffi import backends, export_safety_checks
 from jaxfuse._accumulate import multi_steps
+from jaxfuse._adagrad import adagrad
 from jaxfuse._adam import AdamExtraState, adam, adamw, nadam, nadamw
 from jaxfuse._clip import clip_by_global_norm, global_norm
 from jaxfuse._decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
@@ -32,7 +34,9 @@ from jaxfuse._fused import fused_step
 from jaxfuse._generation import decode_step, generate, init_cache, prefill
 from jaxfuse._hf import load_hf
 from jaxfuse._model import DecoderModel
+from jaxfuse._optimizer import ExtraState
 from jaxfuse._report import Report, report
+from jaxfuse._sgd import sgd
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
   __version__ = _metadata.version("jaxfuse")
@@ -61,9 +65,11 @@ __all__ = [
     "DecoderConfig",
     "DecoderModel",
     "DecoderWeights",
+    "ExtraState",
     "KVCache",
     "Report",
     "RopeScaling",
+    "adagrad",
     "adam",
     "adamw",
     "backends",
@@ -82,4 +88,5 @@ __all__ = [
     "persistent_decoder",
     "prefill",
     "report",
+    "sgd",
 ]

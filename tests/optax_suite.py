@@ -246,9 +246,12 @@ def generated_params(cls: type) -> dict:
 
   absl records, for each generated method, the repr of its keyword parameters in the class's
   `_test_params_reprs` (e.g. "(opt_name='adam', dtype='float32')"; it is what absl prints in
-  test ids). Cases whose parameters are not all literals are left out."""
+  test ids). Classes and functions among them stand as their names ("complex64",
+  "_setup_parabola"); cases with other non-literal parameters are left out."""
   out = {}
   for method, text in getattr(cls, "_test_params_reprs", {}).items():
+    text = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>|<function (\w+) at 0x[0-9a-f]+>",
+                  lambda m: repr(m.group(1) or m.group(2)), text)
     try:
       call = ast.parse("f" + text, mode="eval").body
       out[method] = {k.arg: ast.literal_eval(k.value) for k in call.keywords}

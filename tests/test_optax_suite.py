@@ -12,11 +12,12 @@ import jaxfuse
 import optax_suite
 
 ADAMS = ("adam", "adamw", "nadam", "nadamw")
+OPTIMIZERS = ADAMS + ("sgd", "adagrad")
 
 # optax accepts a mu_dtype that is complex for real params or real for complex ones and casts
 # between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init.
-COMPLEX_MU_REAL_PARAMS = "jaxfuse refuses a complex mu_dtype for real params (by design)"
-REAL_MU_COMPLEX_PARAMS = "jaxfuse refuses a real mu_dtype for complex params (by design)"
+COMPLEX_MU_REAL_PARAMS = "jaxfuse refuses a complex mu_dtype (accumulator_dtype) for real params (by design)"
+REAL_MU_COMPLEX_PARAMS = "jaxfuse refuses a real mu_dtype (accumulator_dtype) for complex params (by design)"
 
 # (test method as written in optax's source, its exact parameters, why jaxfuse fails it).
 BY_DESIGN = [
@@ -33,13 +34,38 @@ BY_DESIGN = [
 ]
 
 
+# jaxfuse's Adagrad takes real leaves only (optax's adagrad squares complex gradients into a
+# complex accumulator); SGD refuses an accumulator_dtype whose kind (real or complex) differs
+# from the params', as for Adam's mu_dtype.
+COMPLEX_ADAGRAD = "jaxfuse's adagrad takes real leaves only (by design)"
+BY_DESIGN += [
+    ("test_optimization", {"opt_name": "adagrad", "opt_kwargs": {"learning_rate": 1.0},
+                           "target": target, "dtype": "complex64"}, COMPLEX_ADAGRAD)
+    for target in ("_setup_parabola", "_setup_rosenbrock")
+] + [
+    ("test_state_shape_dtype_shard_stability",
+     {"opt_name": "adagrad", "opt_kwargs": {"learning_rate": 1.0}, "dtype": dtype},
+     COMPLEX_ADAGRAD) for dtype in ("complex64", "complex128")
+] + [
+    ("test_explicit_dtype", {"params_dtype": params, "state_dtype": state, "opt_name": "sgd_mom"},
+     reason)
+    for params, state, reason in [
+        ("bfloat16", "complex64", COMPLEX_MU_REAL_PARAMS),
+        ("float32", "complex64", COMPLEX_MU_REAL_PARAMS),
+        (None, "complex64", COMPLEX_MU_REAL_PARAMS),
+        ("complex64", "bfloat16", REAL_MU_COMPLEX_PARAMS),
+        ("complex64", "float32", REAL_MU_COMPLEX_PARAMS),
+    ]
+]
+
+
 def _alias_suite():
-  """optax's AliasTest for the Adam family, with jaxfuse's adam/adamw/nadam/nadamw as
-  `alias.*` (the rest of `alias`, e.g. the sgd in test_explicit_dtype, stays optax's)."""
+  """optax's AliasTest for the families jaxfuse fuses, with jaxfuse's transforms as `alias.*`
+  (the rest of `alias` stays optax's)."""
   module = optax_suite.load(
       "_src/alias_test.py", {"AliasTest": None},
-      overrides={"alias": {name: getattr(jaxfuse, name) for name in ADAMS}},
-      filters={"_OPTIMIZERS_UNDER_TEST": optax_suite.keep("opt_name", ADAMS)})
+      overrides={"alias": {name: getattr(jaxfuse, name) for name in OPTIMIZERS}},
+      filters={"_OPTIMIZERS_UNDER_TEST": optax_suite.keep("opt_name", OPTIMIZERS)})
   optax_suite.skip_cases(module.AliasTest, BY_DESIGN)
   return module.AliasTest
 
