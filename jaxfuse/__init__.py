@@ -3,7 +3,8 @@
 Optimizer side (optax-compatible):
   adam, adamw          Adam/AdamW for a whole pytree in one fused kernel
   nadam, nadamw        the same with Nesterov momentum (as optax.nadam/nadamw)
-  sgd, adagrad         SGD (momentum, Nesterov) and Adagrad, as optax's, fused the same way
+  sgd, lion, adagrad,  SGD (momentum, Nesterov), Lion, Adagrad and RMSprop (centered,
+  rmsprop              momentum), as optax's, fused the same way
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
@@ -33,9 +34,11 @@ from jaxfuse._decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScalin
 from jaxfuse._fused import fused_step
 from jaxfuse._generation import decode_step, generate, init_cache, prefill
 from jaxfuse._hf import load_hf
+from jaxfuse._lion import lion
 from jaxfuse._model import DecoderModel
 from jaxfuse._optimizer import ExtraState
 from jaxfuse._report import Report, report
+from jaxfuse._rmsprop import rmsprop
 from jaxfuse._sgd import sgd
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
@@ -81,6 +84,7 @@ __all__ = [
     "generate",
     "global_norm",
     "init_cache",
+    "lion",
     "load_hf",
     "nadam",
     "multi_steps",
@@ -88,5 +92,6 @@ __all__ = [
     "persistent_decoder",
     "prefill",
     "report",
+    "rmsprop",
     "sgd",
 ]

@@ -8,7 +8,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _adagrad
-from jaxfuse._adagrad import adagrad
+from jaxfuse import adagrad
 from helpers import assert_trees_close, count_custom_calls, random_tree, ulp
 from optimizer_cases import (DTYPES, PATHS, SHAPES, assert_matches_optax, grads, jit_optax_step,
                              jit_step, run_both)

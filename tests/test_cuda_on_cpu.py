@@ -19,8 +19,8 @@ import pytest
 
 import jaxfuse
 from jaxfuse import _ffi, _clip as clip
-from jaxfuse._adagrad import adagrad
-from jaxfuse._sgd import sgd
+from jaxfuse import adagrad
+from jaxfuse import sgd
 from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
 
 if not _ffi.CUDA_ON_CPU:
@@ -358,4 +358,43 @@ def test_sgd_adagrad_bitwise(mode, mix, launch):
   tx, params, grads, state = sgd_adagrad_case(mode, DTYPE_MIXES[mix])
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(128.0))
   native, emu = on_both(fn, grads, state, params)
+  assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
+
+
+def family_case(family, mode, dtypes):
+  """A Lion or RMSprop, params, grads and a second step's state for one mode."""
+  if mode == "master":
+    dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
+  opts = dict(master_weights=mode == "master", skip_nonfinite=mode == "skip")
+  if family == "lion":
+    mask = lambda p: {k: i % 2 == 0 for i, k in enumerate(sorted(p))}
+    tx = jaxfuse.lion(3e-3, weight_decay=0.1, mask=mask, **opts)
+  else:
+    tx = jaxfuse.rmsprop(3e-3, centered=mode in ("centered", "skip"),
+                         momentum=None if mode == "plain" else 0.9, nesterov=mode == "nesterov",
+                         eps_in_sqrt=mode != "master",
+                         bias_correction=mode in ("nesterov", "master"), **opts)
+  params = random_tree(1, SIZES, dtypes)
+  grads = random_tree(2, SIZES, dtypes, scale=0.5)
+  if mode == "skip":
+    grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
+  state = tx.init(params)
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state,
+                                                         params)
+  return tx, params, grads, state
+
+
+FAMILY_CASES = [(f, "plain", mix) for f in ("lion", "rmsprop") for mix in ("f32", "mixed")] + \
+    [(f, mode, "mixed") for f in ("lion", "rmsprop") for mode in ("master", "skip")] + \
+    [("rmsprop", mode, "mixed") for mode in ("centered", "nesterov")] + \
+    [("lion", "plain", "f64"), ("rmsprop", "centered", "f64")]
+
+
+@pytest.mark.parametrize("family,mode,mix", FAMILY_CASES)
+def test_lion_rmsprop_bitwise(family, mode, mix, launch):
+  dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
+  with jax.enable_x64(mix == "f64"):
+    tx, params, grads, state = family_case(family, mode, dtypes)
+    fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
+    native, emu = on_both(fn, grads, state, params)
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")

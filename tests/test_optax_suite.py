@@ -12,7 +12,7 @@ import jaxfuse
 import optax_suite
 
 ADAMS = ("adam", "adamw", "nadam", "nadamw")
-OPTIMIZERS = ADAMS + ("sgd", "adagrad")
+OPTIMIZERS = ADAMS + ("sgd", "adagrad", "lion", "rmsprop")
 
 # optax accepts a mu_dtype that is complex for real params or real for complex ones and casts
 # between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init.
