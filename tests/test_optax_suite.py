@@ -34,18 +34,20 @@ BY_DESIGN = [
 ]
 
 
-# jaxfuse's Adagrad takes real leaves only (optax's adagrad squares complex gradients into a
+# jaxfuse's Adagrad and RMSprop take real leaves only (optax squares complex gradients into a
 # complex accumulator); SGD refuses an accumulator_dtype whose kind (real or complex) differs
 # from the params', as for Adam's mu_dtype.
-COMPLEX_ADAGRAD = "jaxfuse's adagrad takes real leaves only (by design)"
+REAL_ONLY = "jaxfuse's adagrad and rmsprop take real leaves only (by design)"
+_REAL_ONLY_CASES = [("adagrad", {"learning_rate": 1.0}), ("rmsprop", {"learning_rate": 0.005}),
+                    ("rmsprop", {"learning_rate": 0.005, "momentum": 0.9})]
 BY_DESIGN += [
-    ("test_optimization", {"opt_name": "adagrad", "opt_kwargs": {"learning_rate": 1.0},
-                           "target": target, "dtype": "complex64"}, COMPLEX_ADAGRAD)
-    for target in ("_setup_parabola", "_setup_rosenbrock")
+    ("test_optimization", {"opt_name": name, "opt_kwargs": kwargs, "target": target,
+                           "dtype": "complex64"}, REAL_ONLY)
+    for name, kwargs in _REAL_ONLY_CASES for target in ("_setup_parabola", "_setup_rosenbrock")
 ] + [
     ("test_state_shape_dtype_shard_stability",
-     {"opt_name": "adagrad", "opt_kwargs": {"learning_rate": 1.0}, "dtype": dtype},
-     COMPLEX_ADAGRAD) for dtype in ("complex64", "complex128")
+     {"opt_name": name, "opt_kwargs": kwargs, "dtype": dtype}, REAL_ONLY)
+    for name, kwargs in _REAL_ONLY_CASES for dtype in ("complex64", "complex128")
 ] + [
     ("test_explicit_dtype", {"params_dtype": params, "state_dtype": state, "opt_name": "sgd_mom"},
      reason)
