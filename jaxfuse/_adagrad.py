@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _optimizer
-from jaxfuse import _trees
 from jaxfuse._optimizer import ScalarOrSchedule
 
 
@@ -33,10 +32,7 @@ class AdagradSpec(_optimizer.Spec):
     return optax.adagrad(self.learning_rate, self.initial_accumulator_value, self.eps)
 
   def check_params(self, params: Any) -> None:
-    for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
-      if _trees.is_complex(p.dtype):
-        raise TypeError(f"jaxfuse.adagrad: params leaf {name} is {p.dtype.name}; jaxfuse's "
-                        "Adagrad takes real leaves only (use optax.adagrad for complex ones)")
+    _optimizer.check_real(self.name, params)
 
   def states(self, state: Any) -> list[Any]:
     return [state[0].sum_of_squares]

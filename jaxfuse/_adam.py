@@ -99,12 +99,7 @@ class AdamSpec(_optimizer.Spec):
     return {"nesterov": self.nesterov}
 
   def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
-    n = len(jax.tree.leaves(params))
-    if not _optimizer.decays(self.weight_decay):
-      return [{"decay": False}] * n
-    if self.mask is None:
-      return [{"decay": True}] * n
-    return [{"decay": d} for d in _trees.static_bool_mask(self.mask, params)]
+    return _optimizer.decay_flags(self.weight_decay, self.mask, params)
 
   def check_params(self, params: Any) -> None:
     if self.mu_dtype is None:

@@ -29,14 +29,6 @@ from jaxfuse import _trees
 from jaxfuse._optimizer import ScalarOrSchedule
 
 
-def check_real(name: str, params: Any) -> None:
-  """Raises unless every params leaf is real, naming the first complex one."""
-  for leaf_name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
-    if _trees.is_complex(p.dtype):
-      raise ValueError(f"{name}: params leaf {leaf_name} is {p.dtype.name}; this optimizer "
-                       "takes real params only")
-
-
 def check_moment_dtype(dtype: Any) -> None:
   """Raises unless `dtype` (a moment's storage dtype) is None or a real kernel dtype."""
   if dtype is None:
@@ -70,15 +62,10 @@ class LionSpec(_optimizer.Spec):
                       self.mask)
 
   def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
-    n = len(jax.tree.leaves(params))
-    if not _optimizer.decays(self.weight_decay):
-      return [{"decay": False}] * n
-    if self.mask is None:
-      return [{"decay": True}] * n
-    return [{"decay": d} for d in _trees.static_bool_mask(self.mask, params)]
+    return _optimizer.decay_flags(self.weight_decay, self.mask, params)
 
   def check_params(self, params: Any) -> None:
-    check_real(self.name, params)
+    _optimizer.check_real(self.name, params)
 
   def states(self, state: Any) -> list[Any]:
     return [state[0].mu]

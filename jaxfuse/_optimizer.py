@@ -74,6 +74,40 @@ def decays(weight_decay: Any) -> bool:
                                            and weight_decay == 0)
 
 
+def decay_flags(weight_decay: Any, mask: Any, params: Any) -> list[dict[str, bool]]:
+  """Per leaf, whether decoupled weight decay applies: optax's add_decayed_weights with its
+  (static) mask, evaluated once."""
+  n = len(jax.tree.leaves(params))
+  if not decays(weight_decay):
+    return [{"decay": False}] * n
+  if mask is None:
+    return [{"decay": True}] * n
+  return [{"decay": d} for d in _trees.static_bool_mask(mask, params)]
+
+
+def check_real(name: str, params: Any) -> None:
+  """Raises unless every params leaf is real, naming the first complex one."""
+  for leaf_name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
+    if _trees.is_complex(p.dtype):
+      raise TypeError(f"{name}: params leaf {leaf_name} is {p.dtype.name}; this optimizer takes "
+                      "real leaves only")
+
+
+def check_state_dtype(what: str, dtype: Any, params: Any) -> None:
+  """Raises unless a state dtype chosen by the user is a kernel dtype that fits every params
+  leaf (real state for real params, complex for complex), naming the leaf at fault."""
+  if dtype is None:
+    return
+  if jnp.dtype(dtype) not in _trees.KERNEL_DTYPES:
+    raise ValueError(f"jaxfuse: {what} {jnp.dtype(dtype).name} is not supported; use None or "
+                     f"one of {', '.join(t.name for t in _trees.KERNEL_DTYPES)}")
+  for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
+    if _trees.is_complex(p.dtype) != _trees.is_complex(dtype):
+      raise ValueError(
+          f"jaxfuse: {what} {jnp.dtype(dtype).name} does not fit params leaf {name} "
+          f"({p.dtype.name}): the state of real params is real, of complex params complex")
+
+
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class Spec:
   """Everything a jaxfuse optimizer transform was built with; a family subclasses it.

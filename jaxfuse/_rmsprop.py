@@ -32,7 +32,6 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse import _optimizer
-from jaxfuse._lion import check_real
 from jaxfuse._optimizer import ScalarOrSchedule
 
 
@@ -63,7 +62,7 @@ class RmspropSpec(_optimizer.Spec):
             "bias_correction": self.bias_correction}
 
   def check_params(self, params: Any) -> None:
-    check_real(self.name, params)
+    _optimizer.check_real(self.name, params)
 
   def states(self, state: Any) -> list[Any]:
     trees = [state[0].mu] if self.centered else []

@@ -13,27 +13,10 @@ import dataclasses
 from typing import Any, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from jaxfuse import _optimizer
-from jaxfuse import _trees
 from jaxfuse._optimizer import ScalarOrSchedule
-
-
-def check_state_dtype(what: str, dtype: Any, params: Any) -> None:
-  """Raises unless a state dtype chosen by the user is a kernel dtype that fits every params
-  leaf (real state for real params, complex for complex), naming the leaf at fault."""
-  if dtype is None:
-    return
-  if jnp.dtype(dtype) not in _trees.KERNEL_DTYPES:
-    raise ValueError(f"jaxfuse: {what} {jnp.dtype(dtype).name} is not supported; use None or "
-                     f"one of {', '.join(t.name for t in _trees.KERNEL_DTYPES)}")
-  for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
-    if _trees.is_complex(p.dtype) != _trees.is_complex(dtype):
-      raise ValueError(
-          f"jaxfuse: {what} {jnp.dtype(dtype).name} does not fit params leaf {name} "
-          f"({p.dtype.name}): the state of real params is real, of complex params complex")
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -54,7 +37,7 @@ class SgdSpec(_optimizer.Spec):
 
   def check_params(self, params: Any) -> None:
     if self.momentum is not None:
-      check_state_dtype("accumulator_dtype", self.accumulator_dtype, params)
+      _optimizer.check_state_dtype("accumulator_dtype", self.accumulator_dtype, params)
 
   def states(self, state: Any) -> list[Any]:
     return [] if self.momentum is None else [state[0].trace]

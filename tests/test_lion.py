@@ -234,11 +234,11 @@ def test_multi_steps(device):
 
 def test_rejects_complex_params():
   params = {"w": jnp.ones((3,)), "z": jnp.ones((2,), jnp.complex64)}
-  with pytest.raises(ValueError, match=r"jaxfuse.lion: params leaf \['z'\] is complex64"):
+  with pytest.raises(TypeError, match=r"jaxfuse.lion: params leaf \['z'\] is complex64"):
     lion(1e-3).init(params)
   real = {"w": jnp.ones((3,)), "z": jnp.ones((2,))}
   tx = lion(1e-3)
-  with pytest.raises(ValueError, match=r"params leaf \['z'\] is complex64"):
+  with pytest.raises(TypeError, match=r"params leaf \['z'\] is complex64"):
     tx.update(params, tx.init(real), params)
 
 

@@ -184,7 +184,7 @@ def test_rejects_bad_input():
   params = {"w": jnp.ones((3,)), "b": jnp.ones((2,))}
   tx = rmsprop(1e-3)
   state = tx.init(params)
-  with pytest.raises(ValueError, match=r"jaxfuse.rmsprop: params leaf \['z'\] is complex64"):
+  with pytest.raises(TypeError, match=r"jaxfuse.rmsprop: params leaf \['z'\] is complex64"):
     tx.init({"z": jnp.ones((2,), jnp.complex64)})
   with pytest.raises(ValueError, match=r"different tree structures.*only in params: \['b'\]"):
     tx.update({"w": jnp.ones((3,))}, state, params)
