@@ -428,7 +428,7 @@ def test_rejects_state_of_another_optimizer():
 def test_rejects_unfusable_transform():
   params = {"w": jnp.ones((3,))}
   tx = optax.adamw(1e-3)
-  with pytest.raises(TypeError, match="no jaxfuse Adam ran in this transform"):
+  with pytest.raises(TypeError, match="no jaxfuse optimizer ran in this transform"):
     jaxfuse.fused_step(tx, params, tx.init(params), params)
 
 
