@@ -13,13 +13,9 @@ import optax
 
 import jaxfuse
 from helpers import assert_trees_close, ulp
-
-
-def grads_like(seed, params, scale=1.0):
-  """Fresh random normal gradients shaped, typed and placed as `params`."""
-  rng = np.random.default_rng(seed)
-  return jax.tree.map(lambda p: jax.device_put(
-      jnp.asarray(scale * rng.standard_normal(p.shape), p.dtype), p.devices().pop()), params)
+# One copy of these for every family's tests (optimizer_cases.py); the names the Lion and
+# RMSprop tests use.
+from optimizer_cases import grads as grads_like, jit_step as fused_step_fn  # noqa: F401
 
 
 def upcast(tree):
@@ -31,12 +27,6 @@ def upcast(tree):
 def like(tree, reference):
   """`tree` cast leaf by leaf to the dtypes of `reference`."""
   return jax.tree.map(lambda x, r: jnp.asarray(x).astype(r.dtype), tree, reference)
-
-
-def fused_step_fn(tx, **kwargs):
-  """jaxfuse.fused_step jitted, donating params and state (in the order of the outputs)."""
-  return jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, **kwargs),
-                 donate_argnums=(0, 1))
 
 
 def rtol_for(*dtypes):
