@@ -80,14 +80,15 @@ def main():
   trees = ([("4M, 8 leaves", [(512, 1024)] * 8)] if args.quick else
            [("GPT-2 small", gpt2_small_shapes()), ("1000 leaves", thousand_leaves())])
   device = jax.devices()[0]
-  rows = []
+  rows, copy_rates = [], []
   for label, shapes in trees:
     n = sum(math.prod(s) for s in shapes)
-    copy_bw = copy_bandwidth(device, 4 * n * 5)  # the footprint of params, grads and 3 states
+    copy_bw = 1e9 * copy_bandwidth(device, 4 * n * 5)  # B/s; the footprint of params, grads, 3 states
+    copy_rates.append(f"{label}: copy rate {copy_bw / 1e9:.1f} GB/s")
     print(f"{label}: copy rate {copy_bw / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
     for family, bytes_per_param, make in FAMILIES:
       bench(label, shapes, family, bytes_per_param, make, rows, copy_bw)
-  header = [f"device: {device}; jax {jax.__version__}", "",
+  header = [f"device: {device}; jax {jax.__version__}; " + "; ".join(copy_rates), "",
             "| tree | family | optax ms | jaxfuse ms | speed-up | floor B/param | GB/s at floor "
             "| % of copy rate | optax B/param moved | jaxfuse B/param moved | optax launches "
             "| jaxfuse launches |",

@@ -21,11 +21,14 @@ struct AdagradStep {
 
 // One element: the sum of squares s updated in place, returns the update. optax: s = g^2 + s;
 // u = (s > 0 ? rsqrt(s + eps) : 0) * g; u = -lr * u. The reciprocal square root is IEEE sqrt and
-// division (not CUDA's approximate rsqrtf), so that both handlers round alike.
+// division (not CUDA's approximate rsqrtf), so that both handlers round alike. Computed for
+// every element, then selected: with -fno-trapping-math the CPU loop then vectorizes (a
+// conditional sqrt stays a branch: 3.3x slower on the GPT-2 tree).
 template <typename Real>
 JF_HD Real adagrad_element(const AdagradStep<Real>& st, Real g, Real& s) {
   s = g * g + s;
-  const Real scale = s > Real(0) ? Real(1) / jf_sqrt(s + st.eps) : Real(0);
+  const Real inv_sqrt = Real(1) / jf_sqrt(s + st.eps);
+  const Real scale = s > Real(0) ? inv_sqrt : Real(0);
   return -st.lr * (scale * g);
 }
 
