@@ -5,6 +5,7 @@
 #   STAGE_LIMIT_S=285 bash tools/gpu_check.sh bench_optim bench_decoder   # ~6.5 min
 #   STAGE_LIMIT_S=110 bash tools/gpu_check.sh sanitize report             # ~1.5 min
 #   STAGE_LIMIT_S=200 bash tools/gpu_check.sh bench_train profile bench_leaves
+#   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_families             # never run on a GPU yet
 #   STAGE_LIMIT_S=400 bash tools/gpu_check.sh variants
 #   DEADLINE_S=3600 bash tools/gpu_check.sh all    # all, in that order, where no 10-minute limit is
 # (times measured on an H100 on 2026-11-24, from a carried build).
@@ -13,7 +14,8 @@
 # CUDA module loads there, else build with the machine's nvcc into build/gpu-device), build_pip (the user's editable
 # install, with --no-build-isolation), tests (the suite, CUDA backend included), graphs (command
 # buffers on vs off, bitwise, training step and decode loop), sanitize (memcheck, racecheck,
-# synccheck over tools/gpu_ops.py, one op per process), report, bench_optim, bench_decoder,
+# synccheck over tools/gpu_ops.py, one op per process), report, bench_optim, bench_families
+# (every optimizer family against optax), bench_decoder,
 # bench_train, profile (ncu over tools/profile_kernels.py), bench_leaves (the 1000-leaf tree with
 # XLA's command buffers off, beside bench_optim's run with them on), variants (tuning switches,
 # timed beside the default build).
@@ -166,7 +168,7 @@ _sanitize_one() {  # _sanitize_one TOOL: a plain jax program, then each op in it
   # The plain program tells a problem of the sanitizer with jax from one in jaxfuse. Every
   # kernel is checked, XLA's too: judge findings by the kernel they name.
   local tool=$1 rc=0 r
-  for op in plain norm adam decoder; do
+  for op in plain norm adam families decoder; do
     echo "--- $tool: $op"
     if [ "$op" = plain ]; then
       set -- python3 -c "import jax.numpy as j; print(float((j.ones(1000) * 2).sum()))"
@@ -185,6 +187,11 @@ stage_bench_optim() {
   use_extension
   step bench_optim python3 benchmarks/bench_optim.py $Q --out "$OUT/bench_optim.md" \
     --plot "$OUT/optim_bandwidth_gpu.png"
+}
+
+stage_bench_families() {
+  use_extension
+  step bench_families python3 benchmarks/bench_families.py $Q --out "$OUT/bench_families.md"
 }
 
 stage_bench_decoder() {
@@ -246,7 +253,7 @@ stage_report() {
 if [ "${1:-}" = _run ]; then shift; use_extension; "$@"; exit; fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && { echo "usage: $0 STAGE... | all (see the header)"; exit 2; }
-[ "${stages[0]}" = all ] && stages=(env build graphs tests bench_optim bench_decoder sanitize report
+[ "${stages[0]}" = all ] && stages=(env build graphs tests bench_optim bench_families bench_decoder sanitize report
                                     bench_train profile bench_leaves variants)
 for s in "${stages[@]}"; do
   if ! declare -F "stage_$s" > /dev/null; then echo "unknown stage: $s"; exit 2; fi

@@ -2,7 +2,7 @@
 handler on the same inputs: how many output elements differ and by how much. Small and quick on
 purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process.
 
-  python3 tools/gpu_ops.py [norm] [adam] [decoder]     # default: all three
+  python3 tools/gpu_ops.py [norm] [adam] [families] [decoder]     # default: all four
 """
 
 import os
@@ -36,7 +36,7 @@ def compare(name, gpu, cpu):
     differ += int(ne.sum())
     if ne.any():
       worst = max(worst, float(np.max(np.abs(a - b)[ne]) / max(np.max(np.abs(b)), 1e-30)))
-  print(f"{name:42s} {differ:7d} of {n:7d} elements differ (GPU vs CPU); max diff / leaf max {worst:.2e}")
+  print(f"{name:52s} {differ:7d} of {n:7d} elements differ (GPU vs CPU); max diff / leaf max {worst:.2e}")
 
 
 def run_norm(gpu, cpu):
@@ -58,24 +58,57 @@ ADAM_CASES = {
 }
 
 
+# The other families' kernels: each state layout (1 to 3 state lists), master copy or not.
+FAMILY_CASES = {
+    "sgd momentum f32": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw), {}, jnp.float32),
+    "sgd nesterov bf16 + master": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, nesterov=True, **kw),
+                                   dict(master_weights=True), jnp.bfloat16),
+    "lion f32": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw), {}, jnp.float32),
+    "lion bf16": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw), {}, jnp.bfloat16),
+    "adagrad f32": (lambda **kw: jaxfuse.adagrad(1e-2, **kw), {}, jnp.float32),
+    "adagrad f16 + master": (lambda **kw: jaxfuse.adagrad(1e-2, **kw), dict(master_weights=True),
+                             jnp.float16),
+    "rmsprop f32": (lambda **kw: jaxfuse.rmsprop(1e-2, **kw), {}, jnp.float32),
+    "rmsprop centered momentum f32": (
+        lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, **kw), {}, jnp.float32),
+    "rmsprop centered nesterov bf16 + master": (
+        lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True, **kw),
+        dict(master_weights=True), jnp.bfloat16),
+}
+
+
+def fused(tx):
+  return jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(1, 2))
+
+
+def optax_step(tx):
+  def step(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return jax.jit(step, donate_argnums=(1, 2))
+
+
 def run_adam(gpu, cpu):
-  def fused(tx):
-    return jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(1, 2))
-
-  def optax_step(tx):
-    def step(g, s, p):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-    return jax.jit(step, donate_argnums=(1, 2))
-
-  cases = [(f"{label}{' + clip' if clip else ''}", fused, jaxfuse.adamw, kw, dt, clip)
+  adamw = lambda **kw: jaxfuse.adamw(1e-2, weight_decay=0.1, **kw)
+  cases = [(f"{label}{' + clip' if clip else ''}", fused, adamw, kw, dt, clip)
            for label, (kw, dt) in ADAM_CASES.items() for clip in (False, True)]
   # XLA's own arithmetic on the two platforms, for scale: optax itself, GPU vs CPU.
-  cases += [("optax: adamw f32", optax_step, optax.adamw, {}, jnp.float32, False),
-            ("optax: adamw f32 mu bf16", optax_step, optax.adamw, dict(mu_dtype=jnp.bfloat16),
+  optax_adamw = lambda **kw: optax.adamw(1e-2, weight_decay=0.1, **kw)
+  cases += [("optax: adamw f32", optax_step, optax_adamw, {}, jnp.float32, False),
+            ("optax: adamw f32 mu bf16", optax_step, optax_adamw, dict(mu_dtype=jnp.bfloat16),
              jnp.float32, False)]
-  for label, make_step, adamw, kw, dt, clip in cases:
-    inner = adamw(1e-2, weight_decay=0.1, **kw)
+  run_steps(gpu, cpu, cases)
+
+
+def run_families(gpu, cpu):
+  run_steps(gpu, cpu, [(f"{label}{' + clip' if clip else ''}", fused, make, kw, dt, clip)
+                       for label, (make, kw, dt) in FAMILY_CASES.items() for clip in (False, True)])
+
+
+def run_steps(gpu, cpu, cases):
+  """Five steps of each case's optimizer on each device from the same inputs, compared."""
+  for label, make_step, make, kw, dt, clip in cases:
+    inner = make(**kw)
     tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), inner) if clip else inner
     step = make_step(tx)
     out = {}
@@ -102,7 +135,7 @@ def run_decoder(gpu, cpu):
 
 def main(ops):
   gpu, cpu = jax.devices("cuda")[0], jax.devices("cpu")[0]
-  runs = {"norm": run_norm, "adam": run_adam, "decoder": run_decoder}
+  runs = {"norm": run_norm, "adam": run_adam, "families": run_families, "decoder": run_decoder}
   for op in ops or runs:
     runs[op](gpu, cpu)
 
