@@ -134,18 +134,25 @@ class AdamSpec(_optimizer.Spec):
     return h
 
   def leaf_math(self, k, g, p, states, flags):
-    m, v = states
-    g_squared = (jnp.conj(g) * g).real if jnp.iscomplexobj(g) else g * g
-    new_v = k["one_minus_b2"] * g_squared + k["b2"] * v
-    new_m = k["one_minus_b1"] * g + k["b1"] * m
-    if self.nesterov:
-      m_hat = k["b1"] * (new_m / k["bc1_next"]) + k["one_minus_b1"] * (g / k["bc1"])
-    else:
-      m_hat = new_m / k["bc1"]
-    u = m_hat / (jnp.sqrt(new_v / k["bc2"] + k["eps_root"]) + k["eps"])
-    if flags["decay"]:
-      u = u + k["weight_decay"] * p
-    return u * -k["learning_rate"], [new_m, new_v]
+    u, new_states = scaled_moment(k, g, p, states, flags["decay"], self.nesterov)
+    return u * -k["learning_rate"], new_states
+
+
+def scaled_moment(k, g, p, states, decay: bool, nesterov: bool) -> tuple[jax.Array, list]:
+  """adam_scaled_moment() (adam_math.h) for one leaf as XLA operations: the direction
+  m_hat / (sqrt(v_hat + eps_root) + eps) + wd * p before the learning rate, and the new moments."""
+  m, v = states
+  g_squared = (jnp.conj(g) * g).real if jnp.iscomplexobj(g) else g * g
+  new_v = k["one_minus_b2"] * g_squared + k["b2"] * v
+  new_m = k["one_minus_b1"] * g + k["b1"] * m
+  if nesterov:
+    m_hat = k["b1"] * (new_m / k["bc1_next"]) + k["one_minus_b1"] * (g / k["bc1"])
+  else:
+    m_hat = new_m / k["bc1"]
+  u = m_hat / (jnp.sqrt(new_v / k["bc2"] + k["eps_root"]) + k["eps"])
+  if decay:
+    u = u + k["weight_decay"] * p
+  return u, [new_m, new_v]
 
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,

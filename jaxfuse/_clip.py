@@ -83,18 +83,16 @@ def _sharded_norm(shards: _partition.Shards, norm_params, leaves: list, call) ->
   device gets the same norm, bitwise, and it equals the unsharded norm to float64 rounding."""
   axes = shards.axis_names
   me = _partition.linear_index(shards, axes)
-  groups: dict[tuple[str, ...], list] = {}
-  for i, x in enumerate(leaves):
+  groups: dict[tuple[str, ...], list[int]] = {}
+  for i in range(len(leaves)):
     split = {a for dim_axes in shards.operand_axes[i + 1] for a in dim_axes}
-    replicas = tuple(a for a in axes if a not in split)
-    groups.setdefault(replicas, []).append(_partition.without_padding(shards, i + 1, x))
+    groups.setdefault(tuple(a for a in axes if a not in split), []).append(i)
   rows = []
-  for replicas, group in groups.items():
-    own = call(norm_params, _no_peers(), group)[2]
-    first_replica = functools.reduce(jnp.logical_and,
-                                     [jax.lax.axis_index(a) == 0 for a in replicas],
-                                     jnp.bool_(True))
-    row = jnp.where(first_replica, own, jnp.zeros_like(own))
+  for group in groups.values():
+    own = call(norm_params, _no_peers(),
+               [_partition.without_padding(shards, i + 1, leaves[i]) for i in group])[2]
+    # The leaves of a group are replicated over the same axes: one's first replica is all's.
+    row = jnp.where(_partition.first_replica(shards, group[0] + 1), own, jnp.zeros_like(own))
     rows.append(jnp.zeros((shards.size(axes), _SUM_WORDS), jnp.uint32).at[me].set(row))
   peers = jax.lax.psum(jnp.concatenate(rows), axes) if rows else _no_peers()
   norm, grad_ctrl, _ = call(norm_params, peers, [])

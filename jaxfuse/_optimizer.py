@@ -12,7 +12,9 @@ lists live in the optax state, its element math as XLA operations) plus a C++ fa
 * the in-place step of :func:`jaxfuse.fused_step`: one FFI call per family of dtypes (float32
   math, float64, complex64, complex128) and per MAX_LEAVES_PER_CALL leaves, params, state and
   master copy aliased in place, a jaxfuse clip directly before it folded in, on every device's
-  own shards when the leaves are sharded.
+  own shards when the leaves are sharded. A trust-ratio family (LAMB, LARS) first sums each
+  leaf's squares of params and direction (its trust-sums op; over the devices that split a
+  leaf, one small all-reduce), then steps with each leaf's ratio.
 """
 
 from __future__ import annotations
@@ -64,6 +66,16 @@ def one_minus(b: Any) -> Any:
   then rounded, with an array in the array's dtype. The kernels get it precomputed so that the
   rounding matches."""
   return 1.0 - b if isinstance(b, (int, float)) else 1.0 - jnp.asarray(b)
+
+
+def trust_ratio(p: jax.Array, d: jax.Array, trust_coefficient: Any = 1.0,
+                eps: Any = 0.0) -> jax.Array:
+  """optax.scale_by_trust_ratio's ratio (min_norm 0) for one whole leaf as XLA operations, in
+  the compute type (the kernels sum the squares in float64; optax in the leaf's dtype)."""
+  param_norm = jnp.sqrt(jnp.sum(p * p))
+  update_norm = jnp.sqrt(jnp.sum(d * d))
+  ratio = trust_coefficient * param_norm / (update_norm + eps)
+  return jnp.where((param_norm == 0) | (update_norm == 0), jnp.ones_like(ratio), ratio)
 
 
 def decays(weight_decay: Any) -> bool:
@@ -414,6 +426,41 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
 # ---- the fused in-place step: the kernels ------------------------------------------------------
 
 
+def _trust_sums(spec: Spec, shards: _partition.Shards, fixed: list, lists: dict[str, list],
+                flags: list[int], first_operand: dict[str, int]) -> jax.Array:
+  """The trust_sums operand of a trust-ratio family's call (optimizer.h), inside its body: one
+  call of the family's trust-sums op (trust_sums.h) over this device's shards, and when leaves
+  are split over devices, each device's sums in its own row of a zero matrix (only the first
+  replica of a leaf counts it), all-reduced: every device then adds the same rows in the same
+  order. ``first_operand`` gives each list's first operand index (for the shards' axes)."""
+  op = spec.contract.names["trust_sums_op"][0]
+  contract = _ffi.contract(op)
+  words = contract.numbers["sum_words"]
+  chunk = contract.numbers["chunk_scalars"]
+  source = "master_params" if lists.get("master_params") is not None else "params"
+  names = ["grads", source, *spec.lists(False)[0][2:]]
+  n = len(lists["grads"])
+  operands = []
+  for name in names:
+    at = first_operand[name]
+    operands += [_partition.without_padding(shards, at + i, x) for i, x in enumerate(lists[name])]
+  chunks = sum(-(-x.size // chunk) for x in lists["grads"])
+  call = jax.ffi.ffi_call(
+      _ffi.target(op),
+      [jax.ShapeDtypeStruct((n, words), jnp.uint32),
+       jax.ShapeDtypeStruct((chunks * contract.numbers["partial_bytes"],), jnp.uint8)],
+      vmap_method="sequential")
+  sums, _ = call(*fixed, *operands, num_tensors=np.int64(n), flags=np.int64(spec.flag_bits()),
+                 tensor_flags=np.asarray(flags, np.uint8))
+  if not shards.axis_names:
+    return sums[None]
+  axes = shards.axis_names
+  firsts = [_partition.first_replica(shards, first_operand["params"] + i) for i in range(n)]
+  own = jnp.where(jnp.stack(firsts)[:, None], sums, jnp.zeros_like(sums))
+  rows = jnp.zeros((shards.size(axes), n, words), jnp.uint32)
+  return jax.lax.psum(rows.at[_partition.linear_index(shards, axes)].set(own), axes)
+
+
 def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
               flags: list[int]) -> tuple[jax.Array, dict[str, list]]:
   """One FFI call of the family's op over `leaves`, in place, on every device's own shards when
@@ -431,14 +478,21 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
   aliases = _ffi.aliases(operand_lists, result_lists, n, operand_offset=len(fixed_names),
                          result_offset=len(spec.contract.names["fixed_results"]))
 
+  first_operand = {name: len(fixed) + k * n for k, name in enumerate(operand_lists)}
+
   def body(shards, *local):
-    del shards  # elementwise: each device updates its own shards
+    # Elementwise: each device updates its own shards (trust ratios need whole leaves' sums).
     shapes = [()] + [jnp.shape(x) for _ in result_lists
                      for x in local[len(fixed):len(fixed) + n]]
+    trailing = []
+    if spec.contract.names["trailing_operands"]:
+      trailing = [_trust_sums(spec, shards, list(local[:len(fixed)]),
+                              {name: list(local[at:at + n]) for name, at in first_operand.items()},
+                              flags, first_operand)]
     call = jax.ffi.ffi_call(_ffi.target(spec.op),
                             [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, result_dtypes)],
                             input_output_aliases=aliases, vmap_method="sequential")
-    return call(*local, num_tensors=np.int64(n), flags=np.int64(spec.flag_bits()),
+    return call(*local, *trailing, num_tensors=np.int64(n), flags=np.int64(spec.flag_bits()),
                 master=master, tensor_flags=np.asarray(flags, np.uint8))
 
   leaf_dims = _partition.leaf_dims(leaves.grads, "leaf")

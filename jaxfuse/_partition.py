@@ -255,6 +255,17 @@ def linear_index(shards: Shards, axes: Sequence[str]) -> jax.Array:
   return index
 
 
+def first_replica(shards: Shards, i: int) -> jax.Array:
+  """Whether this device holds the first copy of operand ``i``'s shard, inside a body: index 0
+  along every mesh axis that does not split the operand (a reduction counts each shard once)."""
+  split = {a for dim_axes in shards.operand_axes[i] for a in dim_axes}
+  first = jnp.bool_(True)
+  for a in shards.axis_names:
+    if a not in split:
+      first = first & (jax.lax.axis_index(a) == 0)
+  return first
+
+
 def without_padding(shards: Shards, i: int, x: jax.Array) -> jax.Array:
   """Operand ``i``'s local shard with the padding of an uneven split zeroed: the compiler pads
   the last shards of a dimension that the mesh does not divide, with unspecified values, which a

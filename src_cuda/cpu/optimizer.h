@@ -61,6 +61,12 @@ struct Tile {
               Real* s0, Real* s1, Real* s2, Real* u) const {
     tile_elements(Family{}, s, len, tensors.mask[t], g, p, s0, s1, s2, u);
   }
+  // Trust-ratio families (trust_sums.h): `tile_direction` is their per-ISA direction loop
+  // (JAXFUSE_CPU_TRUST_SUMS).
+  void direction(const typename Family::template Step<Real>& s, const Real* g, const Real* p,
+                 const Real* s0, const Real* s1, const Real* s2, Real* d) const {
+    tile_direction(Family{}, s, len, tensors.mask[t], g, p, s0, s1, s2, d);
+  }
 };
 
 // Whether tensor t takes the shortcut: every list stored in the compute type, no master copy.
@@ -94,8 +100,10 @@ void native_tile(const OptimizerStep<Family, Real>& step, const OptimizerLists& 
 }
 
 template <typename Family, typename Real>
-void run_chunk(const OptimizerStep<Family, Real>& step, const typename OptimizerOp<Family>::Call& call,
-               int64_t t, int64_t start, int64_t n) {
+void run_chunk(const OptimizerStep<Family, Real>& call_step,
+               const typename OptimizerOp<Family>::Call& call, int64_t t, int64_t start,
+               int64_t n) {
+  const auto step = tensor_step(call_step, call.trust_sums, t, call.tensors.mask[t]);
   const bool native = native_in_place<Real>(call.tensors, call.lists, t);
   alignas(64) Real g[kTile], u[kTile];
   for (int64_t off = start; off < start + n; off += kTile) {

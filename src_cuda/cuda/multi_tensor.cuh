@@ -40,6 +40,7 @@ struct TensorTable {
   int32_t size[kCap];             // elements of each entry (a tensor or a <2^31 slice of one)
   int32_t chunk_start[kCap + 1];  // prefix sum of chunks
   DType dtype[kLists][kCap];
+  int32_t tensor[kCap];           // the entry's tensor in the call
   uint8_t mask[kCap];
   int32_t num_tensors;
 };
@@ -50,8 +51,10 @@ template <int kLists>
 struct ChunkRef {
   void* ptr[kLists];
   DType dtype[kLists];
-  int64_t start;  // first element of the chunk within the tensor
+  int64_t start;  // first element of the chunk within the table entry
   int n;          // elements in the chunk
+  int index;      // the chunk's number in the call (all launches), tensors and chunks in order
+  int tensor;     // the tensor's number in the call
   uint8_t mask;   // the tensor's entry of TensorLists::mask
   bool aligned;   // every list's pointer allows 4-element vector access
 };
@@ -71,7 +74,8 @@ __device__ __forceinline__ int find_entry(const int32_t* chunk_start, int num, i
 // multi_tensor_apply (for ops that write one partial result per block).
 template <int kLists, typename Op>
 __global__ void JF_MULTI_TENSOR_BOUNDS
-    multi_tensor_kernel(const __grid_constant__ TensorTable<kLists> table, Op op, int block_offset) {
+    multi_tensor_kernel(const __grid_constant__ TensorTable<kLists> table, Op op, int block_offset,
+                        int chunk_offset) {
   op.prepare();
   const int total = table.chunk_start[table.num_tensors];
   for (int c = blockIdx.x; c < total; c += gridDim.x) {
@@ -80,6 +84,8 @@ __global__ void JF_MULTI_TENSOR_BOUNDS
     const int local = c - table.chunk_start[e];
     ref.start = int64_t(local) * kMultiTensorChunk;
     ref.n = min(kMultiTensorChunk, table.size[e] - local * kMultiTensorChunk);
+    ref.index = chunk_offset + c;
+    ref.tensor = table.tensor[e];
     ref.mask = table.mask[e];
     bool aligned = true;
 #pragma unroll
@@ -114,6 +120,7 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kMultiTensorThreads, 0, &max_grid));
   if (max_blocks_per_launch > 0) max_grid = std::min(max_grid, max_blocks_per_launch);
   int block_offset = 0;
+  int chunk_offset = 0;
 
   Table table;
   table.num_tensors = 0;
@@ -126,8 +133,10 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
     const int grid = std::max(1, std::min(chunks, max_grid));
     JF_RETURN_IF_ERROR(launch_kernel("the multi-tensor kernel", kernel, dim3(grid),
                                      dim3(kMultiTensorThreads), stream,
-                                     /*cooperative=*/false, table, op, block_offset));
+                                     /*cooperative=*/false, table, op, block_offset,
+                                     chunk_offset));
     block_offset += grid;
+    chunk_offset += chunks;
     launched = true;
     table.num_tensors = 0;
     return ffi::Error::Success();
@@ -141,6 +150,7 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
         table.dtype[k][e] = lists.dtype[t][k];
       }
       table.size[e] = static_cast<int32_t>(n);
+      table.tensor[e] = static_cast<int32_t>(t);
       table.mask[e] = lists.mask[t];
       table.chunk_start[e + 1] =
           table.chunk_start[e] + static_cast<int32_t>((n + kMultiTensorChunk - 1) / kMultiTensorChunk);

@@ -7,6 +7,8 @@
 // A family's CUDA file is one line, JAXFUSE_CUDA_OPTIMIZER(Family).
 #pragma once
 
+#include <type_traits>
+
 #include "jaxfuse/optimizer.h"
 #include "multi_tensor.cuh"
 
@@ -43,6 +45,11 @@ struct RegisterGroup {
                          const Real* p, Real* s0, Real* s1, Real* s2, Real* u) const {
     Family::update(s, 4, chunk.mask, g, p, s0, s1, s2, u);
   }
+  __device__ void direction(const typename Family::template Step<Real>& s, const Real* g,
+                            const Real* p, const Real* s0, const Real* s1, const Real* s2,
+                            Real* d) const {
+    Family::direction(s, 4, chunk.mask, g, p, s0, s1, s2, d);
+  }
 };
 
 template <typename Family, typename Real, typename Lists>
@@ -53,6 +60,7 @@ struct ChunkOp : MultiTensorOpBase {
   int32_t* new_count;
   ScalarVector hyper;
   ScalarVector grad_ctrl;
+  TrustSums trust_sums;
   uint32_t flags;
   bool complex;
   OptimizerStep<Family, Real> step;
@@ -64,10 +72,11 @@ struct ChunkOp : MultiTensorOpBase {
   }
 
   __device__ void operator()(const ChunkRef<kLists>& chunk) const {
+    const auto tensor = tensor_step(step, trust_sums, chunk.tensor, chunk.mask);
     for_each_group(chunk, [&](int64_t i, int n, bool vec) {
       // A short group (n < 4; even for complex tensors) computes all 4 lanes and stores n.
       const RegisterGroup<Family, Real, kLists> group{chunk, i, n, vec};
-      optimizer_group(step, Lists{}, group);
+      optimizer_group(tensor, Lists{}, group);
     });
   }
 };
@@ -80,25 +89,34 @@ ffi::Error launch(cudaStream_t stream, const typename OptimizerOp<Family>::Call&
   op.new_count = call.new_count;
   op.hyper = call.hyper;
   op.grad_ctrl = call.grad_ctrl;
+  op.trust_sums = call.trust_sums;
   op.flags = call.flags;
   op.complex = call.complex;
   return multi_tensor_apply<Op::kLists>(stream, call.tensors, op);
 }
 
-// The kernel for the call's layout: only the state counts the family allows are compiled.
-template <typename Family, typename Real, int kStates = 0>
-ffi::Error launch_for_layout(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
+// fn(std::integral_constant<int, num_states>): kernels only for the state counts the family
+// allows.
+template <typename Family, int kStates = 0, typename Fn>
+ffi::Error with_state_count(int num_states, const Fn& fn) {
   if constexpr (kStates > kMaxOptimizerStates) {
-    return internal_error("no kernel for ", call.lists.num_states, " state lists");
+    return internal_error("no kernel for ", num_states, " state lists");
   } else {
     if constexpr (Family::allows_states(kStates)) {
-      if (call.lists.num_states == kStates) {
-        return call.lists.master >= 0 ? launch<Family, Real, kStates, true>(stream, call)
-                                      : launch<Family, Real, kStates, false>(stream, call);
-      }
+      if (num_states == kStates) return fn(std::integral_constant<int, kStates>{});
     }
-    return launch_for_layout<Family, Real, kStates + 1>(stream, call);
+    return with_state_count<Family, kStates + 1>(num_states, fn);
   }
+}
+
+// The kernel for the call's layout.
+template <typename Family, typename Real>
+ffi::Error launch_for_layout(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
+  return with_state_count<Family>(call.lists.num_states, [&](auto states) {
+    constexpr int kStates = decltype(states)::value;
+    return call.lists.master >= 0 ? launch<Family, Real, kStates, true>(stream, call)
+                                  : launch<Family, Real, kStates, false>(stream, call);
+  });
 }
 
 }  // namespace cuda_optimizer

@@ -69,10 +69,12 @@ JF_HD Real adam_second_moment(const AdamStep<Real>& s, Real g_squared, Real v) {
   return s.one_minus_b2 * g_squared + s.b2 * v;
 }
 
-// Updates the first moment m and returns the update
-// u = -lr * (m_hat / (sqrt(v_hat + eps_root) + eps) + wd * p) from the new second moment v.
+// Updates the first moment m and returns the direction
+// m_hat / (sqrt(v_hat + eps_root) + eps) + wd * p from the new second moment v (LAMB scales it
+// by its trust ratio before the learning rate).
 template <typename Real>
-JF_HD Real adam_direction(const AdamStep<Real>& s, Real g, Real p, bool decay, Real& m, Real v) {
+JF_HD Real adam_scaled_moment(const AdamStep<Real>& s, Real g, Real p, bool decay, Real& m,
+                              Real v) {
   m = s.one_minus_b1 * g + s.b1 * m;
   Real m_hat;
   if (s.nesterov) {
@@ -83,7 +85,14 @@ JF_HD Real adam_direction(const AdamStep<Real>& s, Real g, Real p, bool decay, R
   const Real v_hat = v / s.bc2;
   Real u = m_hat / (jf_sqrt(v_hat + s.eps_root) + s.eps);
   if (decay) u = u + s.weight_decay * p;
-  return u * -s.lr;
+  return u;
+}
+
+// Updates the first moment m and returns the update
+// u = -lr * (m_hat / (sqrt(v_hat + eps_root) + eps) + wd * p) from the new second moment v.
+template <typename Real>
+JF_HD Real adam_direction(const AdamStep<Real>& s, Real g, Real p, bool decay, Real& m, Real v) {
+  return adam_scaled_moment(s, g, p, decay, m, v) * -s.lr;
 }
 
 // One real element: updates m and v in place, returns the update.

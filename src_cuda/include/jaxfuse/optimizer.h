@@ -16,6 +16,18 @@
 //                          the element loop over n scalars: the state lists s0.. (as many as the
 //                          configuration keeps) updated in place, u = the update added to p
 //
+// A family whose update scales each tensor by a trust ratio (LAMB, LARS: You et al., 2017 and
+// 2019) also has
+//   kTrustRatio = true     and a `trust_ratio` member of its Step, which update() reads
+//   kTrustSumsName         the XLA target of its first pass (trust_sums.h)
+//   direction(step, n, tensor_flags, g, p, s0, s1, s2, d)
+//                          the update before the ratio, states read only (the first pass sums
+//                          its squares and the params' per tensor)
+//   trust_ratio(step, tensor_flags, param_sumsq, direction_sumsq)
+//                          the tensor's ratio from those sums
+// and its op takes one more operand after the lists: trust_sums u32[R, n, kTrustSumWords], the
+// per-tensor sums of R devices (R = 1 unsharded), added in row order.
+//
 // Operands: count s32[], hyper f32/f64[Hyper::kSize], grad_ctrl f32/f64[GradCtrl::kSize], then
 //   n buffers per list: grads, params, the state lists in order, master params (attribute
 //   `master`). Results: the new count s32[], then every list but the grads, updated in place:
@@ -24,8 +36,11 @@
 // one call are all real or all complex.
 #pragma once
 
+#include <cmath>
+#include <cstring>
 #include <iterator>
 #include <string>
+#include <type_traits>
 
 #include "jaxfuse/multi_tensor_plan.h"
 #include "jaxfuse/norm_math.h"
@@ -61,12 +76,91 @@ JF_HD int32_t safe_increment(int32_t count) { return count < INT32_MAX ? count +
 // The count written back: advanced unless the step is skipped.
 JF_HD int32_t next_count(int32_t count, bool skip) { return skip ? count : safe_increment(count); }
 
+// Whether a family scales each tensor's update by a trust ratio (see the header comment).
+template <typename Family, typename = void>
+struct HasTrustRatio : std::false_type {};
+template <typename Family>
+struct HasTrustRatio<Family, std::void_t<decltype(Family::kTrustRatio)>>
+    : std::bool_constant<Family::kTrustRatio> {};
+template <typename Family>
+inline constexpr bool kHasTrustRatio = HasTrustRatio<Family>::value;
+
+// One tensor's sums for its trust ratio: of the squares of its params and of its direction, in
+// double, exchanged as kTrustSumWords uint32 words (the doubles' bits, so that JAX can gather
+// devices' rows without float64).
+inline constexpr int kTrustSumWords = 4;
+
+struct TrustSum {
+  double param_sumsq = 0.0;
+  double direction_sumsq = 0.0;
+
+  JF_HD void add(const TrustSum& o) {
+    param_sumsq += o.param_sumsq;
+    direction_sumsq += o.direction_sumsq;
+  }
+  JF_HD void store(uint32_t* words) const {
+    memcpy(words, &param_sumsq, sizeof(double));
+    memcpy(words + 2, &direction_sumsq, sizeof(double));
+  }
+  JF_HD static TrustSum load(const uint32_t* words) {
+    TrustSum s;
+    memcpy(&s.param_sumsq, words, sizeof(double));
+    memcpy(&s.direction_sumsq, words + 2, sizeof(double));
+    return s;
+  }
+};
+
+// optax.scale_by_trust_ratio's ratio (min_norm 0) from the sums of squares: the norms are the
+// sums' square roots rounded once to the compute type (optax sums in it), and a tensor whose
+// params or update have norm 0 keeps ratio 1.
+template <typename Real>
+JF_HD Real optax_trust_ratio(Real trust_coefficient, Real eps, double param_sumsq,
+                             double direction_sumsq) {
+  const Real param_norm = Real(sqrt(param_sumsq));
+  const Real update_norm = Real(sqrt(direction_sumsq));
+  const Real ratio = trust_coefficient * param_norm / (update_norm + eps);
+  return (param_norm == Real(0) || update_norm == Real(0)) ? Real(1) : ratio;
+}
+
+// The trust_sums operand: rows of per-tensor sums, one per device that holds part of the
+// tensors (a device's row is zero for the tensors it does not own), added in row order so that
+// every device gets the same total.
+struct TrustSums {
+  const uint32_t* words = nullptr;  // [rows][num_tensors][kTrustSumWords]
+  int64_t rows = 0;
+  int64_t num_tensors = 0;
+
+  JF_HD TrustSum total(int64_t t) const {
+    TrustSum s;
+    for (int64_t r = 0; r < rows; ++r) {
+      s.add(TrustSum::load(words + (r * num_tensors + t) * kTrustSumWords));
+    }
+    return s;
+  }
+};
+
 // What one step of a family needs per element: its scalars and how it sees the gradients.
 template <typename Family, typename Real>
 struct OptimizerStep {
   typename Family::template Step<Real> math;
   GradScaling<Real> grad;
 };
+
+// The step of tensor t: a trust-ratio family's carries the tensor's ratio, others are as they are.
+template <typename Family, typename Real>
+JF_HD OptimizerStep<Family, Real> tensor_step(const OptimizerStep<Family, Real>& step,
+                                              const TrustSums& sums, int64_t t,
+                                              uint8_t tensor_flags) {
+  if constexpr (kHasTrustRatio<Family>) {
+    OptimizerStep<Family, Real> s = step;
+    const TrustSum total = sums.total(t);
+    s.math.trust_ratio =
+        Family::trust_ratio(step.math, tensor_flags, total.param_sumsq, total.direction_sumsq);
+    return s;
+  } else {
+    return step;
+  }
+}
 
 template <typename Family, typename Real>
 JF_HD OptimizerStep<Family, Real> make_optimizer_step(ScalarVector hyper, ScalarVector grad_ctrl,
@@ -169,6 +263,7 @@ struct OptimizerOp {
     int32_t* new_count = nullptr;
     ScalarVector hyper;
     ScalarVector grad_ctrl;
+    TrustSums trust_sums;  // trust-ratio families only
     uint32_t flags = 0;
     bool f64 = false;      // compute in double (a buffer is float64)
     bool complex = false;  // every tensor is complex
@@ -215,6 +310,11 @@ struct OptimizerOp {
     c.names["tensor_flags"] = name_list(Family::kTensorFlagNames);
     c.names["fixed_operands"] = {"count", "hyper", "grad_ctrl"};  // binding() order
     c.names["fixed_results"] = {"count"};
+    c.names["trailing_operands"] = {};
+    if constexpr (kHasTrustRatio<Family>) {
+      c.names["trailing_operands"] = {"trust_sums"};
+      c.names["trust_sums_op"] = {Family::kTrustSumsName};
+    }
     c.functions["lists"] = [](const std::map<std::string, int64_t>& args) {
       const uint32_t flags = static_cast<uint32_t>(contract_arg(args, "flags"));
       const OptimizerLists lists =
@@ -233,7 +333,9 @@ struct OptimizerOp {
   static CallCost cost(const CallShape& shape) {
     const int64_t n = contract_arg(shape.attrs, "num_tensors");
     const int64_t fixed = 3;  // count, hyper, grad_ctrl; the grads are the first list
-    const int64_t lists = n > 0 ? (static_cast<int64_t>(shape.operands.size()) - fixed) / n : 0;
+    const int64_t trailing = kHasTrustRatio<Family> ? 1 : 0;
+    const int64_t list_operands = static_cast<int64_t>(shape.operands.size()) - fixed - trailing;
+    const int64_t lists = n > 0 ? list_operands / n : 0;
     return streaming_cost(shape, multi_tensor_launches(static_cast<int>(lists),
                                                        shape.scalars(fixed, n)));
   }
@@ -258,12 +360,24 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
   const uint32_t op_flags = static_cast<uint32_t>(flags);
   const OptimizerLists lists = OptimizerLists::of(Family::num_states(op_flags), master);
   // n is bounded by the operand count before any product is formed (no overflow).
-  const int64_t num_args = static_cast<int64_t>(args.size());
+  const int64_t trailing = kHasTrustRatio<Family> ? 1 : 0;
+  const int64_t num_args = static_cast<int64_t>(args.size()) - trailing;
   if (n < 0 || n > num_args || num_args != lists.count() * n ||
       static_cast<int64_t>(rets.size()) != (lists.count() - 1) * n) {
     return invalid_argument(args.size(), " tensor operands and ", rets.size(),
                             " tensor results do not fit num_tensors=", n, " (expected ",
-                            lists.count(), " and ", lists.count() - 1, " per tensor)");
+                            lists.count(), " and ", lists.count() - 1, " per tensor",
+                            trailing ? ", then trust_sums)" : ")");
+  }
+  if constexpr (kHasTrustRatio<Family>) {
+    auto sums = args.get<ffi::Buffer<ffi::U32, 3>>(num_args);
+    if (sums.has_error()) return invalid_argument("trust_sums: ", sums.error().message());
+    const auto dims = sums->dimensions();
+    if (dims[1] != n || dims[2] != kTrustSumWords) {
+      return invalid_argument("trust_sums is u32[", dims[0], ", ", dims[1], ", ", dims[2],
+                              "], expected u32[rows, ", n, ", ", kTrustSumWords, "]");
+    }
+    call->trust_sums = {sums->typed_data(), dims[0], n};
   }
   JF_RETURN_IF_ERROR(
       check_tensor_flags(tensor_flags, n, bit_limit(Family::kTensorFlagNames)));

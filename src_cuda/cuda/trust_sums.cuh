@@ -1,0 +1,93 @@
+// The CUDA driver of a trust-ratio family's first pass (trust_sums.h): one multi-tensor launch in
+// which each block sums its chunk's squares (params and direction, from trust_group(), the CPU's
+// program too) in double and writes them to the chunk's slot, then one block per tensor that adds
+// the tensor's slots in a fixed tree. No atomics: the same sums on every run.
+//
+// A family's CUDA file adds one line, JAXFUSE_CUDA_TRUST_SUMS(Family).
+#pragma once
+
+#include "jaxfuse/trust_sums.h"
+#include "optimizer.cuh"
+
+namespace jaxfuse {
+namespace cuda_trust_sums {
+
+template <typename Family, typename Real, typename Lists>
+struct ChunkSumOp : MultiTensorOpBase {
+  static constexpr int kLists = Lists::kCount;
+
+  const int32_t* count;
+  ScalarVector hyper;
+  ScalarVector grad_ctrl;
+  uint32_t flags;
+  TrustSum* partials;
+  OptimizerStep<Family, Real> step;
+
+  __device__ void prepare() {
+    step = make_optimizer_step<Family, Real>(hyper, grad_ctrl, *count, flags, /*complex=*/false);
+  }
+
+  __device__ void operator()(const ChunkRef<kLists>& chunk) const {
+    double param_sumsq = 0.0, direction_sumsq = 0.0;
+    for_each_group(chunk, [&](int64_t i, int n, bool vec) {
+      const cuda_optimizer::RegisterGroup<Family, Real, kLists> group{chunk, i, n, vec};
+      Real p[4], d[4];
+      trust_group(step, Lists{}, group, p, d);
+      for (int j = 0; j < n; ++j) {  // the lanes past n were computed from nothing: dropped
+        param_sumsq += double(p[j]) * double(p[j]);
+        direction_sumsq += double(d[j]) * double(d[j]);
+      }
+    });
+    __shared__ double scratch[kMultiTensorThreads / 32];
+    const double p = block_sum<kMultiTensorThreads>(param_sumsq, scratch);
+    const double d = block_sum<kMultiTensorThreads>(direction_sumsq, scratch);
+    if (threadIdx.x == 0) partials[chunk.index] = TrustSum{p, d};
+  }
+};
+
+// Tensor t's chunks are slots [first[t], first[t + 1]) (multi_tensor_apply numbers them in order).
+struct ChunkStarts {
+  int32_t first[kMaxTrustTensors + 1];
+};
+
+// One block per tensor adds its slots in a fixed tree and writes its TrustSum (trust_sums.cu).
+ffi::Error launch_finish(cudaStream_t stream, const TrustSum* partials, const ChunkStarts& starts,
+                         int64_t num_tensors, uint32_t* sums);
+
+template <typename Family, typename Real, int kStates>
+ffi::Error launch(cudaStream_t stream, const typename TrustSumsOp<Family>::Call& call) {
+  using Op = ChunkSumOp<Family, Real, cuda_optimizer::StaticLists<kStates, false>>;
+  const int64_t n = call.tensors.num_tensors();
+  if (n == 0) return ffi::Error::Success();
+  Op op;
+  op.count = call.count;
+  op.hyper = call.hyper;
+  op.grad_ctrl = call.grad_ctrl;
+  op.flags = call.flags;
+  op.partials = call.partials;
+  JF_RETURN_IF_ERROR(multi_tensor_apply<Op::kLists>(stream, call.tensors, op));
+  ChunkStarts starts;
+  starts.first[0] = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    starts.first[t + 1] = starts.first[t] + static_cast<int32_t>(
+        (call.tensors.size[t] + kMultiTensorChunk - 1) / kMultiTensorChunk);
+  }
+  return launch_finish(stream, call.partials, starts, n, call.sums);
+}
+
+}  // namespace cuda_trust_sums
+
+// Registers the CUDA handler of Family's first pass.
+#define JAXFUSE_CUDA_TRUST_SUMS(Family)                                                         \
+  template <>                                                                                   \
+  template <>                                                                                   \
+  ffi::Error TrustSumsOp<Family>::run<Cuda>(cudaStream_t stream, const Call& call) {            \
+    return cuda_optimizer::with_state_count<Family>(call.lists.num_states, [&](auto states) {   \
+      constexpr int kStates = decltype(states)::value;                                          \
+      return call.f64 ? cuda_trust_sums::launch<Family, double, kStates>(stream, call)          \
+                      : cuda_trust_sums::launch<Family, float, kStates>(stream, call);          \
+    });                                                                                         \
+  }                                                                                             \
+  JAXFUSE_REGISTER_OP(TrustSumsOp<Family>, Cuda)
+
+}  // namespace jaxfuse
