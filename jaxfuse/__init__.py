@@ -5,6 +5,7 @@ Optimizer side (optax-compatible):
   nadam, nadamw        the same with Nesterov momentum (as optax.nadam/nadamw)
   sgd, lion, adagrad,  SGD (momentum, Nesterov), Lion, Adagrad and RMSprop (centered,
   rmsprop              momentum), as optax's, fused the same way
+  lamb, lars           LAMB and LARS (per-leaf trust ratios), as optax's: two fused passes
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
@@ -34,6 +35,8 @@ from jaxfuse._decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScalin
 from jaxfuse._fused import fused_step
 from jaxfuse._generation import decode_step, generate, init_cache, prefill
 from jaxfuse._hf import load_hf
+from jaxfuse._lamb import lamb
+from jaxfuse._lars import lars
 from jaxfuse._lion import lion
 from jaxfuse._model import DecoderModel
 from jaxfuse._optimizer import ExtraState
@@ -84,6 +87,8 @@ __all__ = [
     "generate",
     "global_norm",
     "init_cache",
+    "lamb",
+    "lars",
     "lion",
     "load_hf",
     "nadam",

@@ -365,3 +365,58 @@ def test_grads_split_otherwise_than_params(kind):
   assert specs_of(new_p) == padded_specs(p_specs, params)
   assert specs_of(new_s[1][0].mu) == padded_specs(p_specs, params)
   assert_trees_close(new_p, expected, rtol=4 * ulp(jnp.float32), atol=0)
+
+
+@pytest.mark.parametrize("family", ["lamb", "lars"])
+def test_trust_ratio_families(mesh_name, kind, family):
+  """LAMB and LARS in place on sharded params: each leaf's norms are its whole array's (the
+  devices that split a leaf add their sums; a replicated leaf counts once), so the values are
+  optax's; params and state keep their shardings; no all-gather, and one all-reduce per call
+  besides the clip's."""
+  mesh = make_mesh(mesh_name, kind)
+  params, specs = tree_and_specs(mesh_name, kind, 19)
+  grads = [dict(zip(params, random_tree(s, [jnp.shape(x) for x in params.values()]).values()))
+           for s in (20, 21)]
+  make = lambda m: (m.lamb(LR, weight_decay=WD) if family == "lamb"
+                    else m.lars(0.5, weight_decay=WD, momentum=0.8))
+  to = optax.chain(optax.clip_by_global_norm(MAX_NORM), make(optax))
+  expected, state = params, to.init(params)
+  for g in grads:
+    u, state = to.update(g, state, expected)
+    expected = optax.apply_updates(expected, u)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), make(jaxfuse))
+  with jax.set_mesh(mesh):
+    p = put(params, mesh, specs)
+    s = tx.init(p)
+    step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+    compiled = step.lower(p, s, put(grads[0], mesh, specs)).compile()
+    assert collectives(compiled.as_text()) == (0, 2), compiled.as_text()
+    for g in grads:
+      p, s = step(p, s, put(g, mesh, specs))
+  assert specs_of(p) == padded_specs(specs, params)
+  assert_trees_close(p, expected, rtol=8 * ulp(jnp.float32), atol=0, what="params")
+
+
+def test_trust_ratio_on_uneven_shards():
+  """The compiler's padding of an uneven split does not reach a leaf's sums."""
+  mesh = make_mesh("fsdp", "auto")
+  params = random_tree(22, [(100, 3), (13,)])
+  grads = dict(zip(params, random_tree(23, [(100, 3), (13,)]).values()))
+  tx, to = jaxfuse.lamb(LR, weight_decay=WD), optax.lamb(LR, weight_decay=WD)
+  u, _ = to.update(grads, to.init(params), params)
+  expected = optax.apply_updates(params, u)
+  split = lambda t: jax.tree.map(
+      lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("fsdp"))), t)
+
+  @functools.partial(jax.jit, in_shardings=NamedSharding(mesh, P()))
+  def step(p, s, g):
+    p, g = split(p), split(jax.tree.map(lambda x: x * 1.0, g))
+    return jaxfuse.fused_step(tx, g, s, p)
+
+  with jax.set_mesh(mesh):
+    text = step.lower(params, tx.init(params), grads).compile().as_text()
+    sums = [line for line in text.splitlines()
+            if 'custom_call_target="jaxfuse_lamb_trust_sums"' in line]
+    assert len(sums) == 1 and "f32[13,3]" in sums[0] and "f32[100,3]" not in sums[0]
+    new_p, _ = step(params, tx.init(params), grads)
+  assert_trees_close(new_p, expected, rtol=8 * ulp(jnp.float32), atol=0)

@@ -21,7 +21,8 @@ import jaxfuse
 from jaxfuse import _ffi, _clip as clip
 from jaxfuse import adagrad
 from jaxfuse import sgd
-from helpers import assert_bitwise_equal, random_decoder_problem, random_tree
+from helpers import (assert_bitwise_equal, assert_trees_close, random_decoder_problem,
+                     random_tree, ulp)
 
 if not _ffi.CUDA_ON_CPU:
   if os.environ.get("JAXFUSE_REQUIRE_CUDA_ON_CPU") == "1":
@@ -398,3 +399,51 @@ def test_lion_rmsprop_bitwise(family, mode, mix, launch):
     fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
     native, emu = on_both(fn, grads, state, params)
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
+
+
+def trust_case(family, mode, dtypes):
+  """A LAMB or LARS, params, grads and a second step's state for one mode."""
+  if mode == "master":
+    dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
+  opts = dict(master_weights=mode == "master", skip_nonfinite=mode == "skip")
+  mask = lambda p: {k: i % 3 != 0 for i, k in enumerate(sorted(p))}
+  if family == "lamb":
+    tx = jaxfuse.lamb(3e-3, weight_decay=0.1, mask=mask, **opts)
+  else:
+    tx = jaxfuse.lars(0.1, weight_decay=0.01, trust_ratio_mask=mask, nesterov=mode == "nesterov",
+                      **opts)
+  params = random_tree(1, SIZES, dtypes)
+  grads = random_tree(2, SIZES, dtypes, scale=0.5)
+  if mode == "skip":
+    grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
+  state = tx.init(params)
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state,
+                                                         params)
+  return tx, params, grads, state
+
+
+TRUST_CASES = [(f, "plain", mix) for f in ("lamb", "lars") for mix in ("f32", "mixed", "f64")] + \
+    [(f, mode, "mixed") for f in ("lamb", "lars") for mode in ("master", "skip")] + \
+    [("lars", "nesterov", "mixed")]
+
+
+@pytest.mark.parametrize("family,mode,mix", TRUST_CASES)
+def test_lamb_lars(family, mode, mix, launch):
+  """Element-wise but for the per-leaf sums, which the GPU adds in another order (in float64):
+  a ratio may then differ by an ulp of the compute type, and a 16-bit param round the other way;
+  nothing more."""
+  dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
+  with jax.enable_x64(mix == "f64"):
+    tx, params, grads, state = trust_case(family, mode, dtypes)
+    fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
+    native, emu = on_both(fn, grads, state, params)
+  rtol = {"f32": 2 * ulp(jnp.float32), "f64": 4 * ulp(jnp.float64)}.get(mix, ulp(jnp.bfloat16))
+  assert_trees_close(emu, native, rtol=rtol, atol=0, what="emulated CUDA vs CPU handlers")
+
+
+def test_trust_sums_same_bits_under_every_schedule(grid, monkeypatch):
+  """The per-leaf sums have one partial per chunk, added in a fixed tree: the step's bits do not
+  depend on the thread schedule or the grid size."""
+  tx, params, grads, state = trust_case("lamb", "plain", DTYPE_MIXES["mixed"])
+  fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
+  assert_same_bits_under_schedules(monkeypatch, ("0", "1", "99"), fn, grads, state, params)

@@ -12,7 +12,7 @@ import jaxfuse
 import optax_suite
 
 ADAMS = ("adam", "adamw", "nadam", "nadamw")
-OPTIMIZERS = ADAMS + ("sgd", "adagrad", "lion", "rmsprop")
+OPTIMIZERS = ADAMS + ("sgd", "adagrad", "lion", "rmsprop", "lamb", "lars")
 
 # optax accepts a mu_dtype that is complex for real params or real for complex ones and casts
 # between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init.
@@ -34,12 +34,13 @@ BY_DESIGN = [
 ]
 
 
-# jaxfuse's Adagrad and RMSprop take real leaves only (optax squares complex gradients into a
-# complex accumulator); SGD refuses an accumulator_dtype whose kind (real or complex) differs
-# from the params', as for Adam's mu_dtype.
-REAL_ONLY = "jaxfuse's adagrad and rmsprop take real leaves only (by design)"
+# jaxfuse's Adagrad, RMSprop, LAMB and LARS take real leaves only (optax squares complex
+# gradients into a complex accumulator, and takes norms of complex leaves); SGD refuses an
+# accumulator_dtype whose kind (real or complex) differs from the params', as for Adam's mu_dtype.
+REAL_ONLY = "jaxfuse's adagrad, rmsprop, lamb and lars take real leaves only (by design)"
 _REAL_ONLY_CASES = [("adagrad", {"learning_rate": 1.0}), ("rmsprop", {"learning_rate": 0.005}),
-                    ("rmsprop", {"learning_rate": 0.005, "momentum": 0.9})]
+                    ("rmsprop", {"learning_rate": 0.005, "momentum": 0.9}),
+                    ("lamb", {"learning_rate": 1e-3}), ("lars", {"learning_rate": 1.0})]
 BY_DESIGN += [
     ("test_optimization", {"opt_name": name, "opt_kwargs": kwargs, "target": target,
                            "dtype": "complex64"}, REAL_ONLY)
