@@ -6,7 +6,8 @@ step returns them):
   jaxfuse   jaxfuse.fused_step on the jaxfuse twin (in place)
 and prints ms/step, jaxfuse's speed-up over optax, the bytes per fp32 param the fused step must
 move (params, grads and each state list read, params and state written: 20 for one state list,
-28 for two), the effective GB/s at that count, its fraction of the copy rate measured at the same
+28 for two; LAMB and LARS read grads, params and states once more for their per-leaf sums), the
+effective GB/s at that count, its fraction of the copy rate measured at the same
 footprint, and from jaxfuse.report the bytes each step moves and its launches. Trees: GPT-2
 small's 148 leaves (124M params) and 1000 small leaves. Usage:
 
@@ -37,6 +38,9 @@ FAMILIES = [
     ("adagrad", 20, lambda m: m.adagrad(LR)),
     ("rmsprop", 20, lambda m: m.rmsprop(LR)),
     ("rmsprop centered", 28, lambda m: m.rmsprop(LR, centered=True)),
+    # Two passes: the per-leaf sums read grads, params and states; the step reads and writes.
+    ("lamb", 16 + 28, lambda m: m.lamb(LR, weight_decay=0.1)),
+    ("lars", 12 + 20, lambda m: m.lars(LR, weight_decay=0.1)),
 ]
 
 

@@ -74,6 +74,11 @@ FAMILY_CASES = {
     "rmsprop centered nesterov bf16 + master": (
         lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True, **kw),
         dict(master_weights=True), jnp.bfloat16),
+    "lamb f32": (lambda **kw: jaxfuse.lamb(1e-2, weight_decay=0.1, **kw), {}, jnp.float32),
+    "lamb bf16 + master": (lambda **kw: jaxfuse.lamb(1e-2, **kw), dict(master_weights=True),
+                           jnp.bfloat16),
+    "lars f32": (lambda **kw: jaxfuse.lars(0.1, weight_decay=0.01, **kw), {}, jnp.float32),
+    "lars nesterov bf16": (lambda **kw: jaxfuse.lars(0.1, nesterov=True, **kw), {}, jnp.bfloat16),
 }
 
 
