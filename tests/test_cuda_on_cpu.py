@@ -363,13 +363,18 @@ def test_sgd_adagrad_bitwise(mode, mix, launch):
 
 
 def family_case(family, mode, dtypes):
-  """A Lion or RMSprop, params, grads and a second step's state for one mode."""
+  """A Lion, RMSprop, LAMB or LARS, params, grads and a second step's state for one mode."""
   if mode == "master":
     dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
   opts = dict(master_weights=mode == "master", skip_nonfinite=mode == "skip")
+  mask = lambda p: {k: i % 3 != 0 for i, k in enumerate(sorted(p))}
   if family == "lion":
-    mask = lambda p: {k: i % 2 == 0 for i, k in enumerate(sorted(p))}
     tx = jaxfuse.lion(3e-3, weight_decay=0.1, mask=mask, **opts)
+  elif family == "lamb":
+    tx = jaxfuse.lamb(3e-3, weight_decay=0.1, mask=mask, **opts)
+  elif family == "lars":
+    tx = jaxfuse.lars(0.1, weight_decay=0.01, trust_ratio_mask=mask, nesterov=mode == "nesterov",
+                      **opts)
   else:
     tx = jaxfuse.rmsprop(3e-3, centered=mode in ("centered", "skip"),
                          momentum=None if mode == "plain" else 0.9, nesterov=mode == "nesterov",
@@ -401,27 +406,6 @@ def test_lion_rmsprop_bitwise(family, mode, mix, launch):
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
 
 
-def trust_case(family, mode, dtypes):
-  """A LAMB or LARS, params, grads and a second step's state for one mode."""
-  if mode == "master":
-    dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
-  opts = dict(master_weights=mode == "master", skip_nonfinite=mode == "skip")
-  mask = lambda p: {k: i % 3 != 0 for i, k in enumerate(sorted(p))}
-  if family == "lamb":
-    tx = jaxfuse.lamb(3e-3, weight_decay=0.1, mask=mask, **opts)
-  else:
-    tx = jaxfuse.lars(0.1, weight_decay=0.01, trust_ratio_mask=mask, nesterov=mode == "nesterov",
-                      **opts)
-  params = random_tree(1, SIZES, dtypes)
-  grads = random_tree(2, SIZES, dtypes, scale=0.5)
-  if mode == "skip":
-    grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
-  state = tx.init(params)
-  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state,
-                                                         params)
-  return tx, params, grads, state
-
-
 TRUST_CASES = [(f, "plain", mix) for f in ("lamb", "lars") for mix in ("f32", "mixed", "f64")] + \
     [(f, mode, "mixed") for f in ("lamb", "lars") for mode in ("master", "skip")] + \
     [("lars", "nesterov", "mixed")]
@@ -434,7 +418,7 @@ def test_lamb_lars(family, mode, mix, launch):
   nothing more."""
   dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
   with jax.enable_x64(mix == "f64"):
-    tx, params, grads, state = trust_case(family, mode, dtypes)
+    tx, params, grads, state = family_case(family, mode, dtypes)
     fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
     native, emu = on_both(fn, grads, state, params)
   rtol = {"f32": 2 * ulp(jnp.float32), "f64": 4 * ulp(jnp.float64)}.get(mix, ulp(jnp.bfloat16))
@@ -444,6 +428,6 @@ def test_lamb_lars(family, mode, mix, launch):
 def test_trust_sums_same_bits_under_every_schedule(grid, monkeypatch):
   """The per-leaf sums have one partial per chunk, added in a fixed tree: the step's bits do not
   depend on the thread schedule or the grid size."""
-  tx, params, grads, state = trust_case("lamb", "plain", DTYPE_MIXES["mixed"])
+  tx, params, grads, state = family_case("lamb", "plain", DTYPE_MIXES["mixed"])
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
   assert_same_bits_under_schedules(monkeypatch, ("0", "1", "99"), fn, grads, state, params)

@@ -86,6 +86,16 @@ JF_HD void norm_accumulate(double x, double& sumsq, double& nonfinite) {
 // every device then adds the same rows in the same order.
 inline constexpr int kNormSumWords = 4;
 
+// Two doubles as four uint32 words (their bits), the rows devices exchange.
+JF_HD void store_double_pair(uint32_t* words, double a, double b) {
+  memcpy(words, &a, sizeof(double));
+  memcpy(words + 2, &b, sizeof(double));
+}
+JF_HD void load_double_pair(const uint32_t* words, double& a, double& b) {
+  memcpy(&a, words, sizeof(double));
+  memcpy(&b, words + 2, sizeof(double));
+}
+
 struct NormSum {
   double sumsq = 0.0;
   double nonfinite = 0.0;  // sum of (x - x): 0 iff every x is finite
@@ -94,14 +104,10 @@ struct NormSum {
     sumsq += other.sumsq;
     nonfinite += other.nonfinite;
   }
-  JF_HD void store_row(uint32_t* row) const {
-    memcpy(row, &sumsq, sizeof(double));
-    memcpy(row + 2, &nonfinite, sizeof(double));
-  }
+  JF_HD void store_row(uint32_t* row) const { store_double_pair(row, sumsq, nonfinite); }
   JF_HD static NormSum load_row(const uint32_t* row) {
     NormSum s;
-    memcpy(&s.sumsq, row, sizeof(double));
-    memcpy(&s.nonfinite, row + 2, sizeof(double));
+    load_double_pair(row, s.sumsq, s.nonfinite);
     return s;
   }
 };

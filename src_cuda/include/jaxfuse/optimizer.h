@@ -37,7 +37,6 @@
 #pragma once
 
 #include <cmath>
-#include <cstring>
 #include <iterator>
 #include <string>
 #include <type_traits>
@@ -88,7 +87,7 @@ inline constexpr bool kHasTrustRatio = HasTrustRatio<Family>::value;
 // One tensor's sums for its trust ratio: of the squares of its params and of its direction, in
 // double, exchanged as kTrustSumWords uint32 words (the doubles' bits, so that JAX can gather
 // devices' rows without float64).
-inline constexpr int kTrustSumWords = 4;
+inline constexpr int kTrustSumWords = kNormSumWords;
 
 struct TrustSum {
   double param_sumsq = 0.0;
@@ -99,13 +98,11 @@ struct TrustSum {
     direction_sumsq += o.direction_sumsq;
   }
   JF_HD void store(uint32_t* words) const {
-    memcpy(words, &param_sumsq, sizeof(double));
-    memcpy(words + 2, &direction_sumsq, sizeof(double));
+    store_double_pair(words, param_sumsq, direction_sumsq);
   }
   JF_HD static TrustSum load(const uint32_t* words) {
     TrustSum s;
-    memcpy(&s.param_sumsq, words, sizeof(double));
-    memcpy(&s.direction_sumsq, words + 2, sizeof(double));
+    load_double_pair(words, s.param_sumsq, s.direction_sumsq);
     return s;
   }
 };
@@ -249,6 +246,29 @@ inline ffi::Error check_aliased(const ffi::RemainingArgs& args, const ffi::Remai
   return ffi::Error::Success();
 }
 
+// What every pass of a family reads besides its lists: the hyperparameter vector, the gradient
+// control and the call's flags (checked against the family's flag names).
+struct StepOperands {
+  ScalarVector hyper;
+  ScalarVector grad_ctrl;
+  uint32_t flags = 0;
+};
+
+template <typename Family>
+ffi::Error decode_step_operands(ffi::AnyBuffer hyper, ffi::AnyBuffer grad_ctrl, int64_t flags,
+                                StepOperands* out) {
+  const auto hyper_vector = scalar_vector("hyper", hyper, Family::Hyper::kSize);
+  if (hyper_vector.has_error()) return hyper_vector.error();
+  const auto grad_ctrl_vector = scalar_vector("grad_ctrl", grad_ctrl, GradCtrl::kSize);
+  if (grad_ctrl_vector.has_error()) return grad_ctrl_vector.error();
+  if (flags < 0 || flags >= bit_limit(Family::kFlagNames)) {
+    return invalid_argument("flags ", flags, " has bits beyond the ",
+                            std::size(Family::kFlagNames), " flags of the op");
+  }
+  *out = {*hyper_vector, *grad_ctrl_vector, static_cast<uint32_t>(flags)};
+  return ffi::Error::Success();
+}
+
 }  // namespace optimizer_detail
 
 template <typename Family>
@@ -349,15 +369,9 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
                                        bool master, ffi::Span<const uint8_t> tensor_flags,
                                        Call* call) {
   using namespace optimizer_detail;
-  const auto hyper_vector = scalar_vector("hyper", hyper, Hyper::kSize);
-  if (hyper_vector.has_error()) return hyper_vector.error();
-  const auto grad_ctrl_vector = scalar_vector("grad_ctrl", grad_ctrl, GradCtrl::kSize);
-  if (grad_ctrl_vector.has_error()) return grad_ctrl_vector.error();
-  if (flags < 0 || flags >= bit_limit(Family::kFlagNames)) {
-    return invalid_argument("flags ", flags, " has bits beyond the ",
-                            std::size(Family::kFlagNames), " flags of the op");
-  }
-  const uint32_t op_flags = static_cast<uint32_t>(flags);
+  StepOperands step;
+  JF_RETURN_IF_ERROR(decode_step_operands<Family>(hyper, grad_ctrl, flags, &step));
+  const uint32_t op_flags = step.flags;
   const OptimizerLists lists = OptimizerLists::of(Family::num_states(op_flags), master);
   // n is bounded by the operand count before any product is formed (no overflow).
   const int64_t trailing = kHasTrustRatio<Family> ? 1 : 0;
@@ -405,8 +419,8 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
   call->lists = lists;
   call->count = count.typed_data();
   call->new_count = new_count->typed_data();
-  call->hyper = *hyper_vector;
-  call->grad_ctrl = *grad_ctrl_vector;
+  call->hyper = step.hyper;
+  call->grad_ctrl = step.grad_ctrl;
   call->flags = op_flags;
   call->complex = n > 0 && call->tensors.complex[0];
   return ffi::Error::Success();

@@ -76,14 +76,10 @@ struct TrustSumsOp {
                            ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::U32, 2>> sums,
                            ffi::Result<BytesBuffer> workspace, int64_t n, int64_t flags,
                            ffi::Span<const uint8_t> tensor_flags, Call* call) {
-    const auto hyper_vector = scalar_vector("hyper", hyper, Hyper::kSize);
-    if (hyper_vector.has_error()) return hyper_vector.error();
-    const auto grad_ctrl_vector = scalar_vector("grad_ctrl", grad_ctrl, GradCtrl::kSize);
-    if (grad_ctrl_vector.has_error()) return grad_ctrl_vector.error();
-    if (flags < 0 || flags >= optimizer_detail::bit_limit(Family::kFlagNames)) {
-      return invalid_argument("flags ", flags, " has bits beyond the op's");
-    }
-    const uint32_t op_flags = static_cast<uint32_t>(flags);
+    optimizer_detail::StepOperands step;
+    JF_RETURN_IF_ERROR(
+        optimizer_detail::decode_step_operands<Family>(hyper, grad_ctrl, flags, &step));
+    const uint32_t op_flags = step.flags;
     const OptimizerLists lists = OptimizerLists::of(Family::num_states(op_flags), false);
     const int64_t num_args = static_cast<int64_t>(args.size());
     if (n < 0 || n > kMaxTrustTensors || num_args != lists.count() * n) {
@@ -116,8 +112,8 @@ struct TrustSumsOp {
     }
     call->lists = lists;
     call->count = count.typed_data();
-    call->hyper = *hyper_vector;
-    call->grad_ctrl = *grad_ctrl_vector;
+    call->hyper = step.hyper;
+    call->grad_ctrl = step.grad_ctrl;
     call->flags = op_flags;
     call->f64 = call->tensors.computes_in_double();
     call->sums = sums->typed_data();
