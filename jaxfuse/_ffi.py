@@ -110,6 +110,16 @@ def contract(op: str) -> Contract:
   return Contract(dict(c["numbers"]), dict(c["names"]), dict(c["functions"]))
 
 
+def traced_contract(op: str) -> Contract:
+  """The contract of ``op`` as the handlers this trace calls see it: the CUDA-on-CPU build's
+  under ``cpu_targets("cuda_on_cpu")`` (that build may shrink the multi-tensor chunks, which
+  size some workspaces), else the CPU module's (the CUDA module is built with its constants)."""
+  if _cpu_targets == "cuda_on_cpu":
+    c = _jaxfuse_cuda_on_cpu.contract()[op]
+    return Contract(dict(c["numbers"]), dict(c["names"]), dict(c["functions"]))
+  return contract(op)
+
+
 def vector_dtype() -> jnp.dtype:
   """The dtype of the small device vectors (hyperparameters, gradient control): float64 under
   ``jax_enable_x64``, so that float64 math gets exact values and bias corrections are computed

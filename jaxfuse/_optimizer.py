@@ -434,7 +434,7 @@ def _trust_sums(spec: Spec, shards: _partition.Shards, fixed: list, lists: dict[
   replica of a leaf counts it), all-reduced: every device then adds the same rows in the same
   order. ``first_operand`` gives each list's first operand index (for the shards' axes)."""
   op = spec.contract.names["trust_sums_op"][0]
-  contract = _ffi.contract(op)
+  contract = _ffi.traced_contract(op)  # its workspace is a partial per multi-tensor chunk
   words = contract.numbers["sum_words"]
   chunk = contract.numbers["chunk_scalars"]
   source = "master_params" if lists.get("master_params") is not None else "params"
