@@ -438,7 +438,7 @@ def _trust_sums(spec: Spec, shards: _partition.Shards, fixed: list, lists: dict[
   words = contract.numbers["sum_words"]
   chunk = contract.numbers["chunk_scalars"]
   source = "master_params" if lists.get("master_params") is not None else "params"
-  names = ["grads", source, *spec.lists(False)[0][2:]]
+  names = ["grads", source, *spec.lists(False)[0][2:2 + contract.numbers["direction_states"]]]
   n = len(lists["grads"])
   operands = []
   for name in names:

@@ -1,5 +1,6 @@
 // The CPU driver of a trust-ratio family's first pass (trust_sums.h): chunks of every tensor over
-// XLA's thread pool, each in tiles through trust_group() (the GPU's program too), the squares of
+// XLA's thread pool, each in tiles through trust_group() (the GPU's program too; tensors stored
+// in the compute type are read in place), the squares of
 // the params and of the direction added into 16 double lanes; a partial per chunk, added per
 // tensor in chunk order, so that the sums do not depend on how the pool ran the chunks.
 //
@@ -7,6 +8,7 @@
 // its direction loop, compiled per ISA level like the update's.
 #pragma once
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -48,18 +50,47 @@ static void add_squares(int64_t len, const double* x, double* lanes) {
   add_squares_into(len, x, lanes);
 }
 
+// trust_group() for a tile whose lists are all stored in the compute type: read in place (the
+// gradients are copied only to be scaled), as the optimizer's shortcut does. `*p` is set to the
+// params.
+template <typename Family, typename Real>
+void native_direction(const OptimizerStep<Family, Real>& step, const OptimizerLists& lists,
+                      const cpu_optimizer::Tile<Family, Real>& tile, Real* scratch_g,
+                      const Real** p, Real* d) {
+  auto at = [&](int list) -> const Real* {
+    return list < lists.count()
+               ? static_cast<const Real*>(tile.tensors.ptr[tile.t][list]) + tile.start
+               : nullptr;
+  };
+  const Real* g = at(OptimizerLists::kGrads);
+  if (step.grad.scale || step.grad.clip) {
+    std::copy(g, g + tile.len, scratch_g);
+    cpu_optimizer::scale_tile(step.grad, tile.len, scratch_g);
+    g = scratch_g;
+  }
+  *p = at(OptimizerLists::kParams);
+  tile.direction(step.math, g, *p, at(OptimizerLists::state(0)), at(OptimizerLists::state(1)),
+                 at(OptimizerLists::state(2)), d);
+}
+
 template <typename Family, typename Real>
 TrustSum chunk_sum(const OptimizerStep<Family, Real>& step,
                    const typename TrustSumsOp<Family>::Call& call, int64_t t, int64_t start,
                    int64_t n) {
   using cpu_optimizer::kTile;
-  alignas(64) Real p[kTile], d[kTile];
+  const bool native = cpu_optimizer::native_in_place<Real>(call.tensors, call.lists, t);
+  alignas(64) Real g[kTile], p[kTile], d[kTile];
   double param_lanes[kLanes] = {}, direction_lanes[kLanes] = {};
   for (int64_t off = start; off < start + n; off += kTile) {
     const cpu_optimizer::Tile<Family, Real> tile{call.tensors, t, off,
                                                  std::min(kTile, start + n - off)};
-    trust_group(step, call.lists, tile, p, d);
-    add_squares(tile.len, p, param_lanes);
+    const Real* params = p;
+    if (native) {
+      native_direction(step, call.lists, tile, g, &params, d);
+    } else {
+      trust_group(step, call.lists, tile, p, d);
+    }
+    add_squares(tile.len, params, param_lanes);
     add_squares(tile.len, d, direction_lanes);
   }
   TrustSum sum;

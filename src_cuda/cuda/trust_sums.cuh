@@ -82,11 +82,9 @@ ffi::Error launch(cudaStream_t stream, const typename TrustSumsOp<Family>::Call&
   template <>                                                                                   \
   template <>                                                                                   \
   ffi::Error TrustSumsOp<Family>::run<Cuda>(cudaStream_t stream, const Call& call) {            \
-    return cuda_optimizer::with_state_count<Family>(call.lists.num_states, [&](auto states) {   \
-      constexpr int kStates = decltype(states)::value;                                          \
-      return call.f64 ? cuda_trust_sums::launch<Family, double, kStates>(stream, call)          \
-                      : cuda_trust_sums::launch<Family, float, kStates>(stream, call);          \
-    });                                                                                         \
+    constexpr int kStates = Family::kDirectionStates;                                           \
+    return call.f64 ? cuda_trust_sums::launch<Family, double, kStates>(stream, call)            \
+                    : cuda_trust_sums::launch<Family, float, kStates>(stream, call);            \
   }                                                                                             \
   JAXFUSE_REGISTER_OP(TrustSumsOp<Family>, Cuda)
 

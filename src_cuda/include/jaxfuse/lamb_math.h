@@ -22,6 +22,7 @@ struct Lamb {
   static constexpr const char* kName = "jaxfuse_lamb";
   static constexpr const char* kTrustSumsName = "jaxfuse_lamb_trust_sums";
   static constexpr bool kTrustRatio = true;
+  static constexpr int kDirectionStates = 2;  // the moments
   using Hyper = AdamHyper;
   // LAMB has no call flags, but C++ has no empty arrays: one placeholder bit, never set.
   static constexpr const char* kFlagNames[] = {"none"};

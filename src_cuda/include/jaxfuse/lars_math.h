@@ -28,6 +28,7 @@ struct Lars {
   static constexpr const char* kName = "jaxfuse_lars";
   static constexpr const char* kTrustSumsName = "jaxfuse_lars_trust_sums";
   static constexpr bool kTrustRatio = true;
+  static constexpr int kDirectionStates = 0;  // g + wd * p: the trace is not read
   using Hyper = LarsHyper;
   enum Flag : uint32_t { kNesterov = 1 };
   enum TensorFlag : uint8_t { kDecay = 1, kTrust = 2 };

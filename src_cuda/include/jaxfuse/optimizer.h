@@ -20,6 +20,7 @@
 // 2019) also has
 //   kTrustRatio = true     and a `trust_ratio` member of its Step, which update() reads
 //   kTrustSumsName         the XLA target of its first pass (trust_sums.h)
+//   kDirectionStates       how many of its state lists (the first ones) the direction reads
 //   direction(step, n, tensor_flags, g, p, s0, s1, s2, d)
 //                          the update before the ratio, states read only (the first pass sums
 //                          its squares and the params' per tensor)

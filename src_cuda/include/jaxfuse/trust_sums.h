@@ -7,7 +7,8 @@
 //
 // <Family::kTrustSumsName>
 //   operands: count s32[], hyper, grad_ctrl (the optimizer op's), then n buffers per list:
-//             grads, params (the master copy when the step keeps one), the state lists
+//             grads, params (the master copy when the step keeps one), the first
+//             Family::kDirectionStates state lists (those the direction reads)
 //   results:  sums u32[n, kTrustSumWords] (a TrustSum per tensor), workspace
 //             u8[kTrustPartialBytes * chunks] (the GPU's per-chunk partials; chunks: the sum over
 //             tensors of ceil(scalars / kMultiTensorChunk))
@@ -80,7 +81,7 @@ struct TrustSumsOp {
     JF_RETURN_IF_ERROR(
         optimizer_detail::decode_step_operands<Family>(hyper, grad_ctrl, flags, &step));
     const uint32_t op_flags = step.flags;
-    const OptimizerLists lists = OptimizerLists::of(Family::num_states(op_flags), false);
+    const OptimizerLists lists = OptimizerLists::of(Family::kDirectionStates, false);
     const int64_t num_args = static_cast<int64_t>(args.size());
     if (n < 0 || n > kMaxTrustTensors || num_args != lists.count() * n) {
       return invalid_argument(num_args, " tensor operands do not fit num_tensors=", n,
@@ -131,6 +132,7 @@ struct TrustSumsOp {
     c.names["flags"] = name_list(Family::kFlagNames);
     c.names["tensor_flags"] = name_list(Family::kTensorFlagNames);
     c.numbers["sum_words"] = kTrustSumWords;
+    c.numbers["direction_states"] = Family::kDirectionStates;
     c.numbers["chunk_scalars"] = kMultiTensorChunk;
     c.numbers["partial_bytes"] = kTrustPartialBytes;
     return c;
