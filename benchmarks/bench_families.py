@@ -38,9 +38,9 @@ FAMILIES = [
     ("adagrad", 20, lambda m: m.adagrad(LR)),
     ("rmsprop", 20, lambda m: m.rmsprop(LR)),
     ("rmsprop centered", 28, lambda m: m.rmsprop(LR, centered=True)),
-    # Two passes: the per-leaf sums read grads, params and states; the step reads and writes.
+    # Two passes: the per-leaf sums read grads, params and the states the direction needs.
     ("lamb", 16 + 28, lambda m: m.lamb(LR, weight_decay=0.1)),
-    ("lars", 12 + 20, lambda m: m.lars(LR, weight_decay=0.1)),
+    ("lars", 8 + 20, lambda m: m.lars(LR, weight_decay=0.1)),
 ]
 
 

@@ -13,7 +13,8 @@
 The state is optax's (its momentum ``TraceState`` last), so checkpoints move between
 ``optax.lars`` and ``jaxfuse.lars`` both ways. Leaves are real: float32, bfloat16, float16
 (computed in float32, rounded once) or float64. Under :func:`jaxfuse.fused_step` a step is two
-passes, as ``jaxfuse.lamb``'s (see ``jaxfuse/_lamb.py``): 12 + 20 bytes per fp32 param.
+passes, as ``jaxfuse.lamb``'s (see ``jaxfuse/_lamb.py``), the first reading only grads and
+params: 8 + 20 bytes per fp32 param.
 """
 
 from __future__ import annotations
