@@ -406,9 +406,9 @@ def test_lion_rmsprop_bitwise(family, mode, mix, launch):
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
 
 
+# The options' kernels are the other families' (the trust sums are what is new here): each once.
 TRUST_CASES = [(f, "plain", mix) for f in ("lamb", "lars") for mix in ("f32", "mixed", "f64")] + \
-    [(f, mode, "mixed") for f in ("lamb", "lars") for mode in ("master", "skip")] + \
-    [("lars", "nesterov", "mixed")]
+    [("lamb", "master", "mixed"), ("lars", "skip", "mixed"), ("lars", "nesterov", "mixed")]
 
 
 @pytest.mark.parametrize("family,mode,mix", TRUST_CASES)
@@ -430,4 +430,4 @@ def test_trust_sums_same_bits_under_every_schedule(grid, monkeypatch):
   depend on the thread schedule or the grid size."""
   tx, params, grads, state = family_case("lamb", "plain", DTYPE_MIXES["mixed"])
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
-  assert_same_bits_under_schedules(monkeypatch, ("0", "1", "99"), fn, grads, state, params)
+  assert_same_bits_under_schedules(monkeypatch, ("0", "99"), fn, grads, state, params)
