@@ -334,6 +334,51 @@ def test_adam_num_tensors_inconsistent(device, n):
     _adam_call(ops, res, aliases, num_tensors=np.int64(n))
 
 
+# ---- trust-ratio families: jaxfuse_lamb (Adam's operands, then trust_sums u32[rows, n, 4]) and
+# its first pass jaxfuse_lamb_trust_sums (the same fixed operands, grads, params, mu, nu; results
+# sums u32[n, 4] and a workspace of 16 bytes per multi-tensor chunk) ----------------------------
+
+
+def _lamb_call(operands, results, aliases, trust_sums):
+  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_lamb"), results, input_output_aliases=aliases)
+  attrs = _adam_attrs(1, tensor_flags=None)
+  attrs["tensor_flags"] = np.zeros(1, np.uint8)
+  return _run(call, operands + trust_sums, attrs)
+
+
+def test_lamb_trust_sums_operand(device):
+  """The sums operand must be u32[rows, num_tensors, 4] after the lists; zero sums keep ratio 1."""
+  ops, res, aliases = _adam_in_place(device)
+  good = _put(device, np.zeros((2, 1, 4), np.uint32))
+  out = _lamb_call(ops, res, aliases, good)
+  assert int(out[0]) == 4 and np.isfinite(np.asarray(out[1])).all()
+  with jaxfuse_error("jaxfuse_lamb", r"trust_sums is u32\[1, 2, 4\], expected u32\[rows, 1, 4\]"):
+    _lamb_call(ops, res, aliases, _put(device, np.zeros((1, 2, 4), np.uint32)))
+  with jaxfuse_error("jaxfuse_lamb", r"trust_sums: "):
+    _lamb_call(ops, res, aliases, _put(device, np.zeros((1, 1, 4), np.int32)))
+  with jaxfuse_error("jaxfuse_lamb", r"expected 4 and 3 per tensor, then trust_sums"):
+    _lamb_call(ops, res, aliases, [])
+
+
+def test_lamb_trust_sums_workspace(device):
+  """The first pass's workspace must be the size its chunks need."""
+  ops, _, _ = _adam_in_place(device)
+  contract = _ffi.contract("jaxfuse_lamb_trust_sums")
+  words, partial = contract.numbers["sum_words"], contract.numbers["partial_bytes"]
+
+  def call(workspace_bytes):
+    c = jax.ffi.ffi_call(_ffi.target("jaxfuse_lamb_trust_sums"),
+                         [S((1, words), jnp.uint32), S((workspace_bytes,), U8)])
+    return _run(c, ops, dict(num_tensors=np.int64(1), flags=np.int64(0),
+                             tensor_flags=np.zeros(1, np.uint8)))
+
+  sums, _ = call(partial)  # one tensor of 4 elements: one chunk
+  assert np.asarray(sums).any()
+  with jaxfuse_error("jaxfuse_lamb_trust_sums", f"workspace has {2 * partial} bytes, expected "
+                                                f"{partial}"):
+    call(2 * partial)
+
+
 def test_adam_operand_and_result_counts(device):
   ops, res, aliases = _adam_in_place(device)
   # One tensor operand too many (5 for num_tensors=1 without master params).

@@ -55,7 +55,6 @@ struct TrustSumsOp {
     bool f64 = false;
     uint32_t* sums = nullptr;      // [n][kTrustSumWords]
     TrustSum* partials = nullptr;  // [chunks], the GPU's
-    int64_t num_partials = 0;
   };
 
   template <typename Context>
@@ -119,7 +118,6 @@ struct TrustSumsOp {
     call->f64 = call->tensors.computes_in_double();
     call->sums = sums->typed_data();
     call->partials = reinterpret_cast<TrustSum*>(workspace->typed_data());
-    call->num_partials = chunks;
     return ffi::Error::Success();
   }
 
