@@ -79,20 +79,30 @@ bool native_in_place(const TensorLists& tensors, const OptimizerLists& lists, in
   return true;
 }
 
+// The shortcut's view of list `list` of a tile: its buffer (null where the call has no such list).
+template <typename Family, typename Real>
+Real* on_buffer(const Tile<Family, Real>& tile, const OptimizerLists& lists, int list) {
+  return list < lists.count() ? static_cast<Real*>(tile.tensors.ptr[tile.t][list]) + tile.start
+                              : nullptr;
+}
+
+// The shortcut's gradients of a tile as the step sees them: the buffer, or scaled into `scratch`.
+template <typename Family, typename Real>
+const Real* scaled_grads(const GradScaling<Real>& scaling, const OptimizerLists& lists,
+                         const Tile<Family, Real>& tile, Real* scratch) {
+  const Real* g = on_buffer(tile, lists, OptimizerLists::kGrads);
+  if (!scaling.scale && !scaling.clip) return g;
+  std::copy(g, g + tile.len, scratch);
+  scale_tile(scaling, tile.len, scratch);
+  return scratch;
+}
+
 // The shortcut for a tile: optimizer_group()'s program for that case, on the buffers.
 template <typename Family, typename Real>
 void native_tile(const OptimizerStep<Family, Real>& step, const OptimizerLists& lists,
                  const Tile<Family, Real>& tile, Real* scratch_g, Real* scratch_u) {
-  auto at = [&](int list) {
-    return list < lists.count() ? static_cast<Real*>(tile.tensors.ptr[tile.t][list]) + tile.start
-                                : nullptr;
-  };
-  const Real* g = at(OptimizerLists::kGrads);
-  if (step.grad.scale || step.grad.clip) {
-    std::copy(g, g + tile.len, scratch_g);
-    scale_tile(step.grad, tile.len, scratch_g);
-    g = scratch_g;
-  }
+  auto at = [&](int list) { return on_buffer(tile, lists, list); };
+  const Real* g = scaled_grads(step.grad, lists, tile, scratch_g);
   Real* p = at(OptimizerLists::kParams);
   tile.update(step.math, g, p, at(OptimizerLists::state(0)), at(OptimizerLists::state(1)),
               at(OptimizerLists::state(2)), scratch_u);

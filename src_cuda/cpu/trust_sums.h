@@ -57,17 +57,8 @@ template <typename Family, typename Real>
 void native_direction(const OptimizerStep<Family, Real>& step, const OptimizerLists& lists,
                       const cpu_optimizer::Tile<Family, Real>& tile, Real* scratch_g,
                       const Real** p, Real* d) {
-  auto at = [&](int list) -> const Real* {
-    return list < lists.count()
-               ? static_cast<const Real*>(tile.tensors.ptr[tile.t][list]) + tile.start
-               : nullptr;
-  };
-  const Real* g = at(OptimizerLists::kGrads);
-  if (step.grad.scale || step.grad.clip) {
-    std::copy(g, g + tile.len, scratch_g);
-    cpu_optimizer::scale_tile(step.grad, tile.len, scratch_g);
-    g = scratch_g;
-  }
+  auto at = [&](int list) -> const Real* { return cpu_optimizer::on_buffer(tile, lists, list); };
+  const Real* g = cpu_optimizer::scaled_grads(step.grad, lists, tile, scratch_g);
   *p = at(OptimizerLists::kParams);
   tile.direction(step.math, g, *p, at(OptimizerLists::state(0)), at(OptimizerLists::state(1)),
                  at(OptimizerLists::state(2)), d);
