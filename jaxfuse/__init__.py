@@ -10,6 +10,8 @@ Optimizer side (optax-compatible):
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
   multi_steps          gradient accumulation (optax.MultiSteps) that fused_step runs in place
+  master_params,       the full-precision params a state keeps (master copy, remainders), and
+  convert_state        a state moved to another transform's dtypes and master layout
 
 Reporting:
   report               what a jitted step launches, moves and holds, beside a baseline
@@ -43,6 +45,7 @@ from jaxfuse._optimizer import ExtraState
 from jaxfuse._report import Report, report
 from jaxfuse._rmsprop import rmsprop
 from jaxfuse._sgd import sgd
+from jaxfuse._state import convert_state, master_params
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
   __version__ = _metadata.version("jaxfuse")
@@ -80,6 +83,7 @@ __all__ = [
     "adamw",
     "backends",
     "clip_by_global_norm",
+    "convert_state",
     "decode_step",
     "decoder_reference",
     "export_safety_checks",
@@ -91,6 +95,7 @@ __all__ = [
     "lars",
     "lion",
     "load_hf",
+    "master_params",
     "nadam",
     "multi_steps",
     "nadamw",

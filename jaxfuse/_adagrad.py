@@ -9,7 +9,7 @@ checkpoints move both ways. The element math is adagrad_math.h's; the generic op
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -50,8 +50,9 @@ class AdagradSpec(_optimizer.Spec):
 
 
 def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
-            eps: float = 1e-7, *, master_weights: bool = False,
-            skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+            eps: float = 1e-7, *, master_weights: Union[bool, str] = False,
+            skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+            seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """Adagrad as one fused kernel; same arguments, state and math as ``optax.adagrad``.
 
   Per element, with lr the learning rate::
@@ -67,12 +68,16 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
     learning_rate: a float, or an optax schedule evaluated on the step count.
     initial_accumulator_value: the starting value of the sum of squares (>= 0).
     eps: added to the sum of squares inside the square root.
-    master_weights: keep an fp32 master copy of low-precision params in the state.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
   return _optimizer.transform(AdagradSpec(
       learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value, eps=eps,
-      master_weights=master_weights, skip_nonfinite=skip_nonfinite))
+      master_weights=master_weights, skip_nonfinite=skip_nonfinite,
+      stochastic_rounding=stochastic_rounding, seed=seed))

@@ -48,7 +48,7 @@ Two ways to apply it:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,7 @@ class AdamSpec(_optimizer.Spec):
   eps: Any
   eps_root: Any
   mu_dtype: Any
+  nu_dtype: Any = None
   weight_decay: Optional[ScalarOrSchedule]  # None: Adam (no decoupled weight decay)
   mask: Any
   nesterov: bool
@@ -101,7 +102,11 @@ class AdamSpec(_optimizer.Spec):
   def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
     return _optimizer.decay_flags(self.weight_decay, self.mask, params)
 
+  def state_dtypes(self) -> list[Any]:
+    return [None, self.nu_dtype]
+
   def check_params(self, params: Any) -> None:
+    _optimizer.check_state_dtype("nu_dtype", self.nu_dtype, params)
     if self.mu_dtype is None:
       return
     mu_complex = _trees.is_complex(self.mu_dtype)
@@ -157,8 +162,9 @@ def scaled_moment(k, g, p, states, decay: bool, nesterov: bool) -> tuple[jax.Arr
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: Optional[Any] = None, *, nesterov: bool = False,
-         master_weights: bool = False,
-         skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+         nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
+         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """Adam (Kingma & Ba, 2015) as one fused kernel; same arguments and math as ``optax.adam``.
 
   Args:
@@ -167,23 +173,31 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     eps, eps_root: added to the denominator outside / inside the square root.
     mu_dtype: storage dtype of the first moment (None: the params' dtype, as optax).
     nesterov: use Nesterov momentum (NAdam, Dozat 2016), as optax does.
-    master_weights: keep an fp32 master copy of low-precision params in the state.
+    nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
+      stays in float32 and the stored value is rounded once.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
   return _optimizer.transform(AdamSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                             eps_root=eps_root, mu_dtype=mu_dtype, weight_decay=None, mask=None,
-                             nesterov=nesterov, master_weights=master_weights,
-                             skip_nonfinite=skip_nonfinite))
+                             eps_root=eps_root, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                             weight_decay=None, mask=None, nesterov=nesterov,
+                             master_weights=master_weights,
+                             skip_nonfinite=skip_nonfinite,
+                             stochastic_rounding=stochastic_rounding, seed=seed))
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, mu_dtype: Optional[Any] = None,
           weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *, nesterov: bool = False,
-          master_weights: bool = False,
-          skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+          nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
+          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+          seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """AdamW (Loshchilov & Hutter, 2019) as one fused kernel; same arguments and math as
   ``optax.adamw``.
 
@@ -196,33 +210,44 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     mask: pytree of bools (a prefix of params) or a callable returning one: True where weight
       decay applies. Must be static.
     nesterov: use Nesterov momentum (NAdamW), as optax does.
-    master_weights: keep an fp32 master copy of low-precision params in the state.
+    nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
+      stays in float32 and the stored value is rounded once.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
   return _optimizer.transform(AdamSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                             eps_root=eps_root, mu_dtype=mu_dtype, weight_decay=weight_decay,
-                             mask=mask, nesterov=nesterov, master_weights=master_weights,
-                             skip_nonfinite=skip_nonfinite))
+                             eps_root=eps_root, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                             weight_decay=weight_decay, mask=mask, nesterov=nesterov,
+                             master_weights=master_weights,
+                             skip_nonfinite=skip_nonfinite,
+                             stochastic_rounding=stochastic_rounding, seed=seed))
 
 
 def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None, *,
-          master_weights: bool = False,
-          skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+          nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
+          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+          seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """NAdam (Dozat, 2016, https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ): ``adam`` with
   ``nesterov=True``, as ``optax.nadam``."""
-  return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=True,
-              master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+  return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=True, nu_dtype=nu_dtype,
+              master_weights=master_weights, skip_nonfinite=skip_nonfinite,
+              stochastic_rounding=stochastic_rounding, seed=seed)
 
 
 def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None,
            weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
-           master_weights: bool = False,
-           skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+           nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
+           skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+           seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """NAdamW: ``adamw`` with ``nesterov=True``, as ``optax.nadamw``."""
   return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-               nesterov=True, master_weights=master_weights, skip_nonfinite=skip_nonfinite)
+               nesterov=True, nu_dtype=nu_dtype, master_weights=master_weights,
+               skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed)

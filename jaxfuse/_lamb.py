@@ -23,7 +23,7 @@ operations, the norms summed in the leaf's compute type as optax sums them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional, Union
 
 import optax
 
@@ -64,8 +64,9 @@ class LambSpec(_adam.AdamSpec):
 
 def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
          eps_root: float = 0.0, weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, *,
-         master_weights: bool = False,
-         skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+         nu_dtype: Any = None, master_weights: Union[bool, str] = False,
+         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   r"""LAMB (You et al., 2019) fused; same arguments and math as ``optax.lamb``.
 
   With :math:`\hat m_t, \hat v_t` Adam's bias-corrected moments, :math:`\lambda` the weight
@@ -84,9 +85,13 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
       trust ratio.
     mask: pytree of bools (a prefix of params) or a callable returning one: True where weight
       decay applies. Must be static.
+    nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
+      stays in float32 and the stored value is rounded once.
     master_weights: keep an fp32 master copy of low-precision params in the state (the trust
       ratio's param norm is then the master's).
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -96,6 +101,8 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     <https://arxiv.org/abs/1904.00962>`_, 2019
   """
   return _optimizer.transform(LambSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                                       eps_root=eps_root, mu_dtype=None, weight_decay=weight_decay,
+                                       eps_root=eps_root, mu_dtype=None, nu_dtype=nu_dtype,
+                                       weight_decay=weight_decay,
                                        mask=mask, nesterov=False, master_weights=master_weights,
-                                       skip_nonfinite=skip_nonfinite))
+                                       skip_nonfinite=skip_nonfinite,
+                                       stochastic_rounding=stochastic_rounding, seed=seed))

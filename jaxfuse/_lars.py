@@ -20,7 +20,7 @@ params: 8 + 20 bytes per fp32 param.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional, Union
 
 import jax
 import optax
@@ -91,8 +91,9 @@ class LarsSpec(_optimizer.Spec):
 def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
          weight_decay_mask: Any = True, trust_coefficient: float = 0.001, eps: float = 0.0,
          trust_ratio_mask: Any = True, momentum: float = 0.9, nesterov: bool = False, *,
-         master_weights: bool = False,
-         skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+         master_weights: Union[bool, str] = False,
+         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   r"""LARS (You et al., 2017) fused; same arguments and math as ``optax.lars``.
 
   With :math:`\lambda` the weight decay, :math:`\eta` the trust coefficient and :math:`\theta_t`
@@ -115,8 +116,11 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
     trust_ratio_mask: like ``weight_decay_mask``: where the trust ratio applies.
     momentum: decay rate of the momentum (``optax.trace``).
     nesterov: use Nesterov momentum.
-    master_weights: keep an fp32 master copy of low-precision params in the state.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -129,4 +133,5 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
       learning_rate=learning_rate, weight_decay=weight_decay,
       weight_decay_mask=weight_decay_mask, trust_coefficient=trust_coefficient, eps=eps,
       trust_ratio_mask=trust_ratio_mask, momentum=momentum, nesterov=nesterov,
-      master_weights=master_weights, skip_nonfinite=skip_nonfinite))
+      master_weights=master_weights, skip_nonfinite=skip_nonfinite,
+      stochastic_rounding=stochastic_rounding, seed=seed))

@@ -18,7 +18,7 @@ with the same opt-in ``master_weights`` and ``skip_nonfinite``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -91,8 +91,9 @@ class LionSpec(_optimizer.Spec):
 
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mu_dtype: Optional[Any] = None, weight_decay: ScalarOrSchedule = 1e-3,
-         mask: Any = None, *, master_weights: bool = False,
-         skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+         mask: Any = None, *, master_weights: Union[bool, str] = False,
+         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   r"""Lion (Chen et al., 2023) as one fused kernel; same arguments and math as ``optax.lion``.
 
   With :math:`\alpha_t` the learning rate, :math:`\lambda` the weight decay and
@@ -112,8 +113,11 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
     weight_decay: decoupled weight decay rate (a float or a schedule).
     mask: pytree of bools (a prefix of params) or a callable returning one: True where weight
       decay applies. Must be static.
-    master_weights: keep an fp32 master copy of low-precision params in the state.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -125,4 +129,5 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
   return _optimizer.transform(LionSpec(learning_rate=learning_rate, b1=b1, b2=b2,
                                        mu_dtype=mu_dtype, weight_decay=weight_decay, mask=mask,
                                        master_weights=master_weights,
-                                       skip_nonfinite=skip_nonfinite))
+                                       skip_nonfinite=skip_nonfinite,
+                                       stochastic_rounding=stochastic_rounding, seed=seed))

@@ -31,6 +31,7 @@ from jaxfuse import _clip
 from jaxfuse import _ffi
 from jaxfuse import _inplace
 from jaxfuse import _partition
+from jaxfuse import _rounding
 from jaxfuse import _trees
 
 ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
@@ -50,10 +51,15 @@ class ExtraState(NamedTuple):
       own dtype where that is wider (float64, complex), else None.
     skipped_steps: int32 count of steps skipped for non-finite gradients
       (``skip_nonfinite=True``), else None.
+    param_remainders: with ``master_weights="remainder"``, per params leaf an int16 array:
+      for a bfloat16 leaf the low halves of its float32 master (``bits(master) =
+      bits(param) * 2**16 + remainder``), for a leaf of another dtype an empty one (it is its
+      own master); else None.
   """
 
   master_params: Any = None
   skipped_steps: Any = None
+  param_remainders: Any = None
 
 
 def scalar(value: Any, count: jax.Array) -> Any:
@@ -129,8 +135,28 @@ class Spec:
   op: ClassVar[str]
   name: ClassVar[str]
   learning_rate: ScalarOrSchedule
-  master_weights: bool = False
+  master_weights: Union[bool, str] = False
   skip_nonfinite: bool = False
+  stochastic_rounding: bool = False
+  seed: Optional[int] = None  # None: 0 (a default of 0 would be a hyperparameter to optax's
+                              # inject_hyperparams, and change its state's structure)
+
+  def check_options(self) -> None:
+    """Raises on a combination of the generic options that this family cannot run."""
+    if self.master_weights not in (False, True, "remainder"):
+      raise ValueError(f"{self.name}: master_weights={self.master_weights!r}; expected False, "
+                       "True or 'remainder'")
+    if self.stochastic_rounding and self.master_weights:
+      raise ValueError(f"{self.name}: stochastic_rounding rounds params that have no master; "
+                       "with master_weights the master keeps every update (use one or the other)")
+    if self.keeps_remainders and "trust_sums_op" in self.contract.names:
+      raise ValueError(f"{self.name}: master_weights='remainder' is not supported by trust-ratio "
+                       "families; use master_weights=True")
+    seed = self.rounding_seed
+    seed_ok = 0 <= seed < 2**32 if isinstance(seed, (int, np.integer)) else (
+        jnp.shape(seed) == () and jnp.issubdtype(jnp.result_type(seed), jnp.integer))
+    if not seed_ok:  # an int, or an integer scalar array (e.g. under inject_hyperparams)
+      raise ValueError(f"{self.name}: seed={self.seed!r}; expected an int in [0, 2**32)")
 
   # ---- the family's hooks ----------------------------------------------------------------
 
@@ -153,6 +179,11 @@ class Spec:
   def states(self, state: Any) -> list[Any]:
     """The trees of the state lists in the op's list order (the contract's ``lists``)."""
     raise NotImplementedError
+
+  def state_dtypes(self) -> list[Any]:
+    """Per state list, a storage dtype that replaces the optax twin's (None: keep it), for
+    the state dtypes optax has no argument for (e.g. Adam's ``nu_dtype``)."""
+    return []
 
   def with_states(self, state: Any, trees: list[Any]) -> Any:
     """``state`` (the optax part) with its state-list trees replaced."""
@@ -178,13 +209,27 @@ class Spec:
   @property
   def needs_params(self) -> bool:
     """Whether update() needs params (e.g. for weight decay)."""
-    return self.master_weights
+    return bool(self.master_weights) or self.stochastic_rounding
 
   # ---- derived ---------------------------------------------------------------------------
 
   @property
+  def rounding_seed(self) -> Any:
+    return 0 if self.seed is None else self.seed
+
+  @property
+  def keeps_master(self) -> bool:
+    """Whether the state keeps a master copy of the params (``master_weights=True``)."""
+    return self.master_weights is True
+
+  @property
+  def keeps_remainders(self) -> bool:
+    """Whether the state keeps param remainders (``master_weights="remainder"``)."""
+    return self.master_weights == "remainder"
+
+  @property
   def has_extra_state(self) -> bool:
-    return self.master_weights or self.skip_nonfinite
+    return bool(self.master_weights) or self.skip_nonfinite
 
   @property
   def contract(self) -> _ffi.Contract:
@@ -194,31 +239,53 @@ class Spec:
     names = self.contract.names["flags"]
     return sum(1 << names.index(k) for k, on in self.flags().items() if on)
 
-  def lists(self, master: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(operand lists, result lists) of a call, by name."""
-    names = self.contract.call("lists", flags=self.flag_bits(), master=master).names
-    return names["operands"], names["results"]
+  def lists(self, master: bool = False, remainders: bool = False) -> dict[str, tuple[str, ...]]:
+    """The lists of a call by name: its "operands", "results" and "trailing_operands"."""
+    return self.contract.call("lists", flags=self.flag_bits(), master=master,
+                              remainders=remainders,
+                              stochastic_rounding=self.stochastic_rounding).names
+
+  def twin_init(self, params: Any) -> Any:
+    """The optax twin's state for `params`, with the state dtypes of state_dtypes()."""
+    state = self.optax_twin().init(params)
+    trees = self.states(state)
+    dtypes = self.state_dtypes() + [None] * (len(trees) - len(self.state_dtypes()))
+    if not any(d is not None for d in dtypes):
+      return state
+    return self.with_states(state, [t if d is None else jax.tree.map(lambda x: x.astype(d), t)
+                                    for t, d in zip(trees, dtypes)])
 
   def init(self, params: Any) -> Any:
     params = _trees.as_arrays(params)
     self.check(params)
+    skipped = jnp.zeros([], jnp.int32) if self.skip_nonfinite else None
+    if self.keeps_remainders:
+      # The params are the masters' roundings with remainder 0; the state as if the params were
+      # the masters.
+      remainders = jax.tree.map(
+          lambda p: jnp.zeros(p.shape if p.dtype == jnp.bfloat16 else (0,), jnp.int16), params)
+      wide = jax.tree.map(lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32)), params)
+      return (*self.twin_init(wide), ExtraState(None, skipped, remainders))
     if not self.master_weights:
-      state = self.optax_twin().init(params)
-      return (*state, ExtraState(None, jnp.zeros([], jnp.int32))) if self.skip_nonfinite \
-          else state
+      state = self.twin_init(params)
+      return (*state, ExtraState(None, skipped)) if self.skip_nonfinite else state
     # A copy even where the dtype stays: the master must not be the params' buffer (both are
     # donated). The state as if the params were the master.
     wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
     master = jax.tree.map(lambda p: jnp.array(p, dtype=wide(p), copy=True), params)
-    state = self.optax_twin().init(master)
-    return (*state, ExtraState(master, jnp.zeros([], jnp.int32) if self.skip_nonfinite
-                               else None))
+    return (*self.twin_init(master), ExtraState(master, skipped))
 
   def check(self, params: Any) -> list[int]:
     """Trace-time checks of params against this spec, naming the leaf. Returns the per-leaf
     tensor flags as the op's bits."""
     _trees.check_float_leaves(params, "params")
     self.check_params(params)
+    if self.keeps_remainders:
+      for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
+        if p.dtype == jnp.float16:
+          raise TypeError(f"{self.name}: params leaf {name} is float16; master_weights="
+                          "'remainder' completes bfloat16 params to float32 (use "
+                          "master_weights=True for float16)")
     names = self.contract.names["tensor_flags"]
     return [sum(1 << names.index(k) for k, on in f.items() if on)
             for f in self.tensor_flags(params)]
@@ -246,23 +313,33 @@ def _check_state(spec: Spec, state: Any, params: Any) -> None:
 
 class _Leaves(NamedTuple):
   """The flat per-leaf lists of one step: grads, params (None in the optax protocol called
-  without params), one list per state list, master params (None without master weights)."""
+  without params), one list per state list, master params (None without master weights),
+  param remainders (None without them; a leaf's is empty where it has none), and each leaf's
+  place in the params tree (the rounding keys')."""
 
   grads: list
   params: Optional[list]
   states: list[list]
   master_params: Optional[list]
+  remainders: Optional[list]
+  positions: list[int]
 
   def select(self, idx: list[int]) -> "_Leaves":
     pick = lambda x: None if x is None else [x[i] for i in idx]
+    remainders = pick(self.remainders)
+    if remainders is not None and not any(np.size(r) for r in remainders):
+      remainders = None
     return _Leaves(pick(self.grads), pick(self.params), [pick(s) for s in self.states],
-                   pick(self.master_params))
+                   pick(self.master_params), remainders, pick(self.positions))
 
-  def family(self, i: int) -> tuple[bool, bool]:
-    """(computed in double, complex) for leaf i: leaves of one family share FFI calls."""
+  def family(self, i: int) -> tuple[bool, bool, bool]:
+    """(computed in double, complex, has remainders) for leaf i: leaves of one family share FFI
+    calls."""
     dtypes = [x[i].dtype for x in (self.grads, self.params, *self.states, self.master_params)
               if x is not None]
-    return any(_trees.is_wide(d) for d in dtypes), _trees.is_complex(self.grads[i].dtype)
+    remainder = self.remainders is not None and np.size(self.remainders[i]) > 0
+    return (any(_trees.is_wide(d) for d in dtypes), _trees.is_complex(self.grads[i].dtype),
+            remainder)
 
 
 def _stand_in_params(spec: Spec, grads: Any, state: Any) -> Any:
@@ -286,8 +363,11 @@ def _checked_leaves(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[_L
   treedef = jax.tree.structure(grads)
   leaves = _Leaves(jax.tree.leaves(grads), None if params is None else jax.tree.leaves(params),
                    [treedef.flatten_up_to(s) for s in spec.states(state)],
-                   treedef.flatten_up_to(state[-1].master_params) if spec.master_weights
-                   else None)
+                   treedef.flatten_up_to(state[-1].master_params) if spec.keeps_master
+                   else None,
+                   treedef.flatten_up_to(state[-1].param_remainders) if spec.keeps_remainders
+                   else None,
+                   list(range(treedef.num_leaves)))
   return leaves, flags
 
 
@@ -299,16 +379,18 @@ def _count(state: Any) -> jax.Array:
 
 
 def _new_state(spec: Spec, state: Any, treedef: Any, states: list[list],
-               master_params: Optional[list], count: jax.Array, skip: jax.Array) -> Any:
-  """The state after a step: state lists, master params and skip count replaced, and every
-  optax `count` in it (the family's, the schedules') advanced together."""
+               master_params: Optional[list], remainders: Optional[list], count: jax.Array,
+               skip: jax.Array) -> Any:
+  """The state after a step: state lists, master params, remainders and skip count replaced,
+  and every optax `count` in it (the family's, the schedules') advanced together."""
   core = state[:-1] if spec.has_extra_state else state
   core = spec.with_states(core, [treedef.unflatten(s) for s in states])
   if spec.has_extra_state:
     extra = state[-1]
     core = (*core, ExtraState(
-        treedef.unflatten(master_params) if spec.master_weights else None,
-        extra.skipped_steps + skip.astype(jnp.int32) if spec.skip_nonfinite else None))
+        treedef.unflatten(master_params) if spec.keeps_master else None,
+        extra.skipped_steps + skip.astype(jnp.int32) if spec.skip_nonfinite else None,
+        treedef.unflatten(remainders) if spec.keeps_remainders else None))
   if optax.tree_utils.tree_get_all_with_path(core, "count"):
     core = optax.tree_utils.tree_set(core, count=count)
   return core
@@ -352,38 +434,84 @@ def _compute_dtype(*dtypes) -> Any:
 
 def _output_dtype(spec: Spec, grad: jax.Array, states: list) -> Any:
   # optax's updates have the grads' dtype, or wider where its math promotes them (a wider
-  # state dtype); with master weights the update is the exact step between two values of the
-  # params' dtype, so the grads' dtype holds it.
+  # state dtype). Where jaxfuse rounds the params' new value the update is the step between two
+  # values of the params' dtype: exact in the grads' dtype with master weights (as before), and
+  # in float32 or wider with remainders and stochastic rounding, whose 16-bit params often step
+  # across zero (a bf16 difference is exact only between values within a factor 2).
+  if spec.keeps_remainders or spec.stochastic_rounding:
+    return jnp.promote_types(grad.dtype, jnp.float32)
   if spec.master_weights:
     return grad.dtype
   return jnp.result_type(grad.dtype, *[s.dtype for s in states])
 
 
-def _leaf_update(spec: Spec, h: dict, g, p, states: list, master, flags: dict, skip) -> tuple:
+class _LeafParams(NamedTuple):
+  """How one leaf's params are kept, for _leaf_update: its params, master copy, remainder
+  (None where it has none) and random stream (None unless it is rounded stochastically)."""
+
+  params: Optional[jax.Array]
+  master: Optional[jax.Array] = None
+  remainder: Optional[jax.Array] = None
+  stream: Optional[jax.Array] = None
+
+  def source(self) -> Optional[jax.Array]:
+    """The value the math reads: the master (kept, or joined from the remainder) or params."""
+    if self.remainder is not None:
+      return _rounding.join_remainder(self.params, self.remainder)
+    return self.master if self.master is not None else self.params
+
+  def stored(self, value: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
+    """(new params, new remainder or None) that store the new master `value`."""
+    if self.remainder is not None:
+      return _rounding.split_remainder(value)
+    if self.stream is not None:
+      bits = _rounding.element_bits(self.stream, value.shape)
+      return _rounding.stochastic_round(value, self.params.dtype, bits), None
+    return value.astype(self.params.dtype), None
+
+
+def _leaf_update(spec: Spec, h: dict, g, leaf: _LeafParams, states: list, flags: dict,
+                 skip) -> tuple:
   """optimizer_group() (optimizer.h) for one leaf as XLA operations, in the same operation
-  order: (update, new states, new master or None)."""
+  order: (update, new states, new master or None, new remainder or None)."""
+  p, master = leaf.params, leaf.master
   c = _compute_dtype(*[x.dtype for x in (g, p, *states, master) if x is not None])
   real = jnp.finfo(c).dtype
   k = {name: jnp.asarray(x, real) for name, x in h.items()}
   gc = g.astype(c)
   if "loss_scale" in k:
     gc = gc / k["loss_scale"]
-  source = master if master is not None else p
+  source = leaf.source()
   u, new_states = spec.leaf_math(k, gc, None if source is None else source.astype(c),
                                  [s.astype(c) for s in states], flags)
-  new_master = None
-  if master is not None:
-    # The exact step from the params to the new master's rounding: both are values of the
+  new_master = new_remainder = None
+  if master is not None or leaf.remainder is not None or leaf.stream is not None:
+    # The exact step from the params to the new value's rounding: both are values of the
     # params' dtype, so the difference is exact when they are within a factor 2 of each other
     # (Sterbenz), and optax.apply_updates lands on it.
-    new_master = source.astype(c) + u
-    u = new_master.astype(p.dtype).astype(c) - p.astype(c)
-  keep = lambda new, old: new.astype(old.dtype) if skip is None else jnp.where(
-      skip, old, new.astype(old.dtype))
+    new_value = source.astype(c) + u
+    new_params, new_remainder = leaf.stored(new_value)
+    u = new_params.astype(c) - p.astype(c)
+    new_master = new_value if master is not None else None
+  keep = lambda new, old: None if old is None else new.astype(old.dtype) if skip is None \
+      else jnp.where(skip, old, new.astype(old.dtype))
   out_dtype = _output_dtype(spec, g, states)
   update = u.astype(out_dtype) if skip is None else jnp.where(skip, 0, u.astype(out_dtype))
-  return (update, [keep(n, o) for n, o in zip(new_states, states)],
-          None if master is None else keep(new_master, master))
+  return (update, [keep(n, o) for n, o in zip(new_states, states)], keep(new_master, master),
+          keep(new_remainder, leaf.remainder))
+
+
+def _leaf_params(spec: Spec, leaves: "_Leaves", i: int, count: jax.Array) -> _LeafParams:
+  """How leaf i's params are kept, in the optax protocol (one device's view: a leaf's stream
+  is its shard 0's)."""
+  pick = lambda x: None if x is None else x[i]
+  p = pick(leaves.params)
+  remainder = pick(leaves.remainders)
+  stream = None
+  if spec.stochastic_rounding and p is not None and p.dtype in _rounding.ROUNDED_DTYPES:
+    stream = _rounding.stream(spec.rounding_seed, leaves.positions[i], 0, count)
+  return _LeafParams(p, pick(leaves.master_params),
+                     remainder if remainder is not None and remainder.size else None, stream)
 
 
 def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
@@ -405,20 +533,22 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
     h["loss_scale"] = grad_scale
   n = len(leaves.grads)
   outputs, masters = [None] * n, [None] * n
+  remainders = list(leaves.remainders) if leaves.remainders is not None else None
   states = [[None] * n for _ in leaves.states]
   for i in range(n):
-    u, new_states, new_master = _leaf_update(
-        spec, h, leaves.grads[i], None if leaves.params is None else leaves.params[i],
+    u, new_states, new_master, new_remainder = _leaf_update(
+        spec, h, leaves.grads[i], _leaf_params(spec, leaves, i, count),
         [s[i] for s in leaves.states],
-        None if leaves.master_params is None else leaves.master_params[i],
         {name: bool(flags[i] >> b & 1) for b, name in enumerate(names)}, skip)
     outputs[i], masters[i] = u, new_master
+    if new_remainder is not None:
+      remainders[i] = new_remainder
     for s, x in zip(states, new_states):
       s[i] = x
   t = optax.safe_increment(count)
   treedef = jax.tree.structure(grads)
   return treedef.unflatten(outputs), _new_state(
-      spec, state, treedef, states, masters if spec.master_weights else None,
+      spec, state, treedef, states, masters if spec.keeps_master else None, remainders,
       t if skip is None else jnp.where(skip, count, t),
       jnp.bool_(False) if skip is None else skip)
 
@@ -438,7 +568,8 @@ def _trust_sums(spec: Spec, shards: _partition.Shards, fixed: list, lists: dict[
   words = contract.numbers["sum_words"]
   chunk = contract.numbers["chunk_scalars"]
   source = "master_params" if lists.get("master_params") is not None else "params"
-  names = ["grads", source, *spec.lists(False)[0][2:2 + contract.numbers["direction_states"]]]
+  names = ["grads", source,
+           *spec.lists()["operands"][2:2 + contract.numbers["direction_states"]]]
   n = len(lists["grads"])
   operands = []
   for name in names:
@@ -461,14 +592,41 @@ def _trust_sums(spec: Spec, shards: _partition.Shards, fixed: list, lists: dict[
   return jax.lax.psum(rows.at[_partition.linear_index(shards, axes)].set(own), axes)
 
 
+def _rounding_keys(spec: Spec, positions: list[int]) -> jax.Array:
+  """The rounding_keys operand (rounding.h's RoundingKey rows) of a call over the leaves at
+  `positions` in the params tree, its shard column 0 (_with_shards fills it in)."""
+  names = spec.contract.names["rounding_key"]
+  n = len(positions)
+  columns = {"seed": jnp.full(n, spec.rounding_seed, jnp.uint32),
+             "leaf": jnp.asarray(positions, jnp.uint32), "shard": jnp.zeros(n, jnp.uint32)}
+  return jnp.stack([columns[name] for name in names], axis=1)
+
+
+def _with_shards(spec: Spec, keys: jax.Array, shards: _partition.Shards,
+                 params_operand: int) -> jax.Array:
+  """`keys` inside a call's body with each leaf's shard column set: this device's place among
+  the shards of each leaf split over devices (replicas of a shard agree, so they store the same
+  bits)."""
+  if not shards.axis_names:
+    return keys
+  index = [_partition.linear_index(
+      shards, [a for dim in shards.operand_axes[params_operand + i] for a in dim])
+      for i in range(keys.shape[0])]
+  column = spec.contract.names["rounding_key"].index("shard")
+  return keys.at[:, column].set(jnp.stack(index).astype(jnp.uint32))
+
+
 def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
               flags: list[int]) -> tuple[jax.Array, dict[str, list]]:
   """One FFI call of the family's op over `leaves`, in place, on every device's own shards when
   they are sharded. Returns (new count, result leaves by list name)."""
   n = len(leaves.grads)
   master = leaves.master_params is not None
-  operand_lists, result_lists = spec.lists(master)
+  remainders = leaves.remainders is not None
+  call_lists = spec.lists(master, remainders)
+  operand_lists, result_lists = call_lists["operands"], call_lists["results"]
   by_name = dict(grads=leaves.grads, params=leaves.params, master_params=leaves.master_params,
+                 param_remainders=leaves.remainders,
                  **dict(zip(operand_lists[2:2 + len(leaves.states)], leaves.states)))
   fixed = dict(count=count, hyper=hyper, grad_ctrl=grad_ctrl)
   fixed_names = spec.contract.names["fixed_operands"]
@@ -479,29 +637,42 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
                          result_offset=len(spec.contract.names["fixed_results"]))
 
   first_operand = {name: len(fixed) + k * n for k, name in enumerate(operand_lists)}
+  num_list_operands = len(operands)
+  if "rounding_keys" in call_lists["trailing_operands"]:
+    operands.append(_rounding_keys(spec, leaves.positions))  # whole: the body sets its shards
 
   def body(shards, *local):
     # Elementwise: each device updates its own shards (trust ratios need whole leaves' sums).
     shapes = [()] + [jnp.shape(x) for _ in result_lists
                      for x in local[len(fixed):len(fixed) + n]]
     trailing = []
-    if spec.contract.names["trailing_operands"]:
-      trailing = [_trust_sums(spec, shards, list(local[:len(fixed)]),
-                              {name: list(local[at:at + n]) for name, at in first_operand.items()},
-                              flags, first_operand)]
+    for name in call_lists["trailing_operands"]:
+      if name == "trust_sums":
+        trailing.append(_trust_sums(
+            spec, shards, list(local[:len(fixed)]),
+            {name: list(local[at:at + n]) for name, at in first_operand.items()}, flags,
+            first_operand))
+      else:
+        trailing.append(_with_shards(spec, local[num_list_operands], shards,
+                                     first_operand["params"]))
     call = jax.ffi.ffi_call(_ffi.target(spec.op),
                             [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, result_dtypes)],
                             input_output_aliases=aliases, vmap_method="sequential")
-    return call(*local, *trailing, num_tensors=np.int64(n), flags=np.int64(spec.flag_bits()),
-                master=master, tensor_flags=np.asarray(flags, np.uint8))
+    return call(*local[:num_list_operands], *trailing, num_tensors=np.int64(n),
+                flags=np.int64(spec.flag_bits()),
+                master=master, remainders=remainders,
+                stochastic_rounding=spec.stochastic_rounding,
+                tensor_flags=np.asarray(flags, np.uint8))
 
   leaf_dims = _partition.leaf_dims(leaves.grads, "leaf")
+  keys = tuple(operands[num_list_operands:])
   partition = _partition.Layout(
       operands=tuple(_partition.whole(x) for x in operands[:len(fixed)])
-      + leaf_dims * len(operand_lists),
+      + leaf_dims * len(operand_lists) + tuple(_partition.whole(x) for x in keys),
       results=((),) + leaf_dims * len(result_lists),
       names=tuple(fixed_names)
-      + tuple(f"{name} leaf {i}" for name in operand_lists for i in range(n)),
+      + tuple(f"{name} leaf {i}" for name in operand_lists for i in range(n))
+      + ("rounding_keys",) * len(keys),
       # The state written back keeps its sharding; the gradients follow it.
       prefer=tuple(len(fixed) + k * n + i for k, name in enumerate(operand_lists)
                    if name != "grads" for i in range(n)))
@@ -512,8 +683,8 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
 
 def _calls(leaves: _Leaves, nonempty: list[int]) -> list[list[int]]:
   """The leaves of each FFI call: the ``nonempty`` ones, one family (compute type, real or
-  complex) per call, at most MAX_LEAVES_PER_CALL each."""
-  families: dict[tuple[bool, bool], list[int]] = {}
+  complex, with remainders or not) per call, at most MAX_LEAVES_PER_CALL each."""
+  families: dict[tuple[bool, bool, bool], list[int]] = {}
   for i in nonempty:
     families.setdefault(leaves.family(i), []).append(i)
   return [idx[k:k + MAX_LEAVES_PER_CALL] for idx in families.values()
@@ -539,23 +710,26 @@ def in_place(spec: Spec, grads: Any, state: Any, params: Any,
   new_params = list(leaves.params)  # a zero-size leaf is its own result: no call
   states = [list(s) for s in leaves.states]
   masters = None if leaves.master_params is None else list(leaves.master_params)
+  remainders = None if leaves.remainders is None else list(leaves.remainders)
   new_count = None
-  operand_lists = spec.lists(masters is not None)[0]
+  state_lists = spec.lists()["operands"][2:]
   for idx in _calls(leaves, _trees.nonempty(leaves.grads)):
     c, out = _ffi_call(spec, count, hyper, grad_ctrl, leaves.select(idx), [flags[i] for i in idx])
     new_count = c if new_count is None else new_count
     for k, i in enumerate(idx):
       new_params[i] = out["params"][k]
-      for s, name in zip(states, operand_lists[2:]):
+      for s, name in zip(states, state_lists):
         s[i] = out[name][k]
       if masters is not None:
         masters[i] = out["master_params"][k]
+      if "param_remainders" in out:
+        remainders[i] = out["param_remainders"][k]
   skip = _skip_flag(grad_ctrl)
   if new_count is None:  # no element anywhere: the count still advances, as in optax
     new_count = jnp.where(skip, count, optax.safe_increment(count))
   treedef = jax.tree.structure(params)
   return treedef.unflatten(new_params), _new_state(spec, state, treedef, states, masters,
-                                                   new_count, skip)
+                                                   remainders, new_count, skip)
 
 
 def _update_in_place(spec: Spec, step: _inplace.InPlaceStep, grads: Any, state: Any,
@@ -578,7 +752,7 @@ def _update_in_place(spec: Spec, step: _inplace.InPlaceStep, grads: Any, state: 
 def transform(spec: Spec) -> optax.GradientTransformationExtraArgs:
   """The optax transform of `spec`: the optax protocol, or the in-place step under
   :func:`jaxfuse.fused_step`."""
-  spec.contract  # noqa: B018  (fails early when the op is not built)
+  spec.check_options()  # also fails early when the op is not built
 
   def init_fn(params):
     return spec.init(params)
@@ -586,7 +760,8 @@ def transform(spec: Spec) -> optax.GradientTransformationExtraArgs:
   def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
     del extra_args
     if params is None and spec.needs_params:
-      why = "master weights" if spec.master_weights else "weight decay"
+      why = "master weights" if spec.master_weights else "stochastic rounding" \
+          if spec.stochastic_rounding else "weight decay"
       raise ValueError(f"{spec.name}: update() needs params (for {why}), as optax's does")
     step = _inplace.current()
     if step is not None:

@@ -25,7 +25,7 @@ protocol alike. The optax protocol and :func:`jaxfuse.fused_step` work as for ``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -117,8 +117,9 @@ class RmspropSpec(_optimizer.Spec):
 def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e-8,
             initial_scale: float = 0.0, eps_in_sqrt: bool = True, centered: bool = False,
             momentum: Optional[float] = None, nesterov: bool = False,
-            bias_correction: bool = False, *, master_weights: bool = False,
-            skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+            bias_correction: bool = False, *, master_weights: Union[bool, str] = False,
+            skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+            seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   r"""RMSprop as one fused kernel; same arguments and math as ``optax.rmsprop``.
 
   With :math:`\alpha_t` the learning rate, :math:`\rho` the decay, :math:`\epsilon` the eps and
@@ -144,8 +145,11 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
     momentum: decay of the trace of the updates (after the learning rate); None: no trace.
     nesterov: Nesterov momentum (with ``momentum`` only).
     bias_correction: divide the averages by ``1 - decay**t``.
-    master_weights: keep an fp32 master copy of low-precision params in the state.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -160,4 +164,4 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
       learning_rate=learning_rate, decay=decay, eps=eps, initial_scale=initial_scale,
       eps_in_sqrt=eps_in_sqrt, centered=centered, momentum=momentum, nesterov=nesterov,
       bias_correction=bias_correction, master_weights=master_weights,
-      skip_nonfinite=skip_nonfinite))
+      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed))

@@ -10,7 +10,7 @@ rest: the optax protocol as fusable XLA operations, the in-place kernels of
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import optax
@@ -62,8 +62,9 @@ class SgdSpec(_optimizer.Spec):
 
 def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
         nesterov: bool = False, accumulator_dtype: Optional[Any] = None, *,
-        master_weights: bool = False,
-        skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+        master_weights: Union[bool, str] = False,
+        skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+        seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic gradient descent, with optional (Nesterov) momentum, as one fused kernel; same
   arguments, state and math as ``optax.sgd``.
 
@@ -83,8 +84,11 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
     momentum: decay rate of the trace of past gradients; None: no momentum (and no state).
     nesterov: use Nesterov momentum.
     accumulator_dtype: storage dtype of the trace (None: the params' dtype, as optax).
-    master_weights: keep an fp32 master copy of low-precision params in the state.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -92,4 +96,4 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
   return _optimizer.transform(SgdSpec(
       learning_rate=learning_rate, momentum=momentum, nesterov=nesterov,
       accumulator_dtype=accumulator_dtype, master_weights=master_weights,
-      skip_nonfinite=skip_nonfinite))
+      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed))

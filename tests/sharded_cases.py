@@ -420,3 +420,57 @@ def test_trust_ratio_on_uneven_shards():
     assert len(sums) == 1 and "f32[13,3]" in sums[0] and "f32[100,3]" not in sums[0]
     new_p, _ = step(params, tx.init(params), grads)
   assert_trees_close(new_p, expected, rtol=8 * ulp(jnp.float32), atol=0)
+
+
+def _bf16_step_on(mesh, kind, mesh_name, tx, steps=3):
+  """`steps` fused steps of `tx` on bf16 params sharded as LEAVES says (or whole, mesh None):
+  (params, state) on the host."""
+  params, specs = tree_and_specs(mesh_name, kind, 24)
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  grads = [dict(zip(params, random_tree(s, [jnp.shape(x) for x in params.values()]).values()))
+           for s in range(25, 25 + steps)]
+  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
+  if mesh is None:
+    p, s = params, tx.init(params)
+    for g in grads:
+      p, s = step(p, s, g)
+    return jax.device_get((p, s))
+  with jax.set_mesh(mesh):
+    p = put(params, mesh, specs)
+    s = tx.init(p)
+    for g in grads:
+      p, s = step(p, s, put(g, mesh, specs))
+    assert specs_of(p) == padded_specs(specs, params)
+    return jax.device_get((p, s))
+
+
+def test_remainders_on_sharded_params(mesh_name, kind):
+  """Element-wise, so the sharded masters are the unsharded ones bit for bit."""
+  mesh = make_mesh(mesh_name, kind)
+  tx = jaxfuse.adamw(LR, weight_decay=WD, master_weights="remainder")
+  p, s = _bf16_step_on(mesh, kind, mesh_name, tx)
+  p1, s1 = _bf16_step_on(None, kind, mesh_name, tx)
+  for a, b in zip(jax.tree.leaves(jaxfuse.master_params(p, s)),
+                  jax.tree.leaves(jaxfuse.master_params(p1, s1))):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def test_stochastic_rounding_on_sharded_params(mesh_name, kind):
+  """Each shard draws from its own stream (its place among the leaf's shards), replicas of a
+  shard alike: a replicated leaf, and the first shard of a leaf split along its first dimension,
+  store the unsharded step's bits; the other shards other bits, the same in every run."""
+  mesh = make_mesh(mesh_name, kind)
+  tx = jaxfuse.adamw(LR, weight_decay=WD, stochastic_rounding=True, seed=3)
+  p, _ = _bf16_step_on(mesh, kind, mesh_name, tx)
+  again, _ = _bf16_step_on(mesh, kind, mesh_name, tx)
+  whole, _ = _bf16_step_on(None, kind, mesh_name, tx)
+  bits = lambda x: np.asarray(x).view(np.uint16)
+  for (shape, spec), k in zip(LEAVES[mesh_name], p):
+    np.testing.assert_array_equal(bits(p[k]), bits(again[k]))
+    if spec == P():
+      np.testing.assert_array_equal(bits(p[k]), bits(whole[k]))
+    elif len(spec) == 1 or spec[1] is None:
+      rows = shape[0] // mesh.shape[spec[0]] if isinstance(spec[0], str) else None
+      if rows:
+        np.testing.assert_array_equal(bits(p[k])[:rows], bits(whole[k])[:rows])
+        assert np.any(bits(p[k])[rows:] != bits(whole[k])[rows:])  # other streams

@@ -431,3 +431,41 @@ def test_trust_sums_same_bits_under_every_schedule(grid, monkeypatch):
   tx, params, grads, state = family_case("lamb", "plain", DTYPE_MIXES["mixed"])
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
   assert_same_bits_under_schedules(monkeypatch, ("0", "99"), fn, grads, state, params)
+
+
+def precision_case(mode):
+  """An AdamW (SGD) keeping fewer bytes per param (test_precision.py), params, grads and a
+  second step's state."""
+  alternating = lambda a, b: [[a, b][i % 2] for i in range(len(SIZES))]
+  dtypes = alternating(jnp.bfloat16, jnp.float32) if mode.startswith("remainder") \
+      else DTYPE_MIXES["mixed"]
+  make = {
+      "stochastic": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1, stochastic_rounding=True,
+                                          seed=5),
+      "stochastic_sgd": lambda: sgd(3e-2, momentum=0.9, stochastic_rounding=True, seed=6,
+                                    skip_nonfinite=True),
+      "remainder": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1, master_weights="remainder"),
+      "remainder_skip": lambda: jaxfuse.adamw(3e-3, master_weights="remainder",
+                                              skip_nonfinite=True, nu_dtype=jnp.bfloat16),
+      "nu_bf16": lambda: jaxfuse.adamw(3e-3, nu_dtype=jnp.bfloat16, mu_dtype=jnp.float16),
+  }
+  tx = make[mode]()
+  params = random_tree(1, SIZES, dtypes)
+  grads = random_tree(2, SIZES, dtypes, scale=0.5)
+  if mode.endswith("skip") or mode == "stochastic_sgd":
+    grads["leaf0007"] = grads["leaf0007"].at[0, 7].set(jnp.inf)
+  state = tx.init(params)
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state,
+                                                         params)
+  return tx, params, grads, state
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "stochastic_sgd", "remainder", "remainder_skip",
+                                  "nu_bf16"])
+def test_precision_modes_bitwise(mode, launch):
+  """Stochastic rounding's bits come from each element's index in its tensor (also across the
+  slices a huge tensor is split into) and remainders are integer words: the same bits on both."""
+  tx, params, grads, state = precision_case(mode)
+  fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(4.0))
+  native, emu = on_both(fn, grads, state, params)
+  assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")

@@ -70,14 +70,16 @@ def _put(device, *arrays):
 # ---- jaxfuse_adam (OptimizerOp<Adam>, optimizer.h) ---------------------------------------------
 # operands: count s32[], hyper f32/f64[8], grad_ctrl f32/f64[4], then n each of grads, params,
 #           mu, nu, [master_params]
-# results:  new count s32[], then n each of params, mu, nu, [master_params], aliased in place
-# attributes: num_tensors s64, flags s64 (bit 0: nesterov), master pred,
-#             tensor_flags u8[n] (bit 0: decay)
+#           [param_remainders], then [rounding_keys u32[n, 3]] when stochastic_rounding
+# results:  new count s32[], then n each of params, mu, nu, [master_params | param_remainders],
+#           aliased in place
+# attributes: num_tensors s64, flags s64 (bit 0: nesterov), master pred, remainders pred,
+#             stochastic_rounding pred, tensor_flags u8[n] (bit 0: decay)
 
 
 def _adam_attrs(n=1, **over):
-  attrs = dict(num_tensors=np.int64(n), flags=np.int64(0), master=False,
-               tensor_flags=np.zeros(n, np.uint8))
+  attrs = dict(num_tensors=np.int64(n), flags=np.int64(0), master=False, remainders=False,
+               stochastic_rounding=False, tensor_flags=np.zeros(n, np.uint8))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
@@ -103,11 +105,18 @@ def test_vector_layouts_are_pinned():
   assert adam.names["fixed_operands"] == ("count", "hyper", "grad_ctrl")
   assert adam.names["fixed_results"] == ("count",)
   for flags in (0, 1):  # nesterov keeps the same lists
-    lists = adam.call("lists", flags=flags, master=0).names
+    call = lambda **kw: adam.call("lists", **{"flags": flags, "master": 0, "remainders": 0,
+                                             "stochastic_rounding": 0, **kw}).names
+    lists = call()
     assert lists["operands"] == _LISTS and lists["results"] == _LISTS[1:]
-    lists = adam.call("lists", flags=flags, master=1).names
+    assert lists["trailing_operands"] == ()
+    lists = call(master=1)
     assert lists["operands"] == _LISTS + ("master_params",)
     assert lists["results"] == _LISTS[1:] + ("master_params",)
+    lists = call(remainders=1, stochastic_rounding=1)
+    assert lists["operands"] == _LISTS + ("param_remainders",)
+    assert lists["trailing_operands"] == ("rounding_keys",)
+  assert adam.names["rounding_key"] == ("seed", "leaf", "shard")
   assert norm.names["norm_params"] == _NORM_PARAMS
   assert norm.names["grad_ctrl"] == _GRAD_CTRL
   dec = _ffi.contract("jaxfuse_decoder")
@@ -321,7 +330,7 @@ def test_adam_attribute_types(device):
     _adam_call(ops, res, aliases, tensor_flags=np.uint8(0))
   with xla_error("Unsupported array element type for attribute: tensor_flags"):
     _adam_call(ops, res, aliases, tensor_flags=np.zeros(1, bool))
-  with xla_error(r"Wrong number of attributes: expected 4 but got 3"):
+  with xla_error(r"Wrong number of attributes: expected 6 but got 5"):
     _adam_call(ops, res, aliases, flags=None)
 
 

@@ -57,6 +57,16 @@ struct Tile {
   void store(int list, const Real* x) const {
     store_tile(tensors.ptr[t][list], tensors.dtype[t][list], start, len, x);
   }
+  void load_words(int list, Real* x) const {
+    const int16_t* w = static_cast<const int16_t*>(tensors.ptr[t][list]) + start;
+    for (int64_t i = 0; i < len; ++i) x[i] = Real(w[i]);
+  }
+  void store_words(int list, const Real* x) const {
+    int16_t* w = static_cast<int16_t*>(tensors.ptr[t][list]) + start;
+    for (int64_t i = 0; i < len; ++i) w[i] = static_cast<int16_t>(x[i]);
+  }
+  DType dtype(int list) const { return tensors.dtype[t][list]; }
+  int64_t index(int64_t i) const { return start + i; }
   void update(const typename Family::template Step<Real>& s, const Real* g, const Real* p,
               Real* s0, Real* s1, Real* s2, Real* u) const {
     tile_elements(Family{}, s, len, tensors.mask[t], g, p, s0, s1, s2, u);
@@ -129,7 +139,7 @@ void run_chunk(const OptimizerStep<Family, Real>& call_step,
 template <typename Family, typename Real>
 void run(ffi::ThreadPool* pool, const typename OptimizerOp<Family>::Call& call) {
   const auto step = make_optimizer_step<Family, Real>(call.hyper, call.grad_ctrl, *call.count,
-                                                      call.flags, call.complex);
+                                                      call.flags, call.complex, call.rounding_keys);
   *call.new_count = next_count(*call.count, step.grad.skip);
   if (step.grad.skip) return;  // the state stays as it is
   const ChunkIndex chunks(call.tensors, kChunk);

@@ -41,6 +41,7 @@ struct TensorTable {
   int32_t chunk_start[kCap + 1];  // prefix sum of chunks
   DType dtype[kLists][kCap];
   int32_t tensor[kCap];           // the entry's tensor in the call
+  int32_t slice[kCap];            // the entry's slice of its tensor (kMaxSlice elements each)
   uint8_t mask[kCap];
   int32_t num_tensors;
 };
@@ -51,8 +52,9 @@ template <int kLists>
 struct ChunkRef {
   void* ptr[kLists];
   DType dtype[kLists];
-  int64_t start;  // first element of the chunk within the table entry
-  int n;          // elements in the chunk
+  int64_t start;   // first element of the chunk within the table entry
+  int64_t offset;  // first element of the table entry within its tensor
+  int n;           // elements in the chunk
   int index;      // the chunk's number in the call (all launches), tensors and chunks in order
   int tensor;     // the tensor's number in the call
   uint8_t mask;   // the tensor's entry of TensorLists::mask
@@ -86,6 +88,7 @@ __global__ void JF_MULTI_TENSOR_BOUNDS
     ref.n = min(kMultiTensorChunk, table.size[e] - local * kMultiTensorChunk);
     ref.index = chunk_offset + c;
     ref.tensor = table.tensor[e];
+    ref.offset = int64_t(table.slice[e]) * kMaxSlice;
     ref.mask = table.mask[e];
     bool aligned = true;
 #pragma unroll
@@ -151,6 +154,7 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
       }
       table.size[e] = static_cast<int32_t>(n);
       table.tensor[e] = static_cast<int32_t>(t);
+      table.slice[e] = static_cast<int32_t>(off / kMaxSlice);
       table.mask[e] = lists.mask[t];
       table.chunk_start[e + 1] =
           table.chunk_start[e] + static_cast<int32_t>((n + kMultiTensorChunk - 1) / kMultiTensorChunk);
@@ -224,6 +228,38 @@ __device__ __forceinline__ void store_group(void* base, DType t, int64_t i, int 
     visit_dtype(t, [&](auto tag) { store4<decltype(tag)::value>(base, i, in); });
   } else {
     for (int j = 0; j < n; ++j) store_value<Real>(base, t, i + j, in[j]);
+  }
+}
+
+// Up to 4 consecutive int16 words (count n) as values of the compute type: one 8-byte access
+// when `vec`, else scalar ones.
+template <typename Real>
+__device__ __forceinline__ void load_word_group(const void* base, int64_t i, int n, bool vec,
+                                                Real out[4]) {
+  const int16_t* w = static_cast<const int16_t*>(base) + i;
+  if (vec) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(w);
+    out[0] = Real(int16_t(raw.x & 0xffffu));
+    out[1] = Real(int16_t(raw.x >> 16));
+    out[2] = Real(int16_t(raw.y & 0xffffu));
+    out[3] = Real(int16_t(raw.y >> 16));
+  } else {
+    for (int j = 0; j < n; ++j) out[j] = Real(w[j]);
+  }
+}
+
+template <typename Real>
+__device__ __forceinline__ void store_word_group(void* base, int64_t i, int n, bool vec,
+                                                 const Real in[4]) {
+  int16_t* w = static_cast<int16_t*>(base) + i;
+  if (vec) {
+    uint16_t h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = uint16_t(int16_t(in[j]));
+    *reinterpret_cast<uint2*>(w) = make_uint2(uint32_t(h[0]) | (uint32_t(h[1]) << 16),
+                                              uint32_t(h[2]) | (uint32_t(h[3]) << 16));
+  } else {
+    for (int j = 0; j < n; ++j) w[j] = int16_t(in[j]);
   }
 }
 

@@ -15,12 +15,17 @@
 namespace jaxfuse {
 namespace cuda_optimizer {
 
+// How a call keeps its params, one kernel each.
+enum class ParamsMode { kPlain, kMaster, kRemainders };
+
 // OptimizerLists as compile-time constants.
-template <int kStates, bool kMaster>
+template <int kStates, ParamsMode kMode>
 struct StaticLists {
-  static constexpr OptimizerLists kLists = OptimizerLists::of(kStates, kMaster);
+  static constexpr OptimizerLists kLists =
+      OptimizerLists::of(kStates, kMode == ParamsMode::kMaster, kMode == ParamsMode::kRemainders);
   static constexpr int num_states = kStates;
   static constexpr int master = kLists.master;
+  static constexpr int remainders = kLists.remainders;
   static constexpr int kCount = kLists.count();
   static constexpr int param_source() { return kLists.param_source(); }
 };
@@ -41,6 +46,14 @@ struct RegisterGroup {
   __device__ void store(int list, const Real* x) const {
     store_group(chunk.ptr[list], chunk.dtype[list], i, n, vec, x);
   }
+  __device__ void load_words(int list, Real* x) const {
+    load_word_group(chunk.ptr[list], i, n, vec, x);
+  }
+  __device__ void store_words(int list, const Real* x) const {
+    store_word_group(chunk.ptr[list], i, n, vec, x);
+  }
+  __device__ DType dtype(int list) const { return chunk.dtype[list]; }
+  __device__ int64_t index(int j) const { return chunk.offset + i + j; }
   __device__ void update(const typename Family::template Step<Real>& s, const Real* g,
                          const Real* p, Real* s0, Real* s1, Real* s2, Real* u) const {
     Family::update(s, 4, chunk.mask, g, p, s0, s1, s2, u);
@@ -61,13 +74,14 @@ struct ChunkOp : MultiTensorOpBase {
   ScalarVector hyper;
   ScalarVector grad_ctrl;
   TrustSums trust_sums;
+  const uint32_t* rounding_keys;
   uint32_t flags;
   bool complex;
   OptimizerStep<Family, Real> step;
 
   __device__ void prepare() {
     const int32_t c = *count;
-    step = make_optimizer_step<Family, Real>(hyper, grad_ctrl, c, flags, complex);
+    step = make_optimizer_step<Family, Real>(hyper, grad_ctrl, c, flags, complex, rounding_keys);
     if (blockIdx.x == 0 && threadIdx.x == 0) *new_count = next_count(c, step.grad.skip);
   }
 
@@ -81,15 +95,16 @@ struct ChunkOp : MultiTensorOpBase {
   }
 };
 
-template <typename Family, typename Real, int kStates, bool kMaster>
+template <typename Family, typename Real, int kStates, ParamsMode kMode>
 ffi::Error launch(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
-  using Op = ChunkOp<Family, Real, StaticLists<kStates, kMaster>>;
+  using Op = ChunkOp<Family, Real, StaticLists<kStates, kMode>>;
   Op op;
   op.count = call.count;
   op.new_count = call.new_count;
   op.hyper = call.hyper;
   op.grad_ctrl = call.grad_ctrl;
   op.trust_sums = call.trust_sums;
+  op.rounding_keys = call.rounding_keys;
   op.flags = call.flags;
   op.complex = call.complex;
   return multi_tensor_apply<Op::kLists>(stream, call.tensors, op);
@@ -109,13 +124,20 @@ ffi::Error with_state_count(int num_states, const Fn& fn) {
   }
 }
 
-// The kernel for the call's layout.
+// The kernel for the call's layout. Remainders complete bf16 params computed in float (the op
+// checks), and trust-ratio families take none: no kernels for those layouts.
 template <typename Family, typename Real>
 ffi::Error launch_for_layout(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
   return with_state_count<Family>(call.lists.num_states, [&](auto states) {
     constexpr int kStates = decltype(states)::value;
-    return call.lists.master >= 0 ? launch<Family, Real, kStates, true>(stream, call)
-                                  : launch<Family, Real, kStates, false>(stream, call);
+    if (call.lists.master >= 0) return launch<Family, Real, kStates, ParamsMode::kMaster>(stream, call);
+    if (call.lists.remainders >= 0) {
+      if constexpr (std::is_same_v<Real, float> && !kHasTrustRatio<Family>) {
+        return launch<Family, Real, kStates, ParamsMode::kRemainders>(stream, call);
+      }
+      return internal_error("no kernel for remainders in this call");
+    }
+    return launch<Family, Real, kStates, ParamsMode::kPlain>(stream, call);
   });
 }
 

@@ -26,8 +26,9 @@
 
 namespace jaxfuse {
 
-// Floating-point storage types the kernels read and write.
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3 };
+// Storage types the kernels read and write: floats, and int16 words (param remainders,
+// rounding.h), which only lists declared as words hold and which visit_dtype() does not take.
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kI16 = 4 };
 
 JF_HD int dtype_bytes(DType t) {
   return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2;

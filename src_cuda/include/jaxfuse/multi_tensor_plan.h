@@ -25,9 +25,9 @@ inline constexpr int kTableBytes = JAXFUSE_MT_TABLE_BYTES;
 inline constexpr int kTableHeaderBytes = 64;
 
 // Tensors one table (one launch) holds for an op of `lists` lists. Per tensor: a pointer and a
-// dtype per list, the element count, the chunk prefix, the tensor's number and the mask.
+// dtype per list, the element count, the chunk prefix, the tensor's number and slice, the mask.
 constexpr int table_capacity(int lists) {
-  return (kTableBytes - kTableHeaderBytes) / (9 * lists + 4 + 4 + 4 + 1);
+  return (kTableBytes - kTableHeaderBytes) / (9 * lists + 4 + 4 + 4 + 4 + 1);
 }
 
 // Largest table entry: a whole number of chunks below 2^31 elements.

@@ -26,13 +26,16 @@
 //                          its squares and the params' per tensor)
 //   trust_ratio(step, tensor_flags, param_sumsq, direction_sumsq)
 //                          the tensor's ratio from those sums
-// and its op takes one more operand after the lists: trust_sums u32[R, n, kTrustSumWords], the
+// and its op takes one more trailing operand: trust_sums u32[R, n, kTrustSumWords], the
 // per-tensor sums of R devices (R = 1 unsharded), added in row order.
 //
 // Operands: count s32[], hyper f32/f64[Hyper::kSize], grad_ctrl f32/f64[GradCtrl::kSize], then
-//   n buffers per list: grads, params, the state lists in order, master params (attribute
-//   `master`). Results: the new count s32[], then every list but the grads, updated in place:
-//   each result buffer must be aliased to its operand (the handler checks).
+//   n buffers per list: grads, params, the state lists in order, then master params (attribute
+//   `master`) or param remainders (int16, attribute `remainders`, bf16 params: rounding.h),
+//   then the trailing operands: trust_sums (trust-ratio families), rounding_keys
+//   u32[n, RoundingKey::kSize] (attribute `stochastic_rounding`: the params are stored rounded
+//   stochastically, rounding.h). Results: the new count s32[], then every list but the grads,
+//   updated in place: each result buffer must be aliased to its operand (the handler checks).
 // The math runs in double when any buffer of the call is float64, else in float; the tensors of
 // one call are all real or all complex.
 #pragma once
@@ -45,28 +48,33 @@
 #include "jaxfuse/multi_tensor_plan.h"
 #include "jaxfuse/norm_math.h"
 #include "jaxfuse/op.h"
+#include "jaxfuse/rounding.h"
 #include "jaxfuse/tensor_lists.h"
 
 namespace jaxfuse {
 
 inline constexpr int kMaxOptimizerStates = 3;
 
-// The kernel lists of one call: grads, params, the states, the master params when present.
+// The kernel lists of one call: grads, params, the states, then the master params or the param
+// remainders (rounding.h) when present.
 struct OptimizerLists {
   static constexpr int kGrads = 0;
   static constexpr int kParams = 1;
   int num_states = 0;
-  int master = -1;  // list index, -1: absent
+  int master = -1;      // list index, -1: absent
+  int remainders = -1;  // list index, -1: absent
 
-  static constexpr OptimizerLists of(int num_states, bool master) {
+  static constexpr OptimizerLists of(int num_states, bool master, bool remainders = false) {
     OptimizerLists l;
     l.num_states = num_states;
     l.master = master ? 2 + num_states : -1;
+    l.remainders = remainders ? 2 + num_states : -1;
     return l;
   }
   static constexpr int state(int k) { return 2 + k; }
-  constexpr int count() const { return 2 + num_states + (master >= 0 ? 1 : 0); }
-  // The param value the math reads: the master copy when present.
+  constexpr int count() const { return 2 + num_states + (master >= 0 || remainders >= 0 ? 1 : 0); }
+  // The list the math reads the params from: the master copy when present (with remainders,
+  // the params, joined to their remainders).
   constexpr int param_source() const { return master >= 0 ? master : kParams; }
 };
 
@@ -137,43 +145,49 @@ struct TrustSums {
   }
 };
 
-// What one step of a family needs per element: its scalars and how it sees the gradients.
+// What one step of a family needs per element: its scalars, how it sees the gradients and how
+// it rounds the params it stores.
 template <typename Family, typename Real>
 struct OptimizerStep {
   typename Family::template Step<Real> math;
   GradScaling<Real> grad;
+  ParamRounding rounding;
+  uint32_t stream = 0;  // the tensor's random stream when the rounding is stochastic
 };
 
-// The step of tensor t: a trust-ratio family's carries the tensor's ratio, others are as they are.
+// The step of tensor t: with its random stream when the rounding is stochastic, and with its
+// ratio for a trust-ratio family.
 template <typename Family, typename Real>
 JF_HD OptimizerStep<Family, Real> tensor_step(const OptimizerStep<Family, Real>& step,
                                               const TrustSums& sums, int64_t t,
                                               uint8_t tensor_flags) {
+  OptimizerStep<Family, Real> s = step;
+  if (step.rounding.stochastic()) s.stream = step.rounding.stream(t);
   if constexpr (kHasTrustRatio<Family>) {
-    OptimizerStep<Family, Real> s = step;
     const TrustSum total = sums.total(t);
     s.math.trust_ratio =
         Family::trust_ratio(step.math, tensor_flags, total.param_sumsq, total.direction_sumsq);
-    return s;
-  } else {
-    return step;
   }
+  return s;
 }
 
 template <typename Family, typename Real>
 JF_HD OptimizerStep<Family, Real> make_optimizer_step(ScalarVector hyper, ScalarVector grad_ctrl,
-                                                      int32_t count, uint32_t flags,
-                                                      bool complex) {
+                                                      int32_t count, uint32_t flags, bool complex,
+                                                      const uint32_t* rounding_keys = nullptr) {
   return {Family::template make_step<Real>(hyper, count, flags, complex),
-          make_grad_scaling<Real>(grad_ctrl)};
+          make_grad_scaling<Real>(grad_ctrl), ParamRounding{rounding_keys, count}};
 }
 
 // One group of elements through a step. `Group` is the platform's group (the GPU: 4 scalars of
 // one thread, in registers; the CPU: a tile of a chunk, in scratch): Values (an array of Real),
-// size(), load(list, x), store(list, x) and update(math, g, p, s0, s1, s2, u), the family's
-// element loop. `Lists` is an OptimizerLists or a type with its members as compile-time
-// constants. A skipped (non-finite) step leaves everything as it is. With master weights the
-// math reads and writes the master copy, and the params are its rounding.
+// size(), load(list, x), store(list, x) (converting from and to the list's float dtype),
+// load_words(list, x), store_words(list, x) (an int16 list, as integer values), dtype(list),
+// index(i) (element i's index in its tensor) and update(math, g, p, s0, s1, s2, u), the
+// family's element loop. `Lists` is an OptimizerLists or a type with its members as
+// compile-time constants. A skipped (non-finite) step leaves everything as it is. With master
+// weights the math reads and writes the master copy, and the params are its rounding; with
+// remainders it reads the params joined to their remainders and writes both halves back.
 template <typename Family, typename Real, typename Lists, typename Group>
 JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists& lists,
                            const Group& group) {
@@ -183,6 +197,10 @@ JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists&
   group.load(OptimizerLists::kGrads, g);
   scale_group(step.grad, n, g);
   group.load(lists.param_source(), p);
+  if (lists.remainders >= 0) {
+    group.load_words(lists.remainders, u);
+    for (decltype(+n) i = 0; i < n; ++i) p[i] = join_remainder(p[i], u[i]);
+  }
   if (lists.num_states > 0) group.load(OptimizerLists::state(0), s0);
   if (lists.num_states > 1) group.load(OptimizerLists::state(1), s1);
   if (lists.num_states > 2) group.load(OptimizerLists::state(2), s2);
@@ -192,6 +210,15 @@ JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists&
   if (lists.num_states > 2) group.store(OptimizerLists::state(2), s2);
   for (decltype(+n) i = 0; i < n; ++i) p[i] = p[i] + u[i];
   if (lists.master >= 0) group.store(lists.master, p);
+  if (lists.remainders >= 0) {
+    for (decltype(+n) i = 0; i < n; ++i) split_remainder(p[i], p[i], u[i]);
+    group.store_words(lists.remainders, u);
+  } else if (step.rounding.stochastic()) {
+    const DType t = group.dtype(OptimizerLists::kParams);
+    for (decltype(+n) i = 0; i < n; ++i) {
+      p[i] = stochastic_round(t, p[i], rounding_bits(step.stream, group.index(i)));
+    }
+  }
   group.store(OptimizerLists::kParams, p);
 }
 
@@ -255,6 +282,35 @@ struct StepOperands {
   uint32_t flags = 0;
 };
 
+// How the params are kept: a master copy, remainders or neither; stochastic rounding only for
+// params without either (they are what it stands in for).
+inline ffi::Error check_params_mode(bool master, bool remainders, bool stochastic_rounding,
+                                    bool trust_ratio) {
+  if (master && remainders) return invalid_argument("master and remainders are exclusive");
+  if (stochastic_rounding && (master || remainders)) {
+    return invalid_argument("stochastic_rounding is for params without a master copy or "
+                            "remainders");
+  }
+  if (remainders && trust_ratio) {
+    return invalid_argument("remainders are not supported by trust-ratio families");
+  }
+  return ffi::Error::Success();
+}
+
+// Remainders complete bfloat16 params to float32: every params buffer bfloat16, the call
+// computed in float (the remainder list's int16 dtype is checked by collect_lists).
+inline ffi::Error check_remainder_params(const TensorLists& tensors, bool f64) {
+  if (f64) return invalid_argument("remainders need a call computed in float32, not float64");
+  for (int64_t t = 0; t < tensors.num_tensors(); ++t) {
+    if (tensors.dtype[t][OptimizerLists::kParams] != DType::kBF16) {
+      return invalid_argument("params of tensor ", t, " are ",
+                              dtype_name(tensors.dtype[t][OptimizerLists::kParams]),
+                              "; remainders complete bfloat16 params");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 template <typename Family>
 ffi::Error decode_step_operands(ffi::AnyBuffer hyper, ffi::AnyBuffer grad_ctrl, int64_t flags,
                                 StepOperands* out) {
@@ -284,7 +340,8 @@ struct OptimizerOp {
     int32_t* new_count = nullptr;
     ScalarVector hyper;
     ScalarVector grad_ctrl;
-    TrustSums trust_sums;  // trust-ratio families only
+    TrustSums trust_sums;                    // trust-ratio families only
+    const uint32_t* rounding_keys = nullptr;  // stochastic rounding only
     uint32_t flags = 0;
     bool f64 = false;      // compute in double (a buffer is float64)
     bool complex = false;  // every tensor is complex
@@ -303,7 +360,13 @@ struct OptimizerOp {
         .template Attr<int64_t>("num_tensors")
         .template Attr<int64_t>("flags")
         .template Attr<bool>("master")
+        .template Attr<bool>("remainders")
+        .template Attr<bool>("stochastic_rounding")
         .template Attr<ffi::Span<const uint8_t>>("tensor_flags");
+  }
+
+  static OptimizerLists lists_of(uint32_t flags, bool master, bool remainders) {
+    return OptimizerLists::of(Family::num_states(flags), master, remainders);
   }
 
   // The name of kernel list `list`.
@@ -311,12 +374,14 @@ struct OptimizerOp {
     if (list == OptimizerLists::kGrads) return "grads";
     if (list == OptimizerLists::kParams) return "params";
     if (list == lists.master) return "master_params";
+    if (list == lists.remainders) return "param_remainders";
     return Family::state_name(flags, list - OptimizerLists::state(0));
   }
 
   static ffi::Error decode(CountBuffer count, ffi::AnyBuffer hyper, ffi::AnyBuffer grad_ctrl,
                            ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
                            ffi::RemainingRets rets, int64_t n, int64_t flags, bool master,
+                           bool remainders, bool stochastic_rounding,
                            ffi::Span<const uint8_t> tensor_flags, Call* call);
 
   template <typename Platform>
@@ -331,30 +396,42 @@ struct OptimizerOp {
     c.names["tensor_flags"] = name_list(Family::kTensorFlagNames);
     c.names["fixed_operands"] = {"count", "hyper", "grad_ctrl"};  // binding() order
     c.names["fixed_results"] = {"count"};
-    c.names["trailing_operands"] = {};
-    if constexpr (kHasTrustRatio<Family>) {
-      c.names["trailing_operands"] = {"trust_sums"};
-      c.names["trust_sums_op"] = {Family::kTrustSumsName};
-    }
+    c.names["rounding_key"] = name_list(RoundingKey::kNames);
+    if constexpr (kHasTrustRatio<Family>) c.names["trust_sums_op"] = {Family::kTrustSumsName};
+    // The lists, and the operands after them, of a call with these attributes.
     c.functions["lists"] = [](const std::map<std::string, int64_t>& args) {
       const uint32_t flags = static_cast<uint32_t>(contract_arg(args, "flags"));
-      const OptimizerLists lists =
-          OptimizerLists::of(Family::num_states(flags), contract_arg(args, "master") != 0);
+      const OptimizerLists lists = lists_of(flags, contract_arg(args, "master") != 0,
+                                            contract_arg(args, "remainders") != 0);
       ContractValues v;
       for (int k = 0; k < lists.count(); ++k) {
         v.names["operands"].push_back(list_name(flags, lists, k));
         if (k != OptimizerLists::kGrads) v.names["results"].push_back(list_name(flags, lists, k));
+      }
+      v.names["trailing_operands"] = {};
+      if (kHasTrustRatio<Family>) v.names["trailing_operands"].push_back("trust_sums");
+      if (contract_arg(args, "stochastic_rounding") != 0) {
+        v.names["trailing_operands"].push_back("rounding_keys");
       }
       return v;
     };
     return c;
   }
 
+  static int64_t num_trailing(bool stochastic_rounding) {
+    return (kHasTrustRatio<Family> ? 1 : 0) + (stochastic_rounding ? 1 : 0);
+  }
+  static std::string trailing_names(bool stochastic_rounding) {
+    std::string names = kHasTrustRatio<Family> ? ", then trust_sums" : "";
+    if (stochastic_rounding) names += names.empty() ? ", then rounding_keys" : ", rounding_keys";
+    return names;
+  }
+
   // One multi-tensor kernel over the call's lists, every buffer read or written once.
   static CallCost cost(const CallShape& shape) {
     const int64_t n = contract_arg(shape.attrs, "num_tensors");
     const int64_t fixed = 3;  // count, hyper, grad_ctrl; the grads are the first list
-    const int64_t trailing = kHasTrustRatio<Family> ? 1 : 0;
+    const int64_t trailing = num_trailing(contract_arg(shape.attrs, "stochastic_rounding") != 0);
     const int64_t list_operands = static_cast<int64_t>(shape.operands.size()) - fixed - trailing;
     const int64_t lists = n > 0 ? list_operands / n : 0;
     return streaming_cost(shape, multi_tensor_launches(static_cast<int>(lists),
@@ -367,25 +444,28 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
                                        ffi::AnyBuffer grad_ctrl, ffi::RemainingArgs args,
                                        ffi::Result<CountBuffer> new_count,
                                        ffi::RemainingRets rets, int64_t n, int64_t flags,
-                                       bool master, ffi::Span<const uint8_t> tensor_flags,
-                                       Call* call) {
+                                       bool master, bool remainders, bool stochastic_rounding,
+                                       ffi::Span<const uint8_t> tensor_flags, Call* call) {
   using namespace optimizer_detail;
   StepOperands step;
   JF_RETURN_IF_ERROR(decode_step_operands<Family>(hyper, grad_ctrl, flags, &step));
   const uint32_t op_flags = step.flags;
-  const OptimizerLists lists = OptimizerLists::of(Family::num_states(op_flags), master);
+  JF_RETURN_IF_ERROR(check_params_mode(master, remainders, stochastic_rounding,
+                                       kHasTrustRatio<Family>));
+  const OptimizerLists lists = lists_of(op_flags, master, remainders);
   // n is bounded by the operand count before any product is formed (no overflow).
-  const int64_t trailing = kHasTrustRatio<Family> ? 1 : 0;
+  const int64_t trailing = num_trailing(stochastic_rounding);
   const int64_t num_args = static_cast<int64_t>(args.size()) - trailing;
   if (n < 0 || n > num_args || num_args != lists.count() * n ||
       static_cast<int64_t>(rets.size()) != (lists.count() - 1) * n) {
     return invalid_argument(args.size(), " tensor operands and ", rets.size(),
                             " tensor results do not fit num_tensors=", n, " (expected ",
                             lists.count(), " and ", lists.count() - 1, " per tensor",
-                            trailing ? ", then trust_sums)" : ")");
+                            trailing_names(stochastic_rounding), ")");
   }
+  int64_t next = num_args;
   if constexpr (kHasTrustRatio<Family>) {
-    auto sums = args.get<ffi::Buffer<ffi::U32, 3>>(num_args);
+    auto sums = args.get<ffi::Buffer<ffi::U32, 3>>(next++);
     if (sums.has_error()) return invalid_argument("trust_sums: ", sums.error().message());
     const auto dims = sums->dimensions();
     if (dims[1] != n || dims[2] != kTrustSumWords) {
@@ -394,13 +474,23 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
     }
     call->trust_sums = {sums->typed_data(), dims[0], n};
   }
+  if (stochastic_rounding) {
+    auto keys = args.get<ffi::Buffer<ffi::U32, 2>>(next++);
+    if (keys.has_error()) return invalid_argument("rounding_keys: ", keys.error().message());
+    const auto dims = keys->dimensions();
+    if (dims[0] != n || dims[1] != RoundingKey::kSize) {
+      return invalid_argument("rounding_keys is u32[", dims[0], ", ", dims[1], "], expected u32[",
+                              n, ", ", int(RoundingKey::kSize), "]");
+    }
+    call->rounding_keys = keys->typed_data();
+  }
   JF_RETURN_IF_ERROR(
       check_tensor_flags(tensor_flags, n, bit_limit(Family::kTensorFlagNames)));
   std::string names[kMaxLists];
   ListSource sources[kMaxLists];
   for (int k = 0; k < lists.count(); ++k) {
     names[k] = list_name(op_flags, lists, k);
-    sources[k] = {names[k].c_str(), false, k * n};
+    sources[k] = {names[k].c_str(), false, k * n, k == lists.remainders};
     if (k == OptimizerLists::kGrads) continue;
     JF_RETURN_IF_ERROR(check_aliased(args, rets, k * n, (k - 1) * n, n, names[k].c_str()));
   }
@@ -417,6 +507,7 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
       }
     }
   }
+  if (remainders) JF_RETURN_IF_ERROR(check_remainder_params(call->tensors, call->f64));
   call->lists = lists;
   call->count = count.typed_data();
   call->new_count = new_count->typed_data();

@@ -39,11 +39,13 @@ struct TensorLists {
 };
 
 // Where list `k` comes from: `num_tensors` consecutive buffers of the call's remaining
-// arguments (`from_rets == false`) or remaining results, starting at `offset`.
+// arguments (`from_rets == false`) or remaining results, starting at `offset`. A list of
+// `words` holds int16 words (DType::kI16), any other list floats.
 struct ListSource {
   const char* name;
   bool from_rets;
   int64_t offset;
+  bool words = false;
 };
 
 // The buffer behind a decoded result (results decode as Result<AnyBuffer>).
@@ -52,7 +54,7 @@ inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyB
   return **r;
 }
 
-// Decodes buffer t of list `src`, checking its dtype (element_type()).
+// Decodes buffer t of list `src`, checking its dtype (element_type(), or int16 for words).
 inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
                                                 const ffi::RemainingRets* rets,
                                                 const ListSource& src, int64_t t) {
@@ -63,6 +65,11 @@ inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
   if (decoded.has_error()) {
     return ffi::Unexpected<ffi::Error>(invalid_argument(
         "list '", src.name, "' tensor ", t, ": ", decoded.error().message()));
+  }
+  if (src.words) {
+    if (decoded->element_type() == ffi::DataType::S16) return decoded;
+    return ffi::Unexpected<ffi::Error>(
+        invalid_argument("list '", src.name, "' tensor ", t, ": expected int16"));
   }
   if (!element_type(decoded->element_type())) {
     return ffi::Unexpected<ffi::Error>(invalid_argument(
@@ -102,7 +109,8 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
     for (int64_t t = 0; t < num_tensors; ++t) {
       ffi::ErrorOr<ffi::AnyBuffer> buf = list_buffer(args, rets, src, t);
       if (buf.has_error()) return buf.error();
-      const ElementType type = *element_type(buf->element_type());
+      const ElementType type =
+          src.words ? ElementType{DType::kI16, false} : *element_type(buf->element_type());
       out->dtype[t][k] = type.dtype;
       const int64_t n = static_cast<int64_t>(buf->element_count()) * (type.complex ? 2 : 1);
       if (k == 0) {

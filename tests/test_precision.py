@@ -1,0 +1,404 @@
+"""Fewer bytes per parameter: 16-bit second moments (nu_dtype), stochastic rounding of 16-bit
+params, and param remainders (master_weights="remainder"), through the optax protocol and the
+fused step, against references on fresh random inputs."""
+
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxfuse
+from jaxfuse import _rounding
+from helpers import assert_bitwise_equal, assert_trees_close, random_tree, ulp
+from optimizer_cases import F32_RTOL, PATHS, grads, jit_optax_step, jit_step
+
+SHAPES = [(), (0,), (1,), (3,), (257,), (3, 7, 5)]
+HALF_DTYPES = [jnp.bfloat16, jnp.float16]
+
+
+def _step(path, tx):
+  """A jitted step through `path`, donating nothing (the tests reuse their inputs)."""
+  if path == "fused":
+    return jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
+  return jit_optax_step(tx)
+
+
+def _run(tx, params, path, steps, seed=1, grad_fn=grads):
+  step = _step(path, tx)
+  p, s = jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx.init(params)
+  for t in range(steps):
+    p, s = step(p, s, grad_fn(seed * 1000 + t, params))
+  return p, s
+
+
+def _bits(x):
+  x = np.asarray(x)
+  return x.view(np.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+# ---- nu_dtype --------------------------------------------------------------------------------
+
+
+def _adamw_nu_rounded(nu_dtype, **kwargs):
+  """The reference: optax's float32 AdamW whose second moment is rounded to `nu_dtype` after each
+  step (the kernels compute in float32 and round the stored moment once)."""
+  inner = optax.adamw(**kwargs)
+
+  def round_nu(state):
+    return (state[0]._replace(nu=jax.tree.map(
+        lambda v: v.astype(nu_dtype).astype(v.dtype), state[0].nu)), *state[1:])
+
+  def update(g, s, p=None):
+    u, s = inner.update(g, s, p)
+    return u, round_nu(s)
+  return optax.GradientTransformation(lambda p: round_nu(inner.init(p)), update)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("nu_dtype", HALF_DTYPES)
+def test_nu_dtype_is_float32_adamw_with_nu_rounded_once_per_step(device, path, nu_dtype):
+  kwargs = dict(learning_rate=1e-2, b1=0.8, weight_decay=0.05)
+  tf = jaxfuse.adamw(**kwargs, nu_dtype=nu_dtype)
+  to = _adamw_nu_rounded(nu_dtype, **kwargs)
+  params = random_tree(1, SHAPES, device=device)
+  pf, sf = _run(tf, params, path, steps=10)
+  po, so = _run(to, params, "optax", steps=10)
+  for nu in jax.tree.leaves(sf[0].nu):
+    assert nu.dtype == nu_dtype
+  assert jax.tree.leaves(sf[0].mu)[0].dtype == jnp.float32
+  # Identical math; a moment an ulp of float32 apart may round to the neighbouring 16-bit value.
+  assert_trees_close(pf, po, rtol=10 * 16 * F32_RTOL, atol=0, what="params")
+  assert_trees_close(sf[0].nu, jax.tree.map(lambda v: v.astype(nu_dtype), so[0].nu),
+                     rtol=ulp(nu_dtype), atol=0, what="nu")
+
+
+def test_nu_dtype_moves_20_bytes_per_param_and_keeps_4(device):
+  params = random_tree(2, [(1 << 16,), (300, 7)], device=device)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  tx = jaxfuse.adamw(1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
+  fn = lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)
+  r = jaxfuse.report(jax.jit(fn, donate_argnums=(0, 1)), params, tx.init(params),
+                     grads(3, params))
+  assert r.bytes_moved == pytest.approx(20 * n, rel=0.01)
+  assert r.state_bytes_per_param == pytest.approx(4, rel=0.01)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_lamb_takes_nu_dtype(device, path):
+  params = random_tree(4, [(33,), (4, 5)], device=device)
+  pf, sf = _run(jaxfuse.lamb(1e-2, nu_dtype=jnp.bfloat16), params, path, steps=4)
+  pr, _ = _run(jaxfuse.lamb(1e-2), params, path, steps=4)
+  assert all(v.dtype == jnp.bfloat16 for v in jax.tree.leaves(sf[0].nu))
+  assert_trees_close(pf, pr, rtol=4 * ulp(jnp.bfloat16), atol=0, what="params")
+
+
+def test_bad_nu_dtype_names_the_problem():
+  params = {"w": jnp.ones(3), "z": jnp.ones(2, jnp.complex64)}
+  with pytest.raises(ValueError, match="nu_dtype int8 is not supported"):
+    jaxfuse.adam(1e-3, nu_dtype=jnp.int8).init({"w": jnp.ones(3)})
+  with pytest.raises(ValueError, match=r"nu_dtype bfloat16 does not fit params leaf \['z'\]"):
+    jaxfuse.adam(1e-3, nu_dtype=jnp.bfloat16).init(params)
+
+
+# ---- stochastic rounding ---------------------------------------------------------------------
+
+
+def _tiny_step(dtype, value, n, fraction):
+  """n params equal to `value` and SGD's step lr * g of `fraction` of an ulp of the value:
+  (params, grads, the exact new value)."""
+  value = float(jnp.asarray(value, dtype))
+  ulp_v = float(jnp.finfo(dtype).eps) * 2.0 ** np.floor(np.log2(abs(value)))
+  if abs(value) < float(jnp.finfo(dtype).tiny):  # subnormal: a fixed ulp
+    ulp_v = float(jnp.finfo(dtype).smallest_subnormal)
+  params = {"w": jnp.full((n,), value, dtype)}
+  g = {"w": jnp.full((n,), -fraction * ulp_v / 1e-3, jnp.float32)}
+  return params, g, value + fraction * ulp_v, ulp_v
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype,value", [(jnp.bfloat16, 1.5), (jnp.bfloat16, -3e-3),
+                                         (jnp.float16, 0.75), (jnp.float16, 3e-6)])
+def test_stochastic_rounding_is_unbiased(device, path, dtype, value):
+  """A step of 0.3 ulp: plain rounding loses it, stochastic rounding keeps it on average: the
+  mean of 2**16 params is the exact value within 4 standard errors."""
+  n, fraction = 1 << 16, 0.3
+  params, g, exact, ulp_v = _tiny_step(dtype, value, n, fraction)
+  params, g = jax.device_put((params, g), device)
+  plain = jaxfuse.sgd(1e-3)
+  p_plain, _ = _step(path, plain)(params, plain.init(params), g)
+  np.testing.assert_array_equal(np.asarray(p_plain["w"]), np.asarray(params["w"]))
+  tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=7)
+  p, _ = _step(path, tx)(params, tx.init(params), g)
+  values = np.asarray(p["w"], np.float64)
+  start = float(params["w"][0])
+  assert set(np.unique(values)) <= {start, start + ulp_v}
+  standard_error = ulp_v * np.sqrt(fraction * (1 - fraction) / n)
+  assert abs(values.mean() - exact) < 4 * standard_error
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_stochastic_rounding_mean_over_steps_tracks_the_exact_path(device, dtype):
+  """100 SGD steps of 0.1 ulp each on 4096 params: the params' mean moves 10 ulps (within 4
+  standard errors of the sum of 100 roundings); round-to-nearest does not move at all."""
+  n, fraction, steps = 4096, 0.1, 100
+  params, g, _, ulp_v = _tiny_step(dtype, 0.625, n, fraction)
+  params, g = jax.device_put((params, g), device)
+  tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=3)
+  step = jit_step(tx)
+  p, s = jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx.init(params)
+  for _ in range(steps):
+    p, s = step(p, s, g)
+  drift = (np.asarray(p["w"], np.float64).mean() - 0.625) / ulp_v
+  # Each step's rounding error has variance at most 1/4 ulp^2 per element.
+  assert abs(drift - steps * fraction) < 4 * np.sqrt(steps * 0.25 / n)
+
+
+def test_stochastic_rounding_is_deterministic_and_the_paths_agree_bitwise(device):
+  params = random_tree(5, [(4099,), (3, 7, 5), ()], [jnp.bfloat16, jnp.float16, jnp.bfloat16],
+                       device=device)
+  g = jax.tree.map(lambda x: x.astype(jnp.float32), grads(6, params))
+  runs = {}
+  for path in PATHS:
+    tx = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=11)
+    runs[path] = _step(path, tx)(params, tx.init(params), g)
+  again = _step("fused", tx)(params, tx.init(params), g)
+  assert_bitwise_equal(runs["fused"][0], runs["optax"][0], "fused step against optax protocol")
+  assert_bitwise_equal(again[0], runs["fused"][0], "a second call")
+  other = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=12)
+  p_other, _ = _step("fused", other)(params, other.init(params), g)
+  differ = np.mean(_bits(p_other["leaf0000"]) != _bits(runs["fused"][0]["leaf0000"]))
+  assert 0.05 < differ < 0.95  # another seed draws other bits
+
+
+_PROCESS_SCRIPT = """
+import hashlib, jax, jax.numpy as jnp, numpy as np, jaxfuse
+p = {"w": jnp.linspace(-2, 2, 5000, dtype=jnp.float32).astype(jnp.bfloat16)}
+g = {"w": jnp.cos(jnp.arange(5000, dtype=jnp.float32))}
+tx = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=5)
+out, _ = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))(p, tx.init(p), g)
+print(hashlib.sha256(np.asarray(out["w"]).tobytes()).hexdigest())
+"""
+
+
+def test_stochastic_rounding_is_the_same_in_another_process():
+  results = [subprocess.run([sys.executable, "-c", textwrap.dedent(_PROCESS_SCRIPT)],
+                            capture_output=True, text=True, check=True).stdout.strip()
+             for _ in range(2)]
+  namespace = {}
+  exec(textwrap.dedent(_PROCESS_SCRIPT).replace("print(", "result = ("), namespace)
+  assert results[0] == results[1] == namespace["result"]
+
+
+def test_stochastic_rounding_leaves_float32_leaves_as_plain_rounding(device):
+  params = random_tree(7, [(65,), (8, 3)], device=device)
+  g = grads(8, params)
+  sr, plain = jaxfuse.adamw(1e-2, stochastic_rounding=True), jaxfuse.adamw(1e-2)
+  a, _ = _step("fused", sr)(params, sr.init(params), g)
+  b, _ = _step("fused", plain)(params, plain.init(params), g)
+  assert_bitwise_equal(a, b, "float32 params")
+
+
+def test_stochastic_rounding_elements_follow_the_counter_based_bits(device):
+  """Each stored param is one of the two neighbours of its exact value, the upper one exactly
+  when the hash's bits say so (rounding.h, computed here in NumPy from the documented key)."""
+  params = {"a": jnp.zeros(3), "w": jnp.linspace(0.5, 0.9, 777, dtype=jnp.float32)
+            .astype(jnp.bfloat16)}
+  g = {"a": jnp.ones(3), "w": jnp.full((777,), 0.37, jnp.float32)}
+  params, g = jax.device_put((params, g), device)
+  tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=2024)
+  p, s = jit_optax_step(tx)(params, tx.init(params), g)
+  exact = np.asarray(params["w"], np.float32) - np.float32(1e-3) * np.float32(0.37)
+  bits = np.asarray(_rounding.element_bits(_rounding.stream(2024, 1, 0, jnp.int32(0)), (777,)))
+  low = exact.view(np.uint32) & 0xFFFF
+  up = low + (bits >> 16) >= 0x10000
+  expected = ((exact.view(np.uint32) & 0xFFFF0000) + up * 0x10000).astype(np.uint32)
+  np.testing.assert_array_equal(np.asarray(p["w"], np.float32).view(np.uint32), expected)
+
+
+# ---- param remainders ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_remainders_reproduce_the_float32_master_bit_for_bit_over_100_steps(device, path):
+  """AdamW on bf16 params with remainders and with a float32 master copy runs the same math on
+  the same float32 values: after 100 steps params joined to remainders are the master copy,
+  bit for bit, and the params its rounding (ties away from zero)."""
+  params = random_tree(9, [(4099,), (3, 7, 5), ()], jnp.bfloat16, device=device)
+  kwargs = dict(learning_rate=3e-3, weight_decay=0.1)
+  p_r, s_r = _run(jaxfuse.adamw(**kwargs, master_weights="remainder"), params, path, steps=100)
+  p_m, s_m = _run(jaxfuse.adamw(**kwargs, master_weights=True), params, path, steps=100)
+  assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(s_r[-1].param_remainders))
+  masters = jaxfuse.master_params(p_r, s_r)
+  assert_bitwise_equal(masters, s_m[-1].master_params, "params joined to remainders")
+  for p, m in zip(jax.tree.leaves(p_r), jax.tree.leaves(masters)):
+    bits = np.asarray(m).view(np.uint32)
+    nearest = ((bits + 0x8000) & 0xFFFF0000).astype(np.uint32)  # ties away from zero
+    np.testing.assert_array_equal(np.asarray(p, np.float32).view(np.uint32), nearest)
+  assert_bitwise_equal(s_r[0], s_m[0], "moments")
+
+
+def test_remainders_split_and_join_every_float32_pattern_class():
+  x = np.concatenate([np.random.default_rng(0).standard_normal(10000).astype(np.float32),
+                      np.float32([0.0, -0.0, 1.0, -1.0, 3.4e38, -3.4e38, 1e-40, -1e-40,
+                                  np.inf, -np.inf])])
+  finite = x[np.isfinite(x)]
+  x = np.concatenate([x, ((finite.view(np.uint32) & 0xFFFF0000) | 0x8000).view(np.float32)])
+  param, remainder = _rounding.split_remainder(jnp.asarray(x))
+  assert param.dtype == jnp.bfloat16 and remainder.dtype == jnp.int16
+  np.testing.assert_array_equal(np.asarray(_rounding.join_remainder(param, remainder))
+                                .view(np.uint32), x.view(np.uint32))
+  finite = np.isfinite(np.asarray(param, np.float32))
+  error = np.abs(np.asarray(param, np.float64)[finite] - x.astype(np.float64)[finite])
+  spacing = np.abs(np.spacing(np.asarray(param, np.float32)[finite]).astype(np.float64)) * 2**16
+  assert np.all(error <= spacing / 2)
+
+
+def test_remainders_keep_2_bytes_per_param(device):
+  params = random_tree(10, [(1 << 16,), (300, 7)], jnp.bfloat16, device=device)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  for master_weights, extra in ((True, 4), ("remainder", 2)):
+    tx = jaxfuse.adamw(1e-3, master_weights=master_weights)
+    fn = lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)
+    r = jaxfuse.report(jax.jit(fn, donate_argnums=(0, 1)), params, tx.init(params),
+                       grads(11, params))
+    assert r.state_bytes_per_param == pytest.approx(8 + extra, rel=0.01)
+    # grads, params, moments and the master's 2 or 4 bytes read and written
+    assert r.bytes_moved == pytest.approx((2 + 2 * 2 + 2 * 8 + 2 * extra) * n, rel=0.01)
+
+
+def test_remainders_in_a_tree_with_float32_leaves(device):
+  params = {"w": random_tree(12, [(301,)], jnp.bfloat16)["leaf0000"],
+            "b": random_tree(13, [(17,)])["leaf0000"]}
+  params = jax.device_put(params, device)
+  tx = jaxfuse.adamw(1e-2, master_weights="remainder")
+  state = tx.init(params)
+  assert state[-1].param_remainders["b"].shape == (0,)
+  text = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)).lower(
+      params, state, grads(14, params)).as_text()
+  assert text.count("jaxfuse_adam") == 2  # bf16 with remainders, float32 without
+  p_r, _ = _run(tx, params, "fused", steps=5)
+  p_o, _ = _run(optax.adamw(1e-2), params, "optax", steps=5)
+  np.testing.assert_allclose(p_r["b"], p_o["b"], rtol=5 * 8 * F32_RTOL)
+
+
+def test_remainder_and_rounding_options_are_checked():
+  with pytest.raises(TypeError, match=r"params leaf \['h'\] is float16"):
+    jaxfuse.adamw(1e-3, master_weights="remainder").init({"h": jnp.ones(3, jnp.float16)})
+  with pytest.raises(ValueError, match="not supported by trust-ratio families"):
+    jaxfuse.lamb(1e-3, master_weights="remainder")
+  with pytest.raises(ValueError, match="master_weights='fp32'"):
+    jaxfuse.sgd(1e-3, master_weights="fp32")
+  with pytest.raises(ValueError, match="stochastic_rounding rounds params that have no master"):
+    jaxfuse.adamw(1e-3, master_weights=True, stochastic_rounding=True)
+  with pytest.raises(ValueError, match="seed=-1"):
+    jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=-1)
+  tx = jaxfuse.adamw(1e-3, stochastic_rounding=True)
+  with pytest.raises(ValueError, match=r"needs params \(for stochastic rounding\)"):
+    tx.update({"w": jnp.ones(2)}, tx.init({"w": jnp.ones(2)}))
+
+
+# ---- conversions -----------------------------------------------------------------------------
+
+
+def test_convert_state_between_optax_master_and_remainders(device):
+  params = random_tree(15, [(257,), (3, 4)], jnp.bfloat16, device=device)
+  master_tx = jaxfuse.adamw(1e-2, master_weights=True)
+  p, s = _run(master_tx, params, "fused", steps=3)
+  compact = jaxfuse.adamw(1e-2, master_weights="remainder", nu_dtype=jnp.bfloat16)
+  p_c, s_c = jaxfuse.convert_state(s, p, compact)
+  assert jax.tree.structure(s_c) == jax.tree.structure(compact.init(params))
+  assert_bitwise_equal(jaxfuse.master_params(p_c, s_c), s[-1].master_params, "master")
+  p_back, s_back = jaxfuse.convert_state(s_c, p_c, master_tx)
+  assert_bitwise_equal(s_back[-1].master_params, s[-1].master_params, "master again")
+  # Leaving 16 bits: float32 params for optax's AdamW are the master itself.
+  wide = jax.tree.map(lambda x: x.astype(jnp.float32), p_c)
+  p_o, s_o = jaxfuse.convert_state(s_c, wide, optax.adamw(1e-2))
+  assert_bitwise_equal(p_o, s[-1].master_params, "float32 params")
+  assert jax.tree.structure(s_o) == jax.tree.structure(optax.adamw(1e-2).init(wide))
+  with pytest.raises(ValueError, match="not one of this transform's optimizer"):
+    jaxfuse.convert_state(s_c, p_c, jaxfuse.sgd(1e-2, momentum=0.9))
+
+
+# ---- every mode through the generic features -------------------------------------------------
+
+
+def _clipped_step(tx, path):
+  """jaxfuse's clip then `tx`, with a loss scale of 8, through `path` (unjitted compare)."""
+  chained = optax.chain(jaxfuse.clip_by_global_norm(0.5), tx)
+  scale = jnp.float32(8.0)
+  if path == "fused":
+    return chained, jax.jit(lambda p, s, g: jaxfuse.fused_step(chained, g, s, p,
+                                                                grad_scale=scale))
+  def step(p, s, g):
+    u, s = chained.update(g, s, p, grad_scale=scale)
+    return optax.apply_updates(p, u), s
+  return chained, jax.jit(step)
+
+
+def _nonfinite_at(t, g):
+  return jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), g) if t == 2 else g
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_remainders_follow_the_master_copy_under_clip_loss_scale_and_skip(device, path):
+  params = random_tree(16, [(513,), (6, 5)], jnp.bfloat16, device=device)
+  results = {}
+  for mode in ("remainder", True):
+    tx, step = _clipped_step(jaxfuse.adamw(1e-2, master_weights=mode, skip_nonfinite=True), path)
+    p, s = params, tx.init(params)
+    for t in range(5):
+      p, s = step(p, s, _nonfinite_at(t, grads(17 + t, params, scale=8.0)))
+    results[mode] = (jaxfuse.master_params(p, s[-1]), s[-1][-1].skipped_steps)
+  assert_bitwise_equal(results["remainder"][0], results[True][0], "masters")
+  assert int(results["remainder"][1]) == int(results[True][1]) == 1
+
+
+def test_stochastic_rounding_paths_agree_under_clip_loss_scale_and_skip(device):
+  params = random_tree(18, [(513,), (6, 5)], [jnp.bfloat16, jnp.float16], device=device)
+  """XLA's math and the kernels' may differ by an ulp of float32, which moves a 16-bit value to
+  its other neighbour now and then: the paths agree within one 16-bit ulp."""
+  results = {}
+  for path in PATHS:
+    tx, step = _clipped_step(
+        jaxfuse.adamw(1e-2, stochastic_rounding=True, seed=9, skip_nonfinite=True), path)
+    p, s = params, tx.init(params)
+    for t in range(5):
+      p, s = step(p, s, _nonfinite_at(t, grads(19 + t, params, scale=8.0)))
+    results[path] = p, s
+  for leaf in results["fused"][0]:
+    fused, xla = (_bits(results[k][0][leaf]).astype(np.int64) for k in ("fused", "optax"))
+    assert np.mean(fused != xla) < 0.05
+    assert np.max(np.abs(fused - xla)) <= 2  # neighbours (no sign changes at these sizes)
+  assert int(results["fused"][1][-1][-1].skipped_steps) == 1
+
+
+_MODES = {
+    "nu_bf16": dict(nu_dtype=jnp.bfloat16, mu_dtype=jnp.bfloat16),
+    "remainder": dict(master_weights="remainder"),
+    "stochastic": dict(stochastic_rounding=True, seed=1),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(_MODES))
+def test_modes_under_multi_steps_and_in_a_flax_train_state(device, mode):
+  """jaxfuse.multi_steps and jaxfuse.flax.TrainState run the modes' fused step: the same
+  params as the step called directly."""
+  flax = pytest.importorskip("jaxfuse.flax")
+  params = random_tree(20, [(64,), (8, 8)], jnp.bfloat16, device=device)
+  tx = jaxfuse.adamw(1e-2, **_MODES[mode])
+  state = flax.TrainState.create(apply_fn=None, params=params, tx=tx)
+  step = jax.jit(lambda st, g: st.apply_gradients(grads=g))
+  for t in range(3):
+    state = step(state, grads(21 + t, params))
+  p_ref, _ = _run(tx, params, "fused", steps=3, seed=0, grad_fn=lambda s, p: grads(21 + s, p))
+  assert_bitwise_equal(state.params, p_ref, "TrainState params")
+  accumulated = jaxfuse.multi_steps(tx, every_k_schedule=2)
+  g = lambda s, p: grads(21 + s // 2, p)  # each gradient twice: their mean is the gradient
+  p_acc, s_acc = _run(accumulated, params, "fused", steps=6, seed=0, grad_fn=g)
+  assert int(s_acc.gradient_step) == 3
+  assert_bitwise_equal(p_acc, p_ref, "multi_steps params")
