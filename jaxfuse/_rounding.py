@@ -48,8 +48,8 @@ def stream(seed: Any, leaf: Any, shard: Any, count: jax.Array) -> jax.Array:
 
 
 def element_bits(stream_: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """rounding_bits() (rounding.h) for every element of a leaf of `shape` (fewer than 2**32
-  elements: the high word of the index is 0)."""
+  """element_bits() (rounding.h) for every element of a leaf of `shape` (fewer than 2**32
+  elements: the high word of the index is 0, index_word() is the stream)."""
   index = jax.lax.iota(_U32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
   return mix32(index * _U32(0x9E3779B1) + stream_)
 
@@ -82,8 +82,8 @@ def _f16_stochastic(x: jax.Array, bits: jax.Array) -> jax.Array:
 
 
 def stochastic_round(x: jax.Array, dtype: Any, bits: jax.Array) -> jax.Array:
-  """stochastic_round() (rounding.h): float32 `x` rounded stochastically to the 16-bit `dtype`,
-  as that dtype."""
+  """stochastic_round_run() (rounding.h) over a leaf: float32 `x` rounded stochastically to
+  the 16-bit `dtype`, as that dtype."""
   rounded = _bf16_stochastic(x, bits) if jnp.dtype(dtype) == jnp.bfloat16 else \
       _f16_stochastic(x, bits)
   return rounded.astype(dtype)

@@ -316,12 +316,29 @@ def test_convert_state_between_optax_master_and_remainders(device):
   p_back, s_back = jaxfuse.convert_state(s_c, p_c, master_tx)
   assert_bitwise_equal(s_back[-1].master_params, s[-1].master_params, "master again")
   # Leaving 16 bits: float32 params for optax's AdamW are the master itself.
-  wide = jax.tree.map(lambda x: x.astype(jnp.float32), p_c)
-  p_o, s_o = jaxfuse.convert_state(s_c, wide, optax.adamw(1e-2))
+  p_o, s_o = jaxfuse.convert_state(s_c, p_c, optax.adamw(1e-2), jnp.float32)
   assert_bitwise_equal(p_o, s[-1].master_params, "float32 params")
-  assert jax.tree.structure(s_o) == jax.tree.structure(optax.adamw(1e-2).init(wide))
+  assert jax.tree.structure(s_o) == jax.tree.structure(optax.adamw(1e-2).init(p_o))
   with pytest.raises(ValueError, match="not one of this transform's optimizer"):
     jaxfuse.convert_state(s_c, p_c, jaxfuse.sgd(1e-2, momentum=0.9))
+
+
+def test_convert_state_inside_a_chain(device):
+  """optax's clip + AdamW on float32 params onward with jaxfuse's on bf16 params and remainders:
+  the master is the float32 params, bit for bit, the moments carry over; and back."""
+  params = random_tree(22, [(300,), (5, 6)], device=device)
+  chain = lambda opt: optax.chain(optax.clip_by_global_norm(1.0), opt)
+  source = chain(optax.adamw(1e-2))
+  p, s = _run(source, params, "optax", steps=3)
+  target = chain(jaxfuse.adamw(1e-2, master_weights="remainder", skip_nonfinite=True))
+  p16, s16 = jaxfuse.convert_state(s, p, target, jnp.bfloat16)
+  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
+  assert jax.tree.structure(s16) == jax.tree.structure(target.init(p16))
+  assert_bitwise_equal(jaxfuse.master_params(p16, s16), p, "master")
+  assert_bitwise_equal(s16[1][0].mu, s[1][0].mu, "first moment")
+  p_back, s_back = jaxfuse.convert_state(s16, p16, source, jnp.float32)
+  assert_bitwise_equal(p_back, p, "float32 params")
+  assert jax.tree.structure(s_back) == jax.tree.structure(s)
 
 
 # ---- every mode through the generic features -------------------------------------------------

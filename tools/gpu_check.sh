@@ -15,7 +15,7 @@
 # install, with --no-build-isolation), tests (the suite, CUDA backend included), graphs (command
 # buffers on vs off, bitwise, training step and decode loop), sanitize (memcheck, racecheck,
 # synccheck over tools/gpu_ops.py, one op per process), report, bench_optim, bench_families
-# (every optimizer family against optax), bench_decoder,
+# (every optimizer family against optax, and AdamW's precision modes), bench_decoder,
 # bench_train, profile (ncu over tools/profile_kernels.py), bench_leaves (the 1000-leaf tree with
 # XLA's command buffers off, beside bench_optim's run with them on), variants (tuning switches,
 # timed beside the default build).
@@ -192,6 +192,7 @@ stage_bench_optim() {
 stage_bench_families() {
   use_extension
   step bench_families python3 benchmarks/bench_families.py $Q --out "$OUT/bench_families.md"
+  step bench_precision python3 benchmarks/bench_precision.py $Q --out "$OUT/bench_precision.md"
 }
 
 stage_bench_decoder() {

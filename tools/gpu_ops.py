@@ -55,6 +55,11 @@ ADAM_CASES = {
     "adamw bf16 + master, mu bf16": (dict(master_weights=True, mu_dtype=jnp.bfloat16), jnp.bfloat16),
     "adamw f16 + master": (dict(master_weights=True), jnp.float16),
     "adamw bf16 (no master)": (dict(), jnp.bfloat16),
+    # Fewer bytes per param (rounding.h): the GPU must store the CPU's bits.
+    "adamw f32, mu + nu bf16": (dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16), jnp.float32),
+    "adamw bf16 + remainders": (dict(master_weights="remainder"), jnp.bfloat16),
+    "adamw bf16 stochastic rounding": (dict(stochastic_rounding=True, seed=3), jnp.bfloat16),
+    "adamw f16 stochastic rounding": (dict(stochastic_rounding=True, seed=4), jnp.float16),
 }
 
 
@@ -79,6 +84,10 @@ FAMILY_CASES = {
                            jnp.bfloat16),
     "lars f32": (lambda **kw: jaxfuse.lars(0.1, weight_decay=0.01, **kw), {}, jnp.float32),
     "lars nesterov bf16": (lambda **kw: jaxfuse.lars(0.1, nesterov=True, **kw), {}, jnp.bfloat16),
+    "sgd momentum bf16 + remainders": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw),
+                                       dict(master_weights="remainder"), jnp.bfloat16),
+    "lion bf16 stochastic rounding": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
+                                      dict(stochastic_rounding=True), jnp.bfloat16),
 }
 
 

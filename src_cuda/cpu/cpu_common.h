@@ -145,9 +145,11 @@ void for_each_chunk(ffi::ThreadPool* pool, const TensorLists& lists, const Chunk
 }
 
 // Converting tile copies: load a run of any storage dtype into compute-type scratch and store it
-// back. Plain loops over typed pointers, so the compiler vectorizes each dtype's case.
+// back. Plain loops over typed pointers, so the compiler vectorizes each dtype's case; always
+// inlined, so that a caller compiled per ISA level (JF_CPU_MULTIVERSION) converts at its level.
 template <typename Real>
-void load_tile(const void* base, DType t, int64_t start, int64_t n, Real* out) {
+__attribute__((always_inline)) inline void load_tile(const void* base, DType t, int64_t start,
+                                                     int64_t n, Real* out) {
   visit_dtype(t, [&](auto tag) {
     using S = typename decltype(tag)::S;
     const typename S::Bits* p = static_cast<const typename S::Bits*>(base) + start;
@@ -156,7 +158,8 @@ void load_tile(const void* base, DType t, int64_t start, int64_t n, Real* out) {
 }
 
 template <typename Real>
-void store_tile(void* base, DType t, int64_t start, int64_t n, const Real* in) {
+__attribute__((always_inline)) inline void store_tile(void* base, DType t, int64_t start,
+                                                      int64_t n, const Real* in) {
   visit_dtype(t, [&](auto tag) {
     using S = typename decltype(tag)::S;
     typename S::Bits* p = static_cast<typename S::Bits*>(base) + start;

@@ -42,6 +42,39 @@ static void add_into(int64_t len, double* __restrict__ p, const double* __restri
   for (int64_t i = 0; i < len; ++i) p[i] = p[i] + u[i];
 }
 
+// The tile copies per ISA level: at the baseline ISA the 16-bit conversions would take most of
+// a step's time.
+JF_CPU_MULTIVERSION
+static void tile_load(const void* base, DType t, int64_t start, int64_t n, float* out) {
+  load_tile(base, t, start, n, out);
+}
+
+JF_CPU_MULTIVERSION
+static void tile_load(const void* base, DType t, int64_t start, int64_t n, double* out) {
+  load_tile(base, t, start, n, out);
+}
+
+JF_CPU_MULTIVERSION
+static void tile_store(void* base, DType t, int64_t start, int64_t n, const float* in) {
+  store_tile(base, t, start, n, in);
+}
+
+JF_CPU_MULTIVERSION
+static void tile_store(void* base, DType t, int64_t start, int64_t n, const double* in) {
+  store_tile(base, t, start, n, in);
+}
+
+// Stochastic rounding of a tile's params (rounding.h), per ISA level.
+JF_CPU_MULTIVERSION
+static void round_tile(DType t, uint32_t stream, int64_t first, int64_t n, float* x) {
+  stochastic_round_run(t, stream, first, n, x);
+}
+
+JF_CPU_MULTIVERSION
+static void round_tile(DType t, uint32_t stream, int64_t first, int64_t n, double* x) {
+  stochastic_round_run(t, stream, first, n, x);
+}
+
 // optimizer_group()'s view of one tile [start, start + len) of tensor t. `tile_elements` is the
 // family's per-ISA element loop (JAXFUSE_CPU_OPTIMIZER), found by argument-dependent lookup.
 template <typename Family, typename Real>
@@ -52,10 +85,10 @@ struct Tile {
 
   int64_t size() const { return len; }
   void load(int list, Real* x) const {
-    load_tile(tensors.ptr[t][list], tensors.dtype[t][list], start, len, x);
+    tile_load(tensors.ptr[t][list], tensors.dtype[t][list], start, len, x);
   }
   void store(int list, const Real* x) const {
-    store_tile(tensors.ptr[t][list], tensors.dtype[t][list], start, len, x);
+    tile_store(tensors.ptr[t][list], tensors.dtype[t][list], start, len, x);
   }
   void load_words(int list, Real* x) const {
     const int16_t* w = static_cast<const int16_t*>(tensors.ptr[t][list]) + start;
@@ -65,8 +98,9 @@ struct Tile {
     int16_t* w = static_cast<int16_t*>(tensors.ptr[t][list]) + start;
     for (int64_t i = 0; i < len; ++i) w[i] = static_cast<int16_t>(x[i]);
   }
-  DType dtype(int list) const { return tensors.dtype[t][list]; }
-  int64_t index(int64_t i) const { return start + i; }
+  void round_stochastically(uint32_t stream, Real* x) const {
+    round_tile(tensors.dtype[t][OptimizerLists::kParams], stream, start, len, x);
+  }
   void update(const typename Family::template Step<Real>& s, const Real* g, const Real* p,
               Real* s0, Real* s1, Real* s2, Real* u) const {
     tile_elements(Family{}, s, len, tensors.mask[t], g, p, s0, s1, s2, u);

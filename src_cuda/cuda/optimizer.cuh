@@ -52,8 +52,9 @@ struct RegisterGroup {
   __device__ void store_words(int list, const Real* x) const {
     store_word_group(chunk.ptr[list], i, n, vec, x);
   }
-  __device__ DType dtype(int list) const { return chunk.dtype[list]; }
-  __device__ int64_t index(int j) const { return chunk.offset + i + j; }
+  __device__ void round_stochastically(uint32_t stream, Real* x) const {
+    stochastic_round_run(chunk.dtype[OptimizerLists::kParams], stream, chunk.offset + i, 4, x);
+  }
   __device__ void update(const typename Family::template Step<Real>& s, const Real* g,
                          const Real* p, Real* s0, Real* s1, Real* s2, Real* u) const {
     Family::update(s, 4, chunk.mask, g, p, s0, s1, s2, u);
@@ -130,7 +131,9 @@ template <typename Family, typename Real>
 ffi::Error launch_for_layout(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
   return with_state_count<Family>(call.lists.num_states, [&](auto states) {
     constexpr int kStates = decltype(states)::value;
-    if (call.lists.master >= 0) return launch<Family, Real, kStates, ParamsMode::kMaster>(stream, call);
+    if (call.lists.master >= 0) {
+      return launch<Family, Real, kStates, ParamsMode::kMaster>(stream, call);
+    }
     if (call.lists.remainders >= 0) {
       if constexpr (std::is_same_v<Real, float> && !kHasTrustRatio<Family>) {
         return launch<Family, Real, kStates, ParamsMode::kRemainders>(stream, call);

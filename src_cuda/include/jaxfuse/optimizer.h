@@ -182,12 +182,13 @@ JF_HD OptimizerStep<Family, Real> make_optimizer_step(ScalarVector hyper, Scalar
 // One group of elements through a step. `Group` is the platform's group (the GPU: 4 scalars of
 // one thread, in registers; the CPU: a tile of a chunk, in scratch): Values (an array of Real),
 // size(), load(list, x), store(list, x) (converting from and to the list's float dtype),
-// load_words(list, x), store_words(list, x) (an int16 list, as integer values), dtype(list),
-// index(i) (element i's index in its tensor) and update(math, g, p, s0, s1, s2, u), the
-// family's element loop. `Lists` is an OptimizerLists or a type with its members as
-// compile-time constants. A skipped (non-finite) step leaves everything as it is. With master
-// weights the math reads and writes the master copy, and the params are its rounding; with
-// remainders it reads the params joined to their remainders and writes both halves back.
+// load_words(list, x), store_words(list, x) (an int16 list, as integer values),
+// round_stochastically(stream, p) (stochastic_round_run() over the group's params, their
+// indices in the tensor) and update(math, g, p, s0, s1, s2, u), the family's element loop.
+// `Lists` is an OptimizerLists or a type with its members as compile-time constants. A skipped
+// (non-finite) step leaves everything as it is. With master weights the math reads and writes
+// the master copy, and the params are its rounding; with remainders it reads the params joined
+// to their remainders and writes both halves back.
 template <typename Family, typename Real, typename Lists, typename Group>
 JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists& lists,
                            const Group& group) {
@@ -214,10 +215,7 @@ JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists&
     for (decltype(+n) i = 0; i < n; ++i) split_remainder(p[i], p[i], u[i]);
     group.store_words(lists.remainders, u);
   } else if (step.rounding.stochastic()) {
-    const DType t = group.dtype(OptimizerLists::kParams);
-    for (decltype(+n) i = 0; i < n; ++i) {
-      p[i] = stochastic_round(t, p[i], rounding_bits(step.stream, group.index(i)));
-    }
+    group.round_stochastically(step.stream, p);
   }
   group.store(OptimizerLists::kParams, p);
 }

@@ -45,20 +45,21 @@ JF_HD uint32_t rounding_stream(const uint32_t* key, int32_t count) {
   return mix32(h ^ static_cast<uint32_t>(count));
 }
 
-// 32 random bits for element `index` of a tensor's stream. The low word of the index goes
-// through one multiply and the finalizer (distinct elements of one stream get distinct words);
-// the high word, zero below 2^32 elements, changes the stream.
-JF_HD uint32_t rounding_bits(uint32_t stream, int64_t index) {
-  const uint64_t i = static_cast<uint64_t>(index);
-  const uint32_t high = static_cast<uint32_t>(i >> 32);
-  return mix32(static_cast<uint32_t>(i) * 0x9e3779b1u + (stream ^ (high ? mix32(high) : 0u)));
+// The random bits of an element come from its stream and its index in the tensor: the index's
+// low word through one multiply and the finalizer (distinct elements of one stream get distinct
+// words), its high word, zero below 2^32 elements, folded into the stream (index_word).
+JF_HD uint32_t index_word(uint32_t stream, int64_t index) {
+  const uint32_t high = static_cast<uint32_t>(static_cast<uint64_t>(index) >> 32);
+  return stream ^ (high ? mix32(high) : 0u);
 }
+
+JF_HD uint32_t element_bits(uint32_t word, uint32_t low) { return mix32(low * 0x9e3779b1u + word); }
 
 // `x` rounded stochastically to bfloat16, as a float: the 16 bits dropped from the float's
 // pattern decide, against 16 random bits, whether its magnitude rounds up. NaN stays NaN.
 JF_HD float bf16_stochastic(float x, uint32_t bits) {
-  if (x != x) return x;
-  return bits_float((float_bits(x) + (bits >> 16)) & 0xffff0000u);
+  const float rounded = bits_float((float_bits(x) + (bits >> 16)) & 0xffff0000u);
+  return x != x ? x : rounded;
 }
 
 // `x` rounded stochastically to float16, as a float. Normal halves drop 13 bits of the float's
@@ -76,14 +77,28 @@ JF_HD float f16_stochastic(float x, uint32_t bits) {
   return bits_float(sign | float_bits((whole + (up ? 1.0f : 0.0f)) * 5.9604644775390625e-8f));
 }
 
-// `x` rounded stochastically to storage dtype `t` (16-bit dtypes; others as they are), as a
-// value of the compute type that the store then keeps exactly. From double, the float rounded
-// to odd keeps whether anything below its last bit was dropped.
-template <typename Real>
-JF_HD Real stochastic_round(DType t, Real x, uint32_t bits) {
-  if (t != DType::kBF16 && t != DType::kF16) return x;
-  const float f = sizeof(Real) == 8 ? float_round_to_odd(double(x)) : float(x);
-  return Real(t == DType::kBF16 ? bf16_stochastic(f, bits) : f16_stochastic(f, bits));
+// A compute-type value as the float the 16-bit roundings take: from double, rounded to odd.
+JF_HD float as_float_to_round(float x) { return x; }
+JF_HD float as_float_to_round(double x) { return float_round_to_odd(x); }
+
+// Values x[0, n) of elements first, first + 1, ... of a tensor's stream rounded stochastically to
+// storage dtype `t` (16-bit dtypes; others stay as they are), as values of the compute type that
+// the store then keeps exactly (from double via as_float_to_round(), which keeps whether
+// anything below the float's last bit was dropped). A run does not cross a multiple of 2^32
+// elements (the drivers' groups are aligned to their power-of-two size).
+template <typename Real, typename Count>
+JF_HD void stochastic_round_run(DType t, uint32_t stream, int64_t first, Count n, Real* x) {
+  const uint32_t word = index_word(stream, first);
+  const uint32_t low = static_cast<uint32_t>(first);
+  if (t == DType::kBF16) {
+    for (Count i = 0; i < n; ++i) {
+      x[i] = Real(bf16_stochastic(as_float_to_round(x[i]), element_bits(word, low + uint32_t(i))));
+    }
+  } else if (t == DType::kF16) {
+    for (Count i = 0; i < n; ++i) {
+      x[i] = Real(f16_stochastic(as_float_to_round(x[i]), element_bits(word, low + uint32_t(i))));
+    }
+  }
 }
 
 // The fp32 master from a bf16 param (as a value) and its remainder (an int16 as a value).
