@@ -53,7 +53,10 @@ if has_stage emu; then
   stamp "CUDA handlers vs CPU handlers ($BUILD)"
   emu_tests "$BUILD"
   stamp "CUDA handlers vs CPU handlers ($SMALL)"
-  emu_tests "$SMALL" -k "not decoder"  # the decoder does not use the multi-tensor constants
+  # The decoder does not use the multi-tensor constants; the tables' and slices' boundaries do not
+  # depend on the grid, so two of the four launch shapes (several blocks in order, one shuffled)
+  # cover this build (the default build runs all four).
+  emu_tests "$SMALL" -k "not decoder and not grid1x1 and not grid3x2"
 fi
 
 if has_stage suite; then
