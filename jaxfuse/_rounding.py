@@ -27,7 +27,8 @@ ROUNDED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _u32(x: Any) -> jax.Array:
-  return jnp.asarray(x).astype(_U32)
+  """`x` as uint32: a Python int (up to 2**32 - 1) directly, an array by conversion."""
+  return jnp.asarray(x, _U32) if isinstance(x, int) else jnp.asarray(x).astype(_U32)
 
 
 def mix32(h: jax.Array) -> jax.Array:
