@@ -12,6 +12,7 @@ Optimizer side (optax-compatible):
   multi_steps          gradient accumulation (optax.MultiSteps) that fused_step runs in place
   master_params,       the full-precision params a state keeps (master copy, remainders), and
   convert_state        a state moved to another transform's dtypes and master layout
+  QuantizedMoment      one leaf of an 8-bit moment (moment_bits=8): codes and block scales
 
 Reporting:
   report               what a jitted step launches, moves and holds, beside a baseline
@@ -41,6 +42,7 @@ from jaxfuse._lamb import lamb
 from jaxfuse._lars import lars
 from jaxfuse._lion import lion
 from jaxfuse._model import DecoderModel
+from jaxfuse._moments import QuantizedMoment
 from jaxfuse._optimizer import ExtraState
 from jaxfuse._report import Report, report
 from jaxfuse._rmsprop import rmsprop
@@ -76,6 +78,7 @@ __all__ = [
     "DecoderWeights",
     "ExtraState",
     "KVCache",
+    "QuantizedMoment",
     "Report",
     "RopeScaling",
     "adagrad",

@@ -37,6 +37,9 @@ class AdagradSpec(_optimizer.Spec):
   def states(self, state: Any) -> list[Any]:
     return [state[0].sum_of_squares]
 
+  def state_signs(self) -> list[bool]:
+    return [False]
+
   def with_states(self, state: Any, trees: list[Any]) -> Any:
     return (state[0]._replace(sum_of_squares=trees[0]), *state[1:])
 
@@ -50,7 +53,8 @@ class AdagradSpec(_optimizer.Spec):
 
 
 def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
-            eps: float = 1e-7, *, master_weights: Union[bool, str] = False,
+            eps: float = 1e-7, *, moment_bits: Optional[int] = None,
+            master_weights: Union[bool, str] = False,
             skip_nonfinite: bool = False, stochastic_rounding: bool = False,
             seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """Adagrad as one fused kernel; same arguments, state and math as ``optax.adagrad``.
@@ -73,6 +77,8 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
     stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
       updates below half an ulp survive on average without a master copy.
+    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -80,4 +86,5 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
   return _optimizer.transform(AdagradSpec(
       learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value, eps=eps,
       master_weights=master_weights, skip_nonfinite=skip_nonfinite,
-      stochastic_rounding=stochastic_rounding, seed=seed))
+      stochastic_rounding=stochastic_rounding, seed=seed,
+      moment_bits=moment_bits))

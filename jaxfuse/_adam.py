@@ -29,6 +29,10 @@ Opt-in extensions (they append a :class:`jaxfuse.ExtraState` to the state):
   state; moments are fp32 (or ``mu_dtype``). The math runs on the master copy; params are its
   rounding. Updates have the grads' dtype (optax's rule) and step the params exactly onto that
   rounding.
+* ``moment_bits=8``: the moments of leaves of at least 4096 elements, a multiple of 128, are
+  kept block-wise in 8 bits (:class:`jaxfuse.QuantizedMoment` leaves in the
+  optax state's ``mu`` and ``nu``; src_cuda/include/jaxfuse/moment_codes.h says the formats),
+  dequantized, updated in float32 and requantized in the same pass.
 * ``skip_nonfinite=True``: a step whose gradients hold a NaN or Inf leaves params, moments and
   the count untouched and adds one to ``skipped_steps`` (like ``optax.apply_if_finite``, decided
   on device by the global-norm kernel).
@@ -105,6 +109,9 @@ class AdamSpec(_optimizer.Spec):
   def state_dtypes(self) -> list[Any]:
     return [None, self.nu_dtype]
 
+  def state_signs(self) -> list[bool]:
+    return [True, False]
+
   def check_params(self, params: Any) -> None:
     _optimizer.check_state_dtype("nu_dtype", self.nu_dtype, params)
     if self.mu_dtype is None:
@@ -162,8 +169,9 @@ def scaled_moment(k, g, p, states, decay: bool, nesterov: bool) -> tuple[jax.Arr
 
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: Optional[Any] = None, *, nesterov: bool = False,
-         nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
-         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+         nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
+         master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
+         stochastic_rounding: bool = False,
          seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """Adam (Kingma & Ba, 2015) as one fused kernel; same arguments and math as ``optax.adam``.
 
@@ -175,6 +183,9 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     nesterov: use Nesterov momentum (NAdam, Dozat 2016), as optax does.
     nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
       stays in float32 and the stored value is rounded once.
+    moment_bits: 8: both moments of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``, about 2 bytes per param for both),
+      dequantized and requantized in the step; None or 32: as ``mu_dtype``/``nu_dtype``.
     master_weights: True: keep an fp32 master copy of low-precision params in the state;
       "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
@@ -189,14 +200,16 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
                              weight_decay=None, mask=None, nesterov=nesterov,
                              master_weights=master_weights,
                              skip_nonfinite=skip_nonfinite,
-                             stochastic_rounding=stochastic_rounding, seed=seed))
+                             stochastic_rounding=stochastic_rounding, seed=seed,
+                             moment_bits=moment_bits))
 
 
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, mu_dtype: Optional[Any] = None,
           weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *, nesterov: bool = False,
-          nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
-          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+          nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
+          master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
+          stochastic_rounding: bool = False,
           seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """AdamW (Loshchilov & Hutter, 2019) as one fused kernel; same arguments and math as
   ``optax.adamw``.
@@ -212,6 +225,9 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     nesterov: use Nesterov momentum (NAdamW), as optax does.
     nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
       stays in float32 and the stored value is rounded once.
+    moment_bits: 8: both moments of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``, about 2 bytes per param for both),
+      dequantized and requantized in the step; None or 32: as ``mu_dtype``/``nu_dtype``.
     master_weights: True: keep an fp32 master copy of low-precision params in the state;
       "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
@@ -226,28 +242,32 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
                              weight_decay=weight_decay, mask=mask, nesterov=nesterov,
                              master_weights=master_weights,
                              skip_nonfinite=skip_nonfinite,
-                             stochastic_rounding=stochastic_rounding, seed=seed))
+                             stochastic_rounding=stochastic_rounding, seed=seed,
+                             moment_bits=moment_bits))
 
 
 def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None, *,
-          nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
-          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+          nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
+          master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
+          stochastic_rounding: bool = False,
           seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """NAdam (Dozat, 2016, https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ): ``adam`` with
   ``nesterov=True``, as ``optax.nadam``."""
   return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=True, nu_dtype=nu_dtype,
-              master_weights=master_weights, skip_nonfinite=skip_nonfinite,
+              moment_bits=moment_bits, master_weights=master_weights, skip_nonfinite=skip_nonfinite,
               stochastic_rounding=stochastic_rounding, seed=seed)
 
 
 def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None,
            weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
-           nu_dtype: Optional[Any] = None, master_weights: Union[bool, str] = False,
-           skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+           nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
+           master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
+           stochastic_rounding: bool = False,
            seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """NAdamW: ``adamw`` with ``nesterov=True``, as ``optax.nadamw``."""
   return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-               nesterov=True, nu_dtype=nu_dtype, master_weights=master_weights,
+               nesterov=True, nu_dtype=nu_dtype, moment_bits=moment_bits,
+               master_weights=master_weights,
                skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed)

@@ -70,6 +70,9 @@ class LionSpec(_optimizer.Spec):
   def states(self, state: Any) -> list[Any]:
     return [state[0].mu]
 
+  def state_signs(self) -> list[bool]:
+    return [True]
+
   def with_states(self, state: Any, trees: list[Any]) -> Any:
     return (state[0]._replace(mu=trees[0]), *state[1:])
 
@@ -91,7 +94,8 @@ class LionSpec(_optimizer.Spec):
 
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mu_dtype: Optional[Any] = None, weight_decay: ScalarOrSchedule = 1e-3,
-         mask: Any = None, *, master_weights: Union[bool, str] = False,
+         mask: Any = None, *, moment_bits: Optional[int] = None,
+         master_weights: Union[bool, str] = False,
          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
          seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   r"""Lion (Chen et al., 2023) as one fused kernel; same arguments and math as ``optax.lion``.
@@ -118,6 +122,8 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
     stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
       updates below half an ulp survive on average without a master copy.
+    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -130,4 +136,5 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
                                        mu_dtype=mu_dtype, weight_decay=weight_decay, mask=mask,
                                        master_weights=master_weights,
                                        skip_nonfinite=skip_nonfinite,
-                                       stochastic_rounding=stochastic_rounding, seed=seed))
+                                       stochastic_rounding=stochastic_rounding, seed=seed,
+                                       moment_bits=moment_bits))

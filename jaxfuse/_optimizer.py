@@ -30,6 +30,7 @@ import optax
 from jaxfuse import _clip
 from jaxfuse import _ffi
 from jaxfuse import _inplace
+from jaxfuse import _moments
 from jaxfuse import _partition
 from jaxfuse import _rounding
 from jaxfuse import _trees
@@ -140,6 +141,7 @@ class Spec:
   stochastic_rounding: bool = False
   seed: Optional[int] = None  # None: 0 (a default of 0 would be a hyperparameter to optax's
                               # inject_hyperparams, and change its state's structure)
+  moment_bits: Optional[int] = None  # None: 32, for the same reason
 
   def check_options(self) -> None:
     """Raises on a combination of the generic options that this family cannot run."""
@@ -152,6 +154,15 @@ class Spec:
     if self.keeps_remainders and "trust_sums_op" in self.contract.names:
       raise ValueError(f"{self.name}: master_weights='remainder' is not supported by trust-ratio "
                        "families; use master_weights=True")
+    bits = self.moment_bits
+    if bits is not None and not (isinstance(bits, (int, np.integer)) and bits in (8, 32)):
+      raise ValueError(f"{self.name}: moment_bits={bits!r}; expected 8 or 32 (None: 32), static "
+                       "(under optax.inject_hyperparams: static_args=('moment_bits',))")
+    if self.moment_bits == 8 and "trust_sums_op" in self.contract.names:
+      raise ValueError(f"{self.name}: moment_bits=8 is not supported by trust-ratio families "
+                       "(their first pass reads the states as floats)")
+    if self.moment_bits == 8 and not self.state_signs():
+      raise ValueError(f"{self.name}: moment_bits=8, but this configuration keeps no state")
     seed = self.rounding_seed
     seed_ok = 0 <= seed < 2**32 if isinstance(seed, (int, np.integer)) else (
         jnp.shape(seed) == () and jnp.issubdtype(jnp.result_type(seed), jnp.integer))
@@ -183,6 +194,12 @@ class Spec:
   def state_dtypes(self) -> list[Any]:
     """Per state list, a storage dtype that replaces the optax twin's (None: keep it), for
     the state dtypes optax has no argument for (e.g. Adam's ``nu_dtype``)."""
+    return []
+
+  def state_signs(self) -> list[bool]:
+    """Per state list, whether its values take both signs (True: e.g. a first moment) or are
+    never negative (False: e.g. a second moment): the 8-bit formats of ``moment_bits=8``. Empty:
+    the family has no 8-bit states."""
     return []
 
   def with_states(self, state: Any, trees: list[Any]) -> Any:
@@ -228,6 +245,15 @@ class Spec:
     return self.master_weights == "remainder"
 
   @property
+  def quantizes_states(self) -> bool:
+    """Whether large leaves keep their state lists in 8 bits (``moment_bits=8``)."""
+    return self.moment_bits == 8
+
+  @property
+  def moment_block(self) -> int:
+    return self.contract.numbers["moment_block"]
+
+  @property
   def has_extra_state(self) -> bool:
     return bool(self.master_weights) or self.skip_nonfinite
 
@@ -239,21 +265,39 @@ class Spec:
     names = self.contract.names["flags"]
     return sum(1 << names.index(k) for k, on in self.flags().items() if on)
 
-  def lists(self, master: bool = False, remainders: bool = False) -> dict[str, tuple[str, ...]]:
+  def lists(self, master: bool = False, remainders: bool = False,
+            quantized: bool = False) -> dict[str, tuple[str, ...]]:
     """The lists of a call by name: its "operands", "results" and "trailing_operands"."""
     return self.contract.call("lists", flags=self.flag_bits(), master=master,
                               remainders=remainders,
-                              stochastic_rounding=self.stochastic_rounding).names
+                              stochastic_rounding=self.stochastic_rounding,
+                              quantized_states=quantized).names
 
   def twin_init(self, params: Any) -> Any:
-    """The optax twin's state for `params`, with the state dtypes of state_dtypes()."""
+    """The optax twin's state for `params`, with the state dtypes of state_dtypes(), and with
+    ``moment_bits=8`` each quantizable leaf's states quantized."""
     state = self.optax_twin().init(params)
     trees = self.states(state)
     dtypes = self.state_dtypes() + [None] * (len(trees) - len(self.state_dtypes()))
-    if not any(d is not None for d in dtypes):
+    if not any(d is not None for d in dtypes) and not self.quantizes_states:
       return state
-    return self.with_states(state, [t if d is None else jax.tree.map(lambda x: x.astype(d), t)
-                                    for t, d in zip(trees, dtypes)])
+    trees = [t if d is None else jax.tree.map(lambda x: x.astype(d), t)
+             for t, d in zip(trees, dtypes)]
+    if self.quantizes_states:
+      block = self.moment_block
+      for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
+        split = _moments.quantizable(p.shape, p.dtype, block) and \
+            _moments.split_block_dims(p, block)
+        if split:
+          raise ValueError(f"{self.name}: params leaf {name} is sharded along dimension(s) "
+                           f"{split}, which its 8-bit blocks of {block} elements run along "
+                           "(moment_bits=8); shard it along a dimension before those, or "
+                           "replicate it")
+      quantized = lambda signed: lambda p, x: _moments.quantize(x, signed, block) \
+          if _moments.quantizable(p.shape, p.dtype, block) else x
+      trees = [jax.tree.map(quantized(signed), params, t)
+               for t, signed in zip(trees, self.state_signs())]
+    return self.with_states(state, trees)
 
   def init(self, params: Any) -> Any:
     params = _trees.as_arrays(params)
@@ -332,14 +376,23 @@ class _Leaves(NamedTuple):
     return _Leaves(pick(self.grads), pick(self.params), [pick(s) for s in self.states],
                    pick(self.master_params), remainders, pick(self.positions))
 
-  def family(self, i: int) -> tuple[bool, bool, bool]:
-    """(computed in double, complex, has remainders) for leaf i: leaves of one family share FFI
-    calls."""
-    dtypes = [x[i].dtype for x in (self.grads, self.params, *self.states, self.master_params)
-              if x is not None]
+  def family(self, i: int) -> tuple[bool, bool, bool, bool]:
+    """(computed in double, complex, has remainders, 8-bit states) for leaf i: leaves of one
+    family share FFI calls."""
+    dtypes = [_state_dtype(x[i]) for x in (self.grads, self.params, *self.states,
+                                           self.master_params) if x is not None]
     remainder = self.remainders is not None and np.size(self.remainders[i]) > 0
     return (any(_trees.is_wide(d) for d in dtypes), _trees.is_complex(self.grads[i].dtype),
-            remainder)
+            remainder, self.quantized(i))
+
+  def quantized(self, i: int) -> bool:
+    """Whether leaf i's states are 8-bit codes."""
+    return bool(self.states) and _moments.is_quantized(self.states[0][i])
+
+
+def _state_dtype(x: Any) -> Any:
+  """The dtype of a state leaf as the math sees it (a quantized one's values are float32)."""
+  return jnp.dtype(jnp.float32) if _moments.is_quantized(x) else x.dtype
 
 
 def _stand_in_params(spec: Spec, grads: Any, state: Any) -> Any:
@@ -347,7 +400,7 @@ def _stand_in_params(spec: Spec, grads: Any, state: Any) -> Any:
   the dtypes of the state that init() would make from them (the optax twin's)."""
   shapes = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
   return shapes if not spec.states(state) else jax.tree.structure(grads).unflatten(
-      [jax.ShapeDtypeStruct(jnp.shape(g), s.dtype) for g, s in
+      [jax.ShapeDtypeStruct(jnp.shape(g), _state_dtype(s)) for g, s in
        zip(jax.tree.leaves(grads), jax.tree.structure(grads).flatten_up_to(
            spec.states(state)[-1]))])
 
@@ -475,6 +528,8 @@ def _leaf_update(spec: Spec, h: dict, g, leaf: _LeafParams, states: list, flags:
   """optimizer_group() (optimizer.h) for one leaf as XLA operations, in the same operation
   order: (update, new states, new master or None, new remainder or None)."""
   p, master = leaf.params, leaf.master
+  stored_states = states  # as kept: 8-bit ones are QuantizedMoments
+  states = [_moments.dequantize(s) if _moments.is_quantized(s) else s for s in states]
   c = _compute_dtype(*[x.dtype for x in (g, p, *states, master) if x is not None])
   real = jnp.finfo(c).dtype
   k = {name: jnp.asarray(x, real) for name, x in h.items()}
@@ -493,11 +548,16 @@ def _leaf_update(spec: Spec, h: dict, g, leaf: _LeafParams, states: list, flags:
     new_params, new_remainder = leaf.stored(new_value)
     u = new_params.astype(c) - p.astype(c)
     new_master = new_value if master is not None else None
-  keep = lambda new, old: None if old is None else new.astype(old.dtype) if skip is None \
-      else jnp.where(skip, old, new.astype(old.dtype))
+  def keep(new, old):
+    if old is None:
+      return None
+    new = _moments.like(new, old) if _moments.is_quantized(old) else new.astype(old.dtype)
+    return new if skip is None else jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+
   out_dtype = _output_dtype(spec, g, states)
   update = u.astype(out_dtype) if skip is None else jnp.where(skip, 0, u.astype(out_dtype))
-  return (update, [keep(n, o) for n, o in zip(new_states, states)], keep(new_master, master),
+  return (update, [keep(n, o) for n, o in zip(new_states, stored_states)],
+          keep(new_master, master),
           keep(new_remainder, leaf.remainder))
 
 
@@ -616,6 +676,21 @@ def _with_shards(spec: Spec, keys: jax.Array, shards: _partition.Shards,
   return keys.at[:, column].set(jnp.stack(index).astype(jnp.uint32))
 
 
+def _check_whole_blocks(spec: Spec, local: tuple, first_operand: dict[str, int], state: str,
+                       positions: list[int]) -> None:
+  """Raises unless each leaf's local shard holds its 8-bit states' whole blocks: a leaf split
+  along a dimension its blocks run along is refused (its scales are not split there)."""
+  for i, position in enumerate(positions):
+    codes = local[first_operand[state] + i]
+    scales = local[first_operand[f"{state}_scales"] + i]
+    if codes.size != scales.size * spec.moment_block:
+      raise ValueError(
+          f"{spec.name}: params leaf number {position} (in tree order) is split along one of "
+          f"its dimensions {list(range(scales.ndim - 1, codes.ndim))}, which its 8-bit blocks "
+          f"of {spec.moment_block} elements run along (moment_bits=8); shard it along one of "
+          f"its first {scales.ndim - 1} dimensions, or replicate it")
+
+
 def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
               flags: list[int]) -> tuple[jax.Array, dict[str, list]]:
   """One FFI call of the family's op over `leaves`, in place, on every device's own shards when
@@ -623,16 +698,19 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
   n = len(leaves.grads)
   master = leaves.master_params is not None
   remainders = leaves.remainders is not None
-  call_lists = spec.lists(master, remainders)
+  quantized = leaves.quantized(0)
+  call_lists = spec.lists(master, remainders, quantized)
   operand_lists, result_lists = call_lists["operands"], call_lists["results"]
+  state_names = operand_lists[2:2 + len(leaves.states)]
   by_name = dict(grads=leaves.grads, params=leaves.params, master_params=leaves.master_params,
-                 param_remainders=leaves.remainders,
-                 **dict(zip(operand_lists[2:2 + len(leaves.states)], leaves.states)))
+                 param_remainders=leaves.remainders)
+  for name, states in zip(state_names, leaves.states):
+    by_name[name] = [s.codes for s in states] if quantized else states
+    by_name[f"{name}_scales"] = [s.scales for s in states] if quantized else None
   fixed = dict(count=count, hyper=hyper, grad_ctrl=grad_ctrl)
   fixed_names = spec.contract.names["fixed_operands"]
   operands = [fixed[name] for name in fixed_names]
   operands += [x for name in operand_lists for x in by_name[name]]
-  result_dtypes = [jnp.int32] + [x.dtype for name in result_lists for x in by_name[name]]
   aliases = _ffi.aliases(operand_lists, result_lists, n, operand_offset=len(fixed_names),
                          result_offset=len(spec.contract.names["fixed_results"]))
 
@@ -643,8 +721,6 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
 
   def body(shards, *local):
     # Elementwise: each device updates its own shards (trust ratios need whole leaves' sums).
-    shapes = [()] + [jnp.shape(x) for _ in result_lists
-                     for x in local[len(fixed):len(fixed) + n]]
     trailing = []
     for name in call_lists["trailing_operands"]:
       if name == "trust_sums":
@@ -655,21 +731,32 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
       else:
         trailing.append(_with_shards(spec, local[num_list_operands], shards,
                                      first_operand["params"]))
+    if quantized:
+      _check_whole_blocks(spec, local, first_operand, state_names[0], leaves.positions)
     call = jax.ffi.ffi_call(_ffi.target(spec.op),
-                            [jax.ShapeDtypeStruct(s, t) for s, t in zip(shapes, result_dtypes)],
+                            [jax.ShapeDtypeStruct((), jnp.int32)]
+                            + [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype)
+                               for x in [local[first_operand[name] + i]
+                                         for name in result_lists for i in range(n)]],
                             input_output_aliases=aliases, vmap_method="sequential")
     return call(*local[:num_list_operands], *trailing, num_tensors=np.int64(n),
                 flags=np.int64(spec.flag_bits()),
                 master=master, remainders=remainders,
-                stochastic_rounding=spec.stochastic_rounding,
+                stochastic_rounding=spec.stochastic_rounding, quantized_states=quantized,
                 tensor_flags=np.asarray(flags, np.uint8))
 
   leaf_dims = _partition.leaf_dims(leaves.grads, "leaf")
+  # A block scale's last dimension counts blocks: never split (a leaf split along a dimension
+  # its blocks run along is refused in the body); its others are the leaf's leading ones.
+  scales_ndim = [jnp.ndim(s.scales) for s in leaves.states[0]] if quantized else []
+  block_dims = tuple((*dims[:k - 1], None) for dims, k in zip(leaf_dims, scales_ndim))
+  list_dims = lambda name: block_dims if name.endswith("_scales") else leaf_dims
   keys = tuple(operands[num_list_operands:])
   partition = _partition.Layout(
       operands=tuple(_partition.whole(x) for x in operands[:len(fixed)])
-      + leaf_dims * len(operand_lists) + tuple(_partition.whole(x) for x in keys),
-      results=((),) + leaf_dims * len(result_lists),
+      + sum((list_dims(name) for name in operand_lists), ())
+      + tuple(_partition.whole(x) for x in keys),
+      results=((),) + sum((list_dims(name) for name in result_lists), ()),
       names=tuple(fixed_names)
       + tuple(f"{name} leaf {i}" for name in operand_lists for i in range(n))
       + ("rounding_keys",) * len(keys),
@@ -719,7 +806,8 @@ def in_place(spec: Spec, grads: Any, state: Any, params: Any,
     for k, i in enumerate(idx):
       new_params[i] = out["params"][k]
       for s, name in zip(states, state_lists):
-        s[i] = out[name][k]
+        s[i] = _moments.QuantizedMoment(out[name][k], out[f"{name}_scales"][k]) \
+            if f"{name}_scales" in out else out[name][k]
       if masters is not None:
         masters[i] = out["master_params"][k]
       if "param_remainders" in out:

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from jaxfuse import _ffi, _hlo
+from jaxfuse import _ffi, _hlo, _moments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -296,7 +296,9 @@ def _optimizer_state(args: tuple, kwargs: dict) -> tuple[Optional[int], Optional
   state_bytes = sum(_nbytes(leaf) for leaf in jax.tree.leaves(states))
   has_mu = lambda x: _is_optimizer_state(x) and hasattr(x, "mu")
   mu = next((x.mu for x in jax.tree.leaves(states, is_leaf=has_mu) if has_mu(x)), None)
-  params = None if mu is None else sum(math.prod(np.shape(leaf)) for leaf in jax.tree.leaves(mu))
+  codes = lambda leaf: leaf.codes if _moments.is_quantized(leaf) else leaf
+  params = None if mu is None else sum(
+      math.prod(np.shape(codes(leaf))) for leaf in jax.tree.leaves(mu, is_leaf=_moments.is_quantized))
   return params, state_bytes
 
 

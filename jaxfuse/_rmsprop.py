@@ -71,6 +71,10 @@ class RmspropSpec(_optimizer.Spec):
       trees.append(state[2].trace)
     return trees
 
+  def state_signs(self) -> list[bool]:
+    # mu (centered) takes both signs, nu none, the momentum trace both
+    return [True] * self.centered + [False] + [True] * (self.momentum is not None)
+
   def with_states(self, state: Any, trees: list[Any]) -> Any:
     trees = list(trees)
     rms = state[0]._replace(mu=trees.pop(0)) if self.centered else state[0]
@@ -117,7 +121,8 @@ class RmspropSpec(_optimizer.Spec):
 def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e-8,
             initial_scale: float = 0.0, eps_in_sqrt: bool = True, centered: bool = False,
             momentum: Optional[float] = None, nesterov: bool = False,
-            bias_correction: bool = False, *, master_weights: Union[bool, str] = False,
+            bias_correction: bool = False, *, moment_bits: Optional[int] = None,
+            master_weights: Union[bool, str] = False,
             skip_nonfinite: bool = False, stochastic_rounding: bool = False,
             seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   r"""RMSprop as one fused kernel; same arguments and math as ``optax.rmsprop``.
@@ -150,6 +155,8 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
     stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
       updates below half an ulp survive on average without a master copy.
+    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -164,4 +171,5 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
       learning_rate=learning_rate, decay=decay, eps=eps, initial_scale=initial_scale,
       eps_in_sqrt=eps_in_sqrt, centered=centered, momentum=momentum, nesterov=nesterov,
       bias_correction=bias_correction, master_weights=master_weights,
-      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed))
+      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed,
+      moment_bits=moment_bits))

@@ -42,6 +42,9 @@ class SgdSpec(_optimizer.Spec):
   def states(self, state: Any) -> list[Any]:
     return [] if self.momentum is None else [state[0].trace]
 
+  def state_signs(self) -> list[bool]:
+    return [] if self.momentum is None else [True]
+
   def with_states(self, state: Any, trees: list[Any]) -> Any:
     if self.momentum is None:
       return state
@@ -62,6 +65,7 @@ class SgdSpec(_optimizer.Spec):
 
 def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
         nesterov: bool = False, accumulator_dtype: Optional[Any] = None, *,
+        moment_bits: Optional[int] = None,
         master_weights: Union[bool, str] = False,
         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
@@ -89,6 +93,8 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
     skip_nonfinite: skip (and count) steps whose gradients are not all finite.
     stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
       updates below half an ulp survive on average without a master copy.
+    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -96,4 +102,5 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
   return _optimizer.transform(SgdSpec(
       learning_rate=learning_rate, momentum=momentum, nesterov=nesterov,
       accumulator_dtype=accumulator_dtype, master_weights=master_weights,
-      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed))
+      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed,
+      moment_bits=moment_bits))

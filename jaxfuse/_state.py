@@ -9,6 +9,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxfuse import _moments
 from jaxfuse import _rounding
 from jaxfuse import _trees
 from jaxfuse._optimizer import ExtraState
@@ -42,11 +43,15 @@ def master_params(params: Any, state: Any) -> Any:
 
 
 def _cast(state: Any, target: Any) -> Any:
-  if jax.tree.structure(state) != jax.tree.structure(target):
+  """`state` leaf by leaf in `target`'s dtypes, 8-bit moments (either side) through float32."""
+  state = _moments.dequantize_tree(state)
+  if jax.tree.structure(state) != jax.tree.structure(target, is_leaf=_moments.is_quantized):
     raise ValueError("jaxfuse.convert_state: the state is not one of this transform's optimizer "
                      f"for these params\n  state:  {jax.tree.structure(state)}\n"
                      f"  target: {jax.tree.structure(target)}")
-  return jax.tree.map(lambda x, t: jnp.asarray(x).astype(t.dtype), state, target)
+  return jax.tree.map(lambda t, x: _moments.like(x, t) if _moments.is_quantized(t)
+                      else jnp.asarray(x).astype(t.dtype), target, state,
+                      is_leaf=_moments.is_quantized)
 
 
 def _convert_optimizer(state: Any, target: Any, master: Any,

@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxfuse
-from helpers import (assert_trees_close, random_decoder_problem, random_tree, ulp,
-                     zero_size_float_operands)
+from helpers import (assert_bitwise_equal, assert_trees_close, random_decoder_problem,
+                     random_tree, ulp, zero_size_float_operands)
 
 pytestmark = pytest.mark.skipif(jax.device_count() != 8,
                                 reason="needs 8 devices (tests/test_sharding.py runs this file)")
@@ -474,3 +474,28 @@ def test_stochastic_rounding_on_sharded_params(mesh_name, kind):
       if rows:
         np.testing.assert_array_equal(bits(p[k])[:rows], bits(whole[k])[:rows])
         assert np.any(bits(p[k])[rows:] != bits(whole[k])[rows:])  # other streams
+
+
+def test_moments8_on_sharded_params(kind):
+  """8-bit moments on params split along dimensions their blocks do not run along: each device
+  quantizes its own whole blocks, the unsharded step's bits; a leaf split along a dimension its
+  blocks run along is refused."""
+  mesh = make_mesh("fsdp", kind)
+  tx = jaxfuse.adamw(LR, weight_decay=WD, moment_bits=8)
+  shapes = [(64, 256), (32, 128), (512,), (8, 64, 64), (64, 100)]
+  params, grads = random_tree(40, shapes), random_tree(41, shapes)
+  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
+  whole = jax.device_get(step(params, tx.init(params), grads))
+
+  def sharded(specs):
+    specs = dict(zip(params, specs))
+    with jax.set_mesh(mesh):
+      p = put(params, mesh, specs)
+      return jax.device_get(step(p, tx.init(p), put(grads, mesh, specs)))
+
+  out = sharded([P("fsdp"), P(), P("fsdp"), P("fsdp"), P()])
+  assert isinstance(out[1][0].mu["leaf0000"], jaxfuse.QuantizedMoment)
+  assert_bitwise_equal(out, whole, "sharded vs unsharded 8-bit step")
+  for specs in ([P(), P(None, "fsdp"), P(), P(), P()], [P(), P(), P(), P(), P("fsdp")]):
+    with pytest.raises(Exception, match="which its 8-bit blocks of 128 elements run along"):
+      sharded(specs)

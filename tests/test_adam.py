@@ -465,7 +465,7 @@ def test_handler_rejects_inconsistent_calls():
   results = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct((4,), jnp.float32)] * 3
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, vmap_method="sequential")
   attrs = dict(flags=np.int64(0), master=False, remainders=False, stochastic_rounding=False,
-               tensor_flags=np.zeros(1, np.uint8))
+               quantized_states=False, tensor_flags=np.zeros(1, np.uint8))
   one = dict(attrs, num_tensors=np.int64(1))
   with pytest.raises(Exception, match="do not fit num_tensors=2"):
     jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, num_tensors=np.int64(2), **attrs))

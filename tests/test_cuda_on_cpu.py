@@ -276,7 +276,7 @@ def test_global_norm_from_peer_rows_same_bits_under_every_schedule(grid, monkeyp
 # ---- launch accounting: what jaxfuse.report counts is what the CUDA handlers enqueue ----------
 
 # Small leaves keep the emulated runs short; in the small build (tools/cuda_on_cpu.sh) they still
-# fill several tables, and the 200-element leaf is cut into slices of 3 chunks of 64.
+# fill several tables, and the 200-element leaf is cut into slices of 3 chunks of 128.
 REPORT_SIZES = SIZES[:6] + [(200,)]
 MANY_SIZES = REPORT_SIZES * 43  # 301 leaves: two Adam calls
 ADAM_MODES = ("plain", "master", "adam")
@@ -436,9 +436,11 @@ def test_trust_sums_same_bits_under_every_schedule(grid, monkeypatch):
 def precision_case(mode):
   """An AdamW (SGD) keeping fewer bytes per param (test_precision.py), params, grads and a
   second step's state."""
-  alternating = lambda a, b: [[a, b][i % 2] for i in range(len(SIZES))]
+  # 8-bit moments: leaves of whole 128-element blocks too, one over several chunks.
+  sizes = SIZES + [(40, 128), (2, 128 * 300)] if mode.startswith("moments8") else SIZES
+  alternating = lambda a, b: [[a, b][i % 2] for i in range(len(sizes))]
   dtypes = alternating(jnp.bfloat16, jnp.float32) if mode.startswith("remainder") \
-      else DTYPE_MIXES["mixed"]
+      else (DTYPE_MIXES["mixed"] * 2)[:len(sizes)]
   make = {
       "stochastic": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1, stochastic_rounding=True,
                                           seed=5),
@@ -448,23 +450,27 @@ def precision_case(mode):
       "remainder_skip": lambda: jaxfuse.adamw(3e-3, master_weights="remainder",
                                               skip_nonfinite=True, nu_dtype=jnp.bfloat16),
       "nu_bf16": lambda: jaxfuse.adamw(3e-3, nu_dtype=jnp.bfloat16, mu_dtype=jnp.float16),
+      "moments8": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1, moment_bits=8),
+      "moments8_master": lambda: jaxfuse.adamw(3e-3, moment_bits=8, master_weights=True,
+                                               skip_nonfinite=True),
   }
   tx = make[mode]()
-  params = random_tree(1, SIZES, dtypes)
-  grads = random_tree(2, SIZES, dtypes, scale=0.5)
+  params = random_tree(1, sizes, dtypes)
+  grads = random_tree(2, sizes, dtypes, scale=0.5)
   if mode.endswith("skip") or mode == "stochastic_sgd":
     grads["leaf0007"] = grads["leaf0007"].at[0, 7].set(jnp.inf)
   state = tx.init(params)
-  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state,
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, sizes, dtypes), state,
                                                          params)
   return tx, params, grads, state
 
 
 @pytest.mark.parametrize("mode", ["stochastic", "stochastic_sgd", "remainder", "remainder_skip",
-                                  "nu_bf16"])
+                                  "nu_bf16", "moments8", "moments8_master"])
 def test_precision_modes_bitwise(mode, launch):
   """Stochastic rounding's bits come from each element's index in its tensor (also across the
-  slices a huge tensor is split into) and remainders are integer words: the same bits on both."""
+  slices a huge tensor is split into), remainders are integer words, and 8-bit moments' block
+  maxima are exact (a warp's on the GPU, a tile's blocks on the CPU): the same bits on both."""
   tx, params, grads, state = precision_case(mode)
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(4.0))
   native, emu = on_both(fn, grads, state, params)

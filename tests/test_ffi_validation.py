@@ -70,16 +70,19 @@ def _put(device, *arrays):
 # ---- jaxfuse_adam (OptimizerOp<Adam>, optimizer.h) ---------------------------------------------
 # operands: count s32[], hyper f32/f64[8], grad_ctrl f32/f64[4], then n each of grads, params,
 #           mu, nu, [master_params]
-#           [param_remainders], then [rounding_keys u32[n, 3]] when stochastic_rounding
+#           [param_remainders], then [mu_scales, nu_scales f32[size / 128]] when
+#           quantized_states (mu int8, nu uint8 codes), then [rounding_keys u32[n, 3]] when
+#           stochastic_rounding
 # results:  new count s32[], then n each of params, mu, nu, [master_params | param_remainders],
 #           aliased in place
 # attributes: num_tensors s64, flags s64 (bit 0: nesterov), master pred, remainders pred,
-#             stochastic_rounding pred, tensor_flags u8[n] (bit 0: decay)
+#             stochastic_rounding pred, quantized_states pred, tensor_flags u8[n] (bit 0: decay)
 
 
 def _adam_attrs(n=1, **over):
   attrs = dict(num_tensors=np.int64(n), flags=np.int64(0), master=False, remainders=False,
-               stochastic_rounding=False, tensor_flags=np.zeros(n, np.uint8))
+               stochastic_rounding=False, quantized_states=False,
+               tensor_flags=np.zeros(n, np.uint8))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
@@ -106,7 +109,8 @@ def test_vector_layouts_are_pinned():
   assert adam.names["fixed_results"] == ("count",)
   for flags in (0, 1):  # nesterov keeps the same lists
     call = lambda **kw: adam.call("lists", **{"flags": flags, "master": 0, "remainders": 0,
-                                             "stochastic_rounding": 0, **kw}).names
+                                             "stochastic_rounding": 0, "quantized_states": 0,
+                                             **kw}).names
     lists = call()
     assert lists["operands"] == _LISTS and lists["results"] == _LISTS[1:]
     assert lists["trailing_operands"] == ()
@@ -116,6 +120,9 @@ def test_vector_layouts_are_pinned():
     lists = call(remainders=1, stochastic_rounding=1)
     assert lists["operands"] == _LISTS + ("param_remainders",)
     assert lists["trailing_operands"] == ("rounding_keys",)
+    lists = call(master=1, quantized_states=1)
+    assert lists["operands"] == _LISTS + ("master_params", "mu_scales", "nu_scales")
+  assert adam.numbers["moment_block"] == 128
   assert adam.names["rounding_key"] == ("seed", "leaf", "shard")
   assert norm.names["norm_params"] == _NORM_PARAMS
   assert norm.names["grad_ctrl"] == _GRAD_CTRL
@@ -330,7 +337,7 @@ def test_adam_attribute_types(device):
     _adam_call(ops, res, aliases, tensor_flags=np.uint8(0))
   with xla_error("Unsupported array element type for attribute: tensor_flags"):
     _adam_call(ops, res, aliases, tensor_flags=np.zeros(1, bool))
-  with xla_error(r"Wrong number of attributes: expected 6 but got 5"):
+  with xla_error(r"Wrong number of attributes: expected 7 but got 6"):
     _adam_call(ops, res, aliases, flags=None)
 
 
@@ -796,3 +803,31 @@ def test_decoder_operand_count(device):
     _dec_call(device, ops, operand_list=args + [ops["x"]])
   with xla_error(f"Wrong number of arguments: expected {n} but got {n - 1}"):
     _dec_call(device, ops, operand_list=args[:10] + args[11:], aliases={n - 3: 1, n - 2: 2})
+
+
+def _quantized_call(device, size=256, codes=(np.int8, np.uint8), blocks=None):
+  """A call with quantized states over one tensor of `size` elements: mu and nu codes of dtypes
+  `codes`, block scales of `blocks` values each (default one per 128 elements)."""
+  rng = np.random.default_rng(0)
+  count, hyper, grad_ctrl, _ = _adam_fixed(device)
+  blocks = -(-size // 128) if blocks is None else blocks
+  bufs = [rng.standard_normal(size).astype(np.float32) for _ in range(2)]
+  bufs += [np.zeros(size, codes[0]), np.zeros(size, codes[1])]
+  bufs += [np.zeros(blocks, np.float32), np.zeros(blocks, np.float32)]
+  lists = _LISTS + ("mu_scales", "nu_scales")
+  ops = [count, hyper, grad_ctrl] + _put(device, *bufs)
+  res = [S((), I32)] + [S(x.shape, x.dtype) for x in bufs[1:]]
+  return _adam_call(ops, res, _ffi.aliases(lists, lists[1:], 1, operand_offset=3,
+                                           result_offset=1), quantized_states=True)
+
+
+def test_adam_quantized_states_checked(device):
+  """8-bit states: the codes' dtypes, one scale per block, whole blocks, no float64."""
+  out = _quantized_call(device)
+  assert np.asarray(out[4]).any()  # the scales of the first moment were written
+  with xla_error(r"list 'mu' tensor 0: unsupported dtype \(int8 or uint8 only\)"):
+    _quantized_call(device, codes=(np.float32, np.uint8))
+  with xla_error(r"list 'mu_scales' has 3 block values, expected 2"):
+    _quantized_call(device, blocks=3)
+  with xla_error(r"tensor 0 has 200 elements; quantized states take whole blocks of 128"):
+    _quantized_call(device, size=200)

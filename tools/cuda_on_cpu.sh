@@ -21,7 +21,7 @@ STAGES="${STAGES:-driver emu controls}"
 [ "$STAGES" = all ] && STAGES="driver emu suite controls"
 BUILD=build/dev-sanitize        # shared with tools/sanitize.sh
 SMALL=build/dev-cuda-on-cpu-small
-SMALL_DEFINES="JAXFUSE_MT_CHUNK=64;JAXFUSE_MT_TABLE_BYTES=600;JAXFUSE_MT_MAX_SLICE_CHUNKS=3"
+SMALL_DEFINES="JAXFUSE_MT_CHUNK=128;JAXFUSE_MT_TABLE_BYTES=600;JAXFUSE_MT_MAX_SLICE_CHUNKS=3"
 EMU_TARGETS="_jaxfuse_cuda_on_cpu cuda_on_cpu_multi_tensor_test"
 has_stage() { [[ " $STAGES " == *" $1 "* ]]; }
 t0=$(date +%s)

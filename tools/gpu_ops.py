@@ -18,7 +18,7 @@ import jaxfuse
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from helpers import random_decoder_problem, random_tree  # noqa: E402  (the tests' inputs)
 
-SHAPES = [(), (1,), (7,), (1023,), (3, 17), (257, 129), (4096 * 9 + 5,)]
+SHAPES = [(), (1,), (7,), (1023,), (3, 17), (257, 129), (4096 * 9 + 5,), (96, 512)]  # last: 8-bit
 
 
 def on(device, x):
@@ -60,6 +60,10 @@ ADAM_CASES = {
     "adamw bf16 + remainders": (dict(master_weights="remainder"), jnp.bfloat16),
     "adamw bf16 stochastic rounding": (dict(stochastic_rounding=True, seed=3), jnp.bfloat16),
     "adamw f16 stochastic rounding": (dict(stochastic_rounding=True, seed=4), jnp.float16),
+    # 8-bit moments (moment_codes.h): a warp's block maxima and codes, the CPU's bits.
+    "adamw f32 8-bit moments": (dict(moment_bits=8), jnp.float32),
+    "adamw bf16 + remainders, 8-bit moments": (dict(master_weights="remainder", moment_bits=8),
+                                               jnp.bfloat16),
 }
 
 
@@ -88,6 +92,9 @@ FAMILY_CASES = {
                                        dict(master_weights="remainder"), jnp.bfloat16),
     "lion bf16 stochastic rounding": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
                                       dict(stochastic_rounding=True), jnp.bfloat16),
+    "rmsprop centered momentum f32 8-bit": (
+        lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, **kw),
+        dict(moment_bits=8), jnp.float32),
 }
 
 

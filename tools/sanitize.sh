@@ -25,16 +25,16 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # generation loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
 # tests/test_hf.py is Python (the checkpoint loader) and plain XLA; tests/test_readme.py runs the
 # documentation's examples, whose calls the op tests cover. Every family's CPU handlers (each
-# state layout, master weights, remainders, stochastic rounding, the trust sums) run under this
-# build in tools/cuda_on_cpu.sh, beside the emulated CUDA ones, on mixed dtypes and sizes; the
-# families' own files add their optax comparisons and options, which differ in math and Python,
-# not in what the driver does with memory.
+# state layout, master weights, remainders, stochastic rounding, 8-bit states, the trust sums)
+# run under this build in tools/cuda_on_cpu.sh, beside the emulated CUDA ones, on mixed dtypes
+# and sizes; the families' own files add their optax comparisons and options, which differ in
+# math and Python, not in what the driver does with memory.
 if [ $# -eq 0 ]; then
   set -- tests -n auto -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_readme.py \
     --ignore=tests/test_sgd.py --ignore=tests/test_lion.py --ignore=tests/test_rmsprop.py \
     --ignore=tests/test_adagrad.py --ignore=tests/test_trust_ratio.py \
-    --ignore=tests/test_precision.py
+    --ignore=tests/test_precision.py --ignore=tests/test_moments8.py
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"

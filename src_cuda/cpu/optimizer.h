@@ -75,6 +75,69 @@ static void round_tile(DType t, uint32_t stream, int64_t first, int64_t n, doubl
   stochastic_round_run(t, stream, first, n, x);
 }
 
+// 8-bit states of a tile (moment_codes.h), whole blocks: tiles start on block boundaries, and
+// quantized tensors hold whole blocks. Each format's loop is compiled on its own.
+template <bool kSigned, typename Real>
+__attribute__((always_inline)) inline void load_code_blocks(const uint8_t* codes,
+                                                            const float* scales, int64_t n,
+                                                            Real* out) {
+  for (int64_t b = 0; b < n; b += kMomentBlock) {
+    const float scale = scales[b / kMomentBlock];
+    for (int64_t i = b; i < b + kMomentBlock; ++i) {
+      out[i] = Real(decode_moment(codes[i], scale, kSigned));
+    }
+  }
+}
+
+template <bool kSigned, typename Real>
+__attribute__((always_inline)) inline void store_code_blocks(uint8_t* codes, float* scales,
+                                                             int64_t n, const Real* in) {
+  for (int64_t b = 0; b < n; b += kMomentBlock) {
+    float absmax = 0.0f;
+    for (int64_t i = b; i < b + kMomentBlock; ++i) absmax = nan_max(absmax, fabsf(float(in[i])));
+    const float scale = moment_scale(absmax, kSigned);
+    scales[b / kMomentBlock] = scale;
+    const float inverse = 1.0f / scale;
+    for (int64_t i = b; i < b + kMomentBlock; ++i) {
+      codes[i] = encode_moment(float(in[i]), inverse, kSigned);
+    }
+  }
+}
+
+template <typename Real>
+__attribute__((always_inline)) inline void load_codes(const uint8_t* codes, bool is_signed,
+                                                      const float* scales, int64_t n, Real* out) {
+  is_signed ? load_code_blocks<true>(codes, scales, n, out)
+            : load_code_blocks<false>(codes, scales, n, out);
+}
+
+template <typename Real>
+__attribute__((always_inline)) inline void store_codes(uint8_t* codes, bool is_signed,
+                                                       float* scales, int64_t n, const Real* in) {
+  is_signed ? store_code_blocks<true>(codes, scales, n, in)
+            : store_code_blocks<false>(codes, scales, n, in);
+}
+
+// Per ISA level for float; float64 calls are refused (the double tiles compile the program).
+JF_CPU_MULTIVERSION
+static void tile_load_codes(const uint8_t* c, bool is_signed, const float* s, int64_t n, float* x) {
+  load_codes(c, is_signed, s, n, x);
+}
+
+JF_CPU_MULTIVERSION
+static void tile_store_codes(uint8_t* c, bool is_signed, float* s, int64_t n, const float* x) {
+  store_codes(c, is_signed, s, n, x);
+}
+
+static void tile_load_codes(const uint8_t* c, bool is_signed, const float* s, int64_t n,
+                            double* x) {
+  load_codes(c, is_signed, s, n, x);
+}
+
+static void tile_store_codes(uint8_t* c, bool is_signed, float* s, int64_t n, const double* x) {
+  store_codes(c, is_signed, s, n, x);
+}
+
 // optimizer_group()'s view of one tile [start, start + len) of tensor t. `tile_elements` is the
 // family's per-ISA element loop (JAXFUSE_CPU_OPTIMIZER), found by argument-dependent lookup.
 template <typename Family, typename Real>
@@ -97,6 +160,18 @@ struct Tile {
   void store_words(int list, const Real* x) const {
     int16_t* w = static_cast<int16_t*>(tensors.ptr[t][list]) + start;
     for (int64_t i = 0; i < len; ++i) w[i] = static_cast<int16_t>(x[i]);
+  }
+  void load_codes(int list, int scale_list, Real* x) const {
+    tile_load_codes(static_cast<const uint8_t*>(tensors.ptr[t][list]) + start,
+                    tensors.dtype[t][list] == DType::kI8,
+                    static_cast<const float*>(tensors.ptr[t][scale_list]) + start / kMomentBlock,
+                    len, x);
+  }
+  void store_codes(int list, int scale_list, const Real* x) const {
+    tile_store_codes(static_cast<uint8_t*>(tensors.ptr[t][list]) + start,
+                     tensors.dtype[t][list] == DType::kI8,
+                     static_cast<float*>(tensors.ptr[t][scale_list]) + start / kMomentBlock, len,
+                     x);
   }
   void round_stochastically(uint32_t stream, Real* x) const {
     round_tile(tensors.dtype[t][OptimizerLists::kParams], stream, start, len, x);

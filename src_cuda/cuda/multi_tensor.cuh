@@ -149,7 +149,8 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
       const int64_t n = std::min(kMaxSlice, lists.size[t] - off);
       const int e = table.num_tensors;
       for (int k = 0; k < kLists; ++k) {
-        table.ptr[k][e] = static_cast<char*>(lists.ptr[t][k]) + off * dtype_bytes(lists.dtype[t][k]);
+        const int64_t first = lists.per_block[k] ? off / kBlockElements : off;  // slices: whole blocks
+        table.ptr[k][e] = static_cast<char*>(lists.ptr[t][k]) + first * dtype_bytes(lists.dtype[t][k]);
         table.dtype[k][e] = lists.dtype[t][k];
       }
       table.size[e] = static_cast<int32_t>(n);

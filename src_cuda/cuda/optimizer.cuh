@@ -19,16 +19,23 @@ namespace cuda_optimizer {
 enum class ParamsMode { kPlain, kMaster, kRemainders };
 
 // OptimizerLists as compile-time constants.
-template <int kStates, ParamsMode kMode>
+template <int kStates, ParamsMode kMode, bool kQuantized>
 struct StaticLists {
-  static constexpr OptimizerLists kLists =
-      OptimizerLists::of(kStates, kMode == ParamsMode::kMaster, kMode == ParamsMode::kRemainders);
+  static constexpr OptimizerLists kLists = OptimizerLists::of(
+      kStates, kMode == ParamsMode::kMaster, kMode == ParamsMode::kRemainders, kQuantized);
   static constexpr int num_states = kStates;
   static constexpr int master = kLists.master;
   static constexpr int remainders = kLists.remainders;
+  static constexpr bool quantized = kQuantized;
   static constexpr int kCount = kLists.count();
   static constexpr int param_source() { return kLists.param_source(); }
+  static constexpr int scales(int k) { return kLists.scales(k); }
 };
+
+// A warp's 32 groups of 4 are one block of an 8-bit state: chunks and slices hold whole blocks,
+// and quantized tensors too, so every lane of a warp that starts a block is active.
+static_assert(kMomentBlock == 32 * 4, "one warp per block of an 8-bit state");
+static_assert(kMultiTensorChunk % kMomentBlock == 0, "chunks hold whole blocks");
 
 // optimizer_group()'s view of 4 consecutive scalars of one chunk.
 template <typename Family, typename Real, int kLists>
@@ -51,6 +58,34 @@ struct RegisterGroup {
   }
   __device__ void store_words(int list, const Real* x) const {
     store_word_group(chunk.ptr[list], i, n, vec, x);
+  }
+  // 8-bit states (moment_codes.h): each thread its 4 codes, the warp's lanes one block.
+  __device__ void load_codes(int list, int scale_list, Real* x) const {
+    const bool is_signed = chunk.dtype[list] == DType::kI8;
+    const float scale = static_cast<const float*>(chunk.ptr[scale_list])[i / kMomentBlock];
+    const uint32_t word =
+        *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(chunk.ptr[list]) + i);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) x[j] = Real(decode_moment(uint8_t(word >> (8 * j)), scale, is_signed));
+  }
+  __device__ void store_codes(int list, int scale_list, const Real* x) const {
+    const bool is_signed = chunk.dtype[list] == DType::kI8;
+    float absmax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) absmax = nan_max(absmax, fabsf(float(x[j])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      absmax = nan_max(absmax, __shfl_xor_sync(0xffffffffu, absmax, o));
+    }
+    const float scale = moment_scale(absmax, is_signed);
+    if (i % kMomentBlock == 0) static_cast<float*>(chunk.ptr[scale_list])[i / kMomentBlock] = scale;
+    const float inverse = 1.0f / scale;
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      word |= uint32_t(encode_moment(float(x[j]), inverse, is_signed)) << (8 * j);
+    }
+    *reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(chunk.ptr[list]) + i) = word;
   }
   __device__ void round_stochastically(uint32_t stream, Real* x) const {
     stochastic_round_run(chunk.dtype[OptimizerLists::kParams], stream, chunk.offset + i, 4, x);
@@ -96,9 +131,9 @@ struct ChunkOp : MultiTensorOpBase {
   }
 };
 
-template <typename Family, typename Real, int kStates, ParamsMode kMode>
+template <typename Family, typename Real, int kStates, ParamsMode kMode, bool kQuantized>
 ffi::Error launch(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
-  using Op = ChunkOp<Family, Real, StaticLists<kStates, kMode>>;
+  using Op = ChunkOp<Family, Real, StaticLists<kStates, kMode, kQuantized>>;
   Op op;
   op.count = call.count;
   op.new_count = call.new_count;
@@ -125,22 +160,34 @@ ffi::Error with_state_count(int num_states, const Fn& fn) {
   }
 }
 
-// The kernel for the call's layout. Remainders complete bf16 params computed in float (the op
-// checks), and trust-ratio families take none: no kernels for those layouts.
+// The kernel for the call's params mode, with its states as floats or as 8-bit codes. Codes
+// and remainders are computed in float (the op checks), and trust-ratio families take neither:
+// no kernels for those layouts.
+template <typename Family, typename Real, int kStates, bool kQuantized>
+ffi::Error launch_for_params(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
+  if (call.lists.master >= 0) {
+    return launch<Family, Real, kStates, ParamsMode::kMaster, kQuantized>(stream, call);
+  }
+  if (call.lists.remainders >= 0) {
+    if constexpr (std::is_same_v<Real, float> && !kHasTrustRatio<Family>) {
+      return launch<Family, Real, kStates, ParamsMode::kRemainders, kQuantized>(stream, call);
+    }
+    return internal_error("no kernel for remainders in this call");
+  }
+  return launch<Family, Real, kStates, ParamsMode::kPlain, kQuantized>(stream, call);
+}
+
 template <typename Family, typename Real>
 ffi::Error launch_for_layout(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
   return with_state_count<Family>(call.lists.num_states, [&](auto states) {
     constexpr int kStates = decltype(states)::value;
-    if (call.lists.master >= 0) {
-      return launch<Family, Real, kStates, ParamsMode::kMaster>(stream, call);
-    }
-    if (call.lists.remainders >= 0) {
-      if constexpr (std::is_same_v<Real, float> && !kHasTrustRatio<Family>) {
-        return launch<Family, Real, kStates, ParamsMode::kRemainders>(stream, call);
+    if (call.lists.quantized) {
+      if constexpr (std::is_same_v<Real, float> && !kHasTrustRatio<Family> && kStates > 0) {
+        return launch_for_params<Family, Real, kStates, true>(stream, call);
       }
-      return internal_error("no kernel for remainders in this call");
+      return internal_error("no kernel for quantized states in this call");
     }
-    return launch<Family, Real, kStates, ParamsMode::kPlain>(stream, call);
+    return launch_for_params<Family, Real, kStates, false>(stream, call);
   });
 }
 

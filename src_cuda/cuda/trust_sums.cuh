@@ -56,7 +56,7 @@ ffi::Error launch_finish(cudaStream_t stream, const TrustSum* partials, const Ch
 
 template <typename Family, typename Real, int kStates>
 ffi::Error launch(cudaStream_t stream, const typename TrustSumsOp<Family>::Call& call) {
-  using Lists = cuda_optimizer::StaticLists<kStates, cuda_optimizer::ParamsMode::kPlain>;
+  using Lists = cuda_optimizer::StaticLists<kStates, cuda_optimizer::ParamsMode::kPlain, false>;
   using Op = ChunkSumOp<Family, Real, Lists>;
   const int64_t n = call.tensors.num_tensors();
   if (n == 0) return ffi::Error::Success();

@@ -26,12 +26,13 @@
 
 namespace jaxfuse {
 
-// Storage types the kernels read and write: floats, and int16 words (param remainders,
-// rounding.h), which only lists declared as words hold and which visit_dtype() does not take.
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kI16 = 4 };
+// Storage types the kernels read and write: floats; int16 words (param remainders, rounding.h)
+// and int8 / uint8 codes (8-bit moments, moment_codes.h), which only lists declared as such hold
+// and which visit_dtype() does not take.
+enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kI16 = 4, kI8 = 5, kU8 = 6 };
 
 JF_HD int dtype_bytes(DType t) {
-  return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : 2;
+  return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : (t == DType::kI8 || t == DType::kU8) ? 1 : 2;
 }
 
 // The compute-type rule of the multi-tensor ops: a tensor (or call) computes in double when any

@@ -32,6 +32,8 @@
 // Operands: count s32[], hyper f32/f64[Hyper::kSize], grad_ctrl f32/f64[GradCtrl::kSize], then
 //   n buffers per list: grads, params, the state lists in order, then master params (attribute
 //   `master`) or param remainders (int16, attribute `remainders`, bf16 params: rounding.h),
+//   then with attribute `quantized_states` (8-bit moments, moment_codes.h: every state list holds
+//   int8 or uint8 codes) a float32 block-scale list per state list, in state order,
 //   then the trailing operands: trust_sums (trust-ratio families), rounding_keys
 //   u32[n, RoundingKey::kSize] (attribute `stochastic_rounding`: the params are stored rounded
 //   stochastically, rounding.h). Results: the new count s32[], then every list but the grads,
@@ -45,6 +47,7 @@
 #include <string>
 #include <type_traits>
 
+#include "jaxfuse/moment_codes.h"
 #include "jaxfuse/multi_tensor_plan.h"
 #include "jaxfuse/norm_math.h"
 #include "jaxfuse/op.h"
@@ -56,23 +59,32 @@ namespace jaxfuse {
 inline constexpr int kMaxOptimizerStates = 3;
 
 // The kernel lists of one call: grads, params, the states, then the master params or the param
-// remainders (rounding.h) when present.
+// remainders (rounding.h) when present, then with quantized states (8-bit codes) their block
+// scales (moment_codes.h), one list per state.
 struct OptimizerLists {
   static constexpr int kGrads = 0;
   static constexpr int kParams = 1;
   int num_states = 0;
   int master = -1;      // list index, -1: absent
   int remainders = -1;  // list index, -1: absent
+  bool quantized = false;
 
-  static constexpr OptimizerLists of(int num_states, bool master, bool remainders = false) {
+  static constexpr OptimizerLists of(int num_states, bool master, bool remainders = false,
+                                     bool quantized = false) {
     OptimizerLists l;
     l.num_states = num_states;
     l.master = master ? 2 + num_states : -1;
     l.remainders = remainders ? 2 + num_states : -1;
+    l.quantized = quantized;
     return l;
   }
   static constexpr int state(int k) { return 2 + k; }
-  constexpr int count() const { return 2 + num_states + (master >= 0 || remainders >= 0 ? 1 : 0); }
+  constexpr int unscaled_count() const {
+    return 2 + num_states + (master >= 0 || remainders >= 0 ? 1 : 0);
+  }
+  constexpr int count() const { return unscaled_count() + (quantized ? num_states : 0); }
+  // The block-scale list of state list k (quantized states only).
+  constexpr int scales(int k) const { return unscaled_count() + k; }
   // The list the math reads the params from: the master copy when present (with remainders,
   // the params, joined to their remainders).
   constexpr int param_source() const { return master >= 0 ? master : kParams; }
@@ -179,10 +191,31 @@ JF_HD OptimizerStep<Family, Real> make_optimizer_step(ScalarVector hyper, Scalar
           make_grad_scaling<Real>(grad_ctrl), ParamRounding{rounding_keys, count}};
 }
 
+// State list k of a group, from its floats or from its 8-bit codes and their block scales.
+template <typename Lists, typename Group, typename Values>
+JF_HD void load_state(const Lists& lists, const Group& group, int k, Values& x) {
+  if (lists.quantized) {
+    group.load_codes(OptimizerLists::state(k), lists.scales(k), x);
+  } else {
+    group.load(OptimizerLists::state(k), x);
+  }
+}
+
+template <typename Lists, typename Group, typename Values>
+JF_HD void store_state(const Lists& lists, const Group& group, int k, const Values& x) {
+  if (lists.quantized) {
+    group.store_codes(OptimizerLists::state(k), lists.scales(k), x);
+  } else {
+    group.store(OptimizerLists::state(k), x);
+  }
+}
+
 // One group of elements through a step. `Group` is the platform's group (the GPU: 4 scalars of
 // one thread, in registers; the CPU: a tile of a chunk, in scratch): Values (an array of Real),
 // size(), load(list, x), store(list, x) (converting from and to the list's float dtype),
 // load_words(list, x), store_words(list, x) (an int16 list, as integer values),
+// load_codes(list, scale_list, x), store_codes(list, scale_list, x) (8-bit codes and their
+// block scales, moment_codes.h; a group holds whole blocks, or whole warps of a block),
 // round_stochastically(stream, p) (stochastic_round_run() over the group's params, their
 // indices in the tensor) and update(math, g, p, s0, s1, s2, u), the family's element loop.
 // `Lists` is an OptimizerLists or a type with its members as compile-time constants. A skipped
@@ -202,13 +235,13 @@ JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists&
     group.load_words(lists.remainders, u);
     for (decltype(+n) i = 0; i < n; ++i) p[i] = join_remainder(p[i], u[i]);
   }
-  if (lists.num_states > 0) group.load(OptimizerLists::state(0), s0);
-  if (lists.num_states > 1) group.load(OptimizerLists::state(1), s1);
-  if (lists.num_states > 2) group.load(OptimizerLists::state(2), s2);
+  if (lists.num_states > 0) load_state(lists, group, 0, s0);
+  if (lists.num_states > 1) load_state(lists, group, 1, s1);
+  if (lists.num_states > 2) load_state(lists, group, 2, s2);
   group.update(step.math, g, p, s0, s1, s2, u);
-  if (lists.num_states > 0) group.store(OptimizerLists::state(0), s0);
-  if (lists.num_states > 1) group.store(OptimizerLists::state(1), s1);
-  if (lists.num_states > 2) group.store(OptimizerLists::state(2), s2);
+  if (lists.num_states > 0) store_state(lists, group, 0, s0);
+  if (lists.num_states > 1) store_state(lists, group, 1, s1);
+  if (lists.num_states > 2) store_state(lists, group, 2, s2);
   for (decltype(+n) i = 0; i < n; ++i) p[i] = p[i] + u[i];
   if (lists.master >= 0) group.store(lists.master, p);
   if (lists.remainders >= 0) {
@@ -295,6 +328,23 @@ inline ffi::Error check_params_mode(bool master, bool remainders, bool stochasti
   return ffi::Error::Success();
 }
 
+// 8-bit states: every tensor real, computed in float, whole blocks of elements; the codes' dtype
+// is checked by collect_lists. Trust-ratio families' first pass reads the states as floats.
+inline ffi::Error check_quantized_states(const TensorLists& tensors, bool f64, bool trust_ratio) {
+  if (trust_ratio) return invalid_argument("quantized states are not supported by trust-ratio "
+                                           "families");
+  if (f64) return invalid_argument("quantized states need a call computed in float32");
+  for (int64_t t = 0; t < tensors.num_tensors(); ++t) {
+    if (tensors.complex[t]) return invalid_argument("tensor ", t, " is complex; quantized states "
+                                                    "take real tensors");
+    if (tensors.size[t] % kMomentBlock != 0) {
+      return invalid_argument("tensor ", t, " has ", tensors.size[t], " elements; quantized "
+                              "states take whole blocks of ", kMomentBlock);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // Remainders complete bfloat16 params to float32: every params buffer bfloat16, the call
 // computed in float (the remainder list's int16 dtype is checked by collect_lists).
 inline ffi::Error check_remainder_params(const TensorLists& tensors, bool f64) {
@@ -360,11 +410,12 @@ struct OptimizerOp {
         .template Attr<bool>("master")
         .template Attr<bool>("remainders")
         .template Attr<bool>("stochastic_rounding")
+        .template Attr<bool>("quantized_states")
         .template Attr<ffi::Span<const uint8_t>>("tensor_flags");
   }
 
-  static OptimizerLists lists_of(uint32_t flags, bool master, bool remainders) {
-    return OptimizerLists::of(Family::num_states(flags), master, remainders);
+  static OptimizerLists lists_of(uint32_t flags, bool master, bool remainders, bool quantized) {
+    return OptimizerLists::of(Family::num_states(flags), master, remainders, quantized);
   }
 
   // The name of kernel list `list`.
@@ -373,13 +424,16 @@ struct OptimizerOp {
     if (list == OptimizerLists::kParams) return "params";
     if (list == lists.master) return "master_params";
     if (list == lists.remainders) return "param_remainders";
+    if (list >= lists.unscaled_count()) {
+      return std::string(Family::state_name(flags, list - lists.unscaled_count())) + "_scales";
+    }
     return Family::state_name(flags, list - OptimizerLists::state(0));
   }
 
   static ffi::Error decode(CountBuffer count, ffi::AnyBuffer hyper, ffi::AnyBuffer grad_ctrl,
                            ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
                            ffi::RemainingRets rets, int64_t n, int64_t flags, bool master,
-                           bool remainders, bool stochastic_rounding,
+                           bool remainders, bool stochastic_rounding, bool quantized_states,
                            ffi::Span<const uint8_t> tensor_flags, Call* call);
 
   template <typename Platform>
@@ -395,12 +449,14 @@ struct OptimizerOp {
     c.names["fixed_operands"] = {"count", "hyper", "grad_ctrl"};  // binding() order
     c.names["fixed_results"] = {"count"};
     c.names["rounding_key"] = name_list(RoundingKey::kNames);
+    c.numbers["moment_block"] = kMomentBlock;
     if constexpr (kHasTrustRatio<Family>) c.names["trust_sums_op"] = {Family::kTrustSumsName};
     // The lists, and the operands after them, of a call with these attributes.
     c.functions["lists"] = [](const std::map<std::string, int64_t>& args) {
       const uint32_t flags = static_cast<uint32_t>(contract_arg(args, "flags"));
       const OptimizerLists lists = lists_of(flags, contract_arg(args, "master") != 0,
-                                            contract_arg(args, "remainders") != 0);
+                                            contract_arg(args, "remainders") != 0,
+                                            contract_arg(args, "quantized_states") != 0);
       ContractValues v;
       for (int k = 0; k < lists.count(); ++k) {
         v.names["operands"].push_back(list_name(flags, lists, k));
@@ -443,6 +499,7 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
                                        ffi::Result<CountBuffer> new_count,
                                        ffi::RemainingRets rets, int64_t n, int64_t flags,
                                        bool master, bool remainders, bool stochastic_rounding,
+                                       bool quantized_states,
                                        ffi::Span<const uint8_t> tensor_flags, Call* call) {
   using namespace optimizer_detail;
   StepOperands step;
@@ -450,7 +507,7 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
   const uint32_t op_flags = step.flags;
   JF_RETURN_IF_ERROR(check_params_mode(master, remainders, stochastic_rounding,
                                        kHasTrustRatio<Family>));
-  const OptimizerLists lists = lists_of(op_flags, master, remainders);
+  const OptimizerLists lists = lists_of(op_flags, master, remainders, quantized_states);
   // n is bounded by the operand count before any product is formed (no overflow).
   const int64_t trailing = num_trailing(stochastic_rounding);
   const int64_t num_args = static_cast<int64_t>(args.size()) - trailing;
@@ -488,7 +545,12 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
   ListSource sources[kMaxLists];
   for (int k = 0; k < lists.count(); ++k) {
     names[k] = list_name(op_flags, lists, k);
-    sources[k] = {names[k].c_str(), false, k * n, k == lists.remainders};
+    const bool state = k >= OptimizerLists::state(0) && k < OptimizerLists::state(lists.num_states);
+    sources[k] = {names[k].c_str(), false, k * n,
+                  k == lists.remainders                      ? ListKind::kWords
+                  : k >= lists.unscaled_count()              ? ListKind::kBlockValues
+                  : (state && lists.quantized)               ? ListKind::kCodes
+                                                             : ListKind::kFloats};
     if (k == OptimizerLists::kGrads) continue;
     JF_RETURN_IF_ERROR(check_aliased(args, rets, k * n, (k - 1) * n, n, names[k].c_str()));
   }
@@ -506,6 +568,10 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
     }
   }
   if (remainders) JF_RETURN_IF_ERROR(check_remainder_params(call->tensors, call->f64));
+  if (quantized_states) {
+    JF_RETURN_IF_ERROR(
+        check_quantized_states(call->tensors, call->f64, kHasTrustRatio<Family>));
+  }
   call->lists = lists;
   call->count = count.typed_data();
   call->new_count = new_count->typed_data();

@@ -6,18 +6,21 @@
 // the k-th operand of leaf t. Each buffer has its own storage dtype (so one call covers a tree of
 // mixed dtypes); all lists of a tensor have the same element count. A complex tensor (all of its
 // lists complex) is seen as its real and imaginary parts interleaved: 2 scalars per element,
-// counted and addressed as scalars of its real dtype.
+// counted and addressed as scalars of its real dtype. A list of block values (the scales of
+// 8-bit moments) holds one float32 per kBlockElements elements of its tensor.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "jaxfuse/ffi_util.h"
 
 namespace jaxfuse {
 
-inline constexpr int kMaxLists = 8;
+inline constexpr int kMaxLists = 9;  // grads, params, 3 states, master, 3 block-scale lists
+inline constexpr int kBlockElements = 128;  // elements per value of a block list
 
 struct TensorLists {
   int num_lists = 0;
@@ -26,6 +29,7 @@ struct TensorLists {
   std::vector<int64_t> size;                        // scalars per tensor
   std::vector<uint8_t> mask;                        // per-tensor choice of the op (Adam: decay)
   std::vector<uint8_t> complex;                     // per tensor: its lists are complex
+  std::array<bool, kMaxLists> per_block{};          // per list: one value per kBlockElements
 
   int64_t num_tensors() const { return static_cast<int64_t>(size.size()); }
 
@@ -38,15 +42,47 @@ struct TensorLists {
   }
 };
 
+// What a list holds: floats of any kernel dtype, int16 words (DType::kI16), 8-bit codes (int8:
+// DType::kI8, uint8: DType::kU8) or float32 block values (one per kBlockElements elements).
+enum class ListKind : uint8_t { kFloats, kWords, kCodes, kBlockValues };
+
 // Where list `k` comes from: `num_tensors` consecutive buffers of the call's remaining
-// arguments (`from_rets == false`) or remaining results, starting at `offset`. A list of
-// `words` holds int16 words (DType::kI16), any other list floats.
+// arguments (`from_rets == false`) or remaining results, starting at `offset`.
 struct ListSource {
   const char* name;
   bool from_rets;
   int64_t offset;
-  bool words = false;
+  ListKind kind = ListKind::kFloats;
 };
+
+// The dtype of a buffer of a list of this kind, or nullopt where the kind does not take it.
+inline std::optional<ElementType> list_element_type(ListKind kind, ffi::DataType t) {
+  switch (kind) {
+    case ListKind::kWords:
+      if (t == ffi::DataType::S16) return ElementType{DType::kI16, false};
+      return std::nullopt;
+    case ListKind::kCodes:
+      if (t == ffi::DataType::S8) return ElementType{DType::kI8, false};
+      if (t == ffi::DataType::U8) return ElementType{DType::kU8, false};
+      return std::nullopt;
+    case ListKind::kBlockValues:
+      if (t == ffi::DataType::F32) return ElementType{DType::kF32, false};
+      return std::nullopt;
+    case ListKind::kFloats:
+      break;
+  }
+  return element_type(t);
+}
+
+inline const char* list_kind_dtypes(ListKind kind) {
+  switch (kind) {
+    case ListKind::kWords: return "int16";
+    case ListKind::kCodes: return "int8 or uint8";
+    case ListKind::kBlockValues: return "float32";
+    case ListKind::kFloats: break;
+  }
+  return "float32, bfloat16, float16, float64, complex64, complex128";
+}
 
 // The buffer behind a decoded result (results decode as Result<AnyBuffer>).
 inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> r) {
@@ -54,7 +90,7 @@ inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyB
   return **r;
 }
 
-// Decodes buffer t of list `src`, checking its dtype (element_type(), or int16 for words).
+// Decodes buffer t of list `src`, checking its dtype against the list's kind.
 inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
                                                 const ffi::RemainingRets* rets,
                                                 const ListSource& src, int64_t t) {
@@ -66,15 +102,10 @@ inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
     return ffi::Unexpected<ffi::Error>(invalid_argument(
         "list '", src.name, "' tensor ", t, ": ", decoded.error().message()));
   }
-  if (src.words) {
-    if (decoded->element_type() == ffi::DataType::S16) return decoded;
-    return ffi::Unexpected<ffi::Error>(
-        invalid_argument("list '", src.name, "' tensor ", t, ": expected int16"));
-  }
-  if (!element_type(decoded->element_type())) {
-    return ffi::Unexpected<ffi::Error>(invalid_argument(
-        "list '", src.name, "' tensor ", t,
-        ": unsupported dtype (float32, bfloat16, float16, float64, complex64, complex128 only)"));
+  if (!list_element_type(src.kind, decoded->element_type())) {
+    return ffi::Unexpected<ffi::Error>(invalid_argument("list '", src.name, "' tensor ", t,
+                                                        ": unsupported dtype (",
+                                                        list_kind_dtypes(src.kind), " only)"));
   }
   return decoded;
 }
@@ -98,6 +129,7 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
   out->complex.assign(num_tensors, 0);
   for (int k = 0; k < num_lists; ++k) {
     const ListSource& src = sources[k];
+    out->per_block[k] = src.kind == ListKind::kBlockValues;
     if (src.from_rets && rets == nullptr) return internal_error("list '", src.name, "': no results");
     const int64_t available = src.from_rets ? static_cast<int64_t>(rets->size())
                                             : static_cast<int64_t>(args.size());
@@ -109,10 +141,20 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
     for (int64_t t = 0; t < num_tensors; ++t) {
       ffi::ErrorOr<ffi::AnyBuffer> buf = list_buffer(args, rets, src, t);
       if (buf.has_error()) return buf.error();
-      const ElementType type =
-          src.words ? ElementType{DType::kI16, false} : *element_type(buf->element_type());
+      const ElementType type = *list_element_type(src.kind, buf->element_type());
       out->dtype[t][k] = type.dtype;
-      const int64_t n = static_cast<int64_t>(buf->element_count()) * (type.complex ? 2 : 1);
+      const int64_t count = static_cast<int64_t>(buf->element_count());
+      if (src.kind == ListKind::kBlockValues) {
+        const int64_t blocks = (out->size[t] + kBlockElements - 1) / kBlockElements;
+        if (k == 0 || count != blocks) {
+          return invalid_argument("tensor ", t, ": list '", src.name, "' has ", count,
+                                  " block values, expected ", blocks, " (one per ",
+                                  kBlockElements, " elements)");
+        }
+        out->ptr[t][k] = buf->untyped_data();
+        continue;
+      }
+      const int64_t n = count * (type.complex ? 2 : 1);
       if (k == 0) {
         out->size[t] = n;
         out->complex[t] = type.complex;

@@ -1,0 +1,80 @@
+// 8-bit optimizer moments, quantized block-wise (Dettmers et al., 2022, "8-bit Optimizers via
+// Block-wise Quantization", https://arxiv.org/abs/2110.02861), one definition for the host (CPU
+// handlers) and the device (CUDA kernels), so that both store the same bits; jaxfuse/_moments.py
+// is its XLA twin.
+//
+// Each block of kBlockElements consecutive elements of a moment keeps a float32 scale, the
+// block's largest magnitude over the format's largest value, and one byte per element: an 8-bit
+// float of that element over the scale, rounded to nearest (ties to even). The formats have 4
+// exponent bits (binades 2^-14 .. 2^0, then subnormals), like fp8 but without NaN or Inf codes:
+//  * signed moments (Adam's mu): sign, 4 exponent bits, 3 mantissa bits (E4M3), int8 buffers;
+//  * non-negative moments (Adam's nu): 4 exponent bits, 4 mantissa bits (E4M4), uint8 buffers.
+//    A positive value never becomes 0: the smallest code stands in for anything below it, so
+//    that the update m / (sqrt(v) + eps) of an element with a tiny second moment is made smaller,
+//    never divided by eps alone (the failure of zero codes in v: Li et al., 2023,
+//    https://arxiv.org/abs/2309.01507).
+// Floats keep the relative error below 2^-4 (signed) and 2^-5 (non-negative) over 14 binades
+// below the block's largest value, where a linear map loses the small values of a block.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "jaxfuse/dtype.h"
+#include "jaxfuse/tensor_lists.h"
+
+namespace jaxfuse {
+
+inline constexpr int kMomentBlock = kBlockElements;
+
+// The code formats by their buffers' dtype: int8 signed (E4M3), uint8 non-negative (E4M4).
+JF_HD int moment_mantissa_bits(bool is_signed) { return is_signed ? 3 : 4; }
+// The largest magnitude of a format, 2 - 2^-mantissa_bits: what a block's scale maps its largest
+// magnitude to.
+JF_HD float moment_top(bool is_signed) { return is_signed ? 1.875f : 1.9375f; }
+
+// A magnitude in [0, top] as its code (RNE): below 2^-14 a multiple of 2^-(14 + m) (an exact
+// power-of-two scaling, then rint), above it the float's pattern rounded to m mantissa bits,
+// its exponent rebased so that 2^-14 is code 1 << m.
+JF_HD uint32_t encode_magnitude(float a, int m) {
+  if (a < 0x1p-14f) return static_cast<uint32_t>(rintf(a * float(1 << (14 + m))));
+  const int shift = 23 - m;
+  uint32_t b = float_bits(a);
+  b += ((1u << (shift - 1)) - 1u) + ((b >> shift) & 1u);
+  return (b >> shift) - (112u << m);
+}
+
+JF_HD float decode_magnitude(uint32_t code, int m) {
+  if (code < (1u << m)) return float(code) * (1.0f / float(1 << (14 + m)));
+  return bits_float((code + (112u << m)) << (23 - m));
+}
+
+// The larger of a block's running maximum and a magnitude, NaN winning (a block with a NaN gets a
+// NaN scale, and decodes to NaN, as the float moment would hold it).
+JF_HD float nan_max(float running, float a) { return (a > running || a != a) ? a : running; }
+
+// The scale of a block from its largest magnitude: times 1 / top rounded to float (XLA turns a
+// division by a constant into this product, so the twin computes it so too).
+JF_HD float moment_scale(float absmax, bool is_signed) {
+  return absmax * (is_signed ? 1.0f / 1.875f : 1.0f / 1.9375f);
+}
+
+// The code of x in a block whose scale has the inverse `inverse` (1.0f / scale: XLA divides by a
+// broadcast value so, and a product rounds alike everywhere). |x| * inverse is at most top up to
+// rounding (clamped); 0 * Inf and the NaNs of non-finite blocks give code 0.
+JF_HD uint8_t encode_moment(float x, float inverse, bool is_signed) {
+  const float top = moment_top(is_signed);
+  float a = fabsf(x) * inverse;
+  a = a <= top ? a : (a != a ? 0.0f : top);
+  const uint32_t c = encode_magnitude(a, moment_mantissa_bits(is_signed));
+  if (is_signed) return static_cast<uint8_t>(c | (x < 0.0f ? 0x80u : 0u));
+  return static_cast<uint8_t>(c == 0u && x > 0.0f ? 1u : c);
+}
+
+JF_HD float decode_moment(uint8_t code, float scale, bool is_signed) {
+  if (!is_signed) return decode_magnitude(code, 4) * scale;
+  const float v = decode_magnitude(code & 0x7fu, 3) * scale;
+  return (code & 0x80u) ? -v : v;
+}
+
+}  // namespace jaxfuse
