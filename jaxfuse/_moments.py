@@ -105,12 +105,17 @@ def quantize(x: jax.Array, signed: bool, block: int) -> QuantizedMoment:
   x = x.astype(jnp.float32)
   blocks = _as_blocks(x, block_axis(x.shape, block), block)
   top = _top(signed)
-  scales = jnp.max(jnp.abs(blocks), axis=-1) * (np.float32(1) / top)  # max keeps NaN
+  # moment_scale(): the largest magnitude's bits (NaNs above Inf), the canonical NaN for a NaN
+  largest = jnp.max(jax.lax.bitcast_convert_type(blocks, jnp.uint32) & np.uint32(0x7fffffff),
+                    axis=-1)
+  scales = jnp.where(largest > np.uint32(0x7f800000), np.float32(np.nan),
+                     jax.lax.bitcast_convert_type(largest, jnp.float32) * (np.float32(1) / top))
   a = jnp.abs(blocks) * (np.float32(1) / scales)[..., None]
   a = jnp.where(a <= top, a, jnp.where(jnp.isnan(a), np.float32(0), top))
   code = _encode_magnitude(a, _mantissa_bits(signed))
   if signed:
-    code = code | jnp.where(blocks < 0, np.uint32(0x80), np.uint32(0))
+    sign = jax.lax.bitcast_convert_type(blocks, jnp.uint32) >> 24 & np.uint32(0x80)
+    code = code | sign  # x's sign bit
     codes = jax.lax.bitcast_convert_type(code.astype(jnp.uint8), jnp.int8)
   else:
     codes = jnp.where((code == 0) & (blocks > 0), np.uint32(1), code).astype(jnp.uint8)

@@ -93,14 +93,18 @@ template <bool kSigned, typename Real>
 __attribute__((always_inline)) inline void store_code_blocks(uint8_t* codes, float* scales,
                                                              int64_t n, const Real* in) {
   for (int64_t b = 0; b < n; b += kMomentBlock) {
-    float absmax = 0.0f;
-    for (int64_t i = b; i < b + kMomentBlock; ++i) absmax = nan_max(absmax, fabsf(float(in[i])));
-    const float scale = moment_scale(absmax, kSigned);
+    uint32_t largest = 0;
+    for (int64_t i = b; i < b + kMomentBlock; ++i) {
+      largest = std::max(largest, magnitude_bits(float(in[i])));
+    }
+    const float scale = moment_scale(largest, kSigned);
     scales[b / kMomentBlock] = scale;
     const float inverse = 1.0f / scale;
-    for (int64_t i = b; i < b + kMomentBlock; ++i) {
-      codes[i] = encode_moment(float(in[i]), inverse, kSigned);
+    uint32_t wide[kMomentBlock];  // codes computed 32 bits wide, then narrowed: both vectorize
+    for (int64_t i = 0; i < kMomentBlock; ++i) {
+      wide[i] = encode_moment(float(in[b + i]), inverse, kSigned);
     }
+    for (int64_t i = 0; i < kMomentBlock; ++i) codes[b + i] = static_cast<uint8_t>(wide[i]);
   }
 }
 

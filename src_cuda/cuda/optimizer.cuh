@@ -70,14 +70,14 @@ struct RegisterGroup {
   }
   __device__ void store_codes(int list, int scale_list, const Real* x) const {
     const bool is_signed = chunk.dtype[list] == DType::kI8;
-    float absmax = 0.0f;
+    uint32_t largest = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) absmax = nan_max(absmax, fabsf(float(x[j])));
+    for (int j = 0; j < 4; ++j) largest = max(largest, magnitude_bits(float(x[j])));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
-      absmax = nan_max(absmax, __shfl_xor_sync(0xffffffffu, absmax, o));
+      largest = max(largest, __shfl_xor_sync(0xffffffffu, largest, o));
     }
-    const float scale = moment_scale(absmax, is_signed);
+    const float scale = moment_scale(largest, is_signed);
     if (i % kMomentBlock == 0) static_cast<float*>(chunk.ptr[scale_list])[i / kMomentBlock] = scale;
     const float inverse = 1.0f / scale;
     uint32_t word = 0;

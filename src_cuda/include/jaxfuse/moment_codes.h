@@ -35,40 +35,47 @@ JF_HD float moment_top(bool is_signed) { return is_signed ? 1.875f : 1.9375f; }
 
 // A magnitude in [0, top] as its code (RNE): below 2^-14 a multiple of 2^-(14 + m) (an exact
 // power-of-two scaling, then rint), above it the float's pattern rounded to m mantissa bits,
-// its exponent rebased so that 2^-14 is code 1 << m.
+// its exponent rebased so that 2^-14 is code 1 << m. Both are computed and one is picked, through
+// int32 (below 2^20), so that the CPU's loops vectorize.
 JF_HD uint32_t encode_magnitude(float a, int m) {
-  if (a < 0x1p-14f) return static_cast<uint32_t>(rintf(a * float(1 << (14 + m))));
+  const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>(rintf(a * float(1 << (14 + m)))));
   const int shift = 23 - m;
   uint32_t b = float_bits(a);
   b += ((1u << (shift - 1)) - 1u) + ((b >> shift) & 1u);
-  return (b >> shift) - (112u << m);
+  const uint32_t normal = (b >> shift) - (112u << m);
+  return a < 0x1p-14f ? subnormal : normal;
 }
 
 JF_HD float decode_magnitude(uint32_t code, int m) {
-  if (code < (1u << m)) return float(code) * (1.0f / float(1 << (14 + m)));
-  return bits_float((code + (112u << m)) << (23 - m));
+  const float subnormal = float(static_cast<int32_t>(code)) * (1.0f / float(1 << (14 + m)));
+  const float normal = bits_float((code + (112u << m)) << (23 - m));
+  return code < (1u << m) ? subnormal : normal;
 }
 
-// The larger of a block's running maximum and a magnitude, NaN winning (a block with a NaN gets a
-// NaN scale, and decodes to NaN, as the float moment would hold it).
-JF_HD float nan_max(float running, float a) { return (a > running || a != a) ? a : running; }
+// A block's largest magnitude is the largest of its elements' magnitude_bits(): non-negative
+// floats order as their bit patterns, and NaNs above Inf, so that an integer maximum (which
+// vectorizes, and is exact in any order) finds it, and a NaN when the block holds one.
+JF_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 
-// The scale of a block from its largest magnitude: times 1 / top rounded to float (XLA turns a
-// division by a constant into this product, so the twin computes it so too).
-JF_HD float moment_scale(float absmax, bool is_signed) {
-  return absmax * (is_signed ? 1.0f / 1.875f : 1.0f / 1.9375f);
+// The scale of a block from the largest magnitude_bits() of its elements: that magnitude times
+// 1 / top rounded to float (XLA turns a division by a constant into this product, so the twin
+// computes it so too); the canonical NaN for a block with a NaN, which then decodes to NaN.
+JF_HD float moment_scale(uint32_t max_magnitude_bits, bool is_signed) {
+  if (max_magnitude_bits > 0x7f800000u) return bits_float(0x7fc00000u);
+  return bits_float(max_magnitude_bits) * (is_signed ? 1.0f / 1.875f : 1.0f / 1.9375f);
 }
 
-// The code of x in a block whose scale has the inverse `inverse` (1.0f / scale: XLA divides by a
-// broadcast value so, and a product rounds alike everywhere). |x| * inverse is at most top up to
-// rounding (clamped); 0 * Inf and the NaNs of non-finite blocks give code 0.
-JF_HD uint8_t encode_moment(float x, float inverse, bool is_signed) {
+// The code of x (in the low byte; 32 bits wide, so that the CPU's loop over floats vectorizes)
+// in a block whose scale has the inverse `inverse` (1.0f / scale: XLA divides by a broadcast
+// value so, and a product rounds alike everywhere). |x| * inverse is at most top up to rounding
+// (clamped); 0 * Inf and the NaNs of non-finite blocks give code 0.
+JF_HD uint32_t encode_moment(float x, float inverse, bool is_signed) {
   const float top = moment_top(is_signed);
   float a = fabsf(x) * inverse;
   a = a <= top ? a : (a != a ? 0.0f : top);
   const uint32_t c = encode_magnitude(a, moment_mantissa_bits(is_signed));
-  if (is_signed) return static_cast<uint8_t>(c | (x < 0.0f ? 0x80u : 0u));
-  return static_cast<uint8_t>(c == 0u && x > 0.0f ? 1u : c);
+  if (is_signed) return c | ((float_bits(x) >> 24) & 0x80u);  // x's sign bit
+  return c | uint32_t(c == 0u && x > 0.0f);
 }
 
 JF_HD float decode_moment(uint8_t code, float scale, bool is_signed) {
