@@ -8,6 +8,8 @@ under jaxfuse.fused_step):
   fp32                 float32 params and moments: the reference (and again from another
                        initialization, to show how far two fp32 runs end apart)
   bf16 moments         float32 params, both moments stored in bfloat16 (mu_dtype, nu_dtype)
+  8-bit moments        float32 params, both moments block-wise in 8 bits (moment_bits=8) in
+                       every leaf of at least 4096 elements (a multiple of 128)
   bf16 + fp32 master   bfloat16 params, a float32 master copy in the state (master_weights=True)
   bf16 + remainders    bfloat16 params and their int16 remainders (master_weights="remainder"):
                        the fp32 master exactly, in 2 bytes instead of 4
@@ -46,6 +48,7 @@ MODES = {
     "fp32": (jnp.float32, {}),
     "fp32, init seed 1": (jnp.float32, {}),  # the spread one init seed gives, for scale
     "bf16 moments": (jnp.float32, dict(mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)),
+    "8-bit moments": (jnp.float32, dict(moment_bits=8)),
     "bf16 + fp32 master": (jnp.bfloat16, dict(master_weights=True)),
     "bf16 + remainders": (jnp.bfloat16, dict(master_weights="remainder")),
     "bf16 + stochastic": (jnp.bfloat16, dict(stochastic_rounding=True, seed=0)),
