@@ -23,7 +23,7 @@ Prints a table (final validation loss, its difference to fp32, and from jaxfuse.
 bytes per param and the bytes the optimizer step (clip + AdamW) moves per param) and saves
 precision_modes.png with every mode's loss curves.
 
-    python3 examples/precision_modes.py            # ~12 minutes on a 2-core CPU
+    python3 examples/precision_modes.py            # ~18 minutes on a 2-core CPU
     python3 examples/precision_modes.py --quick    # ~2 minutes
 """
 

@@ -298,7 +298,8 @@ def _optimizer_state(args: tuple, kwargs: dict) -> tuple[Optional[int], Optional
   mu = next((x.mu for x in jax.tree.leaves(states, is_leaf=has_mu) if has_mu(x)), None)
   codes = lambda leaf: leaf.codes if _moments.is_quantized(leaf) else leaf
   params = None if mu is None else sum(
-      math.prod(np.shape(codes(leaf))) for leaf in jax.tree.leaves(mu, is_leaf=_moments.is_quantized))
+      math.prod(np.shape(codes(leaf)))
+      for leaf in jax.tree.leaves(mu, is_leaf=_moments.is_quantized))
   return params, state_bytes
 
 

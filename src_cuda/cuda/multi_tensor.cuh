@@ -149,8 +149,10 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
       const int64_t n = std::min(kMaxSlice, lists.size[t] - off);
       const int e = table.num_tensors;
       for (int k = 0; k < kLists; ++k) {
-        const int64_t first = lists.per_block[k] ? off / kBlockElements : off;  // slices: whole blocks
-        table.ptr[k][e] = static_cast<char*>(lists.ptr[t][k]) + first * dtype_bytes(lists.dtype[t][k]);
+        // A block list's values of the slice (slices hold whole blocks).
+        const int64_t first = lists.per_block[k] ? off / kBlockElements : off;
+        table.ptr[k][e] =
+            static_cast<char*>(lists.ptr[t][k]) + first * dtype_bytes(lists.dtype[t][k]);
         table.dtype[k][e] = lists.dtype[t][k];
       }
       table.size[e] = static_cast<int32_t>(n);

@@ -66,7 +66,9 @@ struct RegisterGroup {
     const uint32_t word =
         *reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(chunk.ptr[list]) + i);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) x[j] = Real(decode_moment(uint8_t(word >> (8 * j)), scale, is_signed));
+    for (int j = 0; j < 4; ++j) {
+      x[j] = Real(decode_moment(uint8_t(word >> (8 * j)), scale, is_signed));
+    }
   }
   __device__ void store_codes(int list, int scale_list, const Real* x) const {
     const bool is_signed = chunk.dtype[list] == DType::kI8;

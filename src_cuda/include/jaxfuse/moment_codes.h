@@ -38,7 +38,8 @@ JF_HD float moment_top(bool is_signed) { return is_signed ? 1.875f : 1.9375f; }
 // its exponent rebased so that 2^-14 is code 1 << m. Both are computed and one is picked, through
 // int32 (below 2^20), so that the CPU's loops vectorize.
 JF_HD uint32_t encode_magnitude(float a, int m) {
-  const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>(rintf(a * float(1 << (14 + m)))));
+  const float units = rintf(a * float(1 << (14 + m)));
+  const uint32_t subnormal = static_cast<uint32_t>(static_cast<int32_t>(units));
   const int shift = 23 - m;
   uint32_t b = float_bits(a);
   b += ((1u << (shift - 1)) - 1u) + ((b >> shift) & 1u);
