@@ -676,13 +676,18 @@ def _with_shards(spec: Spec, keys: jax.Array, shards: _partition.Shards,
   return keys.at[:, column].set(jnp.stack(index).astype(jnp.uint32))
 
 
+def _scales(state_list: str) -> str:
+  """The name of a state list's block-scale list (optimizer.h's list_name())."""
+  return f"{state_list}_scales"
+
+
 def _check_whole_blocks(spec: Spec, local: tuple, first_operand: dict[str, int], state: str,
                        positions: list[int]) -> None:
   """Raises unless each leaf's local shard holds its 8-bit states' whole blocks: a leaf split
   along a dimension its blocks run along is refused (its scales are not split there)."""
   for i, position in enumerate(positions):
     codes = local[first_operand[state] + i]
-    scales = local[first_operand[f"{state}_scales"] + i]
+    scales = local[first_operand[_scales(state)] + i]
     if codes.size != scales.size * spec.moment_block:
       raise ValueError(
           f"{spec.name}: params leaf number {position} (in tree order) is split along one of "
@@ -706,7 +711,8 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
                  param_remainders=leaves.remainders)
   for name, states in zip(state_names, leaves.states):
     by_name[name] = [s.codes for s in states] if quantized else states
-    by_name[f"{name}_scales"] = [s.scales for s in states] if quantized else None
+    if quantized:
+      by_name[_scales(name)] = [s.scales for s in states]
   fixed = dict(count=count, hyper=hyper, grad_ctrl=grad_ctrl)
   fixed_names = spec.contract.names["fixed_operands"]
   operands = [fixed[name] for name in fixed_names]
@@ -750,7 +756,8 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _Leaves,
   # its blocks run along is refused in the body); its others are the leaf's leading ones.
   scales_ndim = [jnp.ndim(s.scales) for s in leaves.states[0]] if quantized else []
   block_dims = tuple((*dims[:k - 1], None) for dims, k in zip(leaf_dims, scales_ndim))
-  list_dims = lambda name: block_dims if name.endswith("_scales") else leaf_dims
+  scale_lists = {_scales(name) for name in state_names}
+  list_dims = lambda name: block_dims if name in scale_lists else leaf_dims
   keys = tuple(operands[num_list_operands:])
   partition = _partition.Layout(
       operands=tuple(_partition.whole(x) for x in operands[:len(fixed)])
@@ -806,8 +813,8 @@ def in_place(spec: Spec, grads: Any, state: Any, params: Any,
     for k, i in enumerate(idx):
       new_params[i] = out["params"][k]
       for s, name in zip(states, state_lists):
-        s[i] = _moments.QuantizedMoment(out[name][k], out[f"{name}_scales"][k]) \
-            if f"{name}_scales" in out else out[name][k]
+        s[i] = _moments.QuantizedMoment(out[name][k], out[_scales(name)][k]) \
+            if _scales(name) in out else out[name][k]
       if masters is not None:
         masters[i] = out["master_params"][k]
       if "param_remainders" in out:

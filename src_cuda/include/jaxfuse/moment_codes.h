@@ -63,7 +63,7 @@ JF_HD uint32_t magnitude_bits(float x) { return float_bits(x) & 0x7fffffffu; }
 // computes it so too); the canonical NaN for a block with a NaN, which then decodes to NaN.
 JF_HD float moment_scale(uint32_t max_magnitude_bits, bool is_signed) {
   if (max_magnitude_bits > 0x7f800000u) return bits_float(0x7fc00000u);
-  return bits_float(max_magnitude_bits) * (is_signed ? 1.0f / 1.875f : 1.0f / 1.9375f);
+  return bits_float(max_magnitude_bits) * (1.0f / moment_top(is_signed));
 }
 
 // The code of x (in the low byte; 32 bits wide, so that the CPU's loop over floats vectorizes)
