@@ -183,18 +183,9 @@ class DecoderConfig:
     return self.num_kv_heads * self.head_dim
 
   def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-    """The shapes of the :class:`DecoderWeights` fields this config uses (the others are None)."""
-    L, D, I, hd = self.num_layers, self.hidden_size, self.intermediate_size, self.head_dim
-    shapes = {
-        "attn_norm": (L, D), "wq": (L, D, self.q_dim), "wk": (L, D, self.kv_dim),
-        "wv": (L, D, self.kv_dim), "wo": (L, self.q_dim, D), "mlp_norm": (L, D),
-        "w_gate": (L, D, I), "w_up": (L, D, I), "w_down": (L, I, D),
-    }
-    if self.qkv_bias:
-      shapes.update(q_bias=(L, self.q_dim), k_bias=(L, self.kv_dim), v_bias=(L, self.kv_dim))
-    if self.qk_norm:
-      shapes.update(q_norm=(L, hd), k_norm=(L, hd))
-    return shapes
+    """The shapes of the :class:`DecoderWeights` fields this config uses (the others are None),
+    in field order: the kernel's own shapes (``decoder_weight_shapes()`` in decoder.h)."""
+    return _weight_shapes(self)
 
   def cache_shape(self, batch: int) -> tuple[int, ...]:
     return (self.num_layers, batch, self.max_seq_len, self.num_kv_heads, self.head_dim)
@@ -245,7 +236,8 @@ class KVCache(NamedTuple):
 # ---- the C++ contract (DecoderOp::contract() in src_cuda/include/jaxfuse/decoder.h) -------------
 
 _CONTRACT = _ffi.contract("jaxfuse_decoder")
-_NON_WEIGHT_OPERANDS = ("x", "positions", "rope_inv_freq", "k_cache", "v_cache")
+_OPERANDS_BEFORE = ("x", "positions", "rope_inv_freq")  # then the weights, then _CACHES
+_CACHES = ("k_cache", "v_cache")
 _RESULTS = ("out", "k_cache", "v_cache", "workspace")
 # Config fields that are not attributes: they define the rope_inv_freq operand.
 _ROPE_FIELDS = ("rope_theta", "rope_scaling")
@@ -268,16 +260,15 @@ def _check_contract(contract: _ffi.Contract) -> None:
       build).
   """
   names = contract.names
-  operands, results = names["operands"], names["results"]
-  weights = tuple(n for n in operands if n not in _NON_WEIGHT_OPERANDS)
+  operands, results, weights = names["operands"], names["results"], names["weights"]
   attrs = names["size_attrs"] + names["f32_attrs"] + names["bool_attrs"]
   fields = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _ROPE_FIELDS)
   problems = []
-  if (weights != DecoderWeights._fields
-      or len(operands) != len(weights) + len(_NON_WEIGHT_OPERANDS)
-      or not set(_NON_WEIGHT_OPERANDS) <= set(operands)):
+  if weights != DecoderWeights._fields or operands != _OPERANDS_BEFORE + weights + _CACHES:
     problems.append(f"operands {operands} are not x, positions, rope_inv_freq, the DecoderWeights "
                     f"fields {DecoderWeights._fields} in that order, k_cache and v_cache")
+  if not set(names["weight_flags"]) <= {"always", *names["bool_attrs"]}:
+    problems.append(f"weight flags {names['weight_flags']} are not 'always' or bool attributes")
   if sorted(results) != sorted(_RESULTS):
     problems.append(f"results {results} are not {_RESULTS} in some order")
   if sorted(attrs) != sorted(fields):
@@ -291,6 +282,18 @@ def _check_contract(contract: _ffi.Contract) -> None:
 _check_contract(_CONTRACT)
 # The k/v cache operands alias the k/v cache results (the names in both lists).
 _ALIASES = _ffi.aliases(_CONTRACT.names["operands"], _CONTRACT.names["results"])
+# The config flag each optional weight needs ("always" for the others).
+_WEIGHT_FLAGS = dict(zip(_CONTRACT.names["weights"], _CONTRACT.names["weight_flags"]))
+
+
+@functools.cache
+def _weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+  """:meth:`DecoderConfig.weight_shapes`: the contract's shapes of the weights ``cfg`` uses."""
+  sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
+  shapes = _CONTRACT.call("weight_shapes", qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
+                          **sizes).shapes
+  return {name: shapes[name] for name, flag in _WEIGHT_FLAGS.items()
+          if flag == "always" or getattr(cfg, flag)}
 
 
 def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype) -> int:
@@ -339,28 +342,24 @@ def _check_structure(w, cache, cfg) -> None:
                       f"{type(value).__name__}")
 
 
-_FEATURE_OF = {"q_bias": "qkv_bias", "k_bias": "qkv_bias", "v_bias": "qkv_bias",
-               "q_norm": "qk_norm", "k_norm": "qk_norm"}
-
-
 def _check_present(fn: str, w: DecoderWeights, cfg: DecoderConfig) -> None:
   """The optional weights are given exactly when ``cfg`` uses them (never silently ignored)."""
   used = cfg.weight_shapes()
   for name, a in w._asdict().items():
     if name in used and a is None:
-      raise ValueError(f"{fn}: w.{name} is None, but cfg.{_FEATURE_OF[name]} is set")
+      raise ValueError(f"{fn}: w.{name} is None, but cfg.{_WEIGHT_FLAGS[name]} is set")
     if name not in used and a is not None:
-      raise ValueError(f"{fn}: w.{name} is given, but cfg.{_FEATURE_OF[name]} is False (the "
+      raise ValueError(f"{fn}: w.{name} is given, but cfg.{_WEIGHT_FLAGS[name]} is False (the "
                        "kernel would ignore it)")
 
 
-def _expect(name: str, a, shape, dtype, shape_note: str = "", dtype_note: str = "") -> None:
+def _expect(fn: str, name: str, a, shape, dtype, shape_note: str = "",
+            dtype_note: str = "") -> None:
   """Raises ValueError unless ``a`` has ``shape``, then TypeError unless it has ``dtype``."""
   if a.shape != tuple(shape):
-    raise ValueError(f"persistent_decoder: {name} has shape {_fmt(a.shape)}, expected "
-                     f"{_fmt(shape)}{shape_note}")
+    raise ValueError(f"{fn}: {name} has shape {_fmt(a.shape)}, expected {_fmt(shape)}{shape_note}")
   if jnp.dtype(a.dtype) != dtype:
-    raise TypeError(f"persistent_decoder: {name} has dtype {a.dtype}, expected {dtype}{dtype_note}")
+    raise TypeError(f"{fn}: {name} has dtype {a.dtype}, expected {dtype}{dtype_note}")
 
 
 def _check_operands(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig) -> None:
@@ -373,12 +372,18 @@ def _check_operands(x, positions, w: DecoderWeights, cache: KVCache, cfg: Decode
     raise TypeError(f"persistent_decoder: x has dtype {dtype}, expected float32, bfloat16 or "
                     "float16")
   batch = x.shape[0]
-  _expect("positions", positions, (batch,), jnp.dtype(jnp.int32))
-  _check_present("persistent_decoder", w, cfg)
+  _expect("persistent_decoder", "positions", positions, (batch,), jnp.dtype(jnp.int32))
+  _check_layers("persistent_decoder", w, cache, cfg, batch, dtype)
+
+
+def _check_layers(fn: str, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig, batch: int,
+                  dtype) -> None:
+  """The weights and the cache of ``batch`` rows have ``cfg``'s shapes and ``dtype``."""
+  _check_present(fn, w, cfg)
   for name, shape in cfg.weight_shapes().items():
-    _expect(name, getattr(w, name), shape, dtype, dtype_note=_SHARED_DTYPE)
+    _expect(fn, name, getattr(w, name), shape, dtype, dtype_note=_SHARED_DTYPE)
   for name, a in (("cache.k", cache.k), ("cache.v", cache.v)):
-    _expect(name, a, cfg.cache_shape(batch), dtype, _CACHE_AXES, _SHARED_DTYPE)
+    _expect(fn, name, a, cfg.cache_shape(batch), dtype, _CACHE_AXES, _SHARED_DTYPE)
 
 
 def _concrete(a) -> np.ndarray | None:

@@ -90,24 +90,25 @@ def target(name: str) -> str:
 class Contract:
   """What an op's C++ side says Python must agree with (``contract()`` in the op's header under
   src_cuda/include/jaxfuse/): ``numbers`` (e.g. a slot count), ``names`` (ordered name lists:
-  operand layouts, the fields of a device vector) and ``functions`` (layouts that depend on the
-  call, e.g. a workspace size; integer keyword arguments in, a Contract's numbers and names out).
+  operand layouts, the fields of a device vector), ``shapes`` (named shapes) and ``functions``
+  (layouts that depend on the call, e.g. a workspace size; integer keyword arguments in, a
+  Contract's numbers, names and shapes out).
   """
 
   numbers: dict[str, int]
   names: dict[str, tuple[str, ...]]
   functions: dict[str, Callable[..., dict]]
+  shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
   def call(self, function: str, **args: int) -> "Contract":
     out = self.functions[function](**{k: int(v) for k, v in args.items()})
-    return Contract(out["numbers"], out["names"], {})
+    return _contract_of({**out, "functions": {}})
 
 
 @functools.cache
 def contract(op: str) -> Contract:
   """The contract of target ``op`` (e.g. "jaxfuse_adam"), from the always-built CPU module."""
-  c = _jaxfuse_cpu.contract()[op]
-  return Contract(dict(c["numbers"]), dict(c["names"]), dict(c["functions"]))
+  return _contract_of(_jaxfuse_cpu.contract()[op])
 
 
 def traced_contract(op: str) -> Contract:
@@ -115,9 +116,13 @@ def traced_contract(op: str) -> Contract:
   under ``cpu_targets("cuda_on_cpu")`` (that build may shrink the multi-tensor chunks, which
   size some workspaces), else the CPU module's (the CUDA module is built with its constants)."""
   if _cpu_targets == "cuda_on_cpu":
-    c = _jaxfuse_cuda_on_cpu.contract()[op]
-    return Contract(dict(c["numbers"]), dict(c["names"]), dict(c["functions"]))
+    return _contract_of(_jaxfuse_cuda_on_cpu.contract()[op])
   return contract(op)
+
+
+def _contract_of(c: dict) -> Contract:
+  """A Contract from what a module's ``contract()`` returns for one op."""
+  return Contract(dict(c["numbers"]), dict(c["names"]), dict(c["functions"]), dict(c["shapes"]))
 
 
 def vector_dtype() -> jnp.dtype:

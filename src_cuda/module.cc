@@ -38,8 +38,13 @@ int64_t contract_arg(const std::map<std::string, int64_t>& args, const char* nam
 namespace {
 
 nb::dict to_dict(const ContractValues& values) {
-  nb::dict numbers, names, out;
+  nb::dict numbers, names, shapes, out;
   for (const auto& [k, v] : values.numbers) numbers[k.c_str()] = v;
+  for (const auto& [k, v] : values.shapes) {
+    nb::list l;
+    for (int64_t s : v) l.append(s);
+    shapes[k.c_str()] = nb::tuple(l);
+  }
   for (const auto& [k, v] : values.names) {
     nb::list l;
     for (const std::string& s : v) l.append(s);
@@ -47,6 +52,7 @@ nb::dict to_dict(const ContractValues& values) {
   }
   out["numbers"] = numbers;
   out["names"] = names;
+  out["shapes"] = shapes;
   return out;
 }
 

@@ -129,6 +129,16 @@ def test_vector_layouts_are_pinned():
   dec = _ffi.contract("jaxfuse_decoder")
   assert dec.names["operands"] == _OPERANDS
   assert dec.names["results"] == ("out", "k_cache", "v_cache", "workspace")
+  assert dec.names["weights"] == _OPERANDS[3:-2]
+  assert dec.names["weight_flags"] == ("always",) * 9 + ("qkv_bias",) * 3 + ("qk_norm",) * 2
+  sizes = dict(num_layers=2, hidden_size=6, num_heads=4, num_kv_heads=2, head_dim=8,
+               intermediate_size=10, max_seq_len=5)
+  L, D, I, q, kv = 2, 6, 10, 32, 16
+  shapes = dec.call("weight_shapes", qkv_bias=1, qk_norm=0, **sizes).shapes
+  assert shapes == {"attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv),
+                    "wo": (L, q, D), "mlp_norm": (L, D), "w_gate": (L, D, I), "w_up": (L, D, I),
+                    "w_down": (L, I, D), "q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv),
+                    "q_norm": (L, 0), "k_norm": (L, 0)}
 
 
 def _adam_fixed(device, seed=0, dtype=np.float32):

@@ -99,7 +99,7 @@ PY
   control tail_overrun cuda/multi_tensor.cuh \
     "const int count = min(4, ref.n - i);" "const int count = 4;" \
     "$CTRL/build/cuda_on_cpu_multi_tensor_test"
-  control last_block_counter cuda/decoder.cu \
+  control last_block_counter cuda/decoder_common.cuh \
     "*flag = atomicAdd(counter, 1) == expected - 1;" "*flag = atomicAdd(counter, 1) == 0;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits"

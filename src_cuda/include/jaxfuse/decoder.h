@@ -22,10 +22,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <iterator>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "jaxfuse/decoder_math.h"
 #include "jaxfuse/op.h"
@@ -242,13 +242,40 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
               d.B, d.KV, d.head_chunks()};
 }
 
+// The stacked layer weights, in operand order: X(name, flag, dims...). A weight has shape
+// [L, dims...] when `flag` is set and [L, 0] when not (`always` is always set); the names in
+// `dims` and `flag` are those of decoder_weight_shapes(). This is the one list of the weights:
+// the operand names, the FFI binding, DecoderWeights, the shape checks and Python's shapes
+// (contract()) are all made from it.
+#define JAXFUSE_DECODER_WEIGHTS(X) \
+  X(attn_norm, always, D)          \
+  X(wq, always, D, q_dim)          \
+  X(wk, always, D, kv_dim)         \
+  X(wv, always, D, kv_dim)         \
+  X(wo, always, q_dim, D)          \
+  X(mlp_norm, always, D)           \
+  X(w_gate, always, D, I)          \
+  X(w_up, always, D, I)            \
+  X(w_down, always, I, D)          \
+  X(q_bias, qkv_bias, q_dim)       \
+  X(k_bias, qkv_bias, kv_dim)      \
+  X(v_bias, qkv_bias, kv_dim)      \
+  X(q_norm, qk_norm, hd)           \
+  X(k_norm, qk_norm, hd)
+
+#define JF_DECODER_WEIGHT_NAME(name, ...) #name,
+#define JF_DECODER_WEIGHT_FLAG(name, flag, ...) #flag,
 // Operand and result names in call order; a name in both lists is updated in place.
 inline constexpr const char* kDecoderOperands[] = {
-    "x", "positions", "rope_inv_freq", "attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate",
-    "w_up", "w_down", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm", "k_cache", "v_cache"};
+    "x", "positions", "rope_inv_freq", JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_NAME)
+    "k_cache", "v_cache"};
 inline constexpr const char* kDecoderResults[] = {"out", "k_cache", "v_cache", "workspace"};
+inline constexpr const char* kDecoderWeightFlags[] = {
+    JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_FLAG)};
+#undef JF_DECODER_WEIGHT_FLAG
+#undef JF_DECODER_WEIGHT_NAME
 inline constexpr int kDecoderFirstWeight = 3;  // attn_norm
-inline constexpr int kDecoderWeights = 14;     // attn_norm .. k_norm
+inline constexpr int kDecoderWeights = int(std::size(kDecoderWeightFlags));
 
 // The call's attributes (DecoderConfig), decoded as one struct.
 #define JAXFUSE_DECODER_SIZE_ATTRS(X)                                                      \
@@ -264,23 +291,27 @@ struct DecoderAttrs {
 };
 inline constexpr const char* kDecoderSizeAttrs[] = {JAXFUSE_DECODER_SIZE_ATTRS(JF_VECTOR_NAME)};
 
-// The stacked layer weights (kDecoderOperands order), [L, ...] each.
+// The stacked layer weights' buffers, by name.
 struct DecoderWeights {
-  const void* attn_norm;  // [L, D]
-  const void* wq;         // [L, D, H*hd]
-  const void* wk;         // [L, D, KV*hd]
-  const void* wv;         // [L, D, KV*hd]
-  const void* wo;         // [L, H*hd, D]
-  const void* mlp_norm;   // [L, D]
-  const void* w_gate;     // [L, D, I]
-  const void* w_up;       // [L, D, I]
-  const void* w_down;     // [L, I, D]
-  const void* q_bias;     // [L, H*hd] (qkv_bias)
-  const void* k_bias;     // [L, KV*hd] (qkv_bias)
-  const void* v_bias;     // [L, KV*hd] (qkv_bias)
-  const void* q_norm;     // [L, hd] (qk_norm)
-  const void* k_norm;     // [L, hd] (qk_norm)
+#define JF_DECODER_WEIGHT_FIELD(name, ...) const void* name;
+  JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_FIELD)
+#undef JF_DECODER_WEIGHT_FIELD
 };
+
+// The shape each weight must have, in operand order.
+struct DecoderWeightShape {
+  const char* name;
+  std::vector<int64_t> dims;
+};
+inline std::vector<DecoderWeightShape> decoder_weight_shapes(const DecoderDims& d) {
+  // The names JAXFUSE_DECODER_WEIGHTS writes its dims and flags in.
+  const int64_t L = d.L, D = d.D, I = d.I, hd = d.hd, q_dim = d.q_dim(), kv_dim = d.kv_dim();
+  const bool always = true, qkv_bias = d.qkv_bias, qk_norm = d.qk_norm;
+#define JF_DECODER_WEIGHT_SHAPE(name, flag, ...) \
+  {#name, flag ? std::vector<int64_t>{L, __VA_ARGS__} : std::vector<int64_t>{L, 0}},
+  return {JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_SHAPE)};
+#undef JF_DECODER_WEIGHT_SHAPE
+}
 
 // Layer `layer` of a stacked weight whose layers hold `layer_size` elements of dtype t.
 JF_HD const void* layer_slice(const void* stacked, DType t, int64_t layer, int64_t layer_size) {
@@ -346,7 +377,7 @@ inline DecoderDims dims_of(const DecoderAttrs& a, int64_t batch, DType dtype) {
 
 // Buffer `name` must have x's dtype and exactly `shape`.
 inline ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& b, DType dtype,
-                              std::initializer_list<int64_t> shape) {
+                               const std::vector<int64_t>& shape) {
   if (to_dtype(b.element_type()) != dtype) {
     return invalid_argument(name, " has a different dtype than x (", dtype_name(dtype), ")");
   }
@@ -360,18 +391,11 @@ inline ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& b, DType 
   return invalid_argument(name, " does not have shape ", want);
 }
 
-// The optional weights are [L, width] when their flag is set and [L, 0] when not.
-inline ffi::Error check_weights(const DecoderDims& d, const ffi::AnyBuffer* weights) {
-  const int64_t bias = d.qkv_bias ? 1 : 0, norm = d.qk_norm ? 1 : 0;
-  const std::initializer_list<int64_t> shapes[kDecoderWeights] = {
-      {d.L, d.D},           {d.L, d.D, d.q_dim()},  {d.L, d.D, d.kv_dim()},
-      {d.L, d.D, d.kv_dim()}, {d.L, d.q_dim(), d.D}, {d.L, d.D},
-      {d.L, d.D, d.I},      {d.L, d.D, d.I},        {d.L, d.I, d.D},
-      {d.L, bias * d.q_dim()}, {d.L, bias * d.kv_dim()}, {d.L, bias * d.kv_dim()},
-      {d.L, norm * d.hd},    {d.L, norm * d.hd}};
+// Each weight has its decoder_weight_shapes() shape.
+inline ffi::Error check_weights(const DecoderDims& d, const ffi::AnyBuffer* const* weights) {
+  const std::vector<DecoderWeightShape> shapes = decoder_weight_shapes(d);
   for (int i = 0; i < kDecoderWeights; ++i) {
-    JF_RETURN_IF_ERROR(
-        check_buffer(kDecoderOperands[kDecoderFirstWeight + i], weights[i], d.dtype, shapes[i]));
+    JF_RETURN_IF_ERROR(check_buffer(shapes[i].name, *weights[i], d.dtype, shapes[i].dims));
   }
   return ffi::Error::Success();
 }
@@ -379,7 +403,7 @@ inline ffi::Error check_weights(const DecoderDims& d, const ffi::AnyBuffer* weig
 inline ffi::Error check_caches(const DecoderDims& d, const ffi::AnyBuffer& k_cache,
                                const ffi::AnyBuffer& v_cache, const ffi::AnyBuffer& k_out,
                                const ffi::AnyBuffer& v_out) {
-  const std::initializer_list<int64_t> shape = {d.L, d.B, d.S, d.KV, d.hd};
+  const std::vector<int64_t> shape = {d.L, d.B, d.S, d.KV, d.hd};
   JF_RETURN_IF_ERROR(check_buffer("k_cache", k_cache, d.dtype, shape));
   JF_RETURN_IF_ERROR(check_buffer("v_cache", v_cache, d.dtype, shape));
   JF_RETURN_IF_ERROR(check_buffer("k_cache result", k_out, d.dtype, shape));
@@ -404,44 +428,33 @@ struct DecoderOp {
 
   template <typename Context>
   static auto binding() {
-    auto b = ffi::Ffi::Bind().Ctx<Context>().template Arg<ffi::AnyBuffer>()  // x
-                 .template Arg<PositionsBuffer>()                          // positions
-                 .template Arg<RopeTableBuffer>();                         // rope_inv_freq
-    return std::move(b)
-        .template Arg<ffi::AnyBuffer>()  // attn_norm
-        .template Arg<ffi::AnyBuffer>()  // wq
-        .template Arg<ffi::AnyBuffer>()  // wk
-        .template Arg<ffi::AnyBuffer>()  // wv
-        .template Arg<ffi::AnyBuffer>()  // wo
-        .template Arg<ffi::AnyBuffer>()  // mlp_norm
-        .template Arg<ffi::AnyBuffer>()  // w_gate
-        .template Arg<ffi::AnyBuffer>()  // w_up
-        .template Arg<ffi::AnyBuffer>()  // w_down
-        .template Arg<ffi::AnyBuffer>()  // q_bias
-        .template Arg<ffi::AnyBuffer>()  // k_bias
-        .template Arg<ffi::AnyBuffer>()  // v_bias
-        .template Arg<ffi::AnyBuffer>()  // q_norm
-        .template Arg<ffi::AnyBuffer>()  // k_norm
-        .template Arg<ffi::AnyBuffer>()  // k_cache
-        .template Arg<ffi::AnyBuffer>()  // v_cache
+#define JF_DECODER_WEIGHT_ARG(name, ...) .template Arg<ffi::AnyBuffer>()
+    return ffi::Ffi::Bind()
+        .Ctx<Context>()
+        .template Arg<ffi::AnyBuffer>()   // x
+        .template Arg<PositionsBuffer>()  // positions
+        .template Arg<RopeTableBuffer>()  // rope_inv_freq
+        JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_ARG)
+        .template Arg<ffi::AnyBuffer>()   // k_cache
+        .template Arg<ffi::AnyBuffer>()   // v_cache
         .template Ret<ffi::AnyBuffer>()   // out
         .template Ret<ffi::AnyBuffer>()   // k_cache (aliased)
         .template Ret<ffi::AnyBuffer>()   // v_cache (aliased)
         .template Ret<WorkspaceBuffer>()  // workspace
         .template Attrs<DecoderAttrs>();
+#undef JF_DECODER_WEIGHT_ARG
   }
 
+#define JF_DECODER_WEIGHT_PARAM(name, ...) ffi::AnyBuffer name,
   static ffi::Error decode(ffi::AnyBuffer x, PositionsBuffer positions,
-                           RopeTableBuffer rope_inv_freq, ffi::AnyBuffer attn_norm,
-                           ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::AnyBuffer wv,
-                           ffi::AnyBuffer wo, ffi::AnyBuffer mlp_norm, ffi::AnyBuffer w_gate,
-                           ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer q_bias,
-                           ffi::AnyBuffer k_bias, ffi::AnyBuffer v_bias, ffi::AnyBuffer q_norm,
-                           ffi::AnyBuffer k_norm, ffi::AnyBuffer k_cache,
-                           ffi::AnyBuffer v_cache, ffi::Result<ffi::AnyBuffer> out,
-                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out,
+                           RopeTableBuffer rope_inv_freq,
+                           JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_PARAM)
+                           ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
+                           ffi::Result<ffi::AnyBuffer> v_out,
                            ffi::Result<WorkspaceBuffer> workspace, DecoderAttrs attrs,
                            Call* call) {
+#undef JF_DECODER_WEIGHT_PARAM
     using namespace decoder_detail;
     JF_RETURN_IF_ERROR(check_attrs(attrs));
     const auto dtype = to_dtype(x.element_type());
@@ -457,9 +470,9 @@ struct DecoderOp {
     if (rope_inv_freq.dimensions().size() != 1 || rope_inv_freq.dimensions()[0] != d.hd / 2) {
       return invalid_argument("rope_inv_freq must have shape [", d.hd / 2, "] (head_dim / 2)");
     }
-    const ffi::AnyBuffer weights[kDecoderWeights] = {
-        attn_norm, wq,     wk,     wv,     wo,     mlp_norm, w_gate,
-        w_up,      w_down, q_bias, k_bias, v_bias, q_norm,   k_norm};
+#define JF_DECODER_WEIGHT_ADDRESS(name, ...) &name,
+    const ffi::AnyBuffer* const weights[] = {JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_ADDRESS)};
+#undef JF_DECODER_WEIGHT_ADDRESS
     JF_RETURN_IF_ERROR(check_weights(d, weights));
     JF_RETURN_IF_ERROR(check_caches(d, k_cache, v_cache, *k_out, *v_out));
     JF_RETURN_IF_ERROR(check_buffer("out", *out, d.dtype, {d.B, d.D}));
@@ -474,11 +487,9 @@ struct DecoderOp {
     b.x = x.untyped_data();
     b.positions = positions.typed_data();
     b.rope_inv_freq = rope_inv_freq.typed_data();
-    b.weights = {attn_norm.untyped_data(), wq.untyped_data(),     wk.untyped_data(),
-                 wv.untyped_data(),        wo.untyped_data(),     mlp_norm.untyped_data(),
-                 w_gate.untyped_data(),    w_up.untyped_data(),   w_down.untyped_data(),
-                 q_bias.untyped_data(),    k_bias.untyped_data(), v_bias.untyped_data(),
-                 q_norm.untyped_data(),    k_norm.untyped_data()};
+#define JF_DECODER_WEIGHT_DATA(name, ...) name.untyped_data(),
+    b.weights = {JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_DATA)};
+#undef JF_DECODER_WEIGHT_DATA
     b.k_cache = k_out->untyped_data();
     b.v_cache = v_out->untyped_data();
     b.out = out->untyped_data();
@@ -493,24 +504,45 @@ struct DecoderOp {
     Contract c;
     c.names["operands"] = name_list(kDecoderOperands);
     c.names["results"] = name_list(kDecoderResults);
+    c.names["weights"] = std::vector<std::string>(
+        kDecoderOperands + kDecoderFirstWeight, kDecoderOperands + kDecoderFirstWeight +
+        kDecoderWeights);
+    c.names["weight_flags"] = name_list(kDecoderWeightFlags);  // "always" or a bool attribute
     c.names["size_attrs"] = name_list(kDecoderSizeAttrs);
     c.names["f32_attrs"] = {"rms_norm_eps"};
     c.names["bool_attrs"] = {"qkv_bias", "qk_norm"};
     // workspace(batch=, dtype_bytes=, <size attrs>=) -> numbers["bytes"]
     c.functions["workspace"] = [](const std::map<std::string, int64_t>& args) {
-      DecoderAttrs a{};
-#define JF_DECODER_READ_ARG(name) a.name = contract_arg(args, #name);
-      JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_READ_ARG)
-#undef JF_DECODER_READ_ARG
-      const int64_t bytes = contract_arg(args, "dtype_bytes");
       // The layout depends on the dtype only through its width (f16 and bf16 lay out alike).
-      const DType dtype = bytes == 4 ? DType::kF32 : DType::kBF16;
+      const DType dtype = contract_arg(args, "dtype_bytes") == 4 ? DType::kF32 : DType::kBF16;
+      const DecoderDims d = decoder_detail::dims_of(contract_attrs(args),
+                                                    contract_arg(args, "batch"), dtype);
       ContractValues v;
-      const DecoderDims d = decoder_detail::dims_of(a, contract_arg(args, "batch"), dtype);
       v.numbers["bytes"] = decoder_layout(d).total;
       return v;
     };
+    // weight_shapes(<size attrs>=, qkv_bias=, qk_norm=) -> shapes[weight name]
+    c.functions["weight_shapes"] = [](const std::map<std::string, int64_t>& args) {
+      DecoderAttrs a = contract_attrs(args);
+      a.qkv_bias = contract_arg(args, "qkv_bias") != 0;
+      a.qk_norm = contract_arg(args, "qk_norm") != 0;
+      ContractValues v;
+      for (const DecoderWeightShape& s :
+           decoder_weight_shapes(decoder_detail::dims_of(a, 0, DType::kF32))) {
+        v.shapes[s.name] = s.dims;
+      }
+      return v;
+    };
     return c;
+  }
+
+  // The size attributes among a contract function's arguments (the others zero).
+  static DecoderAttrs contract_attrs(const std::map<std::string, int64_t>& args) {
+    DecoderAttrs a{};
+#define JF_DECODER_READ_ARG(name) a.name = contract_arg(args, #name);
+    JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_READ_ARG)
+#undef JF_DECODER_READ_ARG
+    return a;
   }
 
   // A memset of the stage counters and one cooperative kernel (cuda/decoder.cu); nothing for

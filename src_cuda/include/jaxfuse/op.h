@@ -27,10 +27,11 @@
 
 namespace jaxfuse {
 
-// Numbers and ordered name lists (operand layouts, vector fields) shared with Python.
+// Numbers, ordered name lists (operand layouts, vector fields) and shapes shared with Python.
 struct ContractValues {
   std::map<std::string, int64_t> numbers;
   std::map<std::string, std::vector<std::string>> names;
+  std::map<std::string, std::vector<int64_t>> shapes;
 };
 
 // Layouts that depend on the call (e.g. the workspace size for a batch): named integer

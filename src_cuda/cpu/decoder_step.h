@@ -1,0 +1,91 @@
+// The CPU decoder's decode step (DecodeStep): the stages of the CUDA kernel (decoder.cu) in the
+// same order, without its split of the work. The GEMV stages are decoder.cc, the RoPE, cache
+// append and attention stages decoder_attention.cc.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "jaxfuse/decoder.h"
+
+#include "cpu_common.h"
+
+namespace jaxfuse::cpu_decoder {
+
+// One decode step: the stages below, layer by layer, each over all batch rows.
+struct DecodeStep {
+  ffi::ThreadPool* pool;
+  const DecoderDims& d;
+  const DecoderBuffers& io;
+  const DecoderWeights& w;
+  const DType dtype;
+  DecoderWorkspace ws;
+  const float attn_scale;
+  WorkspaceRows normed;  // [B][D]: the current RMSNorm's output, the GEMV input
+  WorkspaceRows gate;    // [B][I]: the gate projection
+  std::vector<float> heap;  // normed and gate, when the workspace cannot hold them
+
+  DecodeStep(ffi::ThreadPool* thread_pool, const DecoderDims& dims, const DecoderBuffers& buffers)
+      : pool(thread_pool), d(dims), io(buffers), w(buffers.weights), dtype(dims.dtype),
+        ws(dims, buffers.workspace), attn_scale(1.0f / std::sqrt(float(dims.hd))) {
+    // `normed` and `gate` live in the GEMV partial-sum region (the CUDA kernel's; unused here),
+    // which holds >= 1024 * B * 128 floats; heap only if it cannot.
+    float* scratch = ws.gemv_partials.data;
+    if ((d.D + d.I) * d.B > ws.gemv_partials.capacity) {
+      heap.resize((d.D + d.I) * d.B);
+      scratch = heap.data();
+    }
+    normed = {scratch, d.D};
+    gate = {scratch + d.B * d.D, d.I};
+  }
+
+  void run() {
+    load_tile(io.x, dtype, 0, d.B * d.D, ws.hidden.data);  // h = float(x)
+    for (int64_t l = 0; l < d.L; ++l) {
+      rmsnorm_qkv(l);
+      rope_append_kv(l);
+      attention(l);
+      o_proj(l);
+      mlp(l);
+    }
+    write_output();
+  }
+
+  // Layer l of stacked weight `stacked` ([L, layer_size]).
+  const void* layer(const void* stacked, int64_t l, int64_t layer_size) const {
+    return layer_slice(stacked, dtype, l, layer_size);
+  }
+
+  // Element index of kv head `kv_head` at `position` of the caches [L, B, S, KV, hd].
+  int64_t cache_index(int64_t l, int64_t b, int64_t position, int64_t kv_head) const {
+    return ((l * d.B + b) * d.S + position) * d.kv_dim() + kv_head * d.hd;
+  }
+
+  // The residual GEMV epilogue: h += y.
+  auto add_to_hidden() const {
+    return [this](int64_t b, int64_t n0, int64_t len, const float* y) {
+      float* hb = ws.hidden.at(b, n0);
+      for (int64_t i = 0; i < len; ++i) hb[i] += y[i];
+    };
+  }
+
+  // [q | k | v] = (rmsnorm(h) * attn_norm) @ [wq | wk | wv] (+ [q_bias | k_bias | v_bias])
+  void rmsnorm_qkv(int64_t l);
+  // Per-head q/k RMSNorm (qk_norm) and RoPE on q and k, then k and v appended (rounded to the
+  // cache dtype) at [l, b, p].
+  void rope_append_kv(int64_t l);
+  // One work item per (batch row, kv head, chunk of its query heads).
+  void attention(int64_t l);
+  // Online softmax of query heads first .. first + heads - 1 (all on kv head `kv_head`) of row b
+  // over the cache positions 0..p, as the CUDA kernel's work item: each K and V row is read (and
+  // widened from a 16-bit cache) once for all the chunk's heads.
+  void attend_heads(int64_t l, int64_t b, int64_t kv_head, int64_t first, int64_t heads) const;
+  // h += attn_out @ wo
+  void o_proj(int64_t l);
+  // h += (silu(m @ w_gate) * (m @ w_up)) @ w_down, m = rmsnorm(h) * mlp_norm
+  void mlp(int64_t l);
+  // out = h, or NaN for rows whose position is out of range.
+  void write_output();
+};
+
+}  // namespace jaxfuse::cpu_decoder

@@ -1,0 +1,144 @@
+// The CUDA decoder kernel's shared pieces (included by cuda/decoder.cu only, with the other
+// decoder_*.cuh stage files): launch constants, the kernel's parameters, workspace access from
+// other blocks, the last-block counter and the block's shared memory.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include "jaxfuse/decoder.h"
+#include "cuda_common.cuh"
+
+namespace jaxfuse::cuda_decoder {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kBatchPass = 4;     // batch rows accumulated per pass over a weight slice
+constexpr int kUnroll = 8;        // rows (16-byte loads) in flight per lane
+constexpr int kKChunk = 256;      // GEMV input rows staged in shared memory at a time
+constexpr int kMaxHeadDim = 256;  // lanes hold head_dim / 32 <= 8 elements
+constexpr int kLaneElems = kMaxHeadDim / 32;  // head elements of a lane: lane + 32 * e
+constexpr int kHeadChunk = int(kDecHeadChunk);
+// Blocks per SM, which caps registers at 65536 / (kThreads * blocks): at 2 (128 registers) the
+// kernel spills 56-224 B (ncu on an H100: 1.45M local-memory requests per bf16 step).
+// JAXFUSE_DECODER_BLOCKS_PER_SM is a tuning switch for tools/gpu_check.sh's variants stage.
+#ifndef JAXFUSE_DECODER_BLOCKS_PER_SM
+#define JAXFUSE_DECODER_BLOCKS_PER_SM 2
+#endif
+constexpr int kMaxBlocksPerSm = JAXFUSE_DECODER_BLOCKS_PER_SM;
+constexpr int kMaxTile = 256;  // columns per tile for 16-bit dtypes
+constexpr int kStaged = 2048;  // floats of the shared staging area
+
+static_assert(kHeadChunk == 4, "attention accumulators are sized for 4 heads");
+static_assert(kHeadChunk + 1 <= kWarps, "per-head q/k RMSNorm takes one warp per staged head");
+
+// ---- kernel parameters -----------------------------------------------------------------------
+
+// The sizes as ints (run<Cuda> checks the kernel limits) and the counts derived from them.
+struct KernelDims {
+  int layers, batch, hidden, kv_heads, head_dim, intermediate, max_seq_len;
+  int q_dim, kv_dim;  // heads * head_dim, kv_heads * head_dim
+  int group;          // query heads per kv head
+  int head_chunks;    // chunks of <= kHeadChunk query heads per kv head
+  int hidden_tiles, q_tiles, kv_tiles, mlp_tiles;  // GEMV column tiles of each output width
+  float rms_eps;
+  float attn_scale;  // 1 / sqrt(head_dim)
+  bool qkv_bias;     // q/k/v projections add a bias
+  bool qk_norm;      // per-head RMSNorm of q and k before RoPE
+};
+
+// How this launch splits the work over its grid (launch_plan()).
+struct LaunchPlan {
+  int qkv_splits, o_proj_splits, gate_up_splits, down_splits;  // K splits per GEMV stage
+  int attn_splits;  // flash-decoding splits of the positions 0..p
+};
+
+struct DecoderParams {
+  KernelDims dims;
+  DecoderBuffers io;  // operands and results
+  DecoderWorkspace ws;
+  LaunchPlan plan;
+};
+
+// ---- device helpers ----------------------------------------------------------------------------
+
+// The GEMV column tile of storage dtype kT: one 16-byte vector per lane of a warp.
+template <DType kT>
+struct GemvTile {
+  static constexpr int kBytes = kT == DType::kF32 ? 4 : 2;
+  static constexpr int kVec = 16 / kBytes;  // elements per 16-byte vector
+  static constexpr int kColumns = 32 * kVec;
+};
+
+// The kVec elements of one 16-byte vector of dtype kT, as fp32.
+template <DType kT>
+__device__ __forceinline__ void unpack16(const uint4& r, float* o) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  if constexpr (kT == DType::kF32) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) o[i] = __uint_as_float(w[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[2 * i] = Storage<kT>::template load<float>(uint16_t(w[i] & 0xffffu));
+      o[2 * i + 1] = Storage<kT>::template load<float>(uint16_t(w[i] >> 16));
+    }
+  }
+}
+
+// Workspace values written by other blocks in this launch: read from L2, never a stale L1 line.
+__device__ __forceinline__ float ws_load(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ void ws_store(float* p, float v) { __stcg(p, v); }
+
+// Release this block's writes and count its arrival; true in every thread of the last block
+// to arrive (which then sees every arrived block's writes).
+__device__ __forceinline__ bool arrive_last(int* counter, int expected, int* flag) {
+  __threadfence();  // release: this thread's partials are visible device-wide
+  __syncthreads();  // ...for every thread of the block
+  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1) == expected - 1;
+  __syncthreads();
+  const bool last = *flag != 0;
+  if (last) __threadfence();  // acquire
+  return last;
+}
+
+// ---- shared memory -----------------------------------------------------------------------------
+
+// A block's shared memory; the stages reuse the arrays (a grid sync separates them).
+struct Smem {
+  float warp_sums[kWarps * kBatchPass * kMaxTile];  // per-warp GEMV column sums / attention o
+  float staged[kStaged];                             // GEMV inputs / attention q, k_new, v_new
+  float warp_ml[2 * kWarps * kHeadChunk];            // per-warp attention (m, l)
+  float inv_rms[kBatchPass];
+  float scratch[kWarps];  // block_sum
+  int flag;               // arrive_last
+
+  // GEMV: warp w's column sums for batch row bb of the pass, in tiles of `columns`.
+  __device__ float* gemv_warp_sums(int w, int bb, int columns) {
+    return warp_sums + (w * kBatchPass + bb) * columns;
+  }
+  // Attention: q of head g of the chunk [head_dim], the new k and v [head_dim].
+  __device__ float* attn_q(int g, int head_dim) { return staged + g * head_dim; }
+  __device__ float* attn_k_new() { return staged + kHeadChunk * kMaxHeadDim; }
+  __device__ float* attn_v_new() { return attn_k_new() + kMaxHeadDim; }
+  // Attention: warp w's o [head_dim] and (m, l) for head g of the chunk.
+  __device__ float* attn_warp_o(int w, int g) {
+    return warp_sums + (w * kHeadChunk + g) * kMaxHeadDim;
+  }
+  __device__ float* attn_warp_ml(int w, int g) { return warp_ml + (w * kHeadChunk + g) * 2; }
+};
+static_assert(kBatchPass * kKChunk <= kStaged, "staging area too small");
+static_assert(kHeadChunk * kMaxHeadDim + 2 * kMaxHeadDim <= kStaged, "attention staging too small");
+static_assert(kWarps * kHeadChunk * kMaxHeadDim <= kWarps * kBatchPass * kMaxTile,
+              "attention merge area too small");
+
+// The block's sum of `sq` (fixed order) as row b's sum of squares of h over column tile `tile`.
+__device__ __forceinline__ void store_tile_sumsq(const DecoderParams& p, Smem& sm, int b, int tile,
+                                                 float sq) {
+  const float total = block_sum<kThreads>(sq, sm.scratch);
+  if (threadIdx.x == 0) ws_store(p.ws.row_sumsq.at(b, tile), total);
+}
+
+}  // namespace jaxfuse::cuda_decoder
