@@ -10,7 +10,16 @@ Two plain-JAX baselines are timed, and the speedup is against the faster of them
 
 On a GPU: Llama-3.2-1B layer shapes (16 layers, D 2048, 32 heads, 8 kv heads, hd 64, I 8192, bf16),
 batch 1/4/16, context 1k/4k/16k. On CPU a small config, batch 1/4/8/16, context 128/512
-(`--quick`: fewer cases and steps).
+(`--quick`: fewer cases and steps). `--long-context`: batch 1 at contexts 128 to 8k on the CPU,
+1k to 32k on a GPU, the time per token against the length of the cache it reads.
+
+`--quantized`: the same bf16 model with int8 and fp8 (e4m3) matrices (jaxfuse.quantize_weights),
+side by side, on weights larger than the caches (CPU: 8 x D2048, 16/4 heads, hd 128, I 6144,
+0.77 GB in bf16; GPU: the Llama-3.2-1B layers), batch 1 and 4 at a short context, so the step is
+bound by the weight bytes: ms/token, the speedup over bf16, and the fraction of the copy rate on
+the bytes each step actually reads (its weights, scales included, and the cache rows). Also the
+LM head alone in XLA (Llama-3.2-1B's 128256 x 2048, outside the decoder): bf16, and int8 widened
+by XLA before its dot, which is what quantizing the head would give without a fused kernel.
 
 Bytes moved per step = all layer weights + the K and V cache read (B * context * kv_dim * 2 per
 layer); effective GB/s = bytes / time; "% copy" compares with a device copy measured here (read +
@@ -91,14 +100,19 @@ def plan(args, on_gpu):
              copy_bytes=1 << 30, copy_reps=10)
     if args.quick:
       p.update(batches=[1, 16], contexts=[1024], steps=args.steps or 20)
+    if args.long_context:
+      p.update(batches=[1], contexts=[1024, 4096, 16384, 32768])
     return p
-  return dict(base=dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
-                        intermediate_size=1536),
-              batches=[1, 16] if args.quick else [1, 4, 8, 16],
-              contexts=[128] if args.quick else [128, 512],
-              steps=args.steps or (3 if args.quick else 8), warmup=2,
-              title="small config (4 x D512, 8/2 heads, hd 64, I 1536), bf16",
-              copy_bytes=1 << 28, copy_reps=5)
+  p = dict(base=dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                     intermediate_size=1536),
+           batches=[1, 16] if args.quick else [1, 4, 8, 16],
+           contexts=[128] if args.quick else [128, 512],
+           steps=args.steps or (3 if args.quick else 8), warmup=2,
+           title="small config (4 x D512, 8/2 heads, hd 64, I 1536), bf16",
+           copy_bytes=1 << 28, copy_reps=5)
+  if args.long_context:
+    p.update(batches=[1], contexts=[128, 256, 512, 1024, 2048, 4096, 8192])
+  return p
 
 
 def measure_case(cfg, w, B, ctx, dtype, device, steps, warmup, copy_gbs):
@@ -134,6 +148,98 @@ def measure_case(cfg, w, B, ctx, dtype, device, steps, warmup, copy_gbs):
           moved / t_plain / 1e9, *launches)
 
 
+def quantized_plan(args, on_gpu):
+  if on_gpu:
+    base = dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                intermediate_size=8192)
+    title = "Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192)"
+    return dict(base=base, title=title, context=1024, steps=args.steps or 50, warmup=5,
+                copy_bytes=1 << 30, copy_reps=10)
+  base = dict(num_layers=8, hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128,
+              intermediate_size=6144)
+  title = "8 x D2048, 16/4 heads, hd 128, I 6144 (0.77 GB of bf16 weights)"
+  return dict(base=base, title=title, context=128, steps=args.steps or (4 if args.quick else 10),
+              warmup=2, copy_bytes=1 << 30, copy_reps=5)
+
+
+def measure_quantized(args, device, copy_gbs):
+  """bf16, int8 and fp8 matrices of one model, batch 1 and 4: rows of the quantized table."""
+  p = quantized_plan(args, device.platform == "gpu")
+  cfg = DecoderConfig(**p["base"], max_seq_len=p["context"])
+  log("initializing bf16 weights ...")
+  weights = {"bf16": make_weights(cfg, jnp.bfloat16, device)}
+  for fmt in ("int8", "fp8"):
+    log(f"quantizing to {fmt} ...")
+    weights[fmt] = jax.block_until_ready(jaxfuse.quantize_weights(weights["bf16"], cfg, fmt))
+  rows = []
+  for B in (1, 4):
+    base_ms = None
+    for fmt, w in weights.items():
+      w, qcfg = (w, cfg) if fmt == "bf16" else w
+      fused = jax.jit(lambda x, p, w, c, cfg=qcfg: persistent_decoder(x, p, w, c, cfg),
+                      donate_argnums=(3,))
+      plain = jax.jit(lambda x, p, w, c, cfg=qcfg: decoder_reference(
+          x, p, w, c, cfg, activation_dtype=jnp.bfloat16), donate_argnums=(3,))
+      x = jax.device_put(jnp.ones((B, cfg.hidden_size), jnp.bfloat16), device)
+      pos = jax.device_put(np.full((B,), p["context"] - 1, np.int32), device)
+      times = {}
+      for name, fn in (("jaxfuse", fused), ("plain", plain)):
+        cache = jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
+                                         for v in (0.5, 1.0))), device)
+        times[name], _ = time_steps(fn, x, pos, w, cache, p["steps"], p["warmup"])
+      weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
+      read = weight_bytes + cfg.num_layers * B * p["context"] * cfg.kv_dim * 2 * 2
+      ms = times["jaxfuse"] * 1e3
+      base_ms = base_ms or ms
+      log(f"  batch {B} {fmt:5s} jaxfuse {ms:8.2f} ms  plain {times['plain'] * 1e3:8.2f} ms")
+      rows.append((B, fmt, weight_bytes / 1e9, ms, base_ms / ms, read / times["jaxfuse"] / 1e9,
+                   100 * read / times["jaxfuse"] / 1e9 / copy_gbs, times["plain"] * 1e3,
+                   times["plain"] / times["jaxfuse"]))
+  return rows, p
+
+
+def measure_head(device, steps):
+  """The LM head of Llama-3.2-1B (128256 x 2048) in XLA at batch 1: bf16 and int8 (per-row
+  scales, widened to bf16 by XLA before the dot). Returns ms per call of each."""
+  V, D = 128256, 2048
+  head = jax.device_put(jax.random.normal(jax.random.PRNGKey(3), (V, D), jnp.bfloat16), device)
+  q, scale = jaxfuse._quantize.quantize_matrix(head.T[None], "int8")
+  q, scale = jax.device_put((q[0].T, scale[0]), device)  # [V, D] int8, [V]
+  h = jax.device_put(jnp.ones((1, D), jnp.bfloat16), device)
+  bf16 = jax.jit(lambda h, w: jnp.einsum("bd,vd->bv", h, w, preferred_element_type=jnp.float32))
+  int8 = jax.jit(lambda h, w, s: jnp.einsum("bd,vd->bv", h, w.astype(jnp.bfloat16),
+                                            preferred_element_type=jnp.float32) * s)
+  out = {}
+  for name, fn, args in (("bf16", bf16, (h, head)), ("int8", int8, (h, q, scale))):
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      r = fn(*args)
+    jax.block_until_ready(r)
+    out[name] = (time.perf_counter() - t0) / steps * 1e3
+  return out
+
+
+def quantized_table(rows, p, head, device, copy_gbs):
+  lines = [
+      f"### persistent decoder with int8 / fp8 weights, {p['title']}",
+      f"device: {device.device_kind} ({device.platform}); copy bandwidth measured here: "
+      f"{copy_gbs:.1f} GB/s; context {p['context']}; bf16 activations and cache; plain: "
+      f"decoder_reference(activation_dtype=bf16) on the same weights under jit; "
+      f"{p['steps']} timed steps",
+      "",
+      "| batch | matrices | weight GB | jaxfuse ms/token | vs bf16 | GB/s read | % of copy BW | "
+      "plain ms/token | jaxfuse vs plain |",
+      "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    lines.append(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.2f} | {r[4]:.2f}x | {r[5]:.1f} | "
+                 f"{r[6]:.0f}% | {r[7]:.2f} | {r[8]:.2f}x |")
+  lines += ["", f"LM head alone in XLA (128256 x 2048, batch 1): bf16 {head['bf16']:.2f} ms, int8 "
+            f"widened by XLA {head['int8']:.2f} ms ({head['bf16'] / head['int8']:.2f}x)"]
+  return "\n".join(lines)
+
+
 def table(rows, title, device, copy_gbs, steps):
   lines = [
       f"### persistent decoder, {title}",
@@ -158,8 +264,20 @@ def main():
   ap.add_argument("--out", help="also write the markdown table to this file")
   ap.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu when usable")
   ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--quantized", action="store_true",
+                  help="bf16 vs int8 vs fp8 matrices on weights larger than the caches")
+  ap.add_argument("--long-context", action="store_true",
+                  help="batch 1 over a range of contexts (CPU 128..8k, GPU 1k..32k): the time per "
+                       "token against the cache length")
   args = ap.parse_args()
   device = pick_device(args.device)
+  if args.quantized:
+    copy_gbs = copy_bandwidth(device, 1 << 30, 5)
+    log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s")
+    rows, p = measure_quantized(args, device, copy_gbs)
+    head = measure_head(device, p["steps"])
+    emit_table(quantized_table(rows, p, head, device, copy_gbs), args.out)
+    return
   p = plan(args, device.platform == "gpu")
   dtype = jnp.bfloat16
   log(f"device: {device} ({device.device_kind}); {p['title']}")

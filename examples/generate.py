@@ -81,6 +81,34 @@ def check_decoders(params: Params, cfg: ModelConfig, tokens) -> dict[str, float]
           "max_logit": float(jnp.abs(want).max())}
 
 
+def quantized_accuracy(params: Params, cfg: ModelConfig, tokens) -> dict[str, dict[str, float]]:
+  """The trained model in bf16 and with its layers' matrices in int8 and fp8 (jaxfuse.quantize),
+  each teacher-forced through the persistent decoder (one `jaxfuse.decode_step` per position)
+  over `tokens` [B, T]. Returns per mode the next-byte loss (nats), its perplexity and the
+  fraction of positions whose argmax equals bf16's."""
+  tokens = jnp.asarray(tokens, jnp.int32)
+  B, T = tokens.shape
+  bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), decoder_model(params, cfg, T))
+  models = {"bf16": bf16, "int8": jaxfuse.quantize(bf16, "int8"),
+            "fp8": jaxfuse.quantize(bf16, "fp8")}
+
+  @jax.jit
+  def logits_of(model, tokens):
+    def step(cache, t):
+      logits, cache = jaxfuse.decode_step(model, tokens[:, t], jnp.full((B,), t, jnp.int32), cache)
+      return cache, logits
+    return jax.lax.scan(step, jaxfuse.init_cache(model, B, T), jnp.arange(T))[1].swapaxes(0, 1)
+
+  logits = {name: logits_of(model, tokens)[:, :-1] for name, model in models.items()}
+  results = {}
+  for name, lg in logits.items():
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(lg), tokens[:, 1:, None], axis=-1)
+    loss = float(nll.mean())
+    results[name] = {"loss": loss, "perplexity": float(np.exp(loss)),
+                     "top1_agreement": float(jnp.mean(lg.argmax(-1) == logits["bf16"].argmax(-1)))}
+  return results
+
+
 def encode(prompts: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
   """Byte prompts -> (tokens int32 [B, T] zero-padded on the right, lengths int32 [B])."""
   if not prompts or not all(prompts):

@@ -10,6 +10,9 @@ plain-JAX reference decoder.
   3. decode  a batch of prompts with jaxfuse.generate: prefill and a jitted while_loop of
              decoder steps in one call (generate.py), timed: tokens/s with the persistent decoder
              and with decoder_reference, texts compared.
+  4. quantize the model in bf16 and with int8 / fp8 matrices (jaxfuse.quantize) through the
+             persistent decoder on validation text: perplexity, and how often each picks bf16's
+             next byte.
 
     python3 examples/main.py            # ~3-4 minutes on a 2-core CPU (default device: GPU if any)
     python3 examples/main.py --quick    # under a minute
@@ -26,7 +29,7 @@ import jax
 import numpy as np
 
 import jaxfuse
-from generate import DEFAULT_PROMPTS, check_decoders, compare
+from generate import DEFAULT_PROMPTS, check_decoders, compare, quantized_accuracy
 from train_char_lm import (PRESETS, build_model_config, count_params, init_params, load_corpus,
                            plot_history, save_params, train)
 
@@ -80,8 +83,23 @@ def check_model(params, cfg, corpus) -> None:
     raise SystemExit(f"decoder logits differ from the training forward by more than {tol:.1e}")
 
 
-def print_summary(history, results, n_prompts, n_new, log_every, wall_s, platform) -> None:
+def check_quantized(params, cfg, corpus) -> dict[str, dict[str, float]]:
+  """4. The model with quantized matrices on 16 validation windows, against itself in bf16."""
+  windows = np.frombuffer(corpus[-16 * cfg.max_seq_len:], np.uint8).reshape(16, cfg.max_seq_len)
+  quantized = quantized_accuracy(params, cfg, windows)
+  base = quantized["bf16"]["perplexity"]
+  print(f"\n== quantize: validation perplexity through the persistent decoder, 16 x "
+        f"{cfg.max_seq_len} bytes")
+  for name, r in quantized.items():
+    print(f"  {name:5s} perplexity {r['perplexity']:.4f} ({100 * (r['perplexity'] / base - 1):+.2f}%"
+          f" vs bf16), next byte as bf16's {100 * r['top1_agreement']:.1f}%")
+  return quantized
+
+
+def print_summary(history, results, quantized, n_prompts, n_new, log_every, wall_s,
+                  platform) -> None:
   fused, ref = results["jaxfuse"], results["reference"]
+  base = quantized["bf16"]["perplexity"]
   same = sum(np.array_equal(a, b) for a, b in zip(fused["tokens"], ref["tokens"]))
   rows = [
       ("train loss (mean of last %d steps)" % log_every,
@@ -94,6 +112,9 @@ def print_summary(history, results, n_prompts, n_new, log_every, wall_s, platfor
       ("decode speedup, jaxfuse / reference",
        f"{fused['tokens_per_s'] / ref['tokens_per_s']:.2f}x ({n_prompts} x {n_new} tokens)"),
       ("texts identical (jaxfuse vs reference)", f"{same}/{n_prompts}"),
+      *((f"val perplexity, {name} matrices",
+         f"{q['perplexity']:.3f} ({100 * (q['perplexity'] / base - 1):+.2f}% vs bf16, next byte "
+         f"as bf16's {100 * q['top1_agreement']:.1f}%)") for name, q in quantized.items()),
       ("wall time", f"{wall_s:.0f} s on {platform}"),
   ]
   width = max(len(name) for name, _ in rows)
@@ -118,7 +139,8 @@ def main() -> None:
   print("\n== generate")
   results = compare(params, cfg, prompts, n_new, seed=args.seed,
                     temperature=0.0 if args.greedy else args.temperature)
-  print_summary(history, results, len(prompts), n_new, preset["log_every"],
+  quantized = check_quantized(params, cfg, corpus)
+  print_summary(history, results, quantized, len(prompts), n_new, preset["log_every"],
                 time.perf_counter() - t_start, device.platform)
 
 

@@ -44,6 +44,7 @@ from jaxfuse._lion import lion
 from jaxfuse._model import DecoderModel
 from jaxfuse._moments import QuantizedMoment
 from jaxfuse._optimizer import ExtraState
+from jaxfuse._quantize import quantize, quantize_weights
 from jaxfuse._report import Report, report
 from jaxfuse._rmsprop import rmsprop
 from jaxfuse._sgd import sgd
@@ -104,6 +105,8 @@ __all__ = [
     "nadamw",
     "persistent_decoder",
     "prefill",
+    "quantize",
+    "quantize_weights",
     "report",
     "rmsprop",
     "sgd",

@@ -20,6 +20,10 @@ kernel launch per step, on CPU a thread-pooled handler. Per layer and batch row 
 
 and the output is ``h`` after the last layer (no final norm, no LM head). ``x``, the weights and the
 cache share one dtype (float32, bfloat16 or float16); all arithmetic and accumulation is fp32.
+With ``cfg.quantization`` ("int8" or "fp8", see :func:`jaxfuse.quantize`) the seven matrices are
+int8 or float8_e4m3fn with a float32 scale per output column (``w.wq_scale`` ...), and each
+``a @ w`` above is ``(a @ float(w)) * scale``: the weights are widened in registers, never
+materialized in another dtype.
 
 Out-of-range positions (negative or ``>= max_seq_len``): when the positions are concrete (NumPy
 or a jax.Array, also as a constant under a trace), :func:`persistent_decoder` raises ValueError
@@ -65,6 +69,8 @@ __all__ = ["DecoderConfig", "DecoderWeights", "KVCache", "RopeScaling", "persist
            "decoder_reference"]
 
 _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# DecoderConfig.quantization -> the matrices' dtype.
+QUANTIZED_DTYPES = {"int8": jnp.dtype(jnp.int8), "fp8": jnp.dtype(jnp.float8_e4m3fn)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +131,8 @@ class DecoderConfig:
   ``qkv_bias``: the q/k/v projections add a bias (Qwen2); ``qk_norm``: each q and k head is
   RMSNorm-ed (weights ``q_norm``/``k_norm`` [head_dim], eps ``rms_norm_eps``) before RoPE (Qwen3);
   ``rope_scaling``: a :class:`RopeScaling` rule applied to the frequencies ``rope_theta^(-2i/hd)``
-  (Llama 3.1+). ``max_seq_len`` is the KV cache length.
+  (Llama 3.1+); ``quantization``: None, or "int8" / "fp8" for weight-only quantized matrices
+  (:func:`jaxfuse.quantize`). ``max_seq_len`` is the KV cache length.
   """
 
   num_layers: int
@@ -140,6 +147,7 @@ class DecoderConfig:
   qkv_bias: bool = False
   qk_norm: bool = False
   rope_scaling: RopeScaling | None = None
+  quantization: str | None = None
 
   def __post_init__(self):
     for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -173,6 +181,18 @@ class DecoderConfig:
       raise ValueError(f"DecoderConfig: rope_theta must be finite and > 0, got {self.rope_theta}")
     if self.max_seq_len >= 2**31 - 1:
       raise ValueError("DecoderConfig: max_seq_len must fit int32 positions")
+    if self.quantization is not None and self.quantization not in QUANTIZED_DTYPES:
+      raise ValueError(f"DecoderConfig: quantization must be None, 'int8' or 'fp8', got "
+                       f"{self.quantization!r}")
+
+  @property
+  def quantized(self) -> bool:
+    """The matrices are int8 or fp8 with per-column scales (the kernel's ``quantized``)."""
+    return self.quantization is not None
+
+  def matrix_dtype(self, dtype) -> np.dtype:
+    """The dtype of the seven matrices in a model of ``dtype``: it, or the quantized one."""
+    return jnp.dtype(QUANTIZED_DTYPES[self.quantization] if self.quantized else dtype)
 
   @property
   def q_dim(self) -> int:
@@ -205,9 +225,10 @@ class DecoderConfig:
 class DecoderWeights(NamedTuple):
   """Stacked per-layer weights; matrices are [in, out] (``y = a @ w``).
 
-  The last five are optional: the q/k/v biases when ``cfg.qkv_bias``, the per-head q/k RMSNorm
-  weights when ``cfg.qk_norm``; None otherwise (a weight the config does not use is an error,
-  never silently ignored).
+  The last twelve are optional: the q/k/v biases when ``cfg.qkv_bias``, the per-head q/k RMSNorm
+  weights when ``cfg.qk_norm``, the matrices' float32 per-output-column scales when
+  ``cfg.quantization`` is set (the matrices then int8 or float8_e4m3fn); None otherwise (a weight
+  the config does not use is an error, never silently ignored).
   """
 
   attn_norm: jax.Array  # [L, D]
@@ -224,6 +245,13 @@ class DecoderWeights(NamedTuple):
   v_bias: jax.Array | None = None  # [L, KV*hd]
   q_norm: jax.Array | None = None  # [L, hd]
   k_norm: jax.Array | None = None  # [L, hd]
+  wq_scale: jax.Array | None = None  # [L, H*hd]
+  wk_scale: jax.Array | None = None  # [L, KV*hd]
+  wv_scale: jax.Array | None = None  # [L, KV*hd]
+  wo_scale: jax.Array | None = None  # [L, D]
+  w_gate_scale: jax.Array | None = None  # [L, I]
+  w_up_scale: jax.Array | None = None  # [L, I]
+  w_down_scale: jax.Array | None = None  # [L, D]
 
 
 class KVCache(NamedTuple):
@@ -239,8 +267,11 @@ _CONTRACT = _ffi.contract("jaxfuse_decoder")
 _OPERANDS_BEFORE = ("x", "positions", "rope_inv_freq")  # then the weights, then _CACHES
 _CACHES = ("k_cache", "v_cache")
 _RESULTS = ("out", "k_cache", "v_cache", "workspace")
-# Config fields that are not attributes: they define the rope_inv_freq operand.
-_ROPE_FIELDS = ("rope_theta", "rope_scaling")
+# Config fields that are not attributes: they define the rope_inv_freq operand, and the
+# matrices' dtype (the attribute is the property ``quantized``).
+_NOT_ATTRIBUTES = ("rope_theta", "rope_scaling", "quantization")
+_DERIVED_ATTRIBUTES = ("quantized",)
+_WEIGHT_KIND_NAMES = ("model", "matrix", "scale")
 
 
 def _check_contract(contract: _ffi.Contract) -> None:
@@ -250,7 +281,7 @@ def _check_contract(contract: _ffi.Contract) -> None:
   names: the operands are x, positions, rope_inv_freq, the :class:`DecoderWeights` fields (in
   field order) and the two caches; the results are out, the two caches (aliased in place) and the
   workspace; the attributes are the :class:`DecoderConfig` fields but the RoPE ones (which define
-  the rope_inv_freq operand).
+  the rope_inv_freq operand) and ``quantization`` (whose attribute is ``quantized``).
 
   Args:
     contract: the contract, from ``jaxfuse._ffi.contract("jaxfuse_decoder")``.
@@ -262,13 +293,16 @@ def _check_contract(contract: _ffi.Contract) -> None:
   names = contract.names
   operands, results, weights = names["operands"], names["results"], names["weights"]
   attrs = names["size_attrs"] + names["f32_attrs"] + names["bool_attrs"]
-  fields = tuple(f.name for f in dataclasses.fields(DecoderConfig) if f.name not in _ROPE_FIELDS)
+  fields = tuple(f.name for f in dataclasses.fields(DecoderConfig)
+                 if f.name not in _NOT_ATTRIBUTES) + _DERIVED_ATTRIBUTES
   problems = []
   if weights != DecoderWeights._fields or operands != _OPERANDS_BEFORE + weights + _CACHES:
     problems.append(f"operands {operands} are not x, positions, rope_inv_freq, the DecoderWeights "
                     f"fields {DecoderWeights._fields} in that order, k_cache and v_cache")
   if not set(names["weight_flags"]) <= {"always", *names["bool_attrs"]}:
     problems.append(f"weight flags {names['weight_flags']} are not 'always' or bool attributes")
+  if not set(names["weight_kinds"]) <= set(_WEIGHT_KIND_NAMES):
+    problems.append(f"weight kinds {names['weight_kinds']} are not in {_WEIGHT_KIND_NAMES}")
   if sorted(results) != sorted(_RESULTS):
     problems.append(f"results {results} are not {_RESULTS} in some order")
   if sorted(attrs) != sorted(fields):
@@ -284,6 +318,16 @@ _check_contract(_CONTRACT)
 _ALIASES = _ffi.aliases(_CONTRACT.names["operands"], _CONTRACT.names["results"])
 # The config flag each optional weight needs ("always" for the others).
 _WEIGHT_FLAGS = dict(zip(_CONTRACT.names["weights"], _CONTRACT.names["weight_flags"]))
+# What each weight's dtype is: the model's, the matrices' or float32 (scales).
+_WEIGHT_KINDS = dict(zip(_CONTRACT.names["weights"], _CONTRACT.names["weight_kinds"]))
+
+
+def _weight_dtype(name: str, cfg: DecoderConfig, dtype) -> np.dtype:
+  """The dtype weight ``name`` has in a model of ``dtype`` (its kind in the contract)."""
+  kind = _WEIGHT_KINDS[name]
+  if kind == "scale":
+    return jnp.dtype(jnp.float32)
+  return cfg.matrix_dtype(dtype) if kind == "matrix" else jnp.dtype(dtype)
 
 
 @functools.cache
@@ -291,7 +335,7 @@ def _weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
   """:meth:`DecoderConfig.weight_shapes`: the contract's shapes of the weights ``cfg`` uses."""
   sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
   shapes = _CONTRACT.call("weight_shapes", qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
-                          **sizes).shapes
+                          quantized=cfg.quantized, **sizes).shapes
   return {name: shapes[name] for name, flag in _WEIGHT_FLAGS.items()
           if flag == "always" or getattr(cfg, flag)}
 
@@ -323,6 +367,7 @@ def _attributes(cfg: DecoderConfig) -> dict[str, np.generic]:
 # ---- trace-time validation ---------------------------------------------------------------------
 
 _SHARED_DTYPE = " (x, the weights and the cache share one dtype)"
+_DTYPE_NOTES = {"model": _SHARED_DTYPE, "scale": " (quantization scales are float32)"}
 _CACHE_AXES = " (layers, batch, max_seq_len, kv_heads, head_dim)"
 _NOT_DIFFERENTIABLE = ("persistent_decoder is an inference kernel and is not differentiable; use "
                        "jaxfuse.decoder_reference (pure JAX) for gradients")
@@ -381,7 +426,10 @@ def _check_layers(fn: str, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig
   """The weights and the cache of ``batch`` rows have ``cfg``'s shapes and ``dtype``."""
   _check_present(fn, w, cfg)
   for name, shape in cfg.weight_shapes().items():
-    _expect(fn, name, getattr(w, name), shape, dtype, dtype_note=_SHARED_DTYPE)
+    note = _DTYPE_NOTES.get(_WEIGHT_KINDS[name])
+    if note is None:  # a matrix
+      note = (f" (cfg.quantization={cfg.quantization!r})" if cfg.quantized else _SHARED_DTYPE)
+    _expect(fn, name, getattr(w, name), shape, _weight_dtype(name, cfg, dtype), dtype_note=note)
   for name, a in (("cache.k", cache.k), ("cache.v", cache.v)):
     _expect(fn, name, a, cfg.cache_shape(batch), dtype, _CACHE_AXES, _SHARED_DTYPE)
 
@@ -425,9 +473,10 @@ def _check_rows(fn: str, name: str, values, lo: int, hi: int, bounds: str,
 
 def _kernel_weights(w: DecoderWeights, cfg: DecoderConfig, dtype) -> DecoderWeights:
   """Every field an array: the optional weights ``cfg`` does not use become empty [L, 0] arrays
-  (the kernel's contract: the flag attributes say which are read)."""
-  empty = jnp.zeros((cfg.num_layers, 0), dtype)
-  return DecoderWeights(*(empty if a is None else a for a in w))
+  of their kind's dtype (the kernel's contract: the flag attributes say which are read)."""
+  return DecoderWeights(**{
+      name: jnp.zeros((cfg.num_layers, 0), _weight_dtype(name, cfg, dtype)) if a is None else a
+      for name, a in w._asdict().items()})
 
 
 def _call_kernel(cfg: DecoderConfig, x, positions, inv_freq, w: DecoderWeights, k_cache,
@@ -634,23 +683,25 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
   h = x.astype(jnp.float32)
   kc, vc = cache.k, cache.v
   for l in range(L):
-    a = rmsnorm(h, w.attn_norm[l])
-    q, k, v = mm(a, w.wq[l]), mm(a, w.wk[l]), mm(a, w.wv[l])
+    wl = jax.tree.map(lambda a: a[l], w)  # noqa: B023 (called at once)
+    linear = functools.partial(_ref_linear, mm, wl)
+    a = rmsnorm(h, wl.attn_norm)
+    q, k, v = linear(a, "wq"), linear(a, "wk"), linear(a, "wv")
     if cfg.qkv_bias:
-      q, k, v = (t + b[l].astype(jnp.float32) for t, b in ((q, w.q_bias), (k, w.k_bias),
-                                                          (v, w.v_bias)))
+      q, k, v = (t + b.astype(jnp.float32) for t, b in ((q, wl.q_bias), (k, wl.k_bias),
+                                                       (v, wl.v_bias)))
     q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, KV, hd), v.reshape(B, T, KV, hd)
     if cfg.qk_norm:
-      q, k = rmsnorm(q, w.q_norm[l]), rmsnorm(k, w.k_norm[l])
+      q, k = rmsnorm(q, wl.q_norm), rmsnorm(k, wl.k_norm)
     q, k = rope(q), rope(k)
     kl = kc[l].at[rows, slot].set(k.astype(dt), mode="drop")  # [B, S, KV, hd]
     vl = vc[l].at[rows, slot].set(v.astype(dt), mode="drop")
     kc, vc = kc.at[l].set(kl), vc.at[l].set(vl)
     o = _ref_attention(q, kl, vl, positions, valid, cfg, activation_dtype)
-    h = h + mm(o, w.wo[l])
-    m = rmsnorm(h, w.mlp_norm[l])
-    g, u = mm(m, w.w_gate[l]), mm(m, w.w_up[l])
-    h = h + mm((g / (1.0 + jnp.exp(-g))) * u, w.w_down[l])
+    h = h + linear(o, "wo")
+    m = rmsnorm(h, wl.mlp_norm)
+    g, u = linear(m, "w_gate"), linear(m, "w_up")
+    h = h + linear((g / (1.0 + jnp.exp(-g))) * u, "w_down")
   out = jnp.where(valid[..., None], h, jnp.nan).astype(dt)
   if single:
     out = out[:, 0]
@@ -663,6 +714,14 @@ def _ref_matmul(a, wl, activation_dtype):
     return jnp.einsum("btk,kn->btn", a, wl.astype(jnp.float32), precision=lax.Precision.HIGHEST)
   return jnp.einsum("btk,kn->btn", a.astype(activation_dtype), wl.astype(activation_dtype),
                     preferred_element_type=jnp.float32)
+
+
+def _ref_linear(matmul, wl: DecoderWeights, a, name: str):
+  """``a @ wl.<name>`` of one layer's weights by ``matmul``, times the matrix's per-column scales
+  when it is quantized (after the sum over k, as the kernels apply them)."""
+  y = matmul(a, getattr(wl, name))
+  scale = getattr(wl, name + "_scale")
+  return y if scale is None else y * scale
 
 
 def _ref_rmsnorm(h, wn, eps: float):

@@ -6,10 +6,10 @@ in one jitted call.
   logits, cache = decode_step(model, tokens, positions, cache)           # one persistent kernel
   tokens, lengths = generate(model, prompt_tokens, prompt_lengths, max_new_tokens, ...)
 
-:func:`generate` runs the prefill (:func:`jaxfuse.decoder_reference` over all prompt tokens at
-once, causal) and then every decode step inside one ``lax.while_loop`` in one ``jax.jit``: per
-step, sample a token per row (greedy when ``temperature == 0``; else temperature, top-k, top-p
-sampling with the key), stop the rows that emitted a stop token, embed, one
+:func:`generate` runs the prefill (all prompt tokens at once, causal, in plain XLA) and then
+every decode step inside one ``lax.while_loop`` in one ``jax.jit``: per step, sample a token per
+row (greedy when ``temperature == 0``; else temperature, top-k, top-p sampling with the key), stop
+the rows that emitted a stop token, embed, one
 :func:`jaxfuse.persistent_decoder` call for all layers (the KV cache updated in place: it is a
 loop carry), final norm and LM head. The loop ends when every row has stopped or
 ``max_new_tokens`` are out. Stopped rows decode at position -1: the kernel neither reads nor
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse._decoder import (DecoderWeights, KVCache, _check_rows, _concrete, decoder_reference,
-                             persistent_decoder)
+from jaxfuse._decoder import (DecoderWeights, KVCache, _check_layers, _check_rows, _concrete,
+                             decoder_reference, persistent_decoder)
 from jaxfuse._model import DecoderModel
+from jaxfuse._prefill import prefill_stack
 
 __all__ = ["init_cache", "prefill", "decode_step", "generate"]
 
@@ -136,8 +137,9 @@ def prefill(model: DecoderModel, prompt_tokens, prompt_lengths, cache: KVCache):
   """All prompt tokens through the stack at once (plain XLA, causal), written to the cache.
 
   Row ``b``'s tokens ``prompt_tokens[b, :prompt_lengths[b]]`` go to cache positions 0.. (the
-  padding on the right is never cached). The math is :func:`jaxfuse.decoder_reference`'s (fp32
-  activations, as in the kernel).
+  padding on the right is never cached). The math is :func:`jaxfuse.decoder_reference`'s, with
+  matrix and attention inputs in the model's dtype and fp32 sums, one ``lax.scan`` over the
+  layers (jaxfuse/_prefill.py).
 
   Args:
     model: the model.
@@ -157,10 +159,9 @@ def prefill(model: DecoderModel, prompt_tokens, prompt_lengths, cache: KVCache):
   if T > cache.k.shape[2]:
     raise ValueError(f"prefill: the prompts ({T} tokens wide) do not fit the cache "
                      f"({cache.k.shape[2]} positions)")
-  t = jnp.arange(T, dtype=jnp.int32)
-  positions = jnp.where(t[None, :] < lengths[:, None], t[None, :], -1)  # padding: never cached
-  h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache,
-                               _cache_config(model, cache))
+  cfg = _cache_config(model, cache)
+  _check_layers("prefill", model.layers, cache, cfg, B, model.dtype)
+  h, cache = prefill_stack(model.embed_tokens(tokens), lengths, model.layers, cache, cfg)
   last = h[jnp.arange(B), lengths - 1]
   return model.logits(last), cache
 

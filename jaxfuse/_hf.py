@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxfuse._decoder import DecoderConfig, DecoderWeights, RopeScaling
+from jaxfuse._decoder import QUANTIZED_DTYPES, DecoderConfig, DecoderWeights, RopeScaling
 from jaxfuse._model import DecoderModel
+from jaxfuse._quantize import quantize as quantize_model
 
 __all__ = ["load_hf"]
 
@@ -145,7 +146,8 @@ class _Tensor:
     return self.file.get_tensor(self.name)
 
 
-def load_hf(path, dtype=None, *, max_seq_len: int | None = None) -> DecoderModel:
+def load_hf(path, dtype=None, *, max_seq_len: int | None = None,
+            quantize: str | None = None) -> DecoderModel:
   """Loads a Hugging Face Llama, Mistral, Qwen2 or Qwen3 checkpoint folder.
 
   Args:
@@ -157,6 +159,8 @@ def load_hf(path, dtype=None, *, max_seq_len: int | None = None) -> DecoderModel
     max_seq_len: caps the model's ``config.max_seq_len`` (else ``max_position_embeddings``). A
       sliding-window checkpoint loads only when this is at most the window (within it, attention
       is full attention).
+    quantize: None, or "int8" / "fp8": the layer stack's matrices quantized per output column
+      (:func:`jaxfuse.quantize`; the embedding, norms and LM head stay in ``dtype``).
 
   Returns:
     The :class:`~jaxfuse.DecoderModel`, weights on the default device; ``lm_head`` is None when
@@ -169,6 +173,8 @@ def load_hf(path, dtype=None, *, max_seq_len: int | None = None) -> DecoderModel
       or misshapen tensor (named), or an unusable ``dtype`` or ``max_seq_len``.
   """
   requested_dtype = None if dtype is None else _as_model_dtype(dtype, "dtype")
+  if quantize is not None and quantize not in QUANTIZED_DTYPES:
+    raise ValueError(f"load_hf: quantize must be None, 'int8' or 'fp8', got {quantize!r}")
   directory = os.fspath(path)
   if not os.path.isdir(directory):
     raise FileNotFoundError(f"load_hf: {directory!r} is not a folder")
@@ -183,13 +189,14 @@ def load_hf(path, dtype=None, *, max_seq_len: int | None = None) -> DecoderModel
     _check_tensors(stored, expected, tied, architecture)
     model_dtype = (_checkpoint_dtype({stored[name].dtype for name in expected}, settings)
                    if requested_dtype is None else requested_dtype)
-    return DecoderModel(
+    model = DecoderModel(
         config=config,
         layers=_load_layers(stored, config, model_dtype),
         embed=_load_tensor(stored[_EMBED], model_dtype),
         final_norm=_load_tensor(stored[_FINAL_NORM], model_dtype),
         lm_head=None if tied else _load_tensor(stored[_LM_HEAD], model_dtype),
         stop_tokens=_stop_tokens(directory, settings))
+  return model if quantize is None else quantize_model(model, quantize)
 
 
 # ---- config.json ---------------------------------------------------------------------------------

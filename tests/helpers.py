@@ -2,6 +2,7 @@
 on sys.path through tests/conftest.py, and running a single test file does the same). Fixtures
 and hooks live in conftest.py."""
 
+import dataclasses
 import re
 import zlib
 
@@ -39,8 +40,12 @@ def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0, device=None):
 
 def random_decoder_problem(cfg, batch, dtype, seed, device=None):
   """(x, weights, cache) for jaxfuse.persistent_decoder: random weights scaled so activations
-  stay O(1) (norm weights near 1, matrices by 1/sqrt(fan-in)), a random (filled) cache."""
+  stay O(1) (norm weights near 1, matrices by 1/sqrt(fan-in)), a random (filled) cache. With
+  ``cfg.quantization`` the matrices are drawn in ``dtype`` then quantized
+  (jaxfuse.quantize_weights)."""
   rng = np.random.default_rng(seed)
+  quantization = cfg.quantization
+  cfg = dataclasses.replace(cfg, quantization=None)
   ws = {}
   for name, shape in cfg.weight_shapes().items():  # the fields cfg uses; the others stay None
     if "norm" in name:
@@ -53,7 +58,10 @@ def random_decoder_problem(cfg, batch, dtype, seed, device=None):
   cache = jaxfuse.KVCache(*[jnp.asarray(rng.standard_normal(cfg.cache_shape(batch)), dtype)
                             for _ in range(2)])
   x = jnp.asarray(rng.standard_normal((batch, cfg.hidden_size)), dtype)
-  problem = (x, jaxfuse.DecoderWeights(**ws), cache)
+  w = jaxfuse.DecoderWeights(**ws)
+  if quantization is not None:
+    w, _ = jaxfuse.quantize_weights(w, cfg, quantization)
+  problem = (x, w, cache)
   return jax.device_put(problem, device) if device is not None else problem
 
 

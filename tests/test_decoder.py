@@ -351,15 +351,18 @@ def test_jit_with_donation(device):
 
 # ---- errors -----------------------------------------------------------------------------------
 
-def _small(device):
-  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16, qkv_bias=True, qk_norm=True)
+def _small(device, quantization=None):
+  cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16, qkv_bias=True, qk_norm=True,
+                      quantization=quantization)
   x, w, cache = random_decoder_problem(cfg, 2, jnp.float32, 1, device)
   return cfg, x, jnp.array([1, 2], jnp.int32), w, cache
 
 
 @pytest.mark.parametrize("field", DecoderWeights._fields)
 def test_misshaped_or_mistyped_weight(field):
-  cfg, x, pos, w, cache = _small(jax.devices("cpu")[0])
+  # The scales exist only in a quantized stack (tests/test_quantize.py: its matrices' dtypes).
+  quantization = "int8" if field.endswith("_scale") else None
+  cfg, x, pos, w, cache = _small(jax.devices("cpu")[0], quantization)
   bad = getattr(w, field)
   with pytest.raises(ValueError, match=rf"persistent_decoder: {field} has shape \(.*\), expected"):
     persistent_decoder(x, pos, w._replace(**{field: bad[..., :-1]}), cache, cfg)
@@ -421,20 +424,21 @@ def test_bad_config():
 
 def test_handler_validates_buffers(device):
   """The FFI handler itself rejects inconsistent buffers with an error, not a crash."""
-  cfg, x, pos, w, cache = _small(device)
+  cfg, x, pos, w, cache = _small(device, "int8")  # every optional weight present
   pos = jax.device_put(pos, device)
   attrs = dict(num_layers=np.int64(2), hidden_size=np.int64(64), num_heads=np.int64(4),
                num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
                max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), qkv_bias=np.bool_(True),
-               qk_norm=np.bool_(True))
+               qk_norm=np.bool_(True), quantized=np.bool_(True))
   from jaxfuse._decoder import _workspace_bytes
+  caches = 3 + len(w)  # the operand index of k_cache
 
   def call(ws_bytes, **over):
     a = dict(attrs, **over)
     shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.k.shape, x.dtype),
               jax.ShapeDtypeStruct(cache.v.shape, x.dtype),
               jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8))
-    f = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), shapes, input_output_aliases={17: 1, 18: 2})
+    f = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), shapes, input_output_aliases={caches: 1, caches + 1: 2})
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
     return jax.jit(lambda *args: f(*args, **a))(x, pos, inv_freq, *w, cache.k, cache.v)
 

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from jaxfuse import _ffi
-from jaxfuse._decoder import DecoderConfig, DecoderWeights, _workspace_bytes
+from jaxfuse._decoder import _WEIGHT_KINDS, DecoderConfig, DecoderWeights, _workspace_bytes
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
@@ -130,15 +130,22 @@ def test_vector_layouts_are_pinned():
   assert dec.names["operands"] == _OPERANDS
   assert dec.names["results"] == ("out", "k_cache", "v_cache", "workspace")
   assert dec.names["weights"] == _OPERANDS[3:-2]
-  assert dec.names["weight_flags"] == ("always",) * 9 + ("qkv_bias",) * 3 + ("qk_norm",) * 2
+  assert dec.names["weight_flags"] == (("always",) * 9 + ("qkv_bias",) * 3 + ("qk_norm",) * 2
+                                      + ("quantized",) * 7)
+  assert dec.names["weight_kinds"] == (("model",) + ("matrix",) * 4 + ("model",)
+                                      + ("matrix",) * 3 + ("model",) * 5 + ("scale",) * 7)
   sizes = dict(num_layers=2, hidden_size=6, num_heads=4, num_kv_heads=2, head_dim=8,
                intermediate_size=10, max_seq_len=5)
   L, D, I, q, kv = 2, 6, 10, 32, 16
-  shapes = dec.call("weight_shapes", qkv_bias=1, qk_norm=0, **sizes).shapes
+  shapes = dec.call("weight_shapes", qkv_bias=1, qk_norm=0, quantized=1, **sizes).shapes
   assert shapes == {"attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv),
                     "wo": (L, q, D), "mlp_norm": (L, D), "w_gate": (L, D, I), "w_up": (L, D, I),
                     "w_down": (L, I, D), "q_bias": (L, q), "k_bias": (L, kv), "v_bias": (L, kv),
-                    "q_norm": (L, 0), "k_norm": (L, 0)}
+                    "q_norm": (L, 0), "k_norm": (L, 0), "wq_scale": (L, q), "wk_scale": (L, kv),
+                    "wv_scale": (L, kv), "wo_scale": (L, D), "w_gate_scale": (L, I),
+                    "w_up_scale": (L, I), "w_down_scale": (L, D)}
+  plain = dec.call("weight_shapes", qkv_bias=0, qk_norm=0, quantized=0, **sizes).shapes
+  assert plain["w_up_scale"] == (L, 0) and plain["q_bias"] == (L, 0)
 
 
 def _adam_fixed(device, seed=0, dtype=np.float32):
@@ -562,9 +569,10 @@ def test_norm_attributes(device):
 # v_cache, workspace; attributes: the DecoderConfig fields but rope_theta and rope_scaling (which
 # make rope_inv_freq). Tiny config; batch 4.
 
-# Every optional weight in use, so that each operand's checks are exercised.
+# Every optional weight in use, so that each operand's checks are exercised: int8 matrices.
 _CFG = DecoderConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
-                     intermediate_size=24, max_seq_len=4, qkv_bias=True, qk_norm=True)
+                     intermediate_size=24, max_seq_len=4, qkv_bias=True, qk_norm=True,
+                     quantization="int8")
 _B = 4
 _WEIGHTS = DecoderWeights._fields
 _OPERANDS = ("x", "positions", "rope_inv_freq", *_WEIGHTS, "k_cache", "v_cache")
@@ -577,7 +585,8 @@ def _dec_attrs(**over):
                num_heads=np.int64(c.num_heads), num_kv_heads=np.int64(c.num_kv_heads),
                head_dim=np.int64(c.head_dim), intermediate_size=np.int64(c.intermediate_size),
                max_seq_len=np.int64(c.max_seq_len), rms_norm_eps=np.float32(c.rms_norm_eps),
-               qkv_bias=np.bool_(c.qkv_bias), qk_norm=np.bool_(c.qk_norm))
+               qkv_bias=np.bool_(c.qkv_bias), qk_norm=np.bool_(c.qk_norm),
+               quantized=np.bool_(c.quantized))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
@@ -589,7 +598,10 @@ def _dec_operands(device, seed=3):
          "positions": np.arange(_B, dtype=np.int32) % _CFG.max_seq_len,
          "rope_inv_freq": _CFG.rope_inv_freq()}
   for name, shape in _CFG.weight_shapes().items():
-    ops[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    if _WEIGHT_KINDS[name] == "matrix":
+      ops[name] = rng.integers(-127, 128, shape).astype(np.int8)
+    else:
+      ops[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
   ops["k_cache"] = rng.standard_normal(_CFG.cache_shape(_B)).astype(np.float32)
   ops["v_cache"] = rng.standard_normal(_CFG.cache_shape(_B)).astype(np.float32)
   return ops
@@ -685,6 +697,7 @@ def test_decoder_bad_config_attributes(device, over, match):
     (dict(intermediate_size=np.int64(32)), r"w_gate does not have shape \[1,16,32\]"),
     (dict(max_seq_len=np.int64(8)), r"k_cache does not have shape \[1,4,8,1,8\]"),
     (dict(max_seq_len=np.int64(2)), r"k_cache does not have shape \[1,4,2,1,8\]"),
+    (dict(quantized=np.bool_(False)), r"wq must have dtype float32"),
 ])
 def test_decoder_attributes_inconsistent_with_operands(device, over, match):
   with jaxfuse_error("jaxfuse_decoder", match):
@@ -699,7 +712,7 @@ def test_decoder_attribute_types(device):
     _dec_call(device, ops, qk_norm=np.int64(1))
   with xla_error("Wrong scalar data type: expected S64 but got S32"):
     _dec_call(device, ops, num_layers=np.int32(1))
-  with xla_error("Wrong number of attributes: expected 10 attributes but got 9"):
+  with xla_error("Wrong number of attributes: expected 11 attributes but got 10"):
     _dec_call(device, ops, qkv_bias=None)
 
 
@@ -752,7 +765,11 @@ def test_decoder_weight_shape_and_dtype(device, name):
     _dec_call(device, dict(ops, **{name: w[..., :-1]}))
   with jaxfuse_error("jaxfuse_decoder", rf"{name} does not have shape"):
     _dec_call(device, dict(ops, **{name: w.reshape(-1)}))
-  with jaxfuse_error("jaxfuse_decoder", rf"{name} has a different dtype than x \(float32\)"):
+  if name == "wq":  # the matrices' dtype is wq's
+    message = "wq must be int8 or float8_e4m3fn when quantized is set"
+  else:
+    message = rf"{name} must have dtype {'int8' if _WEIGHT_KINDS[name] == 'matrix' else 'float32'}"
+  with jaxfuse_error("jaxfuse_decoder", message):
     _dec_call(device, dict(ops, **{name: w.astype(jnp.bfloat16)}))
 
 
@@ -765,7 +782,7 @@ def test_decoder_caches(device):
       _dec_call(device, bad_ops, results=_dec_results(bad_ops))
   for cache, dtype in [("k_cache", jnp.bfloat16), ("v_cache", np.int32)]:
     bad_ops = dict(ops, **{cache: ops[cache].astype(dtype)})
-    with jaxfuse_error("jaxfuse_decoder", rf"{cache} has a different dtype than x \(float32\)"):
+    with jaxfuse_error("jaxfuse_decoder", rf"{cache} must have dtype float32"):
       _dec_call(device, bad_ops, results=_dec_results(bad_ops))
 
 
@@ -774,7 +791,7 @@ def test_decoder_results(device):
   good = _dec_results(ops)
   with jaxfuse_error("jaxfuse_decoder", r"out does not have shape \[4,16\]"):
     _dec_call(device, ops, results=[S((_B, 17), F32)] + good[1:])
-  with jaxfuse_error("jaxfuse_decoder", r"out has a different dtype than x \(float32\)"):
+  with jaxfuse_error("jaxfuse_decoder", r"out must have dtype float32"):
     _dec_call(device, ops, results=[S((_B, 16), BF16)] + good[1:])
   with jaxfuse_error("jaxfuse_decoder", "k/v cache results are not aliased"):
     _dec_call(device, ops, aliases={len(_OPERANDS) - 1: 2})

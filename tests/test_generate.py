@@ -1,7 +1,7 @@
 """jaxfuse.generate / decode_step / prefill against a teacher-forced full-model reference.
 
-The reference recomputes every step from scratch: the logits after row b's first n tokens are a
-``jaxfuse.prefill`` (decoder_reference over the whole sequence, no cache reuse) of those n tokens.
+The reference recomputes every step from scratch: the logits after row b's first n tokens come
+from decoder_reference (fp32 activations) over those n tokens, with no cache reuse.
 Each generated token must be the reference's argmax given the tokens generated before it, up to
 a near-tie: its reference logit within ``tie_tol`` of the maximum (the kernel and the reference
 sum in different orders; with 16-bit models, the cache and the layer output are also rounded at
@@ -25,8 +25,9 @@ from hf_checkpoints import write_checkpoint
 from helpers import random_decoder_problem
 
 # Near-tie tolerance on logits, relative to the largest |logit| of the step: fp32 differs by
-# summation order only (~1e-6); a 16-bit model by one rounding of the layer output and the cached
-# k/v (bf16: 2^-8 relative), compounding over two layers.
+# summation order only (~1e-6); a 16-bit model by its prefill's 16-bit matrix inputs and one
+# rounding of the layer output and the cached k/v (bf16: 2^-8 relative), compounding over two
+# layers.
 TIE_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 
 
@@ -43,7 +44,15 @@ def random_model(dtype=jnp.float32, vocab=61, tied=False, seed=0, **features):
 
 @functools.partial(jax.jit, static_argnames=("width",))
 def _reference_logits(model, seq, lengths, *, width):
-  return jaxfuse.prefill(model, seq, lengths, jaxfuse.init_cache(model, seq.shape[0], width))[0]
+  """fp32 logits after row b's first lengths[b] tokens of ``seq``: decoder_reference (fp32
+  activations) over the whole sequence from position 0."""
+  B, T = seq.shape
+  t = jnp.arange(T, dtype=jnp.int32)
+  positions = jnp.where(t[None] < lengths[:, None], t[None], -1)
+  cfg = dataclasses.replace(model.config, max_seq_len=width)
+  h, _ = jaxfuse.decoder_reference(model.embed_tokens(seq), positions, model.layers,
+                                   jaxfuse.init_cache(model, B, width), cfg)
+  return model.logits(h[jnp.arange(B), lengths - 1])
 
 
 def teacher_forced_logits(model, prompts, lengths, out):

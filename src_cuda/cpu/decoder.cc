@@ -34,8 +34,9 @@ void rmsnorm_rows(const DecoderDims& d, const WorkspaceRows& h, const void* w,
 void DecodeStep::rmsnorm_qkv(int64_t l) {
   rmsnorm_rows(d, ws.hidden, layer(w.attn_norm, l, d.D), normed);
   const int64_t q_dim = d.q_dim(), kv_dim = d.kv_dim();
-  const void* matrices[3] = {layer(w.wq, l, d.D * q_dim), layer(w.wk, l, d.D * kv_dim),
-                             layer(w.wv, l, d.D * kv_dim)};
+  const GemvWeights matrices[3] = {matrix(w.wq, w.wq_scale, l, d.D, q_dim),
+                                   matrix(w.wk, w.wk_scale, l, d.D, kv_dim),
+                                   matrix(w.wv, w.wv_scale, l, d.D, kv_dim)};
   // Only with qkv_bias: otherwise the bias operands are empty (possibly null) buffers.
   const void* biases[3] = {nullptr, nullptr, nullptr};
   if (d.qkv_bias) {
@@ -43,9 +44,8 @@ void DecodeStep::rmsnorm_qkv(int64_t l) {
     biases[1] = layer(w.k_bias, l, kv_dim);
     biases[2] = layer(w.v_bias, l, kv_dim);
   }
-  const int64_t columns[3] = {q_dim, kv_dim, kv_dim};
   for (int m = 0; m < 3; ++m) {
-    gemv(pool, d.B, normed.data, d.D, matrices[m], dtype, d.D, columns[m],
+    gemv(pool, d.B, normed.data, d.D, matrices[m],
          [&](int64_t b, int64_t n0, int64_t len, const float* y) {
            float* out = ws.qkv.column(b, m, n0);
            for (int64_t i = 0; i < len; ++i) {
@@ -57,24 +57,23 @@ void DecodeStep::rmsnorm_qkv(int64_t l) {
 
 void DecodeStep::o_proj(int64_t l) {
   const int64_t q_dim = d.q_dim();
-  gemv(pool, d.B, ws.attn_out.data, q_dim, layer(w.wo, l, q_dim * d.D), dtype, q_dim, d.D,
+  gemv(pool, d.B, ws.attn_out.data, q_dim, matrix(w.wo, w.wo_scale, l, q_dim, d.D),
        add_to_hidden());
 }
 
 void DecodeStep::mlp(int64_t l) {
   rmsnorm_rows(d, ws.hidden, layer(w.mlp_norm, l, d.D), normed);
-  const int64_t size = d.D * d.I;
-  gemv(pool, d.B, normed.data, d.D, layer(w.w_gate, l, size), dtype, d.D, d.I,
+  gemv(pool, d.B, normed.data, d.D, matrix(w.w_gate, w.w_gate_scale, l, d.D, d.I),
        [&](int64_t b, int64_t n0, int64_t len, const float* y) {
          std::copy_n(y, len, gate.at(b, n0));
        });
-  gemv(pool, d.B, normed.data, d.D, layer(w.w_up, l, size), dtype, d.D, d.I,
+  gemv(pool, d.B, normed.data, d.D, matrix(w.w_up, w.w_up_scale, l, d.D, d.I),
        [&](int64_t b, int64_t n0, int64_t len, const float* y) {
          const float* g = gate.at(b, n0);
          float* a = ws.mlp_act.at(b, n0);
          for (int64_t i = 0; i < len; ++i) a[i] = swiglu(g[i], y[i]);
        });
-  gemv(pool, d.B, ws.mlp_act.data, d.I, layer(w.w_down, l, size), dtype, d.I, d.D,
+  gemv(pool, d.B, ws.mlp_act.data, d.I, matrix(w.w_down, w.w_down_scale, l, d.I, d.D),
        add_to_hidden());
 }
 

@@ -6,18 +6,31 @@
 namespace jaxfuse::cpu_decoder {
 namespace {
 
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+typedef int16_t I16x8 __attribute__((vector_size(16)));
+typedef int16_t I16x16 __attribute__((vector_size(32)));
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
+
 // Vector types of the micro-kernel: F32x8 (AVX2, and the default ISA as pairs of SSE vectors)
-// or F32x16 (AVX-512), with the unsigned type of the same lanes.
+// or F32x16 (AVX-512), with the 32-bit integer and the 16-bit types of the same lanes.
 template <typename V>
 struct Lanes;
 template <>
 struct Lanes<F32x8> {
   using Bits = U32x8;
+  using Ints = I32x8;
+  using I16 = I16x8;
+  using U16 = U16x8;
   static constexpr int kCount = 8;
 };
 template <>
 struct Lanes<F32x16> {
   using Bits = U32x16;
+  using Ints = I32x16;
+  using I16 = I16x16;
+  using U16 = U16x16;
   static constexpr int kCount = 16;
 };
 
@@ -34,27 +47,32 @@ constexpr int64_t kItemAlign = 32;
 // Strips: kCols consecutive columns of a W row, held as two vectors V. load(w, v0, v1) widens
 // the kCols weights at w; to_columns(v0, v1, out) writes sums of those lanes as columns in order.
 
-// bf16 -> fp32 is a 16-bit left shift. A strip of bf16, read as 32-bit lanes, holds column 2i
-// in the low half of lane i and column 2i+1 in its high half: one shift (even columns) and one
-// mask (odd columns) widen it all, where zero-extension would take four shuffles. The
-// accumulators hold even / odd columns until to_columns() interleaves them.
+// Strips of 2-column lanes: lane i holds columns 2i and 2i+1, widened into an even-column and an
+// odd-column vector, which to_columns() interleaves.
 template <typename V>
-struct Bf16Strip {
-  using Storage = jaxfuse::Storage<DType::kBF16>;
+struct PairedStrip {
   using Vec = V;
   static constexpr int kLanes = Lanes<V>::kCount;
   static constexpr int64_t kCols = 2 * kLanes;
-  static void load(const uint16_t* w, V& even, V& odd) {
-    typename Lanes<V>::Bits u;
-    std::memcpy(&u, w, sizeof(u));
-    even = reinterpret_cast<V>(u << 16);
-    odd = reinterpret_cast<V>(u & 0xffff0000u);
-  }
   static void to_columns(V even, V odd, float* out) {
     for (int i = 0; i < kLanes; ++i) {
       out[2 * i] = even[i];
       out[2 * i + 1] = odd[i];
     }
+  }
+};
+
+// bf16 -> fp32 is a 16-bit left shift. A strip of bf16, read as 32-bit lanes, holds column 2i
+// in the low half of lane i and column 2i+1 in its high half: one shift (even columns) and one
+// mask (odd columns) widen it all, where zero-extension would take four shuffles.
+template <typename V>
+struct Bf16Strip : PairedStrip<V> {
+  using Storage = jaxfuse::Storage<DType::kBF16>;
+  static void load(const uint16_t* w, V& even, V& odd) {
+    typename Lanes<V>::Bits u;
+    std::memcpy(&u, w, sizeof(u));
+    even = reinterpret_cast<V>(u << 16);
+    odd = reinterpret_cast<V>(u & 0xffff0000u);
   }
 };
 
@@ -79,6 +97,64 @@ struct F32Strip : ContiguousStrip<V> {
     std::memcpy(&hi, w + Lanes<V>::kCount, sizeof(hi));
   }
 };
+
+// 8-bit weights (weight-only quantization) are read as 16-bit lanes, each two columns,
+// extended to 32 bits in one instruction; shifts split the bytes. (A direct byte-to-lane
+// conversion is scalarized by GCC.)
+
+// int8: sign-extended pairs; both columns converted exactly.
+template <typename V>
+struct I8Strip : PairedStrip<V> {
+  using Storage = jaxfuse::Storage<DType::kI8>;
+  using Ints = typename Lanes<V>::Ints;
+  [[gnu::always_inline]] static void load(const int8_t* w, V& even, V& odd) {
+    typename Lanes<V>::I16 pairs;
+    std::memcpy(&pairs, w, sizeof(pairs));
+    const Ints x = __builtin_convertvector(pairs, Ints);
+    even = __builtin_convertvector((x << 24) >> 24, V);
+    odd = __builtin_convertvector(x >> 8, V);
+  }
+};
+
+// float8 e4m3fn: its exponent and mantissa fields, moved to float's places, read as 2^-120 times
+// the magnitude (subnormal codes as float subnormals), so one multiply rescales every code: 6
+// vector operations per pair of vectors where f8e4m3_to_float's two cases (dtype.h), computed
+// and selected, take 12 (1.5x the GEMV's speed on AVX-512). It needs float subnormal inputs
+// read as such: gemv_pass_as runs it under SubnormalInputs.
+template <typename V>
+struct F8Strip : PairedStrip<V> {
+  using Storage = jaxfuse::Storage<DType::kF8E4M3>;
+  using Bits = typename Lanes<V>::Bits;
+  [[gnu::always_inline]] static V widen(Bits c) {
+    const V magnitude = reinterpret_cast<V>((c & 0x7fu) << 20) * 0x1p120f;
+    return reinterpret_cast<V>(reinterpret_cast<Bits>(magnitude) | ((c & 0x80u) << 24));
+  }
+  [[gnu::always_inline]] static void load(const uint8_t* w, V& even, V& odd) {
+    typename Lanes<V>::U16 pairs;
+    std::memcpy(&pairs, w, sizeof(pairs));
+    const Bits x = __builtin_convertvector(pairs, Bits);
+    even = widen(x & 0xffu);
+    odd = widen(x >> 8);
+  }
+};
+
+#if defined(__x86_64__)
+// Float subnormal inputs read as such in this scope: XLA's CPU threads run with MXCSR's
+// denormals-are-zero bit set, which would read F8Strip's subnormal codes as 0. Restored on exit.
+class SubnormalInputs {
+ public:
+  static constexpr unsigned kDenormalsAreZero = 1u << 6;
+  SubnormalInputs() : saved_(__builtin_ia32_stmxcsr()) {
+    __builtin_ia32_ldmxcsr(saved_ & ~kDenormalsAreZero);
+  }
+  ~SubnormalInputs() { __builtin_ia32_ldmxcsr(saved_); }
+  SubnormalInputs(const SubnormalInputs&) = delete;
+  SubnormalInputs& operator=(const SubnormalInputs&) = delete;
+
+ private:
+  unsigned saved_;
+};
+#endif
 
 // The first `cols` columns widened one at a time, the rest zero: float16 (rare as decoder
 // weights; its widening has no cheap vector form below F16C) and the last, partial strip of
@@ -251,7 +327,16 @@ template <typename V>
   switch (dtype) {
     case DType::kBF16: return gemv_pass_with(Bf16Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
     case DType::kF32: return gemv_pass_with(F32Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
-    default:
+    case DType::kI8: return gemv_pass_with(I8Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
+    case DType::kF8E4M3: {
+#if defined(__x86_64__)
+      const SubnormalInputs subnormals;
+      return gemv_pass_with(F8Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
+#else  // (no flush-to-zero control here: the exact scalar widening)
+      return gemv_pass_with(ScalarStrip<V, Storage<DType::kF8E4M3>>{}, rows, a, lda, W, K, N, n0,
+                            len, y);
+#endif
+    }    default:
       return gemv_pass_with(ScalarStrip<V, Storage<DType::kF16>>{}, rows, a, lda, W, K, N, n0,
                             len, y);
   }

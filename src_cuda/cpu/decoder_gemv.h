@@ -45,14 +45,24 @@ void gemv_pass(int64_t rows, const float* a, int64_t lda, const void* W, DType d
 // but no more than N / threads, so every thread gets one.
 int64_t gemv_item_width(int64_t B, int64_t N, int64_t threads);
 
-// y[b, n] = sum_k a[b, k] * W[k, n] for the B rows of `a` (fp32, row stride lda), W [K, N] in
-// storage `dtype`. Work items are column ranges, as wide as the accumulator tile allows (long
+// One layer's matrix W [K, N] in storage `dtype` (int8 and fp8 with per-column `scale` [N],
+// else scale null).
+struct GemvWeights {
+  const void* data;
+  DType dtype;
+  const float* scale;
+  int64_t K, N;
+};
+
+// y[b, n] = scale[n] * sum_k a[b, k] * W[k, n] (no scale: 1) for the B rows of `a` (fp32, row
+// stride lda). Work items are column ranges, as wide as the accumulator tile allows (long
 // sequential runs of each weight row) but at least one per thread; each covers all rows and all
 // of K, so its sums do not depend on who computes it. epilogue(b, n0, len, y) receives each
 // finished range of a row (fp32).
 template <typename Epilogue>
-void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const void* W,
-          DType dtype, int64_t K, int64_t N, const Epilogue& epilogue) {
+void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const GemvWeights& w,
+          const Epilogue& epilogue) {
+  const int64_t K = w.K, N = w.N;
   pool = pool_for(pool, B * K * N);
   const int64_t helpers = helpers_beside_caller(pool);
   const int64_t width = gemv_item_width(B, N, helpers + 1);
@@ -62,8 +72,14 @@ void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const v
     alignas(64) float y[kTileFloats];
     for (int64_t b0 = 0; b0 < B; b0 += kPassRows) {
       const int64_t rows = std::min(kPassRows, B - b0);
-      gemv_pass(rows, a + b0 * lda, lda, W, dtype, K, N, n0, len, y);
-      for (int64_t r = 0; r < rows; ++r) epilogue(b0 + r, n0, len, y + r * len);
+      gemv_pass(rows, a + b0 * lda, lda, w.data, w.dtype, K, N, n0, len, y);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* yr = y + r * len;
+        if (w.scale != nullptr) {
+          for (int64_t i = 0; i < len; ++i) yr[i] *= w.scale[n0 + i];
+        }
+        epilogue(b0 + r, n0, len, yr);
+      }
     }
   }, helpers);
 }

@@ -9,6 +9,7 @@
 #include "jaxfuse/decoder.h"
 
 #include "cpu_common.h"
+#include "decoder_gemv.h"
 
 namespace jaxfuse::cpu_decoder {
 
@@ -54,6 +55,13 @@ struct DecodeStep {
   // Layer l of stacked weight `stacked` ([L, layer_size]).
   const void* layer(const void* stacked, int64_t l, int64_t layer_size) const {
     return layer_slice(stacked, dtype, l, layer_size);
+  }
+
+  // Layer l of a stacked matrix [L, K, N] and its per-column scales [L, N] (when quantized).
+  GemvWeights matrix(const void* stacked, const void* scales, int64_t l, int64_t K,
+                     int64_t N) const {
+    return {layer_slice(stacked, d.wdtype, l, K * N), d.wdtype, layer_scales(d, scales, l, N),
+            K, N};
   }
 
   // Element index of kv head `kv_head` at `position` of the caches [L, B, S, KV, hd].

@@ -3,15 +3,18 @@
 // (DecoderWorkspace) that both run steps use. The element math is decoder_math.h; the run steps
 // are src_cuda/{cpu/decoder.cc,cuda/decoder.cu}.
 //
-// Operands (all float operands but rope_inv_freq share one dtype T: f32, bf16 or f16), in
+// Operands (x, the caches, the norms and biases share one dtype T: f32, bf16 or f16), in
 // kDecoderOperands order:
 //   x T[B, D], positions s32[B], rope_inv_freq f32[hd/2] (the RoPE frequency of each rotated pair,
-//   scaling rule applied: Python computes it), then the stacked layer weights attn_norm T[L, D],
-//   wq T[L, D, H*hd], wk T[L, D, KV*hd], wv T[L, D, KV*hd], wo T[L, H*hd, D], mlp_norm T[L, D],
-//   w_gate T[L, D, I], w_up T[L, D, I], w_down T[L, I, D], the optional q_bias T[L, H*hd],
-//   k_bias T[L, KV*hd], v_bias T[L, KV*hd] (attribute qkv_bias; else each T[L, 0]) and q_norm,
-//   k_norm T[L, hd] (attribute qk_norm; else T[L, 0]), then k_cache and v_cache
-//   T[L, B, S, KV, hd].
+//   scaling rule applied: Python computes it), then the stacked layer weights
+//   (JAXFUSE_DECODER_WEIGHTS): attn_norm T[L, D], the matrices wq W[L, D, H*hd],
+//   wk W[L, D, KV*hd], wv W[L, D, KV*hd], wo W[L, H*hd, D], mlp_norm T[L, D], w_gate W[L, D, I],
+//   w_up W[L, D, I], w_down W[L, I, D], the optional q_bias T[L, H*hd], k_bias T[L, KV*hd],
+//   v_bias T[L, KV*hd] (attribute qkv_bias; else each T[L, 0]), q_norm, k_norm T[L, hd]
+//   (attribute qk_norm; else T[L, 0]) and the matrices' per-output-column scales wq_scale
+//   f32[L, H*hd] ... w_down_scale f32[L, D] (attribute quantized; else each f32[L, 0]), then
+//   k_cache and v_cache T[L, B, S, KV, hd]. The matrices' dtype W is T, or with `quantized`
+//   int8 or float8_e4m3fn (weight-only quantization: y[n] = scale[n] * sum_k a[k] * W[k, n]).
 // Results, in kDecoderResults order: out T[B, D]; k_cache and v_cache, aliased to their operands
 //   (updated in place at [l, b, positions[b]]); workspace u8[decoder_layout(...).total]: fp32
 //   activations, partial sums and counters.
@@ -23,6 +26,7 @@
 #include <cmath>
 #include <cstdint>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,9 +58,11 @@ struct DecoderDims {
   int64_t I = 0;   // intermediate (MLP) size
   int64_t S = 0;   // max_seq_len: cache positions
   float eps = 0.f;
-  bool qkv_bias = false;  // q/k/v projections add a bias
-  bool qk_norm = false;   // per-head RMSNorm of q and k before RoPE
-  DType dtype = DType::kF32;
+  bool qkv_bias = false;   // q/k/v projections add a bias
+  bool qk_norm = false;    // per-head RMSNorm of q and k before RoPE
+  bool quantized = false;  // the matrices are int8 or fp8 with per-column scales
+  DType dtype = DType::kF32;   // x, caches, norms, biases, out
+  DType wdtype = DType::kF32;  // the matrices: dtype, or kI8 / kF8E4M3 when quantized
 
   int64_t q_dim() const { return H * hd; }
   int64_t kv_dim() const { return KV * hd; }
@@ -242,29 +248,38 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
               d.B, d.KV, d.head_chunks()};
 }
 
-// The stacked layer weights, in operand order: X(name, flag, dims...). A weight has shape
+// The stacked layer weights, in operand order: X(name, flag, kind, dims...). A weight has shape
 // [L, dims...] when `flag` is set and [L, 0] when not (`always` is always set); the names in
-// `dims` and `flag` are those of decoder_weight_shapes(). This is the one list of the weights:
-// the operand names, the FFI binding, DecoderWeights, the shape checks and Python's shapes
-// (contract()) are all made from it.
-#define JAXFUSE_DECODER_WEIGHTS(X) \
-  X(attn_norm, always, D)          \
-  X(wq, always, D, q_dim)          \
-  X(wk, always, D, kv_dim)         \
-  X(wv, always, D, kv_dim)         \
-  X(wo, always, q_dim, D)          \
-  X(mlp_norm, always, D)           \
-  X(w_gate, always, D, I)          \
-  X(w_up, always, D, I)            \
-  X(w_down, always, I, D)          \
-  X(q_bias, qkv_bias, q_dim)       \
-  X(k_bias, qkv_bias, kv_dim)      \
-  X(v_bias, qkv_bias, kv_dim)      \
-  X(q_norm, qk_norm, hd)           \
-  X(k_norm, qk_norm, hd)
+// `dims` and `flag` are those of decoder_weight_shapes(). Its dtype is by kind: `model` x's,
+// `matrix` the matrices' (x's, or int8 / fp8 when quantized), `scale` float32. This is the one
+// list of the weights: the operand names, the FFI binding, DecoderWeights, the shape and dtype
+// checks and Python's shapes and dtypes (contract()) are all made from it.
+#define JAXFUSE_DECODER_WEIGHTS(X)               \
+  X(attn_norm, always, model, D)                 \
+  X(wq, always, matrix, D, q_dim)                \
+  X(wk, always, matrix, D, kv_dim)               \
+  X(wv, always, matrix, D, kv_dim)               \
+  X(wo, always, matrix, q_dim, D)                \
+  X(mlp_norm, always, model, D)                  \
+  X(w_gate, always, matrix, D, I)                \
+  X(w_up, always, matrix, D, I)                  \
+  X(w_down, always, matrix, I, D)                \
+  X(q_bias, qkv_bias, model, q_dim)              \
+  X(k_bias, qkv_bias, model, kv_dim)             \
+  X(v_bias, qkv_bias, model, kv_dim)             \
+  X(q_norm, qk_norm, model, hd)                  \
+  X(k_norm, qk_norm, model, hd)                  \
+  X(wq_scale, quantized, scale, q_dim)           \
+  X(wk_scale, quantized, scale, kv_dim)          \
+  X(wv_scale, quantized, scale, kv_dim)          \
+  X(wo_scale, quantized, scale, D)               \
+  X(w_gate_scale, quantized, scale, I)           \
+  X(w_up_scale, quantized, scale, I)             \
+  X(w_down_scale, quantized, scale, D)
 
 #define JF_DECODER_WEIGHT_NAME(name, ...) #name,
 #define JF_DECODER_WEIGHT_FLAG(name, flag, ...) #flag,
+#define JF_DECODER_WEIGHT_KIND(name, flag, kind, ...) #kind,
 // Operand and result names in call order; a name in both lists is updated in place.
 inline constexpr const char* kDecoderOperands[] = {
     "x", "positions", "rope_inv_freq", JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_NAME)
@@ -272,6 +287,9 @@ inline constexpr const char* kDecoderOperands[] = {
 inline constexpr const char* kDecoderResults[] = {"out", "k_cache", "v_cache", "workspace"};
 inline constexpr const char* kDecoderWeightFlags[] = {
     JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_FLAG)};
+inline constexpr const char* kDecoderWeightKinds[] = {
+    JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_KIND)};
+#undef JF_DECODER_WEIGHT_KIND
 #undef JF_DECODER_WEIGHT_FLAG
 #undef JF_DECODER_WEIGHT_NAME
 inline constexpr int kDecoderFirstWeight = 3;  // attn_norm
@@ -288,6 +306,7 @@ struct DecoderAttrs {
   float rms_norm_eps;
   bool qkv_bias;
   bool qk_norm;
+  bool quantized;
 };
 inline constexpr const char* kDecoderSizeAttrs[] = {JAXFUSE_DECODER_SIZE_ATTRS(JF_VECTOR_NAME)};
 
@@ -298,17 +317,19 @@ struct DecoderWeights {
 #undef JF_DECODER_WEIGHT_FIELD
 };
 
-// The shape each weight must have, in operand order.
+// The shape and dtype each weight must have, in operand order.
 struct DecoderWeightShape {
   const char* name;
   std::vector<int64_t> dims;
+  DType dtype;
 };
 inline std::vector<DecoderWeightShape> decoder_weight_shapes(const DecoderDims& d) {
-  // The names JAXFUSE_DECODER_WEIGHTS writes its dims and flags in.
+  // The names JAXFUSE_DECODER_WEIGHTS writes its dims, flags and kinds in.
   const int64_t L = d.L, D = d.D, I = d.I, hd = d.hd, q_dim = d.q_dim(), kv_dim = d.kv_dim();
-  const bool always = true, qkv_bias = d.qkv_bias, qk_norm = d.qk_norm;
-#define JF_DECODER_WEIGHT_SHAPE(name, flag, ...) \
-  {#name, flag ? std::vector<int64_t>{L, __VA_ARGS__} : std::vector<int64_t>{L, 0}},
+  const bool always = true, qkv_bias = d.qkv_bias, qk_norm = d.qk_norm, quantized = d.quantized;
+  const DType model = d.dtype, matrix = d.wdtype, scale = DType::kF32;
+#define JF_DECODER_WEIGHT_SHAPE(name, flag, kind, ...)                                     \
+  {#name, flag ? std::vector<int64_t>{L, __VA_ARGS__} : std::vector<int64_t>{L, 0}, kind},
   return {JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_SHAPE)};
 #undef JF_DECODER_WEIGHT_SHAPE
 }
@@ -316,6 +337,12 @@ inline std::vector<DecoderWeightShape> decoder_weight_shapes(const DecoderDims& 
 // Layer `layer` of a stacked weight whose layers hold `layer_size` elements of dtype t.
 JF_HD const void* layer_slice(const void* stacked, DType t, int64_t layer, int64_t layer_size) {
   return element_ptr(stacked, t, layer * layer_size);
+}
+
+// Layer `layer` of a matrix's per-column scales [L, columns], or null when not quantized.
+JF_HD const float* layer_scales(const DecoderDims& d, const void* scales, int64_t layer,
+                                int64_t columns) {
+  return d.quantized ? static_cast<const float*>(scales) + layer * columns : nullptr;
 }
 
 // The operand buffers, by role.
@@ -371,15 +398,36 @@ inline DecoderDims dims_of(const DecoderAttrs& a, int64_t batch, DType dtype) {
   d.eps = a.rms_norm_eps;
   d.qkv_bias = a.qkv_bias;
   d.qk_norm = a.qk_norm;
+  d.quantized = a.quantized;
   d.dtype = dtype;
+  d.wdtype = dtype;
   return d;
 }
 
-// Buffer `name` must have x's dtype and exactly `shape`.
+// The storage dtype of a buffer: a float dtype of x, or a quantized matrix's.
+inline std::optional<DType> storage_dtype(ffi::DataType t) {
+  if (t == ffi::DataType::S8) return DType::kI8;
+  if (t == ffi::DataType::F8E4M3FN) return DType::kF8E4M3;
+  return to_dtype(t);
+}
+
+// The matrices' dtype: x's, or with `quantized` wq's, which must be int8 or float8_e4m3fn.
+inline ffi::Error matrix_dtype(const DecoderDims& d, const ffi::AnyBuffer& wq, DType* out) {
+  *out = d.dtype;
+  if (!d.quantized) return ffi::Error::Success();
+  const auto t = storage_dtype(wq.element_type());
+  if (t != DType::kI8 && t != DType::kF8E4M3) {
+    return invalid_argument("wq must be int8 or float8_e4m3fn when quantized is set");
+  }
+  *out = *t;
+  return ffi::Error::Success();
+}
+
+// Buffer `name` must have `dtype` and exactly `shape`.
 inline ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& b, DType dtype,
                                const std::vector<int64_t>& shape) {
-  if (to_dtype(b.element_type()) != dtype) {
-    return invalid_argument(name, " has a different dtype than x (", dtype_name(dtype), ")");
+  if (storage_dtype(b.element_type()) != dtype) {
+    return invalid_argument(name, " must have dtype ", dtype_name(dtype));
   }
   const auto dims = b.dimensions();
   if (dims.size() == shape.size() && std::equal(shape.begin(), shape.end(), dims.begin())) {
@@ -395,7 +443,8 @@ inline ffi::Error check_buffer(const char* name, const ffi::AnyBuffer& b, DType 
 inline ffi::Error check_weights(const DecoderDims& d, const ffi::AnyBuffer* const* weights) {
   const std::vector<DecoderWeightShape> shapes = decoder_weight_shapes(d);
   for (int i = 0; i < kDecoderWeights; ++i) {
-    JF_RETURN_IF_ERROR(check_buffer(shapes[i].name, *weights[i], d.dtype, shapes[i].dims));
+    JF_RETURN_IF_ERROR(check_buffer(shapes[i].name, *weights[i], shapes[i].dtype,
+                                    shapes[i].dims));
   }
   return ffi::Error::Success();
 }
@@ -463,7 +512,8 @@ struct DecoderOp {
     if (x_dims.size() != 2 || x_dims[1] != attrs.hidden_size) {
       return invalid_argument("x must have shape [B, ", attrs.hidden_size, "]");
     }
-    const DecoderDims d = dims_of(attrs, x_dims[0], *dtype);
+    DecoderDims d = dims_of(attrs, x_dims[0], *dtype);
+    JF_RETURN_IF_ERROR(matrix_dtype(d, wq, &d.wdtype));
     if (positions.dimensions().size() != 1 || positions.dimensions()[0] != d.B) {
       return invalid_argument("positions must have shape [", d.B, "]");
     }
@@ -508,9 +558,10 @@ struct DecoderOp {
         kDecoderOperands + kDecoderFirstWeight, kDecoderOperands + kDecoderFirstWeight +
         kDecoderWeights);
     c.names["weight_flags"] = name_list(kDecoderWeightFlags);  // "always" or a bool attribute
+    c.names["weight_kinds"] = name_list(kDecoderWeightKinds);  // "model", "matrix", "scale"
     c.names["size_attrs"] = name_list(kDecoderSizeAttrs);
     c.names["f32_attrs"] = {"rms_norm_eps"};
-    c.names["bool_attrs"] = {"qkv_bias", "qk_norm"};
+    c.names["bool_attrs"] = {"qkv_bias", "qk_norm", "quantized"};
     // workspace(batch=, dtype_bytes=, <size attrs>=) -> numbers["bytes"]
     c.functions["workspace"] = [](const std::map<std::string, int64_t>& args) {
       // The layout depends on the dtype only through its width (f16 and bf16 lay out alike).
@@ -521,11 +572,12 @@ struct DecoderOp {
       v.numbers["bytes"] = decoder_layout(d).total;
       return v;
     };
-    // weight_shapes(<size attrs>=, qkv_bias=, qk_norm=) -> shapes[weight name]
+    // weight_shapes(<size attrs>=, qkv_bias=, qk_norm=, quantized=) -> shapes[weight name]
     c.functions["weight_shapes"] = [](const std::map<std::string, int64_t>& args) {
       DecoderAttrs a = contract_attrs(args);
       a.qkv_bias = contract_arg(args, "qkv_bias") != 0;
       a.qk_norm = contract_arg(args, "qk_norm") != 0;
+      a.quantized = contract_arg(args, "quantized") != 0;
       ContractValues v;
       for (const DecoderWeightShape& s :
            decoder_weight_shapes(decoder_detail::dims_of(a, 0, DType::kF32))) {
@@ -573,5 +625,6 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxfuse::DecoderAttrs,
                                       JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_I64_MEMBER)
                                       ::xla::ffi::StructMember<float>("rms_norm_eps"),
                                       ::xla::ffi::StructMember<bool>("qkv_bias"),
-                                      ::xla::ffi::StructMember<bool>("qk_norm"));
+                                      ::xla::ffi::StructMember<bool>("qk_norm"),
+                                      ::xla::ffi::StructMember<bool>("quantized"));
 #undef JF_DECODER_I64_MEMBER

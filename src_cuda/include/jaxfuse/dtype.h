@@ -26,13 +26,18 @@
 
 namespace jaxfuse {
 
-// Storage types the kernels read and write: floats; int16 words (param remainders, rounding.h)
-// and int8 / uint8 codes (8-bit moments, moment_codes.h), which only lists declared as such hold
-// and which visit_dtype() does not take.
-enum class DType : uint8_t { kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kI16 = 4, kI8 = 5, kU8 = 6 };
+// Storage types the kernels read and write: floats; int16 words (param remainders, rounding.h),
+// int8 / uint8 codes (8-bit moments, moment_codes.h) and int8 / fp8 e4m3 quantized decoder
+// weights, which only buffers declared as such hold and which visit_dtype() does not take.
+enum class DType : uint8_t {
+  kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kI16 = 4, kI8 = 5, kU8 = 6, kF8E4M3 = 7
+};
 
 JF_HD int dtype_bytes(DType t) {
-  return t == DType::kF64 ? 8 : t == DType::kF32 ? 4 : (t == DType::kI8 || t == DType::kU8) ? 1 : 2;
+  return t == DType::kF64 ? 8
+         : t == DType::kF32 ? 4
+         : (t == DType::kI8 || t == DType::kU8 || t == DType::kF8E4M3) ? 1
+                                                                         : 2;
 }
 
 // The compute-type rule of the multi-tensor ops: a tensor (or call) computes in double when any
@@ -125,6 +130,19 @@ JF_HD uint16_t float_to_f16(float f) {
 #endif
 }
 
+// float8 e4m3fn (1 sign bit, 4 exponent bits of bias 7, 3 mantissa bits, no infinities) ->
+// float, exact for every finite code: a normal code's fields move to float's positions with the
+// exponent rebiased by 120; a subnormal one is its mantissa times 2^-9. No float subnormal is
+// formed, so flush-to-zero modes do not matter. The two NaN codes (S.1111.111) read as +-480:
+// jaxfuse.quantize never writes them. The CPU GEMV's vector form (cpu/decoder_gemv.cc) is this,
+// lane-wise.
+JF_HD float f8e4m3_to_float(uint8_t code) {
+  const uint32_t c = code;
+  const float magnitude = (c & 0x78u) != 0 ? bits_float(((c & 0x7fu) << 20) + (120u << 23))
+                                           : float(c & 7u) * 0x1p-9f;
+  return (c & 0x80u) != 0 ? -magnitude : magnitude;
+}
+
 // double -> float rounded to odd (truncated, then the last bit set if anything was dropped): a
 // later round-to-nearest-even to a narrower format (bf16: 8 bits, f16: 11) is then correctly
 // rounded, as if done from the double directly, without double rounding.
@@ -177,6 +195,21 @@ struct Storage<DType::kF16> {
   static JF_HD Real load(uint16_t x) { return Real(f16_to_float(x)); }
   static JF_HD uint16_t store(float x) { return float_to_f16(x); }
   static JF_HD uint16_t store(double x) { return float_to_f16(float_round_to_odd(x)); }
+};
+
+// Quantized decoder weights are only read.
+template <>
+struct Storage<DType::kI8> {
+  using Bits = int8_t;
+  template <typename Real>
+  static JF_HD Real load(int8_t x) { return Real(x); }
+};
+
+template <>
+struct Storage<DType::kF8E4M3> {
+  using Bits = uint8_t;
+  template <typename Real>
+  static JF_HD Real load(uint8_t x) { return Real(f8e4m3_to_float(x)); }
 };
 
 template <DType kT>

@@ -45,7 +45,7 @@ inline std::optional<ElementType> element_type(ffi::DataType t) {
 
 inline const char* dtype_name(DType t) {
   constexpr const char* kNames[] = {"float32", "bfloat16", "float16", "float64", "int16",
-                                     "int8",    "uint8"};
+                                     "int8",    "uint8",    "float8_e4m3fn"};
   return kNames[static_cast<int>(t)];
 }
 

@@ -1,0 +1,256 @@
+"""Weight-only int8 / fp8 decoding: jaxfuse.quantize's error bound, the quantized persistent
+decoder against decoder_reference on the same quantized weights (every dtype and architecture
+feature, every fp8 code), and quantized Hugging Face models against their unquantized selves."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxfuse
+from jaxfuse import DecoderConfig, RopeScaling, decoder_reference, persistent_decoder
+from jaxfuse._quantize import MATRICES, dequantize_matrix, quantize_matrix
+from hf_checkpoints import write_checkpoint
+from helpers import random_decoder_problem, stable_seed
+from test_generate import assert_follows_reference, prompts_for
+
+FORMATS = ["int8", "fp8"]
+QMAX = {"int8": 127.0, "fp8": 448.0}
+# As test_decoder.py: the kernel and the reference use the same quantized weights, so they differ
+# by summation order (fp32) and the roundings of the output and the cached k/v (16-bit).
+TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
+
+fused = jax.jit(persistent_decoder, static_argnums=(4,))
+reference = jax.jit(decoder_reference, static_argnums=(4,))
+
+
+def f32(a):
+  return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+def rel_err(a, b):
+  a, b = f32(a), f32(b)
+  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def heavy_tailed(rng, shape):
+  """Normal values times 10^u, u uniform in [-7, 0]: every binade of e4m3 below a column's
+  maximum is populated, subnormal codes included."""
+  return rng.standard_normal(shape) * 10.0 ** rng.uniform(-7, 0, shape)
+
+
+# ---- the scheme ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("quantization", FORMATS)
+def test_error_within_the_format_bound(quantization, dtype):
+  rng = np.random.default_rng(stable_seed(quantization))
+  w = heavy_tailed(rng, (2, 96, 40))
+  w[0, :, 3] = 0.0  # an all-zero column: scale 1, codes 0
+  w[1, :, 5] = 1e-30 * rng.standard_normal(96)  # a column far below e4m3's own range
+  w = jnp.asarray(w, dtype)
+  q, scale = quantize_matrix(w, quantization)
+  assert q.dtype == jaxfuse._decoder.QUANTIZED_DTYPES[quantization] and q.shape == w.shape
+  assert scale.dtype == jnp.float32 and scale.shape == (2, 40)
+  w, s = f32(w), f32(scale)[:, None, :]
+  err = np.abs(f32(dequantize_matrix(q, scale)) - w)
+  if quantization == "int8":  # half a step of the column's uniform grid
+    bound = s / 2
+  else:  # half an ulp of 3 mantissa bits, or of the subnormal spacing 2^-9 (in units of scale)
+    bound = np.maximum(np.abs(w) * 2.0**-4, s * 2.0**-10)
+  # Plus the fp32 roundings of w / scale and of q * scale (2^-24 relative each).
+  assert np.all(err <= bound * (1 + 2.0**-20) + np.abs(w) * 2.0**-22)
+  # Each nonzero column's largest weight lands on the grid's end; the zero column stays zero.
+  amax = np.abs(f32(q)).max(axis=1)
+  np.testing.assert_array_equal(np.delete(amax[0], 3), QMAX[quantization])
+  assert amax[0, 3] == 0 and f32(scale)[0, 3] == 1.0
+
+
+def test_quantize_model_keeps_the_rest():
+  cfg = DecoderConfig(2, 64, 4, 2, 16, 96, 16, qkv_bias=True, qk_norm=True)
+  _, w, _ = random_decoder_problem(cfg, 1, jnp.bfloat16, seed=3)
+  model = jaxfuse.DecoderModel(cfg, w, jnp.ones((50, 64), jnp.bfloat16),
+                               jnp.ones(64, jnp.bfloat16))
+  q = jaxfuse.quantize(model, "fp8")
+  assert q.config == dataclasses.replace(cfg, quantization="fp8") and q.config.quantized
+  for name in MATRICES:
+    assert getattr(q.layers, name).dtype == jnp.float8_e4m3fn
+    assert getattr(q.layers, name + "_scale").shape == (2, getattr(w, name).shape[-1])
+  for name in ("attn_norm", "mlp_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"):
+    assert getattr(q.layers, name) is getattr(w, name)
+  assert q.embed is model.embed and q.final_norm is model.final_norm
+
+
+# ---- the kernel against the reference, on the same quantized weights ---------------------------
+
+LLAMA3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=16)
+CASES = {  # config, batch
+    "gqa2_b1": (DecoderConfig(2, 128, 4, 2, 32, 160, 24), 1),
+    "mha_bias_norm_llama3_b3": (DecoderConfig(2, 64, 4, 4, 16, 96, 40, qkv_bias=True,
+                                              qk_norm=True, rope_scaling=LLAMA3), 3),
+    "mqa_linear_rope_b5": (DecoderConfig(1, 96, 6, 1, 32, 200, 33,
+                                         rope_scaling=RopeScaling("linear", 2.0)), 5),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_reference(device, case, quantization, dtype):
+  cfg, batch = CASES[case]
+  cfg = dataclasses.replace(cfg, quantization=quantization)
+  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=stable_seed(case), device=device)
+  assert w.wq.dtype == cfg.matrix_dtype(dtype) and w.w_down_scale.dtype == jnp.float32
+  pos = jax.device_put(np.arange(batch, dtype=np.int32) * 7 % cfg.max_seq_len, device)
+  out, new = fused(x, pos, w, cache, cfg)
+  ref, ref_cache = reference(x, pos, w, cache, cfg)
+  assert out.dtype == dtype and np.all(np.isfinite(f32(out)))
+  assert rel_err(out, ref) < TOL[dtype]
+  rows = np.arange(batch)
+  for got, want in ((new.k, ref_cache.k), (new.v, ref_cache.v)):
+    assert rel_err(f32(got)[:, rows, np.asarray(pos)], f32(want)[:, rows, np.asarray(pos)]) \
+        < TOL[dtype]
+
+
+def test_every_fp8_code(device):
+  """Matrices holding all 254 finite e4m3 codes (subnormals and both zeros included) through the
+  kernel's widening, against the reference's (XLA's conversion)."""
+  cfg = DecoderConfig(1, 128, 4, 2, 32, 128, 8)
+  x, w, cache = random_decoder_problem(cfg, 2, jnp.float32, seed=5)
+  rng = np.random.default_rng(11)
+  w = w._replace(**{name: jnp.asarray(heavy_tailed(rng, getattr(w, name).shape), jnp.float32)
+                    for name in MATRICES})
+  w = w._replace(wq=w.wq.at[0, 0, :2].set(jnp.array([0.0, -0.0])))  # (the column max is not 0)
+  w, cfg = jaxfuse.quantize_weights(w, cfg, "fp8")
+  codes = np.unique(np.asarray(w.wq).view(np.uint8))
+  assert codes.size == 254 and not np.isin([0x7f, 0xff], codes).any()
+  x, w, cache = jax.device_put((x, w, cache), device)
+  pos = jax.device_put(np.array([0, 5], np.int32), device)
+  assert rel_err(fused(x, pos, w, cache, cfg)[0], reference(x, pos, w, cache, cfg)[0]) < 1e-4
+
+
+# ---- quantized models against their unquantized selves ------------------------------------------
+
+def teacher_forced_logits(model, tokens):
+  """fp32 logits [B, T, V] after each prefix of ``tokens`` [B, T], one decode_step per token."""
+  B, T = tokens.shape
+
+  @jax.jit
+  def run(model, tokens):
+    def step(cache, t):
+      logits, cache = jaxfuse.decode_step(model, tokens[:, t], jnp.full((B,), t, jnp.int32),
+                                          cache)
+      return cache, logits
+    return jax.lax.scan(step, jaxfuse.init_cache(model, B, T), jnp.arange(T))[1].swapaxes(0, 1)
+
+  return f32(run(model, jnp.asarray(tokens, jnp.int32)))
+
+
+# Logit error relative to the largest |logit|, and top-1 agreement with the unquantized model, on
+# the tiny random checkpoints of tests/hf_checkpoints.py (2 layers, D 64). A weight's error is at
+# most 1/254 of its column's largest (int8) or 1/16 of itself (fp8: rms about 2^-4 / sqrt(3) =
+# 3.6%); over a few matrices in sequence the logits move by a few times that, int8 well under.
+# Top-1 agreement is lower than on a trained model: random logits have many near-ties.
+LIMITS = {"int8": (0.03, 0.9), "fp8": (0.12, 0.75)}
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("arch,dtype", [("LlamaForCausalLM", "float32"),
+                                        ("Qwen3ForCausalLM", "bfloat16")])
+def test_hf_model_logits_close_to_unquantized(tmp_path, arch, dtype, quantization):
+  write_checkpoint(tmp_path, arch, dtype=dtype, seed=4)
+  model = jaxfuse.load_hf(tmp_path)
+  quantized = jaxfuse.load_hf(tmp_path, quantize=quantization)
+  direct = jaxfuse.quantize(model, quantization)
+  for a, b in zip(jax.tree.leaves(quantized), jax.tree.leaves(direct)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens = np.random.default_rng(2).integers(0, model.vocab_size, (4, 24))
+  want, got = teacher_forced_logits(model, tokens), teacher_forced_logits(quantized, tokens)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  agree = np.mean(got.argmax(-1) == want.argmax(-1))
+  max_err, min_agree = LIMITS[quantization]
+  assert err < max_err and agree >= min_agree, (err, agree)
+
+
+def test_generate_with_a_quantized_model_follows_its_reference(tmp_path):
+  write_checkpoint(tmp_path, "MistralForCausalLM", dtype="bfloat16", seed=7)
+  model = jaxfuse.load_hf(tmp_path, quantize="int8")
+  prompts, lengths = prompts_for(model, 4, 7, seed=1)
+  out, count = jaxfuse.generate(model, prompts, lengths, 9)
+  assert np.all(np.asarray(count) == 9)
+  assert_follows_reference(model, prompts, lengths, out, count, 3e-2)
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+def _quantized_problem():
+  cfg = DecoderConfig(2, 64, 4, 2, 16, 96, 16, quantization="int8")
+  x, w, cache = random_decoder_problem(cfg, 2, jnp.bfloat16, seed=1)
+  return cfg, x, jnp.array([1, 2], jnp.int32), w, cache
+
+
+def test_bad_quantized_operands():
+  cfg, x, pos, w, cache = _quantized_problem()
+  with pytest.raises(TypeError, match=r"wq has dtype bfloat16, expected int8 "
+                                      r"\(cfg.quantization='int8'\)"):
+    persistent_decoder(x, pos, w._replace(wq=w.wq.astype(jnp.bfloat16)), cache, cfg)
+  fp8 = dataclasses.replace(cfg, quantization="fp8")
+  with pytest.raises(TypeError, match=r"w_up has dtype int8, expected float8_e4m3fn"):
+    persistent_decoder(x, pos, w._replace(**{n: getattr(w, n).astype(jnp.float8_e4m3fn)
+                                             for n in MATRICES if n != "w_up"}), cache, fp8)
+  with pytest.raises(TypeError, match=r"wo_scale has dtype bfloat16, expected float32 "
+                                      r"\(quantization scales are float32\)"):
+    persistent_decoder(x, pos, w._replace(wo_scale=w.wo_scale.astype(jnp.bfloat16)), cache, cfg)
+  for fn in (persistent_decoder, decoder_reference):
+    with pytest.raises(ValueError, match=rf"{fn.__name__}: w.wk_scale is None, but "
+                                         r"cfg.quantized is set"):
+      fn(x, pos, w._replace(wk_scale=None), cache, cfg)
+    plain = dataclasses.replace(cfg, quantization=None)
+    with pytest.raises(ValueError, match=rf"{fn.__name__}: w.wq_scale is given, but "
+                                         r"cfg.quantized is False"):
+      fn(x, pos, w, cache, plain)
+
+
+def test_bad_quantize_calls():
+  with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'fp8', got 'int4'"):
+    DecoderConfig(1, 64, 4, 4, 16, 64, 8, quantization="int4")
+  cfg = DecoderConfig(2, 64, 4, 2, 16, 96, 16)
+  _, w, _ = random_decoder_problem(cfg, 1, jnp.float32, seed=2)
+  with pytest.raises(ValueError, match="quantization must be 'int8' or 'fp8', got 'nf4'"):
+    jaxfuse.quantize_weights(w, cfg, "nf4")
+  wq, qcfg = jaxfuse.quantize_weights(w, cfg, "int8")
+  with pytest.raises(ValueError, match=r"already quantized \(cfg.quantization='int8'\)"):
+    jaxfuse.quantize_weights(wq, qcfg, "fp8")
+  with pytest.raises(ValueError, match=r"w.wo has non-finite values \(layer 1\)"):
+    jaxfuse.quantize_weights(w._replace(wo=w.wo.at[1, 3, 4].set(jnp.nan)), cfg, "int8")
+  with pytest.raises(ValueError, match=r"w.w_up has shape \(2, 64, 95\), expected \(2, 64, 96\)"):
+    jaxfuse.quantize_weights(w._replace(w_up=w.w_up[..., :-1]), cfg, "int8")
+  with pytest.raises(TypeError, match="expected a jaxfuse.DecoderModel"):
+    jaxfuse.quantize(w, "int8")
+  with pytest.raises(ValueError, match="load_hf: quantize must be None, 'int8' or 'fp8'"):
+    jaxfuse.load_hf("/nonexistent", quantize="int4")
+
+
+def test_subnormal_fp8_codes_are_not_flushed(device):
+  """Keys made only from subnormal e4m3 codes (|Q| < 2^-6): the attention norm is zero but at one
+  input row, whose wk weights are the 16 subnormal codes, so each new key element is that row's
+  activation times one code's value. A widening that flushes float subnormals would write zeros."""
+  cfg = DecoderConfig(1, 64, 2, 2, 16, 64, 4)
+  x, w, cache = random_decoder_problem(cfg, 1, jnp.float32, seed=6)
+  w, cfg = jaxfuse.quantize_weights(w, cfg, "fp8")
+  codes = np.array([0x01, 0x81, 0x02, 0x82, 0x03, 0x83, 0x04, 0x84,
+                    0x05, 0x85, 0x06, 0x86, 0x07, 0x87, 0x07, 0x01], np.uint8)
+  wk = np.asarray(w.wk).view(np.uint8).copy()
+  wk[0, 5, :16], wk[0, 5, 16:] = codes, codes[::-1]
+  w = w._replace(wk=jnp.asarray(wk.view(jnp.float8_e4m3fn)),
+                 attn_norm=jnp.zeros_like(w.attn_norm).at[0, 5].set(1.0))
+  x, w, cache = jax.device_put((x, w, cache), device)
+  pos = jax.device_put(np.array([2], np.int32), device)
+  got, want = f32(fused(x, pos, w, cache, cfg)[1].k)[0, 0, 2], \
+      f32(reference(x, pos, w, cache, cfg)[1].k)[0, 0, 2]
+  assert np.all(want != 0)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
