@@ -9,6 +9,7 @@ and must be bitwise the same under every thread schedule and on every emulated g
 """
 
 import functools
+import itertools
 import os
 
 import jax
@@ -177,18 +178,20 @@ FEATURES = dict(qkv_bias=True, qk_norm=True,
                                                  original_max_position_embeddings=16))
 
 
-def decoder_case(dtype, batch=3, seq=40):
+def decoder_case(dtype, batch=3, seq=40, quantization=None):
   features = FEATURES if dtype == jnp.float32 else {}
   cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
-                              head_dim=32, intermediate_size=256, max_seq_len=seq, **features)
+                              head_dim=32, intermediate_size=256, max_seq_len=seq,
+                              quantization=quantization, **features)
   x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=9)
   positions = jnp.asarray([5, seq - 1, 17][:batch], jnp.int32)
   return cfg, x, positions, w, cache
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_decoder(dtype, launch):
-  cfg, x, positions, w, cache = decoder_case(dtype)
+def check_decoder(cfg, x, positions, w, cache):
+  """The emulated CUDA decoder step against the CPU handler's: out and the written cache rows
+  within fp32 summation-order rounding (of x's dtype), the other cache rows untouched."""
+  dtype = x.dtype
   fn = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
   (h_n, c_n), (h_e, c_e) = on_both(fn, x, positions, w, cache)
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
@@ -200,6 +203,27 @@ def test_decoder(dtype, launch):
                                np.asarray(new_n, np.float32)[written], rtol=tol, atol=tol)
     assert_bitwise_equal(np.asarray(new_e)[~written], np.asarray(old)[~written],
                          "cache rows the step must not write")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decoder(dtype, launch):
+  check_decoder(*decoder_case(dtype))
+
+
+# Weight-only quantized matrices (int8, fp8) under fp32 activations (with FEATURES) and bf16 ones
+# (without), a batch of 3 and of 1: each case on one launch of LAUNCHES in turn (a case takes
+# about 10 s under ASan; the launches' schedules do not depend on the weights' dtype).
+QUANTIZED_CASES = [(quantization, dtype, batch) for quantization in ("int8", "fp8")
+                   for dtype in (jnp.float32, jnp.bfloat16) for batch in (3, 1)]
+QUANTIZED = [
+    pytest.param(quantization, dtype, batch, launch.values[0],
+                 id=f"{quantization}-{jnp.dtype(dtype).name}-batch{batch}-{launch.id}")
+    for (quantization, dtype, batch), launch in zip(QUANTIZED_CASES, itertools.cycle(LAUNCHES))]
+
+
+@pytest.mark.parametrize("quantization,dtype,batch,launch", QUANTIZED, indirect=["launch"])
+def test_decoder_quantized(quantization, dtype, batch, launch):
+  check_decoder(*decoder_case(dtype, batch, quantization=quantization))
 
 
 def test_decoder_same_bits_under_every_schedule(grid, monkeypatch):

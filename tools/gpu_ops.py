@@ -144,14 +144,18 @@ def run_steps(gpu, cpu, cases):
 
 
 def run_decoder(gpu, cpu):
-  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                              head_dim=64, intermediate_size=640, max_seq_len=96)
-  for dt in (jnp.float32, jnp.bfloat16):
+  """fp32 and bf16 models, and int8 / fp8 matrices (weight-only quantization) under bf16."""
+  for dt, quantization in ((jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, "int8"),
+                           (jnp.bfloat16, "fp8")):
+    cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                                head_dim=64, intermediate_size=640, max_seq_len=96,
+                                quantization=quantization)
     x, w, cache = random_decoder_problem(cfg, 3, dt, seed=3)
     pos = jnp.array([0, 37, 95], jnp.int32)
     f = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg))
     res = {name: f(*on(d, (x, pos, w, cache))) for name, d in (("gpu", gpu), ("cpu", cpu))}
-    compare(f"persistent_decoder {jnp.dtype(dt).name}", res["gpu"], res["cpu"])
+    weights = f" {quantization} matrices" if quantization else ""
+    compare(f"persistent_decoder {jnp.dtype(dt).name}{weights}", res["gpu"], res["cpu"])
 
 
 def main(ops):

@@ -15,6 +15,10 @@
 //   DownStage:       h += mlp_act @ w_down; sums of squares (last layer: out = h, NaN rows
 //                    for bad p)                                                            | sync
 //
+// Weight-only quantized models (int8 or fp8 e4m3 matrices with per-column scales, decoder.h) run
+// the same stages in their own kernel instance: the GEMV engine widens the 8-bit weights, each
+// finish() applies the scales to the summed columns.
+//
 // Files, one per part: decoder_common.cuh (constants, parameters, shared memory), the GEMV engine
 // (decoder_gemv.cuh), the GEMV stages (decoder_stages.cuh), the new token's RoPE and cache append
 // (decoder_new_token.cuh), attention: split partials and their merge (decoder_attention.cuh);
@@ -40,8 +44,10 @@ namespace cuda_decoder {
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
-// Min blocks per SM pinned: without it ptxas may use up to 168 registers (one block per SM).
-template <DType kT>
+// kT: the dtype of x, the caches, norms and biases; kW: the matrices' (kT, or int8 / fp8 e4m3
+// when quantized). Min blocks per SM pinned: without it ptxas may use up to 168 registers (one
+// block per SM).
+template <DType kT, DType kW>
 __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
     decoder_kernel(const __grid_constant__ DecoderParams p) {
   __shared__ Smem sm;
@@ -49,22 +55,23 @@ __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
   EmbedStage<kT>{p, sm}.run();
   grid.sync();
   for (int layer = 0; layer < p.dims.layers; ++layer) {
-    QkvStage<kT>{p, sm, layer}.run();
+    QkvStage<kT, kW>{p, sm, layer}.run();
     grid.sync();
     AttentionStage<kT>{p, sm, layer}.run();
     grid.sync();
-    OProjStage<kT>{p, sm, layer}.run();
+    OProjStage<kT, kW>{p, sm, layer}.run();
     grid.sync();
-    GateUpStage<kT>{p, sm, layer}.run();
+    GateUpStage<kT, kW>{p, sm, layer}.run();
     grid.sync();
-    DownStage<kT>{p, sm, layer}.run();
+    DownStage<kT, kW>{p, sm, layer}.run();
     if (layer + 1 < p.dims.layers) grid.sync();
   }
 }
 
 // ---- host side ----------------------------------------------------------------------------------
 
-// Kernel limits: 16-byte weight vectors, lane-split heads, 32-bit indices within a matrix.
+// Kernel limits: kVec-column weight vectors per lane, lane-split heads, 32-bit indices within a
+// matrix.
 ffi::Error check_kernel_limits(const DecoderDims& d) {
   const int64_t vec = d.vec();
   if (d.D % vec || d.I % vec || d.q_dim() % vec || d.kv_dim() % vec) {
@@ -85,8 +92,9 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
   return ffi::Error::Success();
 }
 
-// 16-byte vector loads of the weights need 16-byte aligned buffers (XLA's are; a view may
-// not be). A misaligned load would be a sticky device fault, not an error we can return.
+// 16-byte vector loads of the weights (kVec bytes of 8-bit ones) need 16-byte aligned buffers
+// (XLA's are; a view may not be). A misaligned load would be a sticky device fault, not an error
+// we can return.
 ffi::Error check_alignment(const DecoderBuffers& b) {
   const DecoderWeights& w = b.weights;
   for (const void* p : {b.x, w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down,
@@ -145,7 +153,7 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d) {
   return plan;
 }
 
-template <DType kT>
+template <DType kT, DType kW>
 ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   int device = 0;
   JF_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -156,7 +164,8 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
     return internal_error("device ", device, " does not support cooperative launch");
   }
   int blocks = 0;
-  JF_CUDA_RETURN_IF_ERROR(resident_blocks<decoder_kernel<kT>>(kThreads, kMaxBlocksPerSm, &blocks));
+  constexpr auto kernel = decoder_kernel<kT, kW>;
+  JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, &blocks));
   const KernelDims dims = kernel_dims(call.dims);
   const LaunchPlan plan = launch_plan(blocks, dims);
   const DecoderParams params{dims, call.buffers,
@@ -165,8 +174,21 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   const StageCounters& counters = params.ws.counters;
   JF_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(counters.data, 0, size_t(counters.size) * sizeof(int), stream));
-  return launch_kernel("the decoder kernel", decoder_kernel<kT>, dim3(blocks), dim3(kThreads),
-                       stream, /*cooperative=*/true, params);
+  return launch_kernel("the decoder kernel", kernel, dim3(blocks), dim3(kThreads), stream,
+                       /*cooperative=*/true, params);
+}
+
+// The launch for the matrices' dtype: x's (kT), or int8 / fp8 e4m3 when quantized.
+template <DType kT>
+ffi::Error launch_for_weights(cudaStream_t stream, const DecoderOp::Call& call) {
+  switch (call.dims.wdtype) {
+    case kT: return launch_decoder<kT, kT>(stream, call);
+    case DType::kI8: return launch_decoder<kT, DType::kI8>(stream, call);
+    case DType::kF8E4M3: return launch_decoder<kT, DType::kF8E4M3>(stream, call);
+    default:  // decoder.h's matrix_dtype() admits no other
+      return internal_error("no decoder kernel for ", dtype_name(call.dims.wdtype),
+                            " weights and ", dtype_name(kT), " activations");
+  }
 }
 
 }  // namespace cuda_decoder
@@ -180,7 +202,7 @@ ffi::Error DecoderOp::run<Cuda>(cudaStream_t stream, const Call& call) {
   // visit_narrow_dtype is host+device: a constexpr lambda (--expt-relaxed-constexpr) may be
   // called there.
   const auto launch = visit_narrow_dtype(call.dims.dtype, [](auto tag) constexpr {
-    return &launch_decoder<decltype(tag)::value>;
+    return &launch_for_weights<decltype(tag)::value>;
   });
   return launch(stream, call);
 }

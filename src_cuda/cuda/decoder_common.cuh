@@ -16,7 +16,7 @@ namespace cg = cooperative_groups;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kBatchPass = 4;     // batch rows accumulated per pass over a weight slice
-constexpr int kUnroll = 8;        // rows (16-byte loads) in flight per lane
+constexpr int kInFlight = 128;    // GEMV weight bytes a lane loads before using them
 constexpr int kKChunk = 256;      // GEMV input rows staged in shared memory at a time
 constexpr int kMaxHeadDim = 256;  // lanes hold head_dim / 32 <= 8 elements
 constexpr int kLaneElems = kMaxHeadDim / 32;  // head elements of a lane: lane + 32 * e
@@ -64,29 +64,76 @@ struct DecoderParams {
 
 // ---- device helpers ----------------------------------------------------------------------------
 
-// The GEMV column tile of storage dtype kT: one 16-byte vector per lane of a warp.
+// The GEMV column tile of activation dtype kT: 32 lanes x kVec columns, kVec the elements of kT
+// in 16 bytes. The tile does not depend on the weights' dtype, so neither do the workspace's
+// layout, tiles and counters (decoder.h).
 template <DType kT>
 struct GemvTile {
   static constexpr int kBytes = kT == DType::kF32 ? 4 : 2;
-  static constexpr int kVec = 16 / kBytes;  // elements per 16-byte vector
+  static constexpr int kVec = 16 / kBytes;  // columns per lane
   static constexpr int kColumns = 32 * kVec;
 };
 
-// The kVec elements of one 16-byte vector of dtype kT, as fp32.
-template <DType kT>
-__device__ __forceinline__ void unpack16(const uint4& r, float* o) {
-  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
-  if constexpr (kT == DType::kF32) {
+// The raw words of one vector load of kBytes bytes, and word i of them.
+template <int kBytes>
+struct VectorLoad;
+template <>
+struct VectorLoad<16> {
+  using Raw = uint4;
+};
+template <>
+struct VectorLoad<8> {
+  using Raw = uint2;
+};
+template <>
+struct VectorLoad<4> {
+  using Raw = uint32_t;
+};
+__device__ __forceinline__ uint32_t word(const uint4& r, int i) {
+  return i == 0 ? r.x : i == 1 ? r.y : i == 2 ? r.z : r.w;
+}
+__device__ __forceinline__ uint32_t word(const uint2& r, int i) { return i == 0 ? r.x : r.y; }
+__device__ __forceinline__ uint32_t word(uint32_t r, int) { return r; }
+
+// The weights a lane multiplies per row of a GemvTile<kT> column tile: kVec consecutive
+// elements of the matrices' dtype kW (kT, or int8 / fp8 e4m3 when quantized), one vector load
+// of 16 bytes (kW == kT) or kVec bytes (8-bit kW: 8 for 16-bit kT, 4 for fp32).
+template <DType kT, DType kW>
+struct WeightVector {
+  static constexpr int kVec = GemvTile<kT>::kVec;
+  static constexpr int kElementBytes = kW == kT ? GemvTile<kT>::kBytes : 1;
+  static constexpr int kBytes = kVec * kElementBytes;
+  static constexpr int kPerWord = 4 / kElementBytes;
+  // Rows whose vectors a lane loads before using them: kInFlight bytes, so 8-bit weights keep
+  // as many bytes in flight in the same raw registers (8 rows of 16 bytes, 16 of 8, 32 of 4).
+  static constexpr int kRowsInFlight = kInFlight / kBytes;
+  using Raw = typename VectorLoad<kBytes>::Raw;
+
+  Raw raw;
+
+  // The vector at element `at` of `matrix` (kBytes-aligned: run<Cuda> checks the buffers and
+  // the columns).
+  __device__ static WeightVector load(const char* matrix, int64_t at) {
+    return {__ldg(reinterpret_cast<const Raw*>(matrix + at * kElementBytes))};
+  }
+  __device__ static WeightVector zero() { return {Raw{}}; }
+
+  // The kVec weights as fp32: exact for every kW.
+  __device__ void unpack(float* o) const {
+    constexpr int kBits = 8 * kElementBytes;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) o[i] = __uint_as_float(w[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      o[2 * i] = Storage<kT>::template load<float>(uint16_t(w[i] & 0xffffu));
-      o[2 * i + 1] = Storage<kT>::template load<float>(uint16_t(w[i] >> 16));
+    for (int i = 0; i < kVec; ++i) {
+      const uint32_t w = word(raw, i / kPerWord);
+      if constexpr (kW == DType::kF32) {
+        o[i] = __uint_as_float(w);
+      } else {
+        using Bits = typename Storage<kW>::Bits;
+        const auto bits = Bits((w >> (kBits * (i % kPerWord))) & ((1u << kBits) - 1));
+        o[i] = Storage<kW>::template load<float>(bits);
+      }
     }
   }
-}
+};
 
 // Workspace values written by other blocks in this launch: read from L2, never a stale L1 line.
 __device__ __forceinline__ float ws_load(const float* p) { return __ldcg(p); }

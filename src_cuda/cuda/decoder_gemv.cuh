@@ -1,12 +1,15 @@
 // The CUDA decoder's GEMV engine (included by cuda/decoder.cu only). Weights [K, N], N
-// contiguous: a column tile is 32 lanes x one 16-byte vector (256 columns of a 16-bit dtype, 128
-// of fp32), so every warp load is 512 contiguous bytes. A work item is (tile, split of K); the 8
-// warps of a block take interleaved groups of kUnroll rows (8 independent 16-byte loads in flight
-// per lane), accumulate fp32 for up to kBatchPass batch rows (more rows: another pass over the
-// same, now L1/L2-resident, weight slice), reduce across warps in shared memory and write one
-// partial per (item, batch row) to the workspace. The last block to finish a tile (an atomic
-// counter, release/acquire by __threadfence) sums the partials of all splits in a fixed order, so
-// results are deterministic, and runs the stage's finish() (residual add, SwiGLU, sums of squares
+// contiguous, of dtype kW: the activations' kT, or int8 / fp8 e4m3 with per-column scales
+// (weight-only quantization: y[n] = scale[n] * sum_k a[k] * W[k, n]). A column tile is 32 lanes
+// x kVec columns (GemvTile<kT>: 256 columns of a 16-bit kT, 128 of fp32), so every warp load is
+// contiguous: 512 bytes, or 256 / 128 of 8-bit weights. A work item is (tile, split of K); the
+// 8 warps of a block take interleaved groups of kRowsInFlight rows (128 bytes of loads in flight
+// per lane: 8 rows of 16-byte vectors, 16 or 32 of 8-bit ones), accumulate fp32 for up to
+// kBatchPass batch rows (more rows: another pass over the same, now L1/L2-resident, weight
+// slice), reduce across warps in shared memory and write one partial per (item, batch row) to
+// the workspace. The last block to finish a tile (an atomic counter, release/acquire by
+// __threadfence) sums the partials of all splits in a fixed order, so results are
+// deterministic, and runs the stage's finish() (scales, residual add, SwiGLU, sums of squares
 // for the next RMSNorm). No extra grid sync is needed for the split-K reduction.
 #pragma once
 
@@ -17,9 +20,29 @@ namespace jaxfuse::cuda_decoder {
 // One matrix of a GEMV stage: this layer's [k_rows, columns] slice of a stacked weight.
 struct GemvMatrix {
   const void* weights;
+  const float* scale;  // per-column scales [columns] of quantized weights, else null
   int columns;
   int tiles;  // column tiles
 };
+
+// Layer `layer` of a stacked matrix [L, k_rows, columns] of dtype kW and of its scales
+// [L, columns]: only quantized matrices (kW != kT) have them (decoder.h's layer_scales()).
+template <DType kT, DType kW>
+__device__ __forceinline__ GemvMatrix layer_matrix(const void* stacked, const void* scales,
+                                                   int layer, int k_rows, int columns,
+                                                   int tiles) {
+  const float* scale = nullptr;
+  if constexpr (kW != kT) scale = static_cast<const float*>(scales) + int64_t(layer) * columns;
+  return {layer_slice(stacked, kW, layer, int64_t(k_rows) * columns), scale, columns, tiles};
+}
+
+// Matrix m's output y at column `col` times the column's scale: quantized matrices only (known
+// at compile time, so the unquantized kernels never read the null scale pointers).
+template <DType kT, DType kW>
+__device__ __forceinline__ float apply_scale(const GemvMatrix& m, int col, float y) {
+  if constexpr (kW == kT) return y;
+  else return y * __ldg(m.scale + col);
+}
 
 // A GEMV stage's work: the fp32 input rows [B, k_rows] times up to three matrices side by side
 // ([wq|wk|wv], [w_gate|w_up]); work item = (column tile, split of k_rows).
@@ -103,25 +126,25 @@ template <DType kT>
 using GemvAcc = float[kBatchPass][GemvTile<kT>::kVec];
 
 // acc[bb][v] += staged[bb][r] * W[r0 + r][column + v] over this warp's staged rows: groups of
-// kUnroll rows, interleaved over the warps, all loads of a group issued first.
-template <DType kT>
+// kRowsInFlight rows, interleaved over the warps, all loads of a group issued first.
+template <DType kT, DType kW>
 __device__ __forceinline__ void accumulate_rows(const Smem& sm, const LaneColumns& lc, int r0,
                                                 int rows, int nb, GemvAcc<kT>& acc) {
-  constexpr int kVec = GemvTile<kT>::kVec;
+  using Weights = WeightVector<kT, kW>;
+  constexpr int kVec = Weights::kVec;
+  constexpr int kUnroll = Weights::kRowsInFlight;
   for (int rb = threadIdx.x / 32 * kUnroll; rb < rows; rb += kWarps * kUnroll) {
-    uint4 raw[kUnroll];
+    Weights loaded[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int r = rb + u;
       const int64_t at = int64_t(r0 + r) * lc.columns + lc.column;
-      raw[u] = lc.valid && r < rows
-                   ? __ldg(reinterpret_cast<const uint4*>(lc.matrix + at * GemvTile<kT>::kBytes))
-                   : make_uint4(0u, 0u, 0u, 0u);
+      loaded[u] = lc.valid && r < rows ? Weights::load(lc.matrix, at) : Weights::zero();
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float wf[kVec];
-      unpack16<kT>(raw[u], wf);
+      loaded[u].unpack(wf);
       const int r = min(rb + u, kKChunk - 1);  // rows past `rows` have zero weights
 #pragma unroll
       for (int bb = 0; bb < kBatchPass; ++bb) {
@@ -161,7 +184,7 @@ __device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
 
 // Work item `item` of a GEMV job: one column tile's partial sums over one split of K, for every
 // batch row (kBatchPass rows per pass over the weight slice).
-template <DType kT, typename Input>
+template <DType kT, DType kW, typename Input>
 __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, const GemvJob& job,
                                           const Input& in, int item) {
   constexpr int kVec = GemvTile<kT>::kVec;
@@ -182,7 +205,7 @@ __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, cons
     for (int r0 = k0; r0 < k1; r0 += kKChunk) {
       const int rows = min(kKChunk, k1 - r0);
       stage_inputs(sm, in, b0, nb, r0, rows);
-      accumulate_rows<kT>(sm, lc, r0, rows, nb, acc);
+      accumulate_rows<kT, kW>(sm, lc, r0, rows, nb, acc);
     }
     write_partials<kT>(p, sm, acc, item, b0, nb);
   }
@@ -190,13 +213,13 @@ __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, cons
 
 // Runs a GEMV stage: its work items over the grid; the last block to finish a tile group (all
 // its splits) calls stage.finish(job, group), which reads the partials with split_sum().
-template <DType kT, typename Stage>
+template <DType kT, DType kW, typename Stage>
 __device__ __forceinline__ void run_gemv(const Stage& stage) {
   const GemvJob job = stage.job();
   const auto input = stage.input();
   const int items = job.total_tiles() * job.splits;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    gemv_item<kT>(stage.p, stage.sm, job, input, item);
+    gemv_item<kT, kW>(stage.p, stage.sm, job, input, item);
     const int group = job.group(item / job.splits);
     if (arrive_last(stage.counter(group), job.arrivals(), &stage.sm.flag)) {
       stage.finish(job, group);
@@ -212,11 +235,11 @@ __device__ __forceinline__ float split_sum(const DecoderParams& p, int tile, int
   return y;
 }
 
-// Finishes a residual GEMV tile (O and down projections): h += y, the tile's sums of squares
-// for the next RMSNorm, and after the last layer the output rows.
-template <DType kT>
-__device__ void add_residual(const DecoderParams& p, Smem& sm, int tile, int splits,
-                             bool last_layer) {
+// Finishes a residual GEMV tile of matrix m (O and down projections): h += y, the tile's sums
+// of squares for the next RMSNorm, and after the last layer the output rows.
+template <DType kT, DType kW>
+__device__ void add_residual(const DecoderParams& p, Smem& sm, const GemvMatrix& m, int tile,
+                             int splits, bool last_layer) {
   constexpr int kColumns = GemvTile<kT>::kColumns;
   const int c = threadIdx.x;
   const int col = tile * kColumns + c;
@@ -224,7 +247,7 @@ __device__ void add_residual(const DecoderParams& p, Smem& sm, int tile, int spl
     float sq = 0.0f;
     if (c < kColumns && col < p.dims.hidden) {
       float* h = p.ws.hidden.at(b, col);
-      const float hn = ws_load(h) + split_sum(p, tile, splits, b, c);
+      const float hn = ws_load(h) + apply_scale<kT, kW>(m, col, split_sum(p, tile, splits, b, c));
       ws_store(h, hn);
       sq = hn * hn;
       if (last_layer) {

@@ -30,8 +30,8 @@ struct EmbedStage {
   }
 };
 
-// [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv]
-template <DType kT>
+// [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv] (+ the biases)
+template <DType kT, DType kW>
 struct QkvStage {
   const DecoderParams& p;
   Smem& sm;
@@ -40,11 +40,12 @@ struct QkvStage {
   __device__ GemvJob job() const {
     const KernelDims& d = p.dims;
     const DecoderWeights& w = p.io.weights;
-    const int64_t q_size = int64_t(d.hidden) * d.q_dim, kv_size = int64_t(d.hidden) * d.kv_dim;
     GemvJob job{};
-    job.matrix[0] = {layer_slice(w.wq, kT, layer, q_size), d.q_dim, d.q_tiles};
-    job.matrix[1] = {layer_slice(w.wk, kT, layer, kv_size), d.kv_dim, d.kv_tiles};
-    job.matrix[2] = {layer_slice(w.wv, kT, layer, kv_size), d.kv_dim, d.kv_tiles};
+    job.matrix[0] = layer_matrix<kT, kW>(w.wq, w.wq_scale, layer, d.hidden, d.q_dim, d.q_tiles);
+    job.matrix[1] =
+        layer_matrix<kT, kW>(w.wk, w.wk_scale, layer, d.hidden, d.kv_dim, d.kv_tiles);
+    job.matrix[2] =
+        layer_matrix<kT, kW>(w.wv, w.wv_scale, layer, d.hidden, d.kv_dim, d.kv_tiles);
     job.matrices = 3;
     job.k_rows = d.hidden;
     job.splits = p.plan.qkv_splits;
@@ -57,13 +58,13 @@ struct QkvStage {
   __device__ void finish(const GemvJob& job, int tile) const {
     constexpr int kColumns = GemvTile<kT>::kColumns;
     const MatrixTile mt = locate_tile(job, tile);
-    const int columns = job.matrix[mt.matrix].columns;
+    const GemvMatrix& m = job.matrix[mt.matrix];
     const int c = threadIdx.x, col = mt.tile * kColumns + c;
-    if (c < kColumns && col < columns) {
-      const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.matrix, columns), kT, col)
+    if (c < kColumns && col < m.columns) {
+      const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.matrix, m.columns), kT, col)
                                          : 0.0f;
       for (int b = 0; b < p.dims.batch; ++b) {
-        const float y = split_sum(p, tile, job.splits, b, c);
+        const float y = apply_scale<kT, kW>(m, col, split_sum(p, tile, job.splits, b, c));
         ws_store(p.ws.qkv.column(b, mt.matrix, col), p.dims.qkv_bias ? y + bias : y);
       }
     }
@@ -73,13 +74,13 @@ struct QkvStage {
     const DecoderWeights& w = p.io.weights;
     return layer_slice(m == 0 ? w.q_bias : (m == 1 ? w.k_bias : w.v_bias), kT, layer, columns);
   }
-  __device__ void run() const { run_gemv<kT>(*this); }
+  __device__ void run() const { run_gemv<kT, kW>(*this); }
 };
 
 
 // The residual GEMV stages: h += attn_out @ wo (the O projection, kDown false) and
 // h += mlp_act @ w_down (kDown true; after the last layer it also writes out = h).
-template <DType kT, bool kDown>
+template <DType kT, DType kW, bool kDown>
 struct ResidualStage {
   const DecoderParams& p;
   Smem& sm;
@@ -88,10 +89,12 @@ struct ResidualStage {
   __device__ GemvJob job() const {
     const KernelDims& d = p.dims;
     const int k_rows = kDown ? d.intermediate : d.q_dim;
-    const void* w = kDown ? p.io.weights.w_down : p.io.weights.wo;
+    const DecoderWeights& w = p.io.weights;
+    const void* matrix = kDown ? w.w_down : w.wo;
+    const void* scales = kDown ? w.w_down_scale : w.wo_scale;
     GemvJob job{};
-    job.matrix[0] = {layer_slice(w, kT, layer, int64_t(k_rows) * d.hidden), d.hidden,
-                     d.hidden_tiles};
+    job.matrix[0] =
+        layer_matrix<kT, kW>(matrix, scales, layer, k_rows, d.hidden, d.hidden_tiles);
     job.matrices = 1;
     job.k_rows = k_rows;
     job.splits = kDown ? p.plan.down_splits : p.plan.o_proj_splits;
@@ -105,17 +108,18 @@ struct ResidualStage {
     return kDown ? p.ws.down_counter(layer, tile) : p.ws.o_proj_counter(layer, tile);
   }
   __device__ void finish(const GemvJob& job, int tile) const {
-    add_residual<kT>(p, sm, tile, job.splits, kDown && layer == p.dims.layers - 1);
+    add_residual<kT, kW>(p, sm, job.matrix[0], tile, job.splits,
+                         kDown && layer == p.dims.layers - 1);
   }
-  __device__ void run() const { run_gemv<kT>(*this); }
+  __device__ void run() const { run_gemv<kT, kW>(*this); }
 };
-template <DType kT>
-using OProjStage = ResidualStage<kT, false>;
-template <DType kT>
-using DownStage = ResidualStage<kT, true>;
+template <DType kT, DType kW>
+using OProjStage = ResidualStage<kT, kW, false>;
+template <DType kT, DType kW>
+using DownStage = ResidualStage<kT, kW, true>;
 
 // mlp_act = silu(m @ w_gate) * (m @ w_up), m = rmsnorm(h) * mlp_norm
-template <DType kT>
+template <DType kT, DType kW>
 struct GateUpStage {
   const DecoderParams& p;
   Smem& sm;
@@ -124,10 +128,11 @@ struct GateUpStage {
   __device__ GemvJob job() const {
     const KernelDims& d = p.dims;
     const DecoderWeights& w = p.io.weights;
-    const int64_t size = int64_t(d.hidden) * d.intermediate;
     GemvJob job{};
-    job.matrix[0] = {layer_slice(w.w_gate, kT, layer, size), d.intermediate, d.mlp_tiles};
-    job.matrix[1] = {layer_slice(w.w_up, kT, layer, size), d.intermediate, d.mlp_tiles};
+    job.matrix[0] = layer_matrix<kT, kW>(w.w_gate, w.w_gate_scale, layer, d.hidden,
+                                         d.intermediate, d.mlp_tiles);
+    job.matrix[1] = layer_matrix<kT, kW>(w.w_up, w.w_up_scale, layer, d.hidden, d.intermediate,
+                                         d.mlp_tiles);
     job.matrices = 2;
     job.k_rows = d.hidden;
     job.splits = p.plan.gate_up_splits;
@@ -145,11 +150,12 @@ struct GateUpStage {
       for (int b = 0; b < p.dims.batch; ++b) {
         const float gate = split_sum(p, tile, job.splits, b, c);
         const float up = split_sum(p, p.dims.mlp_tiles + tile, job.splits, b, c);
-        ws_store(p.ws.mlp_act.at(b, col), swiglu(gate, up));
+        ws_store(p.ws.mlp_act.at(b, col), swiglu(apply_scale<kT, kW>(job.matrix[0], col, gate),
+                                                 apply_scale<kT, kW>(job.matrix[1], col, up)));
       }
     }
   }
-  __device__ void run() const { run_gemv<kT>(*this); }
+  __device__ void run() const { run_gemv<kT, kW>(*this); }
 };
 
 }  // namespace jaxfuse::cuda_decoder
