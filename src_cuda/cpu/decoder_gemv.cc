@@ -125,16 +125,16 @@ template <typename V>
 struct F8Strip : PairedStrip<V> {
   using Storage = jaxfuse::Storage<DType::kF8E4M3>;
   using Bits = typename Lanes<V>::Bits;
-  [[gnu::always_inline]] static V widen(Bits c) {
+  [[gnu::always_inline]] static void widen(Bits c, V& out) {
     const V magnitude = reinterpret_cast<V>((c & 0x7fu) << 20) * 0x1p120f;
-    return reinterpret_cast<V>(reinterpret_cast<Bits>(magnitude) | ((c & 0x80u) << 24));
+    out = reinterpret_cast<V>(reinterpret_cast<Bits>(magnitude) | ((c & 0x80u) << 24));
   }
   [[gnu::always_inline]] static void load(const uint8_t* w, V& even, V& odd) {
     typename Lanes<V>::U16 pairs;
     std::memcpy(&pairs, w, sizeof(pairs));
     const Bits x = __builtin_convertvector(pairs, Bits);
-    even = widen(x & 0xffu);
-    odd = widen(x >> 8);
+    widen(x & 0xffu, even);
+    widen(x >> 8, odd);
   }
 };
 
