@@ -671,9 +671,9 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
   single = x.ndim == 2
   if single:
     x, positions = x[:, None, :], positions[:, None]
-  B, T, _ = x.shape
+  B = x.shape[0]
   dt = x.dtype
-  L, H, KV, hd, S = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.max_seq_len
+  S = cfg.max_seq_len
   mm = functools.partial(_ref_matmul, activation_dtype=activation_dtype)
   rmsnorm = functools.partial(_ref_rmsnorm, eps=cfg.rms_norm_eps)
   rope = _ref_rope(positions, cfg)
@@ -682,26 +682,16 @@ def decoder_reference(x, positions, w: DecoderWeights, cache: KVCache, cfg: Deco
   rows = jnp.arange(B)[:, None]
   h = x.astype(jnp.float32)
   kc, vc = cache.k, cache.v
-  for l in range(L):
+  for l in range(cfg.num_layers):
     wl = jax.tree.map(lambda a: a[l], w)  # noqa: B023 (called at once)
     linear = functools.partial(_ref_linear, mm, wl)
-    a = rmsnorm(h, wl.attn_norm)
-    q, k, v = linear(a, "wq"), linear(a, "wk"), linear(a, "wv")
-    if cfg.qkv_bias:
-      q, k, v = (t + b.astype(jnp.float32) for t, b in ((q, wl.q_bias), (k, wl.k_bias),
-                                                       (v, wl.v_bias)))
-    q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, KV, hd), v.reshape(B, T, KV, hd)
-    if cfg.qk_norm:
-      q, k = rmsnorm(q, wl.q_norm), rmsnorm(k, wl.k_norm)
+    q, k, v = _ref_qkv(linear, rmsnorm, wl, h, cfg)
     q, k = rope(q), rope(k)
     kl = kc[l].at[rows, slot].set(k.astype(dt), mode="drop")  # [B, S, KV, hd]
     vl = vc[l].at[rows, slot].set(v.astype(dt), mode="drop")
     kc, vc = kc.at[l].set(kl), vc.at[l].set(vl)
     o = _ref_attention(q, kl, vl, positions, valid, cfg, activation_dtype)
-    h = h + linear(o, "wo")
-    m = rmsnorm(h, wl.mlp_norm)
-    g, u = linear(m, "w_gate"), linear(m, "w_up")
-    h = h + linear((g / (1.0 + jnp.exp(-g))) * u, "w_down")
+    h = _ref_mlp(linear, rmsnorm, wl, h + linear(o, "wo"))
   out = jnp.where(valid[..., None], h, jnp.nan).astype(dt)
   if single:
     out = out[:, 0]
@@ -722,6 +712,30 @@ def _ref_linear(matmul, wl: DecoderWeights, a, name: str):
   y = matmul(a, getattr(wl, name))
   scale = getattr(wl, name + "_scale")
   return y if scale is None else y * scale
+
+
+def _ref_qkv(linear, rmsnorm, wl: DecoderWeights, h, cfg: DecoderConfig):
+  """One layer's q [B, T, H, hd], k and v [B, T, KV, hd] of the residual stream ``h`` [B, T, D]
+  before RoPE, fp32: the attention RMSNorm, the projections by ``linear`` (of
+  :func:`_ref_linear`'s signature, bound to the layer), the biases and the per-head q/k norms."""
+  B, T, _ = h.shape
+  a = rmsnorm(h, wl.attn_norm)
+  q, k, v = linear(a, "wq"), linear(a, "wk"), linear(a, "wv")
+  if cfg.qkv_bias:
+    q, k, v = (t + b.astype(jnp.float32) for t, b in ((q, wl.q_bias), (k, wl.k_bias),
+                                                     (v, wl.v_bias)))
+  H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, KV, hd), v.reshape(B, T, KV, hd)
+  if cfg.qk_norm:
+    q, k = rmsnorm(q, wl.q_norm), rmsnorm(k, wl.k_norm)
+  return q, k, v
+
+
+def _ref_mlp(linear, rmsnorm, wl: DecoderWeights, h):
+  """``h + (silu(m @ w_gate) * (m @ w_up)) @ w_down``, m = rmsnorm(h) * mlp_norm, fp32."""
+  m = rmsnorm(h, wl.mlp_norm)
+  g, u = linear(m, "w_gate"), linear(m, "w_up")
+  return h + linear((g / (1.0 + jnp.exp(-g))) * u, "w_down")
 
 
 def _ref_rmsnorm(h, wn, eps: float):

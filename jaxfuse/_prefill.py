@@ -32,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse._decoder import (DecoderConfig, DecoderWeights, KVCache, _ref_linear, _ref_rmsnorm,
-                             _ref_rope)
+from jaxfuse._decoder import (DecoderConfig, DecoderWeights, KVCache, _ref_linear, _ref_mlp,
+                             _ref_qkv, _ref_rmsnorm, _ref_rope)
 
 
 def prefill_stack(x, lengths, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig):
@@ -86,25 +86,13 @@ def _layer(cfg: DecoderConfig, dtype, prompt: _Prompt, carry, xs):
   """One layer of the scan: (h, k_cache, v_cache), (layer index, its weights) -> the same."""
   h, k_cache, v_cache = carry
   l, wl = xs
-  B, T, _ = h.shape
-  H, KV, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   rmsnorm = functools.partial(_ref_rmsnorm, eps=cfg.rms_norm_eps)
   linear = functools.partial(_ref_linear, functools.partial(_matmul, dtype), wl)
-  a = rmsnorm(h, wl.attn_norm)
-  q, k, v = (linear(a, m) for m in ("wq", "wk", "wv"))
-  if cfg.qkv_bias:
-    q, k, v = (t + b.astype(jnp.float32) for t, b in ((q, wl.q_bias), (k, wl.k_bias),
-                                                      (v, wl.v_bias)))
-  q, k, v = q.reshape(B, T, H, hd), k.reshape(B, T, KV, hd), v.reshape(B, T, KV, hd)
-  if cfg.qk_norm:
-    q, k = rmsnorm(q, wl.q_norm), rmsnorm(k, wl.k_norm)
+  q, k, v = _ref_qkv(linear, rmsnorm, wl, h, cfg)
   q, k, v = prompt.rope(q).astype(dtype), prompt.rope(k).astype(dtype), v.astype(dtype)
   k_cache, v_cache = (_write_prompt(c, l, t, prompt.valid) for c, t in ((k_cache, k),
                                                                         (v_cache, v)))
-  h = h + linear(_causal_attention(q, k, v), "wo")
-  m = rmsnorm(h, wl.mlp_norm)
-  g, u = linear(m, "w_gate"), linear(m, "w_up")
-  h = h + linear((g / (1.0 + jnp.exp(-g))) * u, "w_down")
+  h = _ref_mlp(linear, rmsnorm, wl, h + linear(_causal_attention(q, k, v), "wo"))
   return (h, k_cache, v_cache), None
 
 

@@ -28,12 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._decoder import QUANTIZED_DTYPES, DecoderConfig, DecoderWeights, _weight_shapes
+from jaxfuse._decoder import (_WEIGHT_KINDS, QUANTIZED_DTYPES, DecoderConfig, DecoderWeights,
+                             _weight_shapes)
 from jaxfuse._model import DecoderModel
 
 __all__ = ["quantize", "quantize_weights"]
 
-MATRICES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# The seven matrices (the contract's weights of kind "matrix"); each's scales are <name>_scale.
+MATRICES = tuple(name for name, kind in _WEIGHT_KINDS.items() if kind == "matrix")
 # The largest magnitude of each format's grid that scale[n] maps max |W[:, n]| to.
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 

@@ -285,9 +285,16 @@ def test_vmap_over_an_ensemble_on_many_devices():
 def test_batch_sharded_decoder(kind):
   """The decoder with batch rows and the cache split over devices, weights replicated: the
   unsharded result, the cache keeps its sharding, nothing is gathered; heads split over
-  devices is refused with an error that says what is supported."""
+  devices is refused with an error that says what is supported. Also with int8 matrices (their
+  scales replicated like every weight)."""
+  for quantization in (None, "int8"):
+    _check_batch_sharded_decoder(kind, quantization)
+
+
+def _check_batch_sharded_decoder(kind, quantization):
   cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                              head_dim=16, intermediate_size=96, max_seq_len=24)
+                              head_dim=16, intermediate_size=96, max_seq_len=24,
+                              quantization=quantization)
   x, w, cache = random_decoder_problem(cfg, 16, jnp.float32, 14)
   positions = jnp.arange(16, dtype=jnp.int32) % cfg.max_seq_len
   want_h, want_cache = jax.jit(jaxfuse.persistent_decoder, static_argnums=4)(
