@@ -23,6 +23,7 @@ FP8 formats for deep learning (Micikevicius et al. 2022, arXiv:2209.05433) store
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +41,12 @@ MATRICES = tuple(name for name, kind in _WEIGHT_KINDS.items() if kind == "matrix
 _QMAX = {"int8": 127.0, "fp8": 448.0}
 
 
+@functools.partial(jax.jit, static_argnums=1)  # fused: no fp32 copy of the matrix kept around
 def quantize_matrix(w, quantization: str):
   """``(Q, scale)`` of a stacked matrix ``w`` [L, K, N] (any float dtype): Q [L, K, N] int8 or
   float8_e4m3fn, scale float32 [L, N], per the module docstring."""
   qmax = _QMAX[quantization]
-  w32 = jnp.asarray(w).astype(jnp.float32)
+  w32 = w.astype(jnp.float32)
   amax = jnp.max(jnp.abs(w32), axis=-2)
   scale = jnp.where(amax > 0, amax / qmax, 1.0).astype(jnp.float32)
   q = w32 / scale[..., None, :]
