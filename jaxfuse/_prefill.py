@@ -11,7 +11,8 @@ Per layer, for all T prompt tokens of every row together (the math of
     h = h + (silu(m @ w_gate) * (m @ w_up)) @ w_down,  m = rmsnorm(h) * mlp_norm
 
 The residual stream ``h`` is fp32, as in the kernel; matrix inputs are rounded to the model's
-dtype and summed in fp32 (the usual mixed precision of a bf16 model; a float32 model stays float32
+dtype (int8 and fp8 matrices convert to it exactly; their column scales multiply the sums) and
+summed in fp32 (the usual mixed precision of a bf16 model; a float32 model stays float32
 throughout, at full precision on every backend). The layers are one ``lax.scan`` over the stacked
 weights, so the program does not grow with depth. Attention runs among the prompt's own tokens
 (a prompt starts at position 0), so it never reads the cache; each row's k and v, rounded to the
