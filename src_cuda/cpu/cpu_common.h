@@ -43,6 +43,13 @@ typedef double F64x4 __attribute__((vector_size(32)));
 typedef float F32x16 __attribute__((vector_size(64)));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
+// Signed 32-bit lanes, and 16-bit lanes of the same count (8-bit weights, read two per lane).
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+typedef int16_t I16x8 __attribute__((vector_size(16)));
+typedef int16_t I16x16 __attribute__((vector_size(32)));
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef uint16_t U16x16 __attribute__((vector_size(32)));
 
 // A spin-wait hint to the core (lets its sibling thread run, saves power).
 inline void cpu_relax() {

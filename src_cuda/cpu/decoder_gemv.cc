@@ -6,13 +6,6 @@
 namespace jaxfuse::cpu_decoder {
 namespace {
 
-typedef int32_t I32x8 __attribute__((vector_size(32)));
-typedef int32_t I32x16 __attribute__((vector_size(64)));
-typedef int16_t I16x8 __attribute__((vector_size(16)));
-typedef int16_t I16x16 __attribute__((vector_size(32)));
-typedef uint16_t U16x8 __attribute__((vector_size(16)));
-typedef uint16_t U16x16 __attribute__((vector_size(32)));
-
 // Vector types of the micro-kernel: F32x8 (AVX2, and the default ISA as pairs of SSE vectors)
 // or F32x16 (AVX-512), with the 32-bit integer and the 16-bit types of the same lanes.
 template <typename V>
