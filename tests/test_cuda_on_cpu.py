@@ -210,11 +210,12 @@ def test_decoder(dtype, launch):
   check_decoder(*decoder_case(dtype))
 
 
-# Weight-only quantized matrices (int8, fp8) under fp32 activations (with FEATURES) and bf16 ones
-# (without), a batch of 3 and of 1: each case on one launch of LAUNCHES in turn (a case takes
-# about 10 s under ASan; the launches' schedules do not depend on the weights' dtype).
-QUANTIZED_CASES = [(quantization, dtype, batch) for quantization in ("int8", "fp8")
-                   for dtype in (jnp.float32, jnp.bfloat16) for batch in (3, 1)]
+# Weight-only quantized matrices: each kernel instance (int8, fp8 under fp32 activations, with
+# FEATURES, and under bf16 ones, without) once, batches 3 and 1 in turn, each case on one launch
+# of LAUNCHES in turn (a case takes about 10 s under ASan; the launches' schedules do not depend
+# on the weights' dtype).
+QUANTIZED_CASES = [("int8", jnp.float32, 3), ("int8", jnp.bfloat16, 1), ("fp8", jnp.float32, 1),
+                   ("fp8", jnp.bfloat16, 3)]
 QUANTIZED = [
     pytest.param(quantization, dtype, batch, launch.values[0],
                  id=f"{quantization}-{jnp.dtype(dtype).name}-batch{batch}-{launch.id}")

@@ -306,3 +306,14 @@ def test_generate_hf_example(tmp_path, monkeypatch, capsys):
   assert "[0] [5, 17, 3] | [" in out or "[0] w5 w17 w3|" in out
   if Tokenizer is not None:
     assert "[1] w1 w2 w40|w" in out
+
+
+def test_generate_with_a_quantized_model_follows_its_reference(tmp_path):
+  """An int8 model (load_hf(quantize=)): each token is decoder_reference's argmax on the same
+  quantized weights, up to a bf16 near-tie."""
+  write_checkpoint(tmp_path, "MistralForCausalLM", dtype="bfloat16", seed=7)
+  model = jaxfuse.load_hf(tmp_path, quantize="int8")
+  prompts, lengths = prompts_for(model, 4, 7, seed=1)
+  out, count = jaxfuse.generate(model, prompts, lengths, 9)
+  assert np.all(np.asarray(count) == 9)
+  assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[jnp.bfloat16])

@@ -429,3 +429,46 @@ def test_hf_checkpoint_helper_roundtrip(tmp_path):
   for name, value in tensors.items():
     assert value.dtype == DTYPES["bfloat16"] == ml_dtypes.bfloat16
     np.testing.assert_array_equal(stored[name], value)
+
+
+# ---- quantized (jaxfuse.quantize, load_hf(quantize=)) against unquantized ----------------------
+
+def teacher_forced_logits(model, tokens):
+  """fp32 logits [B, T, V] after each prefix of ``tokens`` [B, T], one decode_step per token."""
+  B, T = tokens.shape
+
+  @jax.jit
+  def run(model, tokens):
+    def step(cache, t):
+      logits, cache = jaxfuse.decode_step(model, tokens[:, t], jnp.full((B,), t, jnp.int32),
+                                          cache)
+      return cache, logits
+    return jax.lax.scan(step, jaxfuse.init_cache(model, B, T), jnp.arange(T))[1].swapaxes(0, 1)
+
+  return np.asarray(run(model, jnp.asarray(tokens, jnp.int32)))
+
+
+# Logit error relative to the largest |logit|, and top-1 agreement with the unquantized model, on
+# the tiny random checkpoints of tests/hf_checkpoints.py (2 layers, D 64). A weight's error is at
+# most 1/254 of its column's largest (int8) or 1/16 of itself (fp8: rms about 2^-4 / sqrt(3) =
+# 3.6%); over a few matrices in sequence the logits move by a few times that, int8 well under.
+# Top-1 agreement is lower than on a trained model: random logits have many near-ties.
+LIMITS = {"int8": (0.03, 0.9), "fp8": (0.12, 0.75)}
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+@pytest.mark.parametrize("arch,dtype", [("LlamaForCausalLM", "float32"),
+                                        ("Qwen3ForCausalLM", "bfloat16")])
+def test_hf_model_logits_close_to_unquantized(tmp_path, arch, dtype, quantization):
+  write_checkpoint(tmp_path, arch, dtype=dtype, seed=4)
+  model = jaxfuse.load_hf(tmp_path)
+  quantized = jaxfuse.load_hf(tmp_path, quantize=quantization)
+  direct = jaxfuse.quantize(model, quantization)
+  for a, b in zip(jax.tree.leaves(quantized), jax.tree.leaves(direct)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  tokens = np.random.default_rng(2).integers(0, model.vocab_size, (4, 24))
+  want, got = teacher_forced_logits(model, tokens), teacher_forced_logits(quantized, tokens)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  agree = np.mean(got.argmax(-1) == want.argmax(-1))
+  max_err, min_agree = LIMITS[quantization]
+  assert err < max_err and agree >= min_agree, (err, agree)
