@@ -4,9 +4,9 @@
 # against it, less the tests marked slow (a thousand leaves, a large tensor: they stress XLA's
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
 # tools/cuda_on_cpu.sh runs against this build), tests/test_frameworks.py,
-# tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py, tests/test_readme.py and
-# the optimizer families' own files (test_sgd, test_lion, test_rmsprop, test_adagrad,
-# test_trust_ratio, test_precision).
+# tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py, tests/test_prefill.py,
+# tests/test_readme.py and the optimizer families' own files (test_sgd, test_lion, test_rmsprop,
+# test_adagrad, test_trust_ratio, test_precision).
 # Exit status 0 when every test passes with no sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
 set -euo pipefail
@@ -23,7 +23,8 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # both mostly cost compile time; so do test_dtypes.py's eager optax-protocol cases, which call
 # no jaxfuse handler at all. tests/test_generate.py drives the decoder handler through
 # generation loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
-# tests/test_hf.py is Python (the checkpoint loader) and plain XLA; tests/test_readme.py runs the
+# tests/test_hf.py is Python (the checkpoint loader) and plain XLA, as is the prefill
+# (tests/test_prefill.py; its one decode step is test_decoder.py's); tests/test_readme.py runs the
 # documentation's examples, whose calls the op tests cover. Every family's CPU handlers (each
 # state layout, master weights, remainders, stochastic rounding, 8-bit states, the trust sums)
 # run under this build in tools/cuda_on_cpu.sh, beside the emulated CUDA ones, on mixed dtypes
@@ -32,7 +33,8 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 if [ $# -eq 0 ]; then
   set -- tests -n auto -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
-    --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_readme.py \
+    --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_prefill.py \
+    --ignore=tests/test_readme.py \
     --ignore=tests/test_sgd.py --ignore=tests/test_lion.py --ignore=tests/test_rmsprop.py \
     --ignore=tests/test_adagrad.py --ignore=tests/test_trust_ratio.py \
     --ignore=tests/test_precision.py --ignore=tests/test_moments8.py

@@ -178,17 +178,22 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
                        /*cooperative=*/true, params);
 }
 
+// JAXFUSE_DECODER_QUANTIZED_KERNELS=0 leaves out the int8 / fp8 instances, two thirds of this
+// file's compile time: for tools/cuda_on_cpu.sh's builds that do not run them.
+#ifndef JAXFUSE_DECODER_QUANTIZED_KERNELS
+#define JAXFUSE_DECODER_QUANTIZED_KERNELS 1
+#endif
+
 // The launch for the matrices' dtype: x's (kT), or int8 / fp8 e4m3 when quantized.
 template <DType kT>
 ffi::Error launch_for_weights(cudaStream_t stream, const DecoderOp::Call& call) {
-  switch (call.dims.wdtype) {
-    case kT: return launch_decoder<kT, kT>(stream, call);
-    case DType::kI8: return launch_decoder<kT, DType::kI8>(stream, call);
-    case DType::kF8E4M3: return launch_decoder<kT, DType::kF8E4M3>(stream, call);
-    default:  // decoder.h's matrix_dtype() admits no other
-      return internal_error("no decoder kernel for ", dtype_name(call.dims.wdtype),
-                            " weights and ", dtype_name(kT), " activations");
-  }
+  if (call.dims.wdtype == kT) return launch_decoder<kT, kT>(stream, call);
+#if JAXFUSE_DECODER_QUANTIZED_KERNELS
+  if (call.dims.wdtype == DType::kI8) return launch_decoder<kT, DType::kI8>(stream, call);
+  if (call.dims.wdtype == DType::kF8E4M3) return launch_decoder<kT, DType::kF8E4M3>(stream, call);
+#endif
+  return internal_error("no decoder kernel for ", dtype_name(call.dims.wdtype), " weights and ",
+                        dtype_name(kT), " activations in this build");
 }
 
 }  // namespace cuda_decoder
