@@ -90,11 +90,15 @@ def time_steps(step, x, pos, w, cache, steps, warmup):
   return (time.perf_counter() - t0) / steps, cache
 
 
+# Llama-3.2-1B's layer shapes, what the GPU runs.
+LLAMA_1B_LAYERS = dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                       intermediate_size=8192)
+
+
 def plan(args, on_gpu):
   """What to measure on this device: shapes, batches, contexts, steps, copy-reference size."""
   if on_gpu:
-    p = dict(base=dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
-                       intermediate_size=8192),
+    p = dict(base=LLAMA_1B_LAYERS,
              batches=[1, 4, 16], contexts=[1024, 4096, 16384], steps=args.steps or 50, warmup=5,
              title="Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192), bf16",
              copy_bytes=1 << 30, copy_reps=10)
@@ -150,10 +154,8 @@ def measure_case(cfg, w, B, ctx, dtype, device, steps, warmup, copy_gbs):
 
 def quantized_plan(args, on_gpu):
   if on_gpu:
-    base = dict(num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
-                intermediate_size=8192)
     title = "Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192)"
-    return dict(base=base, title=title, context=1024, steps=args.steps or 50, warmup=5,
+    return dict(base=LLAMA_1B_LAYERS, title=title, context=1024, steps=args.steps or 50, warmup=5,
                 copy_bytes=1 << 30, copy_reps=10)
   base = dict(num_layers=8, hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128,
               intermediate_size=6144)
@@ -162,9 +164,9 @@ def quantized_plan(args, on_gpu):
               warmup=2, copy_bytes=1 << 30, copy_reps=5)
 
 
-def measure_quantized(args, device, copy_gbs):
-  """bf16, int8 and fp8 matrices of one model, batch 1 and 4: rows of the quantized table."""
-  p = quantized_plan(args, device.platform == "gpu")
+def measure_quantized(p, device, copy_gbs):
+  """bf16, int8 and fp8 matrices of one model (quantized_plan `p`), batch 1 and 4: rows of the
+  quantized table."""
   cfg = DecoderConfig(**p["base"], max_seq_len=p["context"])
   log("initializing bf16 weights ...")
   weights = {"bf16": make_weights(cfg, jnp.bfloat16, device)}
@@ -195,7 +197,7 @@ def measure_quantized(args, device, copy_gbs):
       rows.append((B, fmt, weight_bytes / 1e9, ms, base_ms / ms, read / times["jaxfuse"] / 1e9,
                    100 * read / times["jaxfuse"] / 1e9 / copy_gbs, times["plain"] * 1e3,
                    times["plain"] / times["jaxfuse"]))
-  return rows, p
+  return rows
 
 
 def measure_head(device, steps):
@@ -272,9 +274,10 @@ def main():
   args = ap.parse_args()
   device = pick_device(args.device)
   if args.quantized:
-    copy_gbs = copy_bandwidth(device, 1 << 30, 5)
+    p = quantized_plan(args, device.platform == "gpu")
+    copy_gbs = copy_bandwidth(device, p["copy_bytes"], p["copy_reps"])
     log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s")
-    rows, p = measure_quantized(args, device, copy_gbs)
+    rows = measure_quantized(p, device, copy_gbs)
     head = measure_head(device, p["steps"])
     emit_table(quantized_table(rows, p, head, device, copy_gbs), args.out)
     return

@@ -56,11 +56,6 @@ def quantize_matrix(w, quantization: str):
   return jnp.clip(q, -qmax, qmax).astype(QUANTIZED_DTYPES[quantization]), scale
 
 
-def dequantize_matrix(q, scale):
-  """The float32 matrix [L, K, N] that ``(q, scale)`` stands for."""
-  return q.astype(jnp.float32) * scale[..., None, :]
-
-
 def quantize_weights(w: DecoderWeights, cfg: DecoderConfig,
                      quantization: str) -> tuple[DecoderWeights, DecoderConfig]:
   """The layer stack ``w`` with its seven matrices quantized.
