@@ -77,6 +77,21 @@ def ulp(dtype):
   return float(jnp.finfo(dtype).eps)
 
 
+# The persistent decoder against decoder_reference on the same weights, as max |diff| over max
+# |reference|: they sum in different orders (fp32: under 1e-4 over these tests' short K and few
+# layers) and a 16-bit output or cached k/v can round to the neighbouring value, which the layers
+# after it pass on (bf16: 2.5 ulps, fp16: 5 ulps of the largest value).
+DECODER_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2.5 * ulp(jnp.bfloat16),
+               jnp.float16: 5 * ulp(jnp.float16)}
+
+
+# Matrices larger than one CPU GEMV work item: K = 600 and 1100 rows (2 and 3 splits of 512, the
+# last one partial), N = 600 (not a multiple of the 64-column strips) and 1100 (5 column ranges
+# at 17 rows), enough work for the thread pool. (DecoderConfig's fields in order: layers, hidden,
+# heads, kv heads, head_dim, intermediate, max_seq_len.)
+SPLIT_CONFIG = jaxfuse.DecoderConfig(1, 600, 4, 2, 32, 1100, 8)
+
+
 def assert_trees_close(actual, expected, rtol, atol, what=""):
   """Leaf-wise |actual - expected| <= atol + rtol * max|expected leaf|.
 

@@ -13,13 +13,10 @@ import pytest
 import jaxfuse
 from jaxfuse import DecoderConfig, RopeScaling, decoder_reference, persistent_decoder
 from jaxfuse._quantize import MATRICES, quantize_matrix
-from helpers import random_decoder_problem, stable_seed
+from helpers import DECODER_TOL, SPLIT_CONFIG, random_decoder_problem, stable_seed
 
 FORMATS = ["int8", "fp8"]
 QMAX = {"int8": 127.0, "fp8": 448.0}
-# As test_decoder.py: the kernel and the reference use the same quantized weights, so they differ
-# by summation order (fp32) and the roundings of the output and the cached k/v (16-bit).
-TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2e-2, jnp.float16: 5e-3}
 
 fused = jax.jit(persistent_decoder, static_argnums=(4,))
 reference = jax.jit(decoder_reference, static_argnums=(4,))
@@ -108,11 +105,22 @@ def test_kernel_matches_reference(device, case, quantization, dtype):
   out, new = fused(x, pos, w, cache, cfg)
   ref, ref_cache = reference(x, pos, w, cache, cfg)
   assert out.dtype == dtype and np.all(np.isfinite(f32(out)))
-  assert rel_err(out, ref) < TOL[dtype]
+  assert rel_err(out, ref) < DECODER_TOL[dtype]
   rows = np.arange(batch)
   for got, want in ((new.k, ref_cache.k), (new.v, ref_cache.v)):
     assert rel_err(f32(got)[:, rows, np.asarray(pos)], f32(want)[:, rows, np.asarray(pos)]) \
-        < TOL[dtype]
+        < DECODER_TOL[dtype]
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("batch", [1, 17])
+def test_kernel_matches_reference_across_splits(device, quantization, batch):
+  """Matrices larger than one CPU GEMV work item (helpers.SPLIT_CONFIG)."""
+  cfg = dataclasses.replace(SPLIT_CONFIG, quantization=quantization)
+  x, w, cache = random_decoder_problem(cfg, batch, jnp.bfloat16, seed=batch, device=device)
+  pos = jax.device_put(np.arange(batch, dtype=np.int32) % cfg.max_seq_len, device)
+  out, _ = fused(x, pos, w, cache, cfg)
+  assert rel_err(out, reference(x, pos, w, cache, cfg)[0]) < DECODER_TOL[jnp.bfloat16]
 
 
 def test_every_fp8_code(device):

@@ -45,7 +45,7 @@ void DecodeStep::rmsnorm_qkv(int64_t l) {
     biases[2] = layer(w.v_bias, l, kv_dim);
   }
   for (int m = 0; m < 3; ++m) {
-    gemv(pool, d.B, normed.data, d.D, matrices[m],
+    gemv(pool, d.B, normed.data, d.D, matrices[m], gemv_partials,
          [&](int64_t b, int64_t n0, int64_t len, const float* y) {
            float* out = ws.qkv.column(b, m, n0);
            for (int64_t i = 0; i < len; ++i) {
@@ -58,23 +58,23 @@ void DecodeStep::rmsnorm_qkv(int64_t l) {
 void DecodeStep::o_proj(int64_t l) {
   const int64_t q_dim = d.q_dim();
   gemv(pool, d.B, ws.attn_out.data, q_dim, matrix(w.wo, w.wo_scale, l, q_dim, d.D),
-       add_to_hidden());
+       gemv_partials, add_to_hidden());
 }
 
 void DecodeStep::mlp(int64_t l) {
   rmsnorm_rows(d, ws.hidden, layer(w.mlp_norm, l, d.D), normed);
   gemv(pool, d.B, normed.data, d.D, matrix(w.w_gate, w.w_gate_scale, l, d.D, d.I),
-       [&](int64_t b, int64_t n0, int64_t len, const float* y) {
+       gemv_partials, [&](int64_t b, int64_t n0, int64_t len, const float* y) {
          std::copy_n(y, len, gate.at(b, n0));
        });
   gemv(pool, d.B, normed.data, d.D, matrix(w.w_up, w.w_up_scale, l, d.D, d.I),
-       [&](int64_t b, int64_t n0, int64_t len, const float* y) {
+       gemv_partials, [&](int64_t b, int64_t n0, int64_t len, const float* y) {
          const float* g = gate.at(b, n0);
          float* a = ws.mlp_act.at(b, n0);
          for (int64_t i = 0; i < len; ++i) a[i] = swiglu(g[i], y[i]);
        });
   gemv(pool, d.B, ws.mlp_act.data, d.I, matrix(w.w_down, w.w_down_scale, l, d.I, d.D),
-       add_to_hidden());
+       gemv_partials, add_to_hidden());
 }
 
 void DecodeStep::write_output() {

@@ -27,30 +27,37 @@ struct Lanes<F32x16> {
   static constexpr int kCount = 16;
 };
 
-// Batch rows per register tile.
-constexpr int kTileRows = 4;
 // k rows per register-tile round trip: the accumulator loads and stores are 1/kStepRows of the
-// multiply-adds; the step's weights (16 rows x the item's columns, <= 8 KB at 16 batch rows)
-// stay in L1 while every row group of the batch uses them.
-constexpr int64_t kStepRows = 16;
-// Work items span a multiple of the widest strip (2 x 16 lanes), so only the last item of a
+// multiply-adds; the step's weights (8 rows x the item's columns, <= 8 KB at 16 batch rows) stay
+// in L1 while every row group of the batch uses them. 8 rows stream faster than 16 or 4: as many
+// runs at once as the prefetchers follow well.
+constexpr int64_t kStepRows = 8;
+// Work items span a multiple of the widest strip (4 x 16 lanes), so only the last item of a
 // matrix can end in a partial strip.
-constexpr int64_t kItemAlign = 32;
+constexpr int64_t kItemAlign = 64;
 
-// Strips: kCols consecutive columns of a W row, held as two vectors V. load(w, v0, v1) widens
-// the kCols weights at w; to_columns(v0, v1, out) writes sums of those lanes as columns in order.
+// Strips: kCols consecutive columns of a W row, held as kVectors vectors V. load(w, v) widens the
+// kCols weights at w; to_columns(v, out) writes sums of those lanes as columns in order. A strip's
+// vectors may hold its weights times a power of two, kUnit^-1 (sums are scaled by it exactly).
 
-// Strips of 2-column lanes: lane i holds columns 2i and 2i+1, widened into an even-column and an
-// odd-column vector, which to_columns() interleaves.
-template <typename V>
-struct PairedStrip {
+template <typename V, int kVectorCount>
+struct StripShape {
   using Vec = V;
   static constexpr int kLanes = Lanes<V>::kCount;
-  static constexpr int64_t kCols = 2 * kLanes;
-  static void to_columns(V even, V odd, float* out) {
+  static constexpr int kVectors = kVectorCount;
+  static constexpr int64_t kCols = kVectors * kLanes;
+  static constexpr float kUnit = 1.0f;
+};
+
+// Strips of lanes that each hold kVectors consecutive columns: vector j lane i is column
+// kVectors * i + j, which to_columns() interleaves.
+template <typename V, int kVectorCount>
+struct InterleavedStrip : StripShape<V, kVectorCount> {
+  using StripShape<V, kVectorCount>::kLanes;
+  using StripShape<V, kVectorCount>::kVectors;
+  static void to_columns(const V* v, float* out) {
     for (int i = 0; i < kLanes; ++i) {
-      out[2 * i] = even[i];
-      out[2 * i + 1] = odd[i];
+      for (int j = 0; j < kVectors; ++j) out[kVectors * i + j] = v[j][i];
     }
   }
 };
@@ -59,75 +66,75 @@ struct PairedStrip {
 // in the low half of lane i and column 2i+1 in its high half: one shift (even columns) and one
 // mask (odd columns) widen it all, where zero-extension would take four shuffles.
 template <typename V>
-struct Bf16Strip : PairedStrip<V> {
+struct Bf16Strip : InterleavedStrip<V, 2> {
   using Storage = jaxfuse::Storage<DType::kBF16>;
-  static void load(const uint16_t* w, V& even, V& odd) {
+  static void load(const uint16_t* w, V* v) {
     typename Lanes<V>::Bits u;
     std::memcpy(&u, w, sizeof(u));
-    even = reinterpret_cast<V>(u << 16);
-    odd = reinterpret_cast<V>(u & 0xffff0000u);
+    v[0] = reinterpret_cast<V>(u << 16);
+    v[1] = reinterpret_cast<V>(u & 0xffff0000u);
   }
 };
 
-// Columns in order, lanes 0..kLanes-1 then kLanes..kCols-1.
-template <typename V>
-struct ContiguousStrip {
-  using Vec = V;
-  static constexpr int kLanes = Lanes<V>::kCount;
-  static constexpr int64_t kCols = 2 * kLanes;
-  static void to_columns(V lo, V hi, float* out) {
-    std::memcpy(out, &lo, sizeof(lo));
-    std::memcpy(out + kLanes, &hi, sizeof(hi));
-  }
+// Columns in order, kVectors vectors of kLanes.
+template <typename V, int kVectorCount = 2>
+struct ContiguousStrip : StripShape<V, kVectorCount> {
+  static void to_columns(const V* v, float* out) { std::memcpy(out, v, kVectorCount * sizeof(V)); }
 };
 
 // fp32 weights are read in place.
 template <typename V>
 struct F32Strip : ContiguousStrip<V> {
   using Storage = jaxfuse::Storage<DType::kF32>;
-  static void load(const float* w, V& lo, V& hi) {
-    std::memcpy(&lo, w, sizeof(lo));
-    std::memcpy(&hi, w + Lanes<V>::kCount, sizeof(hi));
-  }
+  static void load(const float* w, V* v) { std::memcpy(v, w, 2 * sizeof(V)); }
 };
 
-// 8-bit weights (weight-only quantization) are read as 16-bit lanes, each two columns,
-// extended to 32 bits in one instruction; shifts split the bytes. (A direct byte-to-lane
-// conversion is scalarized by GCC.)
+// 8-bit weights (weight-only quantization) are read as 32-bit lanes of four columns each and
+// never extended across lanes (GCC splits a 16- to 32-bit extension into halves and scalarizes
+// an 8- to 32-bit one): shifts move column j's byte to the top of the lane, masks clear the rest.
 
-// int8: sign-extended pairs; both columns converted exactly.
+// int8: byte j at the top of a 32-bit integer is 2^24 times its value, converted exactly; kUnit
+// scales the sums back.
 template <typename V>
-struct I8Strip : PairedStrip<V> {
+struct I8Strip : InterleavedStrip<V, 4> {
   using Storage = jaxfuse::Storage<DType::kI8>;
   using Ints = typename Lanes<V>::Ints;
-  [[gnu::always_inline]] static void load(const int8_t* w, V& even, V& odd) {
-    typename Lanes<V>::I16 pairs;
-    std::memcpy(&pairs, w, sizeof(pairs));
-    const Ints x = __builtin_convertvector(pairs, Ints);
-    even = __builtin_convertvector((x << 24) >> 24, V);
-    odd = __builtin_convertvector(x >> 8, V);
+  static constexpr float kUnit = 0x1p-24f;
+  [[gnu::always_inline]] static void load(const int8_t* w, V* v) {
+    typename Lanes<V>::Bits x;
+    std::memcpy(&x, w, sizeof(x));
+    constexpr uint32_t kTop = 0xff000000u;
+    v[0] = __builtin_convertvector(reinterpret_cast<Ints>(x << 24), V);
+    v[1] = __builtin_convertvector(reinterpret_cast<Ints>((x << 16) & kTop), V);
+    v[2] = __builtin_convertvector(reinterpret_cast<Ints>((x << 8) & kTop), V);
+    v[3] = __builtin_convertvector(reinterpret_cast<Ints>(x & kTop), V);
   }
 };
 
-// float8 e4m3fn: its exponent and mantissa fields, moved to float's places, read as 2^-120 times
-// the magnitude (subnormal codes as float subnormals), so one multiply rescales every code: 6
-// vector operations per pair of vectors where f8e4m3_to_float's two cases (dtype.h), computed
-// and selected, take 12 (1.5x the GEMV's speed on AVX-512). It needs float subnormal inputs
-// read as such: gemv_pass_as runs it under SubnormalInputs.
+// float8 e4m3fn: each code's exponent and mantissa fields, moved to float's places, read as
+// 2^-120 times the magnitude (subnormal codes as float subnormals), so one multiply rescales
+// every code, and its sign bit moved to float's: 6 vector operations per vector of codes where
+// f8e4m3_to_float's two cases (dtype.h), computed and selected, take 12. It needs float
+// subnormal inputs read as such: gemv_pass_as runs it under SubnormalInputs.
 template <typename V>
-struct F8Strip : PairedStrip<V> {
+struct F8Strip : InterleavedStrip<V, 4> {
   using Storage = jaxfuse::Storage<DType::kF8E4M3>;
   using Bits = typename Lanes<V>::Bits;
-  [[gnu::always_inline]] static void widen(Bits c, V& out) {
-    const V magnitude = reinterpret_cast<V>((c & 0x7fu) << 20) * 0x1p120f;
-    out = reinterpret_cast<V>(reinterpret_cast<Bits>(magnitude) | ((c & 0x80u) << 24));
+  // Code j of each lane (bits 8j .. 8j + 7 of x) as a float.
+  template <int j>
+  [[gnu::always_inline]] static void widen(Bits x, V& out) {
+    const Bits fields = (j <= 2 ? x << (20 - 8 * j) : x >> 4) & (0x7fu << 20);
+    const Bits sign = (j < 3 ? x << (24 - 8 * j) : x) & 0x80000000u;
+    const V magnitude = reinterpret_cast<V>(fields) * 0x1p120f;
+    out = reinterpret_cast<V>(reinterpret_cast<Bits>(magnitude) | sign);
   }
-  [[gnu::always_inline]] static void load(const uint8_t* w, V& even, V& odd) {
-    typename Lanes<V>::U16 pairs;
-    std::memcpy(&pairs, w, sizeof(pairs));
-    const Bits x = __builtin_convertvector(pairs, Bits);
-    widen(x & 0xffu, even);
-    widen(x >> 8, odd);
+  [[gnu::always_inline]] static void load(const uint8_t* w, V* v) {
+    Bits x;
+    std::memcpy(&x, w, sizeof(x));
+    widen<0>(x, v[0]);
+    widen<1>(x, v[1]);
+    widen<2>(x, v[2]);
+    widen<3>(x, v[3]);
   }
 };
 
@@ -149,33 +156,35 @@ class SubnormalInputs {
 };
 #endif
 
-// The first `cols` columns widened one at a time, the rest zero: float16 (rare as decoder
-// weights; its widening has no cheap vector form below F16C) and the last, partial strip of
-// every dtype when N is not a multiple of the strip (so no load reads past a weight row).
-template <typename V, typename S>
-struct ScalarStrip : ContiguousStrip<V> {
+// The first `cols` columns widened one at a time, the rest zero, in kVectors vectors: float16
+// (rare as decoder weights; its widening has no cheap vector form below F16C) and the last,
+// partial strip of every dtype when N is not a multiple of the strip (so no load reads past a
+// weight row).
+template <typename V, typename S, int kVectorCount = 2>
+struct ScalarStrip : ContiguousStrip<V, kVectorCount> {
   using Storage = S;
-  int64_t cols = ContiguousStrip<V>::kCols;
-  void load(const typename S::Bits* w, V& lo, V& hi) const {
-    alignas(64) float f[ContiguousStrip<V>::kCols] = {};
+  int64_t cols = ContiguousStrip<V, kVectorCount>::kCols;
+  void load(const typename S::Bits* w, V* v) const {
+    alignas(64) float f[ContiguousStrip<V, kVectorCount>::kCols] = {};
     for (int64_t i = 0; i < cols; ++i) f[i] = S::template load<float>(w[i]);
-    std::memcpy(&lo, f, sizeof(lo));
-    std::memcpy(&hi, f + Lanes<V>::kCount, sizeof(hi));
+    std::memcpy(v, f, sizeof(f));
   }
 };
 
 template <typename Strip>
 using WeightBits = typename Strip::Storage::Bits;
 
-// The accumulators of one work item: [rows][strips][2] vectors, in the strips' lane order.
-template <typename V>
+// The accumulators of one work item: [rows][strips][kVectors] vectors, in the strips' lane order.
+template <typename V, int kVectors>
 struct AccTile {
   V* v;
-  int64_t row_vectors;  // 2 * strips
+  int64_t row_vectors;  // kVectors * strips
 
-  V* at(int64_t row, int64_t strip) const { return v + row * row_vectors + 2 * strip; }
+  V* at(int64_t row, int64_t strip) const { return v + row * row_vectors + kVectors * strip; }
   AccTile from(int64_t row, int64_t strip) const { return {at(row, strip), row_vectors}; }
 };
+template <typename Strip>
+using StripAcc = AccTile<typename Strip::Vec, Strip::kVectors>;
 
 // The operands of one step of a pass: `steps` k rows of the activations a (row stride lda) and
 // of the weights w (row stride ldw). `ahead`: how far on the next step's weights are (0 if there
@@ -204,36 +213,34 @@ template <typename Strip>
 
 // The micro-kernel: acc[r, strips 0..NS) += sum_k a[r, k] * w[k, strips 0..NS) for r < MR over
 // the step's k rows, k ascending. It prefetches the same strips of the next step, which the
-// hardware prefetchers would not fetch in time (16 rows, each a short run). Inlined into each
+// hardware prefetchers would not fetch in time (8 rows, each a short run). Inlined into each
 // ISA version of gemv_pass (a call would run the default-ISA copy).
 template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
 [[gnu::always_inline]] inline void gemv_tile(const Strip& strip,
                                              const StepOperands<WeightBits<Strip>>& op,
-                                             const AccTile<V>& acc) {
-  V sum[MR][NS][2];
+                                             const StripAcc<Strip>& acc) {
+  constexpr int kV = Strip::kVectors;
+  V sum[MR][NS][kV];
   for (int r = 0; r < MR; ++r) {
     for (int s = 0; s < NS; ++s) {
-      sum[r][s][0] = acc.at(r, s)[0];
-      sum[r][s][1] = acc.at(r, s)[1];
+      for (int j = 0; j < kV; ++j) sum[r][s][j] = acc.at(r, s)[j];
     }
   }
   const WeightBits<Strip>* w = op.w;
   for (int64_t k = 0; k < op.steps; ++k, w += op.ldw) {
     for (int s = 0; s < NS; ++s) {
       prefetch_strip<Strip>(w + op.ahead + s * Strip::kCols);
-      V w0, w1;
-      strip.load(w + s * Strip::kCols, w0, w1);
+      V wv[kV];
+      strip.load(w + s * Strip::kCols, wv);
       for (int r = 0; r < MR; ++r) {
         const float ar = op.a[r * op.lda + k];
-        sum[r][s][0] += ar * w0;
-        sum[r][s][1] += ar * w1;
+        for (int j = 0; j < kV; ++j) sum[r][s][j] += ar * wv[j];
       }
     }
   }
   for (int r = 0; r < MR; ++r) {
     for (int s = 0; s < NS; ++s) {
-      acc.at(r, s)[0] = sum[r][s][0];
-      acc.at(r, s)[1] = sum[r][s][1];
+      for (int j = 0; j < kV; ++j) acc.at(r, s)[j] = sum[r][s][j];
     }
   }
 }
@@ -243,38 +250,51 @@ template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
 template <int MR, int NS, typename Strip, typename V = typename Strip::Vec>
 [[gnu::always_inline]] inline void gemv_step(const Strip& strip,
                                              const StepOperands<WeightBits<Strip>>& op,
-                                             int64_t cols, const AccTile<V>& acc) {
+                                             int64_t cols, const StripAcc<Strip>& acc) {
   constexpr int64_t kCols = Strip::kCols;
   const int64_t full = cols / kCols;
   int64_t s = 0;
   for (; s + NS <= full; s += NS) gemv_tile<MR, NS>(strip, op.from(0, s * kCols), acc.from(0, s));
   for (; s < full; ++s) gemv_tile<MR, 1>(strip, op.from(0, s * kCols), acc.from(0, s));
   if (cols % kCols != 0) {
-    const ScalarStrip<V, typename Strip::Storage> partial{{}, cols % kCols};
+    const ScalarStrip<V, typename Strip::Storage, Strip::kVectors> partial{{}, cols % kCols};
     gemv_tile<MR, 1>(partial, op.from(0, s * kCols), acc.from(0, s));
   }
 }
 
-// Strips per register tile for MR rows: 8 accumulators (hiding the 3-4 cycle add latency) with
-// 16 vector registers; 16 with the 32 of AVX-512.
+// Register tiles: about 8 accumulators (hiding the 3-4 cycle add latency) with 16 vector
+// registers, 16 with the 32 of AVX-512; batch rows per tile (at most 4, fewer where one strip's
+// vectors for 4 rows would not fit), and strips of kVectors per tile for MR rows.
 template <typename V>
+constexpr int kAccumulators = Lanes<V>::kCount == 16 ? 16 : 8;
+template <typename V, int kVectors>
+constexpr int kTileRows = std::min(4, kAccumulators<V> / kVectors);
+template <typename V, int kVectors>
 constexpr int tile_strips(int rows) {
-  return Lanes<V>::kCount == 16 ? (rows <= 2 ? 4 : 2) : (rows == 1 ? 4 : rows == 2 ? 2 : 1);
+  return std::max(1, kAccumulators<V> / (rows == 3 ? 4 : rows) / kVectors);
 }
 
 // One step of rows r < rows across `cols` columns, in row groups of kTileRows.
 template <typename Strip, typename V = typename Strip::Vec>
 [[gnu::always_inline]] inline void gemv_step_rows(const Strip& strip, int64_t rows,
                                                   const StepOperands<WeightBits<Strip>>& op,
-                                                  int64_t cols, const AccTile<V>& acc) {
-  for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+                                                  int64_t cols, const StripAcc<Strip>& acc) {
+  constexpr int kV = Strip::kVectors;
+  constexpr int kRows = kTileRows<V, kV>;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const StepOperands<WeightBits<Strip>> op_r = op.from(r0, 0);
-    const AccTile<V> acc_r = acc.from(r0, 0);
-    switch (std::min<int64_t>(kTileRows, rows - r0)) {
-      case 1: gemv_step<1, tile_strips<V>(1)>(strip, op_r, cols, acc_r); break;
-      case 2: gemv_step<2, tile_strips<V>(2)>(strip, op_r, cols, acc_r); break;
-      case 3: gemv_step<3, tile_strips<V>(3)>(strip, op_r, cols, acc_r); break;
-      default: gemv_step<4, tile_strips<V>(4)>(strip, op_r, cols, acc_r); break;
+    const StripAcc<Strip> acc_r = acc.from(r0, 0);
+    const int64_t mr = std::min<int64_t>(kRows, rows - r0);
+    if (mr == 1) {
+      gemv_step<1, tile_strips<V, kV>(1)>(strip, op_r, cols, acc_r);
+    } else if constexpr (kRows == 2) {
+      gemv_step<2, tile_strips<V, kV>(2)>(strip, op_r, cols, acc_r);
+    } else if (mr == 2) {
+      gemv_step<2, tile_strips<V, kV>(2)>(strip, op_r, cols, acc_r);
+    } else if (mr == 3) {
+      gemv_step<3, tile_strips<V, kV>(3)>(strip, op_r, cols, acc_r);
+    } else {
+      gemv_step<4, tile_strips<V, kV>(4)>(strip, op_r, cols, acc_r);
     }
   }
 }
@@ -286,11 +306,11 @@ template <typename Strip, typename V = typename Strip::Vec>
 [[gnu::always_inline]] inline void gemv_pass_with(const Strip& strip, int64_t rows,
                                                   const float* a, int64_t lda, const void* W,
                                                   int64_t K, int64_t N, int64_t n0, int64_t len,
-                                                  float* y) {
+                                                  float* y, int64_t ldy) {
   constexpr int64_t kCols = Strip::kCols;
   const int64_t strips = (len + kCols - 1) / kCols;
   alignas(64) V sums[kTileFloats / Lanes<V>::kCount];
-  const AccTile<V> acc{sums, 2 * strips};
+  const StripAcc<Strip> acc{sums, Strip::kVectors * strips};
   std::fill_n(sums, rows * acc.row_vectors, V{});
   const WeightBits<Strip>* w = static_cast<const WeightBits<Strip>*>(W) + n0;
   for (int64_t k0 = 0; k0 < K; k0 += kStepRows) {
@@ -300,13 +320,16 @@ template <typename Strip, typename V = typename Strip::Vec>
   }
   const int64_t full = len / kCols;
   for (int64_t r = 0; r < rows; ++r) {
-    float* yr = y + r * len;
+    float* yr = y + r * ldy;
     for (int64_t s = 0; s < full; ++s) {
-      strip.to_columns(acc.at(r, s)[0], acc.at(r, s)[1], yr + s * kCols);
+      strip.to_columns(acc.at(r, s), yr + s * kCols);
+      if constexpr (Strip::kUnit != 1.0f) {
+        for (int64_t i = 0; i < kCols; ++i) yr[s * kCols + i] *= Strip::kUnit;
+      }
     }
-    if (full < strips) {  // the partial strip, summed in ScalarStrip's column order
+    if (full < strips) {  // the partial strip, summed in ScalarStrip's column order and unit
       alignas(64) float columns[kCols];
-      ContiguousStrip<V>::to_columns(acc.at(r, full)[0], acc.at(r, full)[1], columns);
+      ContiguousStrip<V, Strip::kVectors>::to_columns(acc.at(r, full), columns);
       std::copy_n(columns, len - full * kCols, yr + full * kCols);
     }
   }
@@ -316,26 +339,30 @@ template <typename Strip, typename V = typename Strip::Vec>
 template <typename V>
 [[gnu::always_inline]] inline void gemv_pass_as(int64_t rows, const float* a, int64_t lda,
                                                 const void* W, DType dtype, int64_t K, int64_t N,
-                                                int64_t n0, int64_t len, float* y) {
+                                                int64_t n0, int64_t len, float* y,
+                                                int64_t ldy) {
   switch (dtype) {
-    case DType::kBF16: return gemv_pass_with(Bf16Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
-    case DType::kF32: return gemv_pass_with(F32Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
-    case DType::kI8: return gemv_pass_with(I8Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
+    case DType::kBF16:
+      return gemv_pass_with(Bf16Strip<V>{}, rows, a, lda, W, K, N, n0, len, y, ldy);
+    case DType::kF32:
+      return gemv_pass_with(F32Strip<V>{}, rows, a, lda, W, K, N, n0, len, y, ldy);
+    case DType::kI8:
+      return gemv_pass_with(I8Strip<V>{}, rows, a, lda, W, K, N, n0, len, y, ldy);
     case DType::kF8E4M3: {
 #if defined(__x86_64__)
       const SubnormalInputs subnormals;
-      return gemv_pass_with(F8Strip<V>{}, rows, a, lda, W, K, N, n0, len, y);
+      return gemv_pass_with(F8Strip<V>{}, rows, a, lda, W, K, N, n0, len, y, ldy);
 #else  // (no flush-to-zero control here: the exact scalar widening)
-      return gemv_pass_with(ScalarStrip<V, Storage<DType::kF8E4M3>>{}, rows, a, lda, W, K, N, n0,
-                            len, y);
+      return gemv_pass_with(ScalarStrip<V, Storage<DType::kF8E4M3>, 4>{}, rows, a, lda, W, K, N,
+                            n0, len, y, ldy);
 #endif
     }    default:
       return gemv_pass_with(ScalarStrip<V, Storage<DType::kF16>>{}, rows, a, lda, W, K, N, n0,
-                            len, y);
+                            len, y, ldy);
   }
 }
 
-// y[r, 0:len] (row stride len) = sum_k a[r, k] * W[k, n0 + 0:len] for r < rows, where
+// y[r, 0:len] (row stride ldy) = sum_k a[r, k] * W[k, n0 + 0:len] for r < rows, where
 // rows * round_up(len, kItemAlign) <= kTileFloats; a fp32 with row stride lda, W [K, N] in
 // storage `dtype`. One version per ISA level, picked at load time: 512-bit vectors where
 // AVX-512 has them (half the instructions per multiply-add, and 32 registers for the
@@ -343,37 +370,40 @@ template <typename V>
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
 __attribute__((target("default"))) void gemv_pass_for_isa(
     int64_t rows, const float* a, int64_t lda, const void* W, DType dtype, int64_t K, int64_t N,
-    int64_t n0, int64_t len, float* y) {
-  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y);
+    int64_t n0, int64_t len, float* y, int64_t ldy) {
+  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
 }
 __attribute__((target("avx2"))) void gemv_pass_for_isa(
     int64_t rows, const float* a, int64_t lda, const void* W, DType dtype, int64_t K, int64_t N,
-    int64_t n0, int64_t len, float* y) {
-  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y);
+    int64_t n0, int64_t len, float* y, int64_t ldy) {
+  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
 }
 __attribute__((target("avx512f"))) void gemv_pass_for_isa(
     int64_t rows, const float* a, int64_t lda, const void* W, DType dtype, int64_t K, int64_t N,
-    int64_t n0, int64_t len, float* y) {
-  gemv_pass_as<F32x16>(rows, a, lda, W, dtype, K, N, n0, len, y);
+    int64_t n0, int64_t len, float* y, int64_t ldy) {
+  gemv_pass_as<F32x16>(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
 }
 #else
 void gemv_pass_for_isa(int64_t rows, const float* a, int64_t lda, const void* W, DType dtype,
-                       int64_t K, int64_t N, int64_t n0, int64_t len, float* y) {
-  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y);
+                       int64_t K, int64_t N, int64_t n0, int64_t len, float* y, int64_t ldy) {
+  gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
 }
 #endif
 
 }  // namespace
 
 void gemv_pass(int64_t rows, const float* a, int64_t lda, const void* W, DType dtype, int64_t K,
-               int64_t N, int64_t n0, int64_t len, float* y) {
-  gemv_pass_for_isa(rows, a, lda, W, dtype, K, N, n0, len, y);
+               int64_t N, int64_t n0, int64_t len, float* y, int64_t ldy) {
+  gemv_pass_for_isa(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
 }
 
-int64_t gemv_item_width(int64_t B, int64_t N, int64_t threads) {
+GemvColumns gemv_columns(int64_t B, int64_t N, int64_t splits, int64_t threads) {
+  const int64_t units = (N + kItemAlign - 1) / kItemAlign;
   const int64_t tile_units = kTileFloats / std::min(B, kPassRows) / kItemAlign;
-  const int64_t thread_units = (N + threads * kItemAlign - 1) / (threads * kItemAlign);
-  return std::max<int64_t>(std::min(tile_units, thread_units), 1) * kItemAlign;
+  const int64_t count = std::max((units + tile_units - 1) / tile_units,
+                                 std::min(units, (threads + splits - 1) / splits));
+  const int64_t width = (units + count - 1) / count * kItemAlign;
+  return {width, (N + width - 1) / width};
 }
 
 }  // namespace jaxfuse::cpu_decoder

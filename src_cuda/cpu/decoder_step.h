@@ -4,7 +4,6 @@
 #pragma once
 
 #include <cmath>
-#include <vector>
 
 #include "jaxfuse/decoder.h"
 
@@ -24,20 +23,16 @@ struct DecodeStep {
   const float attn_scale;
   WorkspaceRows normed;  // [B][D]: the current RMSNorm's output, the GEMV input
   WorkspaceRows gate;    // [B][I]: the gate projection
-  std::vector<float> heap;  // normed and gate, when the workspace cannot hold them
+  float* gemv_partials;  // the GEMVs' split partial sums
 
   DecodeStep(ffi::ThreadPool* thread_pool, const DecoderDims& dims, const DecoderBuffers& buffers)
       : pool(thread_pool), d(dims), io(buffers), w(buffers.weights), dtype(dims.dtype),
         ws(dims, buffers.workspace), attn_scale(1.0f / std::sqrt(float(dims.hd))) {
-    // `normed` and `gate` live in the GEMV partial-sum region (the CUDA kernel's; unused here),
-    // which holds >= 1024 * B * 128 floats; heap only if it cannot.
+    // The GEMV region of the workspace (the CUDA kernel's partials) is sized for these too.
     float* scratch = ws.gemv_partials.data;
-    if ((d.D + d.I) * d.B > ws.gemv_partials.capacity) {
-      heap.resize((d.D + d.I) * d.B);
-      scratch = heap.data();
-    }
     normed = {scratch, d.D};
     gate = {scratch + d.B * d.D, d.I};
+    gemv_partials = scratch + d.B * (d.D + d.I);
   }
 
   void run() {

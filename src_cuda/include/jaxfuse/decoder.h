@@ -1,7 +1,7 @@
 // The jaxfuse_decoder op: FFI signature, operand and workspace layout, decoding and
 // validation, shared by the CPU and CUDA handlers (op.h), and the workspace's typed views
 // (DecoderWorkspace) that both run steps use. The element math is decoder_math.h; the run steps
-// are src_cuda/{cpu/decoder.cc,cuda/decoder.cu}.
+// are src_cuda/cpu/decoder*.{h,cc} and src_cuda/cuda/decoder*.{cu,cuh}.
 //
 // Operands (x, the caches, the norms and biases share one dtype T: f32, bf16 or f16), in
 // kDecoderOperands order:
@@ -46,6 +46,10 @@ inline constexpr int64_t kDecMaxGemvItems = 1024;  // partial-sum slots per GEMV
 inline constexpr int64_t kDecMaxAttnSplits = 64;   // flash-decoding splits of the cache length
 inline constexpr int64_t kDecHeadChunk = 4;        // query heads per attention work item
 inline constexpr int64_t kDecAlign = 256;          // byte alignment of workspace regions
+// The CPU GEMV's split of K: each split of this many rows is one contiguous stretch of the
+// weights (what a core's prefetchers stream fastest), and the splits' partial sums are added in
+// order. A constant, so that results do not depend on the thread count.
+inline constexpr int64_t kDecCpuSplitRows = 512;
 
 // The sizes of one call (DecoderAttrs and the batch), in the names of the operand shapes above.
 struct DecoderDims {
@@ -76,6 +80,16 @@ struct DecoderDims {
   int64_t hidden_tiles() const { return tiles(D); }
   int64_t qkv_tiles() const { return tiles(q_dim()) + 2 * tiles(kv_dim()); }
   int64_t mlp_tiles() const { return tiles(I); }
+  // The CPU GEMV's splits of K rows, and the floats of its scratch: the GEMV input rows [B][D],
+  // the gate projection [B][I] and the largest GEMV's split partial sums [splits][B][N].
+  static int64_t cpu_splits(int64_t k_rows) {
+    return (k_rows + kDecCpuSplitRows - 1) / kDecCpuSplitRows;
+  }
+  int64_t cpu_gemv_floats() const {
+    const int64_t partials = std::max({cpu_splits(D) * std::max(q_dim(), I),
+                                       cpu_splits(q_dim()) * D, cpu_splits(I) * D});
+    return B * (D + I + partials);
+  }
 };
 
 // Byte offsets of the workspace regions (in this order, each aligned to kDecAlign) and the
@@ -105,7 +119,9 @@ inline DecoderLayout decoder_layout(const DecoderDims& d) {
   w.attn_out = region(d.B * d.q_dim() * f);
   w.mlp_act = region(d.B * d.I * f);
   w.attn_partials = region(d.B * d.H * kDecMaxAttnSplits * (d.hd + 2) * f);
-  w.gemv_partials = region(std::max(kDecMaxGemvItems, max_tiles) * d.B * d.tile() * f);
+  // The CUDA kernel's split-K partials, or the CPU's GEMV scratch, whichever is larger.
+  w.gemv_partials = region(
+      std::max(std::max(kDecMaxGemvItems, max_tiles) * d.B * d.tile(), d.cpu_gemv_floats()) * f);
   w.qkv_counters = 0;
   w.o_proj_counters = w.qkv_counters + d.L * d.qkv_tiles();
   w.gate_up_counters = w.o_proj_counters + d.L * d.hidden_tiles();
