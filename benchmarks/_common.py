@@ -6,21 +6,46 @@ import jax
 import jax.numpy as jnp
 
 
+def _best_seconds(run, reps: int, calls: int) -> float:
+  """The best over `reps` tries of the seconds per call of run(calls), which makes `calls` calls
+  and waits for the last."""
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    run(calls)
+    best = min(best, (time.perf_counter() - t0) / calls)
+  return best
+
+
 def copy_bandwidth(device, nbytes: int, reps: int = 5) -> float:
   """Device copy bandwidth in GB/s: y = x + 1 over nbytes of fp32, in place (the input is
   donated, so no fresh output buffer is allocated and first-touched each time), counting the
   read and the write."""
   f = jax.jit(lambda x: x + jnp.float32(1.0), donate_argnums=0)
-  x = f(jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device))
-  x.block_until_ready()
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(5):
-      x = f(x)
-    x.block_until_ready()
-    best = min(best, (time.perf_counter() - t0) / 5)
-  return 2 * nbytes / best / 1e9
+  x = [f(jax.device_put(jnp.zeros((nbytes // 4,), jnp.float32), device))]
+
+  def run(calls):
+    for _ in range(calls):
+      x[0] = f(x[0])
+    x[0].block_until_ready()
+
+  run(1)
+  return 2 * nbytes / _best_seconds(run, reps, 5) / 1e9
+
+
+def read_bandwidth(device, nbytes: int, reps: int = 5) -> float:
+  """Device read bandwidth in GB/s: a sum of nbytes of bf16 in XLA (fp32 accumulation), counting
+  the bytes read: how fast XLA itself streams an operand it only reads."""
+  f = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+  x = jax.device_put(jnp.ones((nbytes // 2,), jnp.bfloat16), device)
+
+  def run(calls):
+    for _ in range(calls):
+      s = f(x)
+    s.block_until_ready()
+
+  run(1)
+  return nbytes / _best_seconds(run, reps, 3) / 1e9
 
 
 def emit_table(table: str, out_path=None) -> None:

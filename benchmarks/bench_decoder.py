@@ -16,8 +16,9 @@ batch 1/4/16, context 1k/4k/16k. On CPU a small config, batch 1/4/8/16, context 
 `--quantized`: the same bf16 model with int8 and fp8 (e4m3) matrices (jaxfuse.quantize_weights),
 side by side, on weights larger than the caches (CPU: 8 x D2048, 16/4 heads, hd 128, I 6144,
 0.77 GB in bf16; GPU: the Llama-3.2-1B layers), batch 1 and 4 at a short context, so the step is
-bound by the weight bytes: ms/token, the speedup over bf16, and the fraction of the copy rate on
-the bytes each step actually reads (its weights, scales included, and the cache rows). Also the
+bound by the weight bytes: ms/token, the speedup over bf16, and the fraction of the copy rate and
+of XLA's own read rate (a sum over a bf16 array) on the bytes each step actually reads (its
+weights, scales included, and the cache rows), all timed in interleaved rounds. Also the
 LM head alone in XLA (Llama-3.2-1B's 128256 x 2048, outside the decoder): bf16, and int8 widened
 by XLA before its dot, which is what quantizing the head would give without a fused kernel.
 
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
-from _common import copy_bandwidth, emit_table
+from _common import copy_bandwidth, emit_table, read_bandwidth
 from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
 
 
@@ -156,48 +157,65 @@ def quantized_plan(args, on_gpu):
   if on_gpu:
     title = "Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192)"
     return dict(base=LLAMA_1B_LAYERS, title=title, context=1024, steps=args.steps or 50, warmup=5,
-                copy_bytes=1 << 30, copy_reps=10)
+                rounds=5, bandwidth_bytes=1 << 30)
   base = dict(num_layers=8, hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128,
               intermediate_size=6144)
   title = "8 x D2048, 16/4 heads, hd 128, I 6144 (0.77 GB of bf16 weights)"
-  return dict(base=base, title=title, context=128, steps=args.steps or (4 if args.quick else 10),
-              warmup=2, copy_bytes=1 << 30, copy_reps=5)
+  return dict(base=base, title=title, context=128, steps=args.steps or (4 if args.quick else 5),
+              warmup=2, rounds=3 if args.quick else 7, bandwidth_bytes=1 << 30)
 
 
-def measure_quantized(p, device, copy_gbs):
-  """bf16, int8 and fp8 matrices of one model (quantized_plan `p`), batch 1 and 4: rows of the
-  quantized table."""
+def median(values):
+  return float(np.median(values))
+
+
+def measure_quantized(p, device):
+  """bf16, int8 and fp8 matrices of one model (quantized_plan `p`), batch 1 and 4, timed in
+  interleaved rounds with the copy and read references (the machine's bandwidth drifts; each is
+  the median of its rounds). Returns the rows of the quantized table and the two references."""
   cfg = DecoderConfig(**p["base"], max_seq_len=p["context"])
   log("initializing bf16 weights ...")
-  weights = {"bf16": make_weights(cfg, jnp.bfloat16, device)}
+  weights = {"bf16": (make_weights(cfg, jnp.bfloat16, device), cfg)}
   for fmt in ("int8", "fp8"):
     log(f"quantizing to {fmt} ...")
-    weights[fmt] = jax.block_until_ready(jaxfuse.quantize_weights(weights["bf16"], cfg, fmt))
-  rows = []
+    weights[fmt] = jax.block_until_ready(jaxfuse.quantize_weights(weights["bf16"][0], cfg, fmt))
+  cases = {}  # (B, fmt) -> [step function, its arguments, the cache it updates, bytes read]
   for B in (1, 4):
-    base_ms = None
-    for fmt, w in weights.items():
-      w, qcfg = (w, cfg) if fmt == "bf16" else w
+    for fmt, (w, qcfg) in weights.items():
       fused = jax.jit(lambda x, p, w, c, cfg=qcfg: persistent_decoder(x, p, w, c, cfg),
                       donate_argnums=(3,))
-      plain = jax.jit(lambda x, p, w, c, cfg=qcfg: decoder_reference(
-          x, p, w, c, cfg, activation_dtype=jnp.bfloat16), donate_argnums=(3,))
       x = jax.device_put(jnp.ones((B, cfg.hidden_size), jnp.bfloat16), device)
       pos = jax.device_put(np.full((B,), p["context"] - 1, np.int32), device)
-      times = {}
-      for name, fn in (("jaxfuse", fused), ("plain", plain)):
-        cache = jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
-                                         for v in (0.5, 1.0))), device)
-        times[name], _ = time_steps(fn, x, pos, w, cache, p["steps"], p["warmup"])
       weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(w))
       read = weight_bytes + cfg.num_layers * B * p["context"] * cfg.kv_dim * 2 * 2
-      ms = times["jaxfuse"] * 1e3
-      base_ms = base_ms or ms
-      log(f"  batch {B} {fmt:5s} jaxfuse {ms:8.2f} ms  plain {times['plain'] * 1e3:8.2f} ms")
-      rows.append((B, fmt, weight_bytes / 1e9, ms, base_ms / ms, read / times["jaxfuse"] / 1e9,
-                   100 * read / times["jaxfuse"] / 1e9 / copy_gbs, times["plain"] * 1e3,
-                   times["plain"] / times["jaxfuse"]))
-  return rows
+      cases[B, fmt] = [fused, (x, pos, w), fresh_cache(cfg, B, device), read, weight_bytes]
+  copies, reads, times = [], [], {key: [] for key in cases}
+  for r in range(p["rounds"]):
+    copies.append(copy_bandwidth(device, p["bandwidth_bytes"], 3))
+    reads.append(read_bandwidth(device, p["bandwidth_bytes"], 3))
+    for key, case in cases.items():
+      fused, (x, pos, w), cache = case[:3]
+      t, case[2] = time_steps(fused, x, pos, w, cache, p["steps"], p["warmup"])
+      times[key].append(t)
+    log(f"  round {r + 1}/{p['rounds']}: copy {copies[-1]:.1f} GB/s, read {reads[-1]:.1f} GB/s, "
+        + ", ".join(f"B{B} {fmt} {times[B, fmt][-1] * 1e3:.2f} ms" for B, fmt in cases))
+  copy_gbs, read_gbs = median(copies), median(reads)
+  rows = []
+  for (B, fmt), (_, (x, pos, w), _, read, weight_bytes) in cases.items():
+    t = median(times[B, fmt])
+    t_plain, _ = time_steps(jax.jit(lambda x, p, w, c, cfg=weights[fmt][1]: decoder_reference(
+        x, p, w, c, cfg, activation_dtype=jnp.bfloat16), donate_argnums=(3,)),
+        x, pos, w, fresh_cache(cfg, B, device), 3, 1)
+    log(f"  batch {B} {fmt:5s} jaxfuse {t * 1e3:8.2f} ms  plain {t_plain * 1e3:8.2f} ms")
+    rows.append((B, fmt, weight_bytes / 1e9, t * 1e3, median(times[B, "bf16"]) / t, read / t / 1e9,
+                 100 * read / t / 1e9 / copy_gbs, 100 * read / t / 1e9 / read_gbs,
+                 t_plain * 1e3, t_plain / t))
+  return rows, copy_gbs, read_gbs
+
+
+def fresh_cache(cfg, B, device):
+  return jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
+                                  for v in (0.5, 1.0))), device)
 
 
 def measure_head(device, steps):
@@ -222,21 +240,22 @@ def measure_head(device, steps):
   return out
 
 
-def quantized_table(rows, p, head, device, copy_gbs):
+def quantized_table(rows, p, head, device, copy_gbs, read_gbs):
   lines = [
       f"### persistent decoder with int8 / fp8 weights, {p['title']}",
-      f"device: {device.device_kind} ({device.platform}); copy bandwidth measured here: "
-      f"{copy_gbs:.1f} GB/s; context {p['context']}; bf16 activations and cache; plain: "
-      f"decoder_reference(activation_dtype=bf16) on the same weights under jit; "
-      f"{p['steps']} timed steps",
+      f"device: {device.device_kind} ({device.platform}); medians of {p['rounds']} interleaved "
+      f"rounds of {p['steps']} steps, with the references measured in each round: copy "
+      f"(x + 1, read + write) {copy_gbs:.1f} GB/s, XLA read (a bf16 sum) {read_gbs:.1f} GB/s; "
+      f"context {p['context']}; bf16 activations and cache; plain: "
+      f"decoder_reference(activation_dtype=bf16) on the same weights under jit",
       "",
       "| batch | matrices | weight GB | jaxfuse ms/token | vs bf16 | GB/s read | % of copy BW | "
-      "plain ms/token | jaxfuse vs plain |",
-      "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+      "% of XLA read | plain ms/token | jaxfuse vs plain |",
+      "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
     lines.append(f"| {r[0]} | {r[1]} | {r[2]:.3f} | {r[3]:.2f} | {r[4]:.2f}x | {r[5]:.1f} | "
-                 f"{r[6]:.0f}% | {r[7]:.2f} | {r[8]:.2f}x |")
+                 f"{r[6]:.0f}% | {r[7]:.0f}% | {r[8]:.2f} | {r[9]:.2f}x |")
   lines += ["", f"LM head alone in XLA (128256 x 2048, batch 1): bf16 {head['bf16']:.2f} ms, int8 "
             f"widened by XLA {head['int8']:.2f} ms ({head['bf16'] / head['int8']:.2f}x)"]
   return "\n".join(lines)
@@ -275,11 +294,9 @@ def main():
   device = pick_device(args.device)
   if args.quantized:
     p = quantized_plan(args, device.platform == "gpu")
-    copy_gbs = copy_bandwidth(device, p["copy_bytes"], p["copy_reps"])
-    log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s")
-    rows = measure_quantized(p, device, copy_gbs)
+    rows, copy_gbs, read_gbs = measure_quantized(p, device)
     head = measure_head(device, p["steps"])
-    emit_table(quantized_table(rows, p, head, device, copy_gbs), args.out)
+    emit_table(quantized_table(rows, p, head, device, copy_gbs, read_gbs), args.out)
     return
   p = plan(args, device.platform == "gpu")
   dtype = jnp.bfloat16
