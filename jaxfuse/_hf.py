@@ -36,6 +36,7 @@ from safetensors import safe_open
 
 from jaxfuse._decoder import QUANTIZED_DTYPES, DecoderConfig, DecoderWeights, RopeScaling
 from jaxfuse._model import DecoderModel
+from jaxfuse._quantize import MATRICES  # stored [out, in] by Hugging Face, [in, out] here
 from jaxfuse._quantize import quantize as quantize_model
 
 __all__ = ["load_hf"]
@@ -112,8 +113,6 @@ _LAYER_TENSORS = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
-# The fields stored [out, in] by Hugging Face and [in, out] in DecoderWeights.
-_MATRICES = frozenset(("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
 
 _EMBED = "model.embed_tokens.weight"
 _FINAL_NORM = "model.norm.weight"
@@ -437,7 +436,7 @@ def _expected_shapes(config: DecoderConfig, vocab_size: int, tied: bool) -> dict
   if not tied:
     expected[_LM_HEAD] = (vocab_size, config.hidden_size)
   for field, stacked in config.weight_shapes().items():
-    shape = stacked[:0:-1] if field in _MATRICES else stacked[1:]  # [out, in] for matrices
+    shape = stacked[:0:-1] if field in MATRICES else stacked[1:]  # [out, in] for matrices
     expected.update({_layer_tensor(i, field): shape for i in range(config.num_layers)})
   return expected
 
@@ -519,7 +518,7 @@ def _load_layers(stored: dict[str, _Tensor], config: DecoderConfig,
     stacked = np.empty(shape, dtype)
     for layer in range(config.num_layers):
       tensor = stored[_layer_tensor(layer, field)].read()
-      stacked[layer] = tensor.T if field in _MATRICES else tensor
+      stacked[layer] = tensor.T if field in MATRICES else tensor
     fields[field] = jax.device_put(stacked)
   return DecoderWeights(**fields)
 

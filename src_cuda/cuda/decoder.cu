@@ -95,9 +95,13 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
 // 16-byte vector loads of the weights (kVec bytes of 8-bit ones) need 16-byte aligned buffers
 // (XLA's are; a view may not be). A misaligned load would be a sticky device fault, not an error
 // we can return.
+#define JF_IF_KIND_matrix(pointer) pointer,
+#define JF_IF_KIND_model(pointer)
+#define JF_IF_KIND_scale(pointer)
+#define JF_MATRIX_POINTER(name, flag, kind, ...) JF_IF_KIND_##kind(w.name)
 ffi::Error check_alignment(const DecoderBuffers& b) {
   const DecoderWeights& w = b.weights;
-  for (const void* p : {b.x, w.wq, w.wk, w.wv, w.wo, w.w_gate, w.w_up, w.w_down,
+  for (const void* p : {JAXFUSE_DECODER_WEIGHTS(JF_MATRIX_POINTER) b.x,
                         static_cast<const void*>(b.k_cache), static_cast<const void*>(b.v_cache)}) {
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
       return invalid_argument("the CUDA kernel needs 16-byte aligned operand buffers");
@@ -105,6 +109,10 @@ ffi::Error check_alignment(const DecoderBuffers& b) {
   }
   return ffi::Error::Success();
 }
+#undef JF_MATRIX_POINTER
+#undef JF_IF_KIND_scale
+#undef JF_IF_KIND_model
+#undef JF_IF_KIND_matrix
 
 KernelDims kernel_dims(const DecoderDims& d) {
   KernelDims k;
