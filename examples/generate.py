@@ -50,10 +50,11 @@ def decoder_model(params: Params, cfg: ModelConfig, max_seq_len: int) -> jaxfuse
 
 
 def check_decoders(params: Params, cfg: ModelConfig, tokens) -> dict[str, float]:
-  """Logits of the training `forward` on `tokens` [B, T] vs the same logits through jaxfuse: a
-  `jaxfuse.prefill` of all T tokens (decoder_reference), and T `jaxfuse.decode_step` calls (a
-  scan, one token per step). Returns the largest absolute differences and the largest |logit|.
-  Matmuls run at full fp32 precision (on GPUs the default would be TF32)."""
+  """Logits of the training `forward` on `tokens` [B, T] vs the same logits through jaxfuse:
+  `jaxfuse.prefill` of all T tokens (its logits after the last one), `decoder_reference` over
+  all T positions (the logits after every prefix), and T `jaxfuse.decode_step` calls (a scan, one
+  token per step). Returns the largest absolute differences and the largest |logit|. Matmuls run
+  at full fp32 precision (on GPUs the default would be TF32)."""
   tokens = jnp.asarray(tokens, jnp.int32)
   B, T = tokens.shape
   model = decoder_model(params, cfg, T)
@@ -61,8 +62,7 @@ def check_decoders(params: Params, cfg: ModelConfig, tokens) -> dict[str, float]
   @jax.jit
   def run(params, model, tokens):
     cache = jaxfuse.init_cache(model, B, T)
-    # Logits after every prefix: a prefill per prefix length would be T calls; instead the
-    # prefill's per-position hidden states come from decoder_reference directly.
+    last, _ = jaxfuse.prefill(model, tokens, jnp.full((B,), T, jnp.int32), cache)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     h, _ = jaxfuse.decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache,
                                      model.config)
@@ -72,11 +72,12 @@ def check_decoders(params: Params, cfg: ModelConfig, tokens) -> dict[str, float]
       return cache, logits
 
     _, steps = jax.lax.scan(step, cache, jnp.arange(T))  # [T, B, V]
-    return forward(params, tokens, cfg), model.logits(h), steps.swapaxes(0, 1)
+    return forward(params, tokens, cfg), last, model.logits(h), steps.swapaxes(0, 1)
 
   with jax.default_matmul_precision("highest"):
-    want, prefill, steps = run(params, model, tokens)
-  return {"prefill": float(jnp.abs(prefill - want).max()),
+    want, last, reference, steps = run(params, model, tokens)
+  return {"prefill": float(jnp.abs(last - want[:, -1]).max()),
+          "reference": float(jnp.abs(reference - want).max()),
           "steps": float(jnp.abs(steps - want).max()),
           "max_logit": float(jnp.abs(want).max())}
 
@@ -215,9 +216,9 @@ def main() -> None:
         f"D={cfg.dim} H={cfg.n_heads} KV={cfg.n_kv_heads} hd={cfg.head_dim} I={cfg.hidden_dim}")
 
   diffs = check_decoders(params, cfg, encode(prompts[:1])[0])
-  print(f"decoder check on prompt 0, max |logits - forward logits|: reference prefill "
-        f"{diffs['prefill']:.1e}, persistent_decoder steps {diffs['steps']:.1e} "
-        f"(max |logit| {diffs['max_logit']:.1f})")
+  print(f"decoder check on prompt 0, max |logits - forward logits|: prefill "
+        f"{diffs['prefill']:.1e}, decoder_reference {diffs['reference']:.1e}, persistent_decoder "
+        f"steps {diffs['steps']:.1e} (max |logit| {diffs['max_logit']:.1f})")
   compare(params, cfg, prompts, n_new, temperature=0.0 if args.greedy else args.temperature,
           seed=args.seed, repeats=args.repeats)
 

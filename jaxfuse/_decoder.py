@@ -609,7 +609,8 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
   Args:
     x: [B, D] hidden state of the new token per row (float32, bfloat16 or float16).
     positions: int32 [B], the cache slot each row writes and attends up to (inclusive).
-    w: the stacked layer weights, in the dtype of ``x``.
+    w: the stacked layer weights, in the dtype of ``x`` (with ``cfg.quantization``, the matrices
+      int8 or float8_e4m3fn and their scales float32).
     cache: the KV cache, [L, B, max_seq_len, KV, hd] each, in the dtype of ``x``.
     cfg: the static configuration of the stack.
     check_positions: with traced positions, emit a :func:`jax.experimental.checkify.check` that
