@@ -211,11 +211,11 @@ def test_decoder(dtype, launch):
 
 
 # Weight-only quantized matrices: each kernel instance (int8, fp8 under fp32 activations, with
-# FEATURES, and under bf16 ones, without) once, batches 3 and 1 in turn, each case on one launch
-# of LAUNCHES in turn (a case takes about 10 s under ASan; the launches' schedules do not depend
-# on the weights' dtype).
-QUANTIZED_CASES = [("int8", jnp.float32, 3), ("int8", jnp.bfloat16, 1), ("fp8", jnp.float32, 1),
-                   ("fp8", jnp.bfloat16, 3)]
+# FEATURES, and under bf16 and fp16 ones, without) once, batches 3 and 1 in turn, each case on
+# one launch of LAUNCHES in turn (a case takes about 10 s under ASan; the launches' schedules do
+# not depend on the weights' dtype).
+QUANTIZED_CASES = [("int8", jnp.float32, 3), ("int8", jnp.bfloat16, 1), ("int8", jnp.float16, 3),
+                   ("fp8", jnp.float32, 1), ("fp8", jnp.bfloat16, 3), ("fp8", jnp.float16, 1)]
 QUANTIZED = [
     pytest.param(quantization, dtype, batch, launch.values[0],
                  id=f"{quantization}-{jnp.dtype(dtype).name}-batch{batch}-{launch.id}")

@@ -458,6 +458,7 @@ LIMITS = {"int8": (0.03, 0.9), "fp8": (0.12, 0.75)}
 
 @pytest.mark.parametrize("quantization", ["int8", "fp8"])
 @pytest.mark.parametrize("arch,dtype", [("LlamaForCausalLM", "float32"),
+                                        ("Qwen2ForCausalLM", "float32"),
                                         ("Qwen3ForCausalLM", "bfloat16")])
 def test_hf_model_logits_close_to_unquantized(tmp_path, arch, dtype, quantization):
   write_checkpoint(tmp_path, arch, dtype=dtype, seed=4)
