@@ -85,11 +85,12 @@ DECODER_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2.5 * ulp(jnp.bfloat16),
                jnp.float16: 5 * ulp(jnp.float16)}
 
 
-# Matrices larger than one CPU GEMV work item: K = 600 and 1100 rows (2 and 3 splits of 512, the
-# last one partial), N = 600 (not a multiple of the 64-column strips) and 1100 (5 column ranges
-# at 17 rows), enough work for the thread pool. (DecoderConfig's fields in order: layers, hidden,
-# heads, kv heads, head_dim, intermediate, max_seq_len.)
-SPLIT_CONFIG = jaxfuse.DecoderConfig(1, 600, 4, 2, 32, 1100, 8)
+# Matrices larger than one CPU GEMV work item: K = 600 and 1104 rows (2 and 3 splits of 512, the
+# last one partial), N = 600 and 1104 (neither a multiple of the 64-column strips; 5 column
+# ranges at 17 rows), enough work for the thread pool; sizes multiples of 8, as the CUDA kernel
+# needs. (DecoderConfig's fields in order: layers, hidden, heads, kv heads, head_dim,
+# intermediate, max_seq_len.)
+SPLIT_CONFIG = jaxfuse.DecoderConfig(1, 600, 4, 2, 32, 1104, 8)
 
 
 def assert_trees_close(actual, expected, rtol, atol, what=""):

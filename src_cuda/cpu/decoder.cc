@@ -3,8 +3,9 @@
 // stages of the CUDA kernel (decoder.cu) in the same order, without its split of the work: per
 // layer rmsnorm + QKV, RoPE + KV append, attention, O projection, MLP. The GEMVs
 // (decoder_gemv.h) and the attention heads (decoder_attention.cc) are spread over XLA's intra-op
-// thread pool; all arithmetic is fp32 (decoder_math.h, shared with the CUDA kernel); temporaries
-// live in the workspace result (DecoderWorkspace), so the handler allocates nothing per layer.
+// thread pool; all arithmetic is fp32 (decoder_math.h, shared with the CUDA kernel); activations
+// and partial sums live in the workspace result (DecoderWorkspace): per layer the handler
+// allocates only bookkeeping (a norm's weights in fp32, the GEMVs' arrival counters).
 // Operand layout: decoder.h. This file: the GEMV stages and the handler.
 #include <algorithm>
 #include <vector>

@@ -123,8 +123,14 @@ struct F8Strip : InterleavedStrip<V, 4> {
   // Code j of each lane (bits 8j .. 8j + 7 of x) as a float.
   template <int j>
   [[gnu::always_inline]] static void widen(Bits x, V& out) {
-    const Bits fields = (j <= 2 ? x << (20 - 8 * j) : x >> 4) & (0x7fu << 20);
-    const Bits sign = (j < 3 ? x << (24 - 8 * j) : x) & 0x80000000u;
+    Bits fields, sign;  // exponent and mantissa at bits 20..26, sign at bit 31
+    if constexpr (j < 3) {
+      fields = (x << (20 - 8 * j)) & (0x7fu << 20);
+      sign = (x << (24 - 8 * j)) & 0x80000000u;
+    } else {
+      fields = (x >> 4) & (0x7fu << 20);
+      sign = x & 0x80000000u;
+    }
     const V magnitude = reinterpret_cast<V>(fields) * 0x1p120f;
     out = reinterpret_cast<V>(reinterpret_cast<Bits>(magnitude) | sign);
   }
