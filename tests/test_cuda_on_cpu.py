@@ -69,6 +69,18 @@ LAUNCHES = [pytest.param((str(i), "0" if i % 2 == 0 else str(17 + i)),
             for i, spec in enumerate(DEVICES.split(","))]
 
 
+def on_two_launches(cases):
+  """pytest params of each case (a tuple) with two consecutive LAUNCHES, one in-order and one
+  shuffled, the pair rotating from case to case: every launch shape runs with a share of the
+  modes (the grid's chunking is the driver's, the same for every mode), at half the cost of
+  every case on every launch."""
+  params = []
+  for k, case in enumerate(cases):
+    for launch in (LAUNCHES[k % len(LAUNCHES)], LAUNCHES[(k + 1) % len(LAUNCHES)]):
+      params.append(pytest.param(*case, launch.values[0], id=f"{'-'.join(case)}-{launch.id}"))
+  return params
+
+
 @pytest.fixture(params=LAUNCHES)
 def launch(request, monkeypatch):
   device, seed = request.param
@@ -126,7 +138,7 @@ ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] +
               [(mode, "wide") for mode in ("nesterov", "master", "adam")])
 
 
-@pytest.mark.parametrize("mode,mix", ADAM_CASES)
+@pytest.mark.parametrize("mode,mix,launch", on_two_launches(ADAM_CASES), indirect=["launch"])
 def test_adam_bitwise(mode, mix, launch):
   tx, params, grads, state = adam_case(mode, DTYPE_MIXES[mix])
   scale = jnp.float32(128.0) if mode == "loss_scale" else None
@@ -379,7 +391,8 @@ SGD_ADAGRAD_CASES = ([(mode, "mixed") for mode in ("sgd", "momentum", "nesterov"
                      [("nesterov", "wide"), ("adagrad", "f32")])
 
 
-@pytest.mark.parametrize("mode,mix", SGD_ADAGRAD_CASES)
+@pytest.mark.parametrize("mode,mix,launch", on_two_launches(SGD_ADAGRAD_CASES),
+                         indirect=["launch"])
 def test_sgd_adagrad_bitwise(mode, mix, launch):
   tx, params, grads, state = sgd_adagrad_case(mode, DTYPE_MIXES[mix])
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(128.0))
@@ -421,7 +434,8 @@ FAMILY_CASES = [(f, "plain", mix) for f in ("lion", "rmsprop") for mix in ("f32"
     [("lion", "plain", "f64"), ("rmsprop", "centered", "f64")]
 
 
-@pytest.mark.parametrize("family,mode,mix", FAMILY_CASES)
+@pytest.mark.parametrize("family,mode,mix,launch", on_two_launches(FAMILY_CASES),
+                         indirect=["launch"])
 def test_lion_rmsprop_bitwise(family, mode, mix, launch):
   dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
   with jax.enable_x64(mix == "f64"):
@@ -436,7 +450,8 @@ TRUST_CASES = [(f, "plain", mix) for f in ("lamb", "lars") for mix in ("f32", "m
     [("lamb", "master", "mixed"), ("lars", "skip", "mixed"), ("lars", "nesterov", "mixed")]
 
 
-@pytest.mark.parametrize("family,mode,mix", TRUST_CASES)
+@pytest.mark.parametrize("family,mode,mix,launch", on_two_launches(TRUST_CASES),
+                         indirect=["launch"])
 def test_lamb_lars(family, mode, mix, launch):
   """Element-wise but for the per-leaf sums, which the GPU adds in another order (in float64):
   a ratio may then differ by an ulp of the compute type, and a 16-bit param round the other way;
@@ -490,8 +505,9 @@ def precision_case(mode):
   return tx, params, grads, state
 
 
-@pytest.mark.parametrize("mode", ["stochastic", "stochastic_sgd", "remainder", "remainder_skip",
-                                  "nu_bf16", "moments8", "moments8_master"])
+@pytest.mark.parametrize("mode,launch", on_two_launches(
+    [(m,) for m in ("stochastic", "stochastic_sgd", "remainder", "remainder_skip", "nu_bf16",
+                    "moments8", "moments8_master")]), indirect=["launch"])
 def test_precision_modes_bitwise(mode, launch):
   """Stochastic rounding's bits come from each element's index in its tensor (also across the
   slices a huge tensor is split into), remainders are integer words, and 8-bit moments' block

@@ -5,8 +5,9 @@
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
 # tools/cuda_on_cpu.sh runs against this build), tests/test_frameworks.py,
 # tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py, tests/test_prefill.py,
-# tests/test_readme.py and the optimizer families' own files (test_sgd, test_lion, test_rmsprop,
-# test_adagrad, test_trust_ratio, test_precision).
+# tests/test_readme.py, tests/test_build.py, tests/test_report.py, tests/test_sharding.py and the
+# optimizer families' own files (test_sgd, test_lion, test_rmsprop, test_adagrad,
+# test_trust_ratio, test_precision, test_moments8).
 # Exit status 0 when every test passes with no sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
 set -euo pipefail
@@ -25,7 +26,9 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # generation loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
 # tests/test_hf.py is Python (the checkpoint loader) and plain XLA, as is the prefill
 # (tests/test_prefill.py; its one decode step is test_decoder.py's); tests/test_readme.py runs the
-# documentation's examples, whose calls the op tests cover. Every family's CPU handlers (each
+# documentation's examples, whose calls the op tests cover; tests/test_build.py configures CMake;
+# tests/test_report.py and tests/test_sharding.py compile steps whose handler calls (on whole
+# arrays, or on each device's shard) the op tests make too. Every family's CPU handlers (each
 # state layout, master weights, remainders, stochastic rounding, 8-bit states, the trust sums)
 # run under this build in tools/cuda_on_cpu.sh, beside the emulated CUDA ones, on mixed dtypes
 # and sizes; the families' own files add their optax comparisons and options, which differ in
@@ -34,7 +37,8 @@ if [ $# -eq 0 ]; then
   set -- tests -n auto -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_prefill.py \
-    --ignore=tests/test_readme.py \
+    --ignore=tests/test_readme.py --ignore=tests/test_build.py --ignore=tests/test_report.py \
+    --ignore=tests/test_sharding.py \
     --ignore=tests/test_sgd.py --ignore=tests/test_lion.py --ignore=tests/test_rmsprop.py \
     --ignore=tests/test_adagrad.py --ignore=tests/test_trust_ratio.py \
     --ignore=tests/test_precision.py --ignore=tests/test_moments8.py
