@@ -1,5 +1,7 @@
-# Sourced by .ci/run and tools/build_wheel.sh: find_python X.Y prints the path of a CPython X.Y
-# interpreter that runs (a pyenv shim that names a version not selected does not), or fails.
+# Sourced by .ci/run, tools/build_wheel.sh and tools/test_wheel.sh: find_python X.Y prints the path
+# of a CPython X.Y interpreter that runs (a pyenv shim that names a version not selected does not),
+# or fails; path_without_nvcc prints $PATH less every directory holding a CUDA compiler (what a
+# user without one has).
 find_python() {
   local want="$1" candidate
   for candidate in "${PYTHON:-}" "python$want" python3 \
@@ -12,4 +14,12 @@ find_python() {
     fi
   done
   return 1
+}
+
+path_without_nvcc() {
+  local path="" dir
+  local -a dirs
+  IFS=: read -ra dirs <<<"$PATH"
+  for dir in "${dirs[@]}"; do [ -x "$dir/nvcc" ] || path="${path:+$path:}$dir"; done
+  echo "$path"
 }

@@ -17,10 +17,8 @@ wheel=$(realpath "${wheel:-$(ls dist/jaxfuse-*.whl)}")
   tests/test_ffi_validation.py tests/test_build.py tests/test_sharding.py
 python=$(find_python 3.12) || { echo "test_wheel: no Python 3.12 found (set PYTHON=)"; exit 1; }
 
-# The PATH less every directory holding a CUDA compiler; no CUDA variables.
-path=""
-IFS=: read -ra dirs <<<"$PATH"
-for d in "${dirs[@]}"; do [ -x "$d/nvcc" ] || path="${path:+$path:}$d"; done
+# No CUDA compiler on the PATH, no CUDA variables.
+path=$(path_without_nvcc)
 unset CUDACXX CUDA_PATH CUDA_HOME JAXFUSE_EXTENSION_DIR JAXFUSE_CPU_TARGETS
 
 env=build/wheel-test-env
