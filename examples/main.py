@@ -14,7 +14,7 @@ plain-JAX reference decoder.
              persistent decoder on validation text: perplexity, and how often each picks bf16's
              next byte.
 
-    python3 examples/main.py            # ~2.5 minutes on a 2-core CPU (default device: GPU if any)
+    python3 examples/main.py            # ~4 minutes on a 2-core CPU (default device: GPU if any)
     python3 examples/main.py --quick    # under a minute
 """
 

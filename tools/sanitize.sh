@@ -21,8 +21,9 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # tests/test_frameworks.py trains with flax/equinox through the handlers test_adam.py and
 # test_fused.py already cover here, and tests/test_optax_suite.py runs optax's own tests on the
 # optax protocol, which is XLA's math (its one jaxfuse call, the norm, test_clip.py covers):
-# both mostly cost compile time; so do test_dtypes.py's eager optax-protocol cases, which call
-# no jaxfuse handler at all. tests/test_generate.py drives the decoder handler through
+# both mostly cost compile time; so does tests/test_dtypes.py, whose handler calls on
+# mixed-dtype trees tools/cuda_on_cpu.sh makes under this build too (and whose eager
+# optax-protocol cases call no jaxfuse handler at all). tests/test_generate.py drives the decoder handler through
 # generation loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
 # tests/test_hf.py is Python (the checkpoint loader) and plain XLA, as is the prefill
 # (tests/test_prefill.py; its one decode step is test_decoder.py's); tests/test_readme.py runs the
@@ -34,7 +35,7 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # and sizes; the families' own files add their optax comparisons and options, which differ in
 # math and Python, not in what the driver does with memory.
 if [ $# -eq 0 ]; then
-  set -- tests -n auto -m "not slow" -k "not eager" --ignore=tests/test_cuda_on_cpu.py \
+  set -- tests -n auto -m "not slow" --ignore=tests/test_cuda_on_cpu.py --ignore=tests/test_dtypes.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_prefill.py \
     --ignore=tests/test_readme.py --ignore=tests/test_build.py --ignore=tests/test_report.py \
