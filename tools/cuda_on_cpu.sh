@@ -63,7 +63,8 @@ if has_stage emu; then
   # each on two of the four launch shapes, in-order and shuffled). SGD, Adagrad, Lion and RMSprop
   # are element functors on the driver whose tables, chunks and slices Adam's cases (up to five
   # tensor lists, mixed dtypes) cross here; the default build runs them.
-  emu_tests "$SMALL" -k "not decoder and not sgd_adagrad and not lion_rmsprop and (shuffled or grid16x1)"
+  emu_tests "$SMALL" \
+    -k "not decoder and not sgd_adagrad and not lion_rmsprop and (shuffled or grid16x1)"
 fi
 
 if has_stage suite; then

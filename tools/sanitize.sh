@@ -3,7 +3,7 @@
 # Debug (asserts on, -O1) with both sanitizers into build/dev-sanitize and runs the test suite
 # against it, less the tests marked slow (a thousand leaves, a large tensor: they stress XLA's
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
-# tools/cuda_on_cpu.sh runs against this build), tests/test_frameworks.py,
+# tools/cuda_on_cpu.sh runs against this build), tests/test_dtypes.py, tests/test_frameworks.py,
 # tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py, tests/test_prefill.py,
 # tests/test_readme.py, tests/test_build.py, tests/test_report.py, tests/test_sharding.py and the
 # optimizer families' own files (test_sgd, test_lion, test_rmsprop, test_adagrad,
@@ -20,22 +20,23 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # tests/test_cuda_on_cpu.py runs against this same build in tools/cuda_on_cpu.sh;
 # tests/test_frameworks.py trains with flax/equinox through the handlers test_adam.py and
 # test_fused.py already cover here, and tests/test_optax_suite.py runs optax's own tests on the
-# optax protocol, which is XLA's math (its one jaxfuse call, the norm, test_clip.py covers):
-# both mostly cost compile time; so does tests/test_dtypes.py, whose handler calls on
-# mixed-dtype trees tools/cuda_on_cpu.sh makes under this build too (and whose eager
-# optax-protocol cases call no jaxfuse handler at all). tests/test_generate.py drives the decoder handler through
-# generation loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
+# optax protocol, which is XLA's math (its one jaxfuse call, the norm, test_clip.py covers): both
+# mostly cost compile time; so does tests/test_dtypes.py, whose handler calls on mixed-dtype trees
+# tools/cuda_on_cpu.sh makes under this build too (and whose eager optax-protocol cases call no
+# jaxfuse handler at all). tests/test_generate.py drives the decoder handler through generation
+# loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
 # tests/test_hf.py is Python (the checkpoint loader) and plain XLA, as is the prefill
 # (tests/test_prefill.py; its one decode step is test_decoder.py's); tests/test_readme.py runs the
 # documentation's examples, whose calls the op tests cover; tests/test_build.py configures CMake;
 # tests/test_report.py and tests/test_sharding.py compile steps whose handler calls (on whole
-# arrays, or on each device's shard) the op tests make too. Every family's CPU handlers (each
-# state layout, master weights, remainders, stochastic rounding, 8-bit states, the trust sums)
-# run under this build in tools/cuda_on_cpu.sh, beside the emulated CUDA ones, on mixed dtypes
-# and sizes; the families' own files add their optax comparisons and options, which differ in
-# math and Python, not in what the driver does with memory.
+# arrays, or on each device's shard) the op tests make too. Every family's CPU handlers (each state
+# layout, master weights, remainders, stochastic rounding, 8-bit states, the trust sums) run under
+# this build in tools/cuda_on_cpu.sh, beside the emulated CUDA ones, on mixed dtypes and sizes; the
+# families' own files add their optax comparisons and options, which differ in math and Python, not
+# in what the driver does with memory.
 if [ $# -eq 0 ]; then
-  set -- tests -n auto -m "not slow" --ignore=tests/test_cuda_on_cpu.py --ignore=tests/test_dtypes.py \
+  set -- tests -n auto -m "not slow" --ignore=tests/test_cuda_on_cpu.py \
+    --ignore=tests/test_dtypes.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_prefill.py \
     --ignore=tests/test_readme.py --ignore=tests/test_build.py --ignore=tests/test_report.py \
