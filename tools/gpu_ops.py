@@ -1,6 +1,7 @@
 """Runs each jaxfuse CUDA op on the GPU on fresh random inputs and compares it with the CPU
 handler on the same inputs: how many output elements differ and by how much. Small and quick on
-purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process.
+purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process. Exits non-zero
+when a case's results differ by more than rounding can explain.
 
   python3 tools/gpu_ops.py [norm] [adam] [families] [decoder]     # default: all four
 """
@@ -37,6 +38,13 @@ def compare(name, gpu, cpu):
     if ne.any():
       worst = max(worst, float(np.max(np.abs(a - b)[ne]) / max(np.max(np.abs(b)), 1e-30)))
   print(f"{name:52s} {differ:7d} of {n:7d} elements differ (GPU vs CPU); max diff / leaf max {worst:.2e}")
+  if worst > FAR_APART:
+    FAR_APART_CASES.append(name)
+
+
+# Rounding differences stay far below this; a wrong kernel (garbage, a skipped store) does not.
+FAR_APART = 5e-2
+FAR_APART_CASES = []
 
 
 def run_norm(gpu, cpu):
@@ -64,6 +72,7 @@ ADAM_CASES = {
     "adamw f32 8-bit moments": (dict(moment_bits=8), jnp.float32),
     "adamw bf16 + remainders, 8-bit moments": (dict(master_weights="remainder", moment_bits=8),
                                                jnp.bfloat16),
+    "adamw bf16 + master, 8-bit moments": (dict(master_weights=True, moment_bits=8), jnp.bfloat16),
 }
 
 
@@ -92,9 +101,26 @@ FAMILY_CASES = {
                                        dict(master_weights="remainder"), jnp.bfloat16),
     "lion bf16 stochastic rounding": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
                                       dict(stochastic_rounding=True), jnp.bfloat16),
+    # 8-bit states (moment_bits=8) in every family that takes them, in each params mode.
     "rmsprop centered momentum f32 8-bit": (
         lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, **kw),
         dict(moment_bits=8), jnp.float32),
+    "rmsprop bf16 + master, 8-bit": (lambda **kw: jaxfuse.rmsprop(1e-2, **kw),
+                                     dict(master_weights=True, moment_bits=8), jnp.bfloat16),
+    "sgd momentum f32 8-bit": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw),
+                               dict(moment_bits=8), jnp.float32),
+    "sgd momentum bf16 + remainders, 8-bit": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw),
+                                              dict(master_weights="remainder", moment_bits=8),
+                                              jnp.bfloat16),
+    "lion f32 8-bit": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
+                       dict(moment_bits=8), jnp.float32),
+    "lion bf16 + master, 8-bit": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
+                                  dict(master_weights=True, moment_bits=8), jnp.bfloat16),
+    "adagrad f32 8-bit": (lambda **kw: jaxfuse.adagrad(1e-2, **kw), dict(moment_bits=8),
+                          jnp.float32),
+    "adagrad bf16 + remainders, 8-bit": (lambda **kw: jaxfuse.adagrad(1e-2, **kw),
+                                         dict(master_weights="remainder", moment_bits=8),
+                                         jnp.bfloat16),
 }
 
 
@@ -163,6 +189,9 @@ def main(ops):
   runs = {"norm": run_norm, "adam": run_adam, "families": run_families, "decoder": run_decoder}
   for op in ops or runs:
     runs[op](gpu, cpu)
+  if FAR_APART_CASES:
+    sys.exit(f"GPU and CPU differ by more than {FAR_APART} of a leaf's max in: "
+             + ", ".join(FAR_APART_CASES))
 
 
 if __name__ == "__main__":

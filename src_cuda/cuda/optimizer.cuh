@@ -18,18 +18,26 @@ namespace cuda_optimizer {
 // How a call keeps its params, one kernel each.
 enum class ParamsMode { kPlain, kMaster, kRemainders };
 
-// OptimizerLists as compile-time constants.
+// OptimizerLists as compile-time constants. Device code reads only the scalars: the layout
+// object itself lives in host memory (--expt-relaxed-constexpr lets device code call its
+// constexpr members, but a call that is not folded at compile time reads the host object, which
+// nvcc compiles to a trap).
 template <int kStates, ParamsMode kMode, bool kQuantized>
 struct StaticLists {
-  static constexpr OptimizerLists kLists = OptimizerLists::of(
+ private:
+  static constexpr OptimizerLists kLayout = OptimizerLists::of(
       kStates, kMode == ParamsMode::kMaster, kMode == ParamsMode::kRemainders, kQuantized);
+
+ public:
   static constexpr int num_states = kStates;
-  static constexpr int master = kLists.master;
-  static constexpr int remainders = kLists.remainders;
+  static constexpr int master = kLayout.master;
+  static constexpr int remainders = kLayout.remainders;
   static constexpr bool quantized = kQuantized;
-  static constexpr int kCount = kLists.count();
-  static constexpr int param_source() { return kLists.param_source(); }
-  static constexpr int scales(int k) { return kLists.scales(k); }
+  static constexpr int kCount = kLayout.count();
+  static constexpr int kUnscaledCount = kLayout.unscaled_count();
+  static constexpr int kParamSource = kLayout.param_source();
+  static constexpr int param_source() { return kParamSource; }
+  static constexpr int scales(int k) { return kUnscaledCount + k; }
 };
 
 // A warp's 32 groups of 4 are one block of an 8-bit state: chunks and slices hold whole blocks,
