@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The CPU handlers under AddressSanitizer + UndefinedBehaviorSanitizer: builds the extension in
 # Debug (asserts on, -O1) with both sanitizers into build/dev-sanitize and runs the test suite
-# against it, less the tests marked slow (a thousand leaves, a large tensor: they stress XLA's
+# against it, less the tests marked slow (hundreds of leaves, a large tensor: they stress XLA's
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
 # tools/cuda_on_cpu.sh runs against this build), tests/test_dtypes.py, tests/test_frameworks.py,
 # tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py, tests/test_prefill.py,
-# tests/test_readme.py, tests/test_build.py, tests/test_report.py, tests/test_sharding.py and the
+# tests/test_readme.py, tests/test_build.py, tests/test_report.py, tests/test_sharding.py,
+# tests/test_kernel_report.py and the
 # optimizer families' own files (test_sgd, test_lion, test_rmsprop, test_adagrad,
 # test_trust_ratio, test_precision, test_moments8).
 # Exit status 0 when every test passes with no sanitizer report.
@@ -27,7 +28,8 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # loops (the handler's cases, out-of-range rows included, are test_decoder.py's) and
 # tests/test_hf.py is Python (the checkpoint loader) and plain XLA, as is the prefill
 # (tests/test_prefill.py; its one decode step is test_decoder.py's); tests/test_readme.py runs the
-# documentation's examples, whose calls the op tests cover; tests/test_build.py configures CMake;
+# documentation's examples, whose calls the op tests cover; tests/test_build.py configures CMake
+# and tests/test_kernel_report.py judges made-up kernels (both call no handler);
 # tests/test_report.py and tests/test_sharding.py compile steps whose handler calls (on whole
 # arrays, or on each device's shard) the op tests make too. Every family's CPU handlers (each state
 # layout, master weights, remainders, stochastic rounding, 8-bit states, the trust sums) run under
@@ -40,7 +42,7 @@ if [ $# -eq 0 ]; then
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_prefill.py \
     --ignore=tests/test_readme.py --ignore=tests/test_build.py --ignore=tests/test_report.py \
-    --ignore=tests/test_sharding.py \
+    --ignore=tests/test_sharding.py --ignore=tests/test_kernel_report.py \
     --ignore=tests/test_sgd.py --ignore=tests/test_lion.py --ignore=tests/test_rmsprop.py \
     --ignore=tests/test_adagrad.py --ignore=tests/test_trust_ratio.py \
     --ignore=tests/test_precision.py --ignore=tests/test_moments8.py

@@ -68,6 +68,10 @@ __global__ void __launch_bounds__(kFinishThreads)
 
 }  // namespace
 
+// The norm's pass reads every gradient once and keeps the whole SM busy; its finish is one block.
+JF_KERNEL_BUDGET("NormChunkOp", 32, 100, 0);
+JF_KERNEL_BUDGET("^norm_finish_kernel$", 64, 50, 0);
+
 template <>
 ffi::Error GlobalNormOp::run<Cuda>(cudaStream_t stream, const Call& call) {
   NormChunkOp op;

@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "jaxfuse/op.h"
+#include "kernel_budget.cuh"
 
 namespace jaxfuse {
 

@@ -161,6 +161,11 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d) {
   return plan;
 }
 
+// Two blocks per SM (kMaxBlocksPerSm) cap the registers at 128.
+JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 0);
+JF_KERNEL_GAP("^decoder_kernel<", 128, 25, 1024,
+              "issue 40: spills at the 128-register cap, stack arrays in the stages");
+
 template <DType kT, DType kW>
 ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   int device = 0;

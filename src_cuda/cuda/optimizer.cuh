@@ -21,7 +21,7 @@ enum class ParamsMode { kPlain, kMaster, kRemainders };
 // OptimizerLists as compile-time constants. Device code reads only the scalars: the layout
 // object itself lives in host memory (--expt-relaxed-constexpr lets device code call its
 // constexpr members, but a call that is not folded at compile time reads the host object, which
-// nvcc compiles to a trap).
+// nvcc compiles to a trap). tools/kernel_report.py fails on any such trap.
 template <int kStates, ParamsMode kMode, bool kQuantized>
 struct StaticLists {
  private:
@@ -140,6 +140,16 @@ struct ChunkOp : MultiTensorOpBase {
     });
   }
 };
+
+// A step streams every byte once: its kernels must keep enough loads in flight (DESIGN.md).
+JF_KERNEL_BUDGET("\\bChunkOp<", 64, 50, 0);
+JF_KERNEL_GAP("\\bChunkOp<\\w+, float", 120, 25, 0,
+              "issue 39: dtypes dispatched at run time in the loop, loads behind the clip scale");
+JF_KERNEL_GAP("\\bChunkOp<\\w+, double", 168, 12, 0,
+              "issue 39: float64 math in registers, dtypes dispatched at run time");
+JF_KERNEL_GAP("\\bChunkOp<(Rmsprop, float, 1 states, master|Rmsprop, float, 2 states, plain|"
+              "Lion, float, 1 states, remainders, 8-bit|Sgd, float, 1 states, master, 8-bit)>",
+              64, 50, 32, "issue 39: registers spilled (4-16 B) in these instances");
 
 template <typename Family, typename Real, int kStates, ParamsMode kMode, bool kQuantized>
 ffi::Error launch(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {

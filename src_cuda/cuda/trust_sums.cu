@@ -21,6 +21,9 @@ __global__ void __launch_bounds__(kMultiTensorThreads)
 
 }  // namespace
 
+// One block per tensor over a few slots: any budget that keeps a block launchable.
+JF_KERNEL_BUDGET("^trust_finish_kernel$", 64, 50, 0);
+
 ffi::Error launch_finish(cudaStream_t stream, const TrustSum* partials, const ChunkStarts& starts,
                          int64_t num_tensors, uint32_t* sums) {
   return launch_kernel("the trust-sums finishing kernel", trust_finish_kernel,

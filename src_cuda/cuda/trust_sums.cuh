@@ -54,6 +54,13 @@ struct ChunkStarts {
 ffi::Error launch_finish(cudaStream_t stream, const TrustSum* partials, const ChunkStarts& starts,
                          int64_t num_tensors, uint32_t* sums);
 
+// The first pass streams the params and states like a step (the optimizer's budget).
+JF_KERNEL_BUDGET("\\bChunkSumOp<", 64, 50, 0);
+JF_KERNEL_GAP("\\bChunkSumOp<\\w+, float", 80, 37, 0,
+              "issue 39: dtypes dispatched at run time in the loop");
+JF_KERNEL_GAP("\\bChunkSumOp<\\w+, double", 128, 25, 0,
+              "issue 39: float64 math in registers, dtypes dispatched at run time");
+
 template <typename Family, typename Real, int kStates>
 ffi::Error launch(cudaStream_t stream, const typename TrustSumsOp<Family>::Call& call) {
   using Lists = cuda_optimizer::StaticLists<kStates, cuda_optimizer::ParamsMode::kPlain, false>;

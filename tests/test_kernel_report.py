@@ -1,0 +1,113 @@
+"""tools/kernel_report.py's judgement, on made-up instances (CI runs the report itself on the real
+CUDA module and on its planted bugs, which need nvcc): occupancy, traps, budgets and gaps."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "tools" / "kernel_report.py")
+kr = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kr)
+
+
+def instance(name="multi_tensor_kernel<4, ChunkOp<Adam, float, 2 states, plain>>", arch="sm_90",
+             registers=60, threads=256, shared=0, sass=()):
+  inst = kr.Instance("mangled", arch, name=name, registers=registers, threads=threads,
+                     shared=shared)
+  kr.analyse(inst, list(sass))
+  inst.occupancy = kr.occupancy(inst)
+  return inst
+
+
+@pytest.mark.parametrize("registers,threads,shared,expected", [
+    (32, 256, 0, 100.0),   # 8 blocks of 8 warps
+    (64, 256, 0, 50.0),    # 65536 / (64 * 32) = 32 warps
+    (72, 256, 0, 37.5),    # 72 * 32 = 2304 per warp: 28 warps, 3 whole blocks
+    (97, 256, 0, 25.0),    # the fp32 Adam kernel of the first GPU run
+    (128, 256, 42292, 25.0),
+    (32, 1024, 0, 100.0),
+    (32, 256, 100_000, 25.0),  # shared memory binds: 2 blocks of 8 warps on an H100
+])
+def test_occupancy(registers, threads, shared, expected):
+  assert instance(registers=registers, threads=threads, shared=shared).occupancy == expected
+
+
+def test_a100_has_less_shared_memory():
+  h100 = instance(arch="sm_90", registers=32, shared=100_000)
+  a100 = instance(arch="sm_80", registers=32, shared=100_000)
+  assert (h100.occupancy, a100.occupancy) == (25.0, 12.5)
+
+
+GRID_SYNC_GUARD = [
+    ((("/cuda/include/cooperative_groups.h", 179), ("/x/src_cuda/cuda/decoder.cu", 56)), True,
+     "BRA", None),
+    ((("/cuda/include/cooperative_groups.h", 180), ("/x/src_cuda/cuda/decoder.cu", 56)), False,
+     "BPT.TRAP", None),
+]
+HOST_OBJECT_READ = [
+    ((("/x/src_cuda/include/jaxfuse/optimizer.h", 83), ("/x/src_cuda/cuda/multi_tensor.cuh", 101)),
+     True, "BRA", None),
+    ((("/x/src_cuda/include/jaxfuse/optimizer.h", 83), ("/x/src_cuda/cuda/multi_tensor.cuh", 101)),
+     False, "BPT.TRAP", None),
+]
+
+
+def test_traps_and_accesses_are_read_from_the_sass():
+  sass = [((), False, "LDG.E.128", None), ((), True, "LDG.E.64", None), ((), False, "STG.E", None),
+          ((), False, "STL.64", None), ((), False, "LDL", None),
+          ((), False, "STL.128", "__cuda_sm3x_div_rn_noftz_f32_slowpath")] + GRID_SYNC_GUARD
+  inst = instance(sass=sass)
+  assert inst.loads == {128: 1, 64: 1} and inst.stores == {32: 1}
+  assert (inst.local_stores, inst.local_loads, inst.slow_path_local) == (8, 4, 16)
+  assert inst.local_instructions == 2
+  assert [guarded for guarded, _ in inst.traps] == [True]
+  assert [guarded for guarded, _ in instance(sass=HOST_OBJECT_READ).traps] == [False]
+
+
+def budget(registers=64, occupancy=50, local=0, reason="", pattern=r"\bChunkOp<"):
+  return kr.Budget(pattern, registers, occupancy, local, reason=reason, where="here")
+
+
+def test_budgets_gaps_and_failures():
+  budgets = [budget()]
+  ok = instance(registers=60)
+  kr.judge(ok, budgets, [])
+  assert ok.status == "ok"
+
+  heavy = instance(registers=97)  # 25% occupancy, over 64 registers
+  kr.judge(heavy, budgets, [])
+  assert heavy.status.startswith("FAIL") and "97 registers > 64" in heavy.status
+
+  gap = budget(120, 25, 0, reason="issue 39", pattern=r"\bChunkOp<\w+, float")
+  heavy = instance(registers=97)
+  kr.judge(heavy, budgets, [gap])
+  assert heavy.status.startswith("gap") and "issue 39" in heavy.status
+  assert gap.excused == {(heavy.name, "sm_90")}
+
+  spilling = instance(registers=97, sass=[((), False, "STL", None)])  # the gap allows no spills
+  kr.judge(spilling, budgets, [gap])
+  assert "local memory 4+0 B > 0 B (beyond its known gaps)" in spilling.status
+
+  trapped = instance(registers=60, sass=HOST_OBJECT_READ)
+  kr.judge(trapped, budgets, [gap])
+  assert "unguarded trap at optimizer.h:83 in multi_tensor.cuh:101" in trapped.status
+
+  guarded = instance(registers=60, sass=GRID_SYNC_GUARD)
+  kr.judge(guarded, budgets, [])
+  assert guarded.status == "ok"
+
+  orphan = instance(name="multi_tensor_kernel<1, NormChunkOp>")
+  kr.judge(orphan, budgets, [])
+  assert "matches 0 JF_KERNEL_BUDGET declarations" in orphan.status
+
+  unbounded = instance(threads=0)
+  kr.judge(unbounded, budgets, [])
+  assert "no __launch_bounds__" in unbounded.status
+
+
+def test_budgets_are_read_from_the_sources():
+  budgets, gaps = kr.read_budgets(kr.budget_sources("module.so"))
+  assert any(b.pattern == r"\bChunkOp<" and b.max_registers == 64 for b in budgets)
+  assert gaps and all(g.reason for g in gaps)

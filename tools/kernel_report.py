@@ -1,0 +1,555 @@
+"""The kernel report: what nvcc emitted for every CUDA kernel instance, against its budget.
+
+Reads a built CUDA module (the `_jaxfuse_cuda` extension, a wheel holding it, or a cubin) with
+CUDA's binary utilities: `cuobjdump -res-usage` for each instance's registers, stack, shared and
+local memory (ptxas's own numbers, stored in the cubin), `cuobjdump -elf` for its block size
+(`__launch_bounds__`), and `nvdisasm` for its SASS with the line table. One row per kernel
+instance and architecture: registers, spilled bytes (local-memory stores / loads in the kernel's
+own code, CUDA's division and reciprocal slow paths apart), stack, shared memory, block size,
+theoretical occupancy (sm_90 code on an H100, sm_80 code on an A100), global load and store
+widths, local-memory instructions and traps. It fails (exit status 1) on
+
+- any unguarded trap (nvcc compiles undefined behaviour, such as device code reading a host
+  object, into a trap; only cooperative groups' grid-sync guards, a branch around a trap in
+  CUDA's own headers, are allowed),
+- any instance over its budget: the JF_KERNEL_BUDGET / JF_KERNEL_GAP declarations beside the
+  launch code in src_cuda/cuda (kernel_budget.cuh says what they mean); known gaps print with
+  their reasons; a gap that excuses nothing, an instance without exactly one budget, a kernel
+  without __launch_bounds__ fail too.
+
+  python3 tools/kernel_report.py [MODULE.so | WHEEL.whl | FILE.cubin] [--markdown FILE]
+  python3 tools/kernel_report.py --controls     # the planted bugs must each make it fail
+
+Without a path it reads the installed jaxfuse's CUDA module. The utilities come from the PATH,
+from CUDA_HOME/bin, or from the pip packages nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm
+(installed into build/kernel-report-tools when none is found). c++filt (binutils) demangles.
+What it cannot know: timing, memory ordering, the device's rounding (docs/building.md).
+"""
+
+import argparse
+import dataclasses
+import glob
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import zipfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUDGET_SOURCES = os.path.join(ROOT, "src_cuda", "cuda")
+CONTROLS = os.path.join(ROOT, "tools", "kernel_report_controls")
+
+# The GPU each architecture's code is judged on, with what bounds its occupancy: warps, blocks,
+# registers (allocated per warp in units of 256) and shared memory (per SM, and 1 KiB the
+# runtime reserves per block).
+GPUS = {
+    "sm_90": dict(gpu="H100", warps=64, blocks=32, registers=65536, shared=233472),
+    "sm_80": dict(gpu="A100", warps=64, blocks=32, registers=65536, shared=167936),
+}
+RESERVED_SHARED = 1024
+SLOW_PATHS = re.compile(r"__cuda_sm\w*_(div|rcp|sqrt|rsqrt)\w*slowpath")
+
+
+# ---- the tools ----------------------------------------------------------------------------------
+
+TOOLS_DIR = os.path.join(ROOT, "build", "kernel-report-tools")
+TOOL_PACKAGES = ["nvidia-cuda-cuobjdump==13.*", "nvidia-cuda-nvdisasm==13.*"]
+
+
+def find_tool(name):
+  """cuobjdump / nvdisasm: on the PATH, in CUDA_HOME/bin, from the nvidia-cuda-* packages in this
+  Python or installed once into build/kernel-report-tools (CUDA 13's read CUDA 12's cubins too)."""
+  def candidates():
+    yield shutil.which(name)
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+      if os.environ.get(var):
+        yield os.path.join(os.environ[var], "bin", name)
+    for site in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], TOOLS_DIR):
+      yield from glob.glob(os.path.join(site, "nvidia", "cu*", "bin", name))
+
+  for attempt in range(2):
+    for c in candidates():
+      if c and os.access(c, os.X_OK):
+        return c
+    if attempt == 0:
+      print(f"kernel_report: {name} not found; pip install {' '.join(TOOL_PACKAGES)} into "
+            f"{os.path.relpath(TOOLS_DIR, ROOT)}", file=sys.stderr)
+      subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", TOOLS_DIR,
+                      *TOOL_PACKAGES], check=True)
+  sys.exit(f"kernel_report: {name} not found after installing {' '.join(TOOL_PACKAGES)}")
+
+
+def run(*cmd, cwd=None):
+  env = dict(os.environ)
+  # cuobjdump -sass and nvdisasm find each other on the PATH.
+  env["PATH"] = os.pathsep.join([os.path.dirname(cmd[0]), env.get("PATH", "")])
+  res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+  if res.returncode != 0:
+    sys.exit(f"kernel_report: {' '.join(cmd)} failed:\n{res.stderr}")
+  return res.stdout
+
+
+# ---- reading the binary -------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Instance:
+  mangled: str
+  arch: str
+  name: str = ""
+  registers: int = 0
+  stack: int = 0
+  shared: int = 0
+  threads: int = 0  # __launch_bounds__; 0: none declared
+  local_stores: int = 0  # bytes of local-memory stores in the kernel's own code (spills, arrays)
+  local_loads: int = 0
+  slow_path_local: int = 0  # bytes stored and loaded in CUDA's division / reciprocal slow paths
+  loads: dict = dataclasses.field(default_factory=dict)  # global load width (bits) -> count
+  stores: dict = dataclasses.field(default_factory=dict)
+  generic: int = 0  # LD / ST through generic addresses
+  local_instructions: int = 0
+  traps: list = dataclasses.field(default_factory=list)  # (guarded, where)
+  occupancy: float = 0.0
+  status: str = ""
+  failures: list = dataclasses.field(default_factory=list)
+
+
+def module_path(arg, workdir):
+  """The CUDA module (or cubin) to read: the argument, the one inside a wheel (extracted into
+  workdir), or the installed jaxfuse's."""
+  if arg is None:
+    import jaxfuse  # noqa: PLC0415  (only here: the report needs no jax otherwise)
+    found = glob.glob(os.path.join(os.path.dirname(jaxfuse.__file__), "_jaxfuse_cuda*.so"))
+    if not found:
+      sys.exit("kernel_report: the installed jaxfuse has no CUDA module (built without nvcc?)")
+    return found[0]
+  if arg.endswith(".whl"):
+    with zipfile.ZipFile(arg) as z:
+      names = [n for n in z.namelist() if re.search(r"/_jaxfuse_cuda[^/]*\.so$", n)]
+      if not names:
+        sys.exit(f"kernel_report: {arg} holds no CUDA module")
+      return z.extract(names[0], workdir)
+  return arg
+
+
+def extract_cubins(path, cuobjdump, workdir):
+  if path.endswith(".cubin"):
+    return [path]
+  os.makedirs(workdir)
+  run(cuobjdump, "-xelf", "all", os.path.abspath(path), cwd=workdir)
+  cubins = sorted(glob.glob(os.path.join(workdir, "*.cubin")))
+  if not cubins:
+    sys.exit(f"kernel_report: {path} holds no cubin (not built for sm_80 / sm_90?)")
+  return cubins
+
+
+def cubin_arch(cubin, elf_text):
+  m = re.search(r"EF_CUDA_(SM\d+)", elf_text) or re.search(r"\.(sm_\d+)\.cubin$", cubin)
+  return m.group(1).lower()
+
+
+def resource_usage(cuobjdump, cubin):
+  """mangled name -> dict of REG, STACK, SHARED (bytes), ... as ptxas stored them."""
+  out = {}
+  for m in re.finditer(r"Function (\S+):\s*\n\s*(REG:.*)", run(cuobjdump, "-res-usage", cubin)):
+    out[m.group(1)] = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", m.group(2))}
+  return out
+
+
+def kernel_threads(elf_text):
+  """mangled kernel name -> its __launch_bounds__ threads (0 without); only kernels have an entry."""
+  out = {}
+  for block in re.split(r"\n(?=\.nv\.info\.)", elf_text):
+    m = re.match(r"\.nv\.info\.(\S+)", block)
+    if not m:
+      continue
+    t = re.search(r"EIATTR_MAX_THREADS\s*\n\s*Format:\s*\S+\s*\n\s*Value:\s*(0x[0-9a-f]+)", block)
+    out[m.group(1)] = int(t.group(1), 16) if t else 0
+  return out
+
+
+INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)(.*?);")
+WIDTH = {"U8": 8, "S8": 8, "U16": 16, "S16": 16, "64": 64, "128": 128}
+
+
+def access_width(opcode):
+  for part in reversed(opcode.split(".")[1:]):
+    if part in WIDTH:
+      return WIDTH[part]
+  return 32
+
+
+def read_sass(nvdisasm, cubin):
+  """mangled name -> [(line_info, predicated, opcode, subroutine)] of its .text section."""
+  text = run(nvdisasm, "-c", "-gi", cubin)
+  functions = {}
+  current = None
+  subroutine = None
+  where = []
+  for line in text.splitlines():
+    m = re.match(r"\s*\.section\s+\.text\.([^,\s]+)", line)
+    if m:
+      current, subroutine, where = functions.setdefault(m.group(1), []), None, []
+      continue
+    if current is None:
+      continue
+    m = re.match(r"^(\$__internal_\d+_\$(\S+)):", line)
+    if m:
+      subroutine = m.group(2)
+      continue
+    m = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
+    if m:
+      where.append((m.group(1), int(m.group(2))))
+      continue
+    m = INSTRUCTION.search(line)
+    if m:
+      current.append((tuple(where), bool(m.group(1)), m.group(2), subroutine))
+      where = []
+  return functions
+
+
+def analyse(inst, sass):
+  """Fills the SASS columns of one instance."""
+  previous = None
+  for where, predicated, opcode, subroutine in sass:
+    base = opcode.split(".")[0]
+    if base in ("LDL", "STL"):
+      nbytes = access_width(opcode) // 8
+      if subroutine and SLOW_PATHS.search(subroutine):
+        inst.slow_path_local += nbytes
+      else:
+        inst.local_instructions += 1
+        if base == "STL":
+          inst.local_stores += nbytes
+        else:
+          inst.local_loads += nbytes
+    elif base == "LDG":
+      w = access_width(opcode)
+      inst.loads[w] = inst.loads.get(w, 0) + 1
+    elif base == "STG":
+      w = access_width(opcode)
+      inst.stores[w] = inst.stores.get(w, 0) + 1
+    elif base in ("LD", "ST"):
+      inst.generic += 1
+    elif opcode.startswith("BPT.TRAP"):
+      inner = where[0] if where else ("?", 0)
+      outer = next((w for w in reversed(where) if "/src_cuda/" in w[0] or "/tools/" in w[0]), inner)
+      guard = (not predicated and previous is not None and previous[1]
+               and previous[2].startswith("BRA") and "cooperative_groups" in inner[0])
+      inst.traps.append((guard, f"{os.path.basename(inner[0])}:{inner[1]}"
+                         + (f" in {os.path.basename(outer[0])}:{outer[1]}" if outer != inner else "")))
+    previous = (where, predicated, opcode)
+
+
+def occupancy(inst):
+  """Theoretical occupancy, as the CUDA occupancy calculator computes it."""
+  gpu = GPUS.get(inst.arch)
+  if gpu is None or inst.threads == 0:
+    return 0.0
+  warps = math.ceil(inst.threads / 32)
+  per_warp = math.ceil(max(inst.registers, 1) * 32 / 256) * 256
+  by_registers = (gpu["registers"] // per_warp) // warps
+  by_shared = gpu["shared"] // (inst.shared + RESERVED_SHARED)
+  blocks = min(gpu["blocks"], gpu["warps"] // warps, by_registers, by_shared)
+  return 100.0 * blocks * warps / gpu["warps"]
+
+
+# ---- names ----------------------------------------------------------------------------------
+
+DTYPES = ["f32", "bf16", "f16", "f64", "i16", "i8", "u8", "f8e4m3"]  # dtype.h's DType order
+PARAMS_MODES = ["plain", "master", "remainders"]
+
+
+def short_names(mangled):
+  """Demangled names without namespaces, argument lists or enum casts."""
+  out = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True,
+                       check=True).stdout.splitlines()
+  names = {}
+  for m, d in zip(mangled, out):
+    s = re.sub(r"^void ", "", d)
+    s = re.sub(r"\(anonymous namespace\)::|\bjaxfuse::|\bcuda_\w+::", "", s)
+    depth, cut = 0, len(s)
+    for i, ch in enumerate(s):  # drop the argument list: the first '(' at template depth 0
+      if ch == "<":
+        depth += 1
+      elif ch == ">":
+        depth -= 1
+      elif ch == "(" and depth == 0:
+        cut = i
+        break
+    s = s[:cut]
+    s = re.sub(r"\(ParamsMode\)(\d)", lambda x: PARAMS_MODES[int(x.group(1))], s)
+    s = re.sub(r"\(DType\)(\d)", lambda x: DTYPES[int(x.group(1))], s)
+    s = re.sub(r"StaticLists<(\d), (\w+), (true|false)>",
+               lambda x: f"{x.group(1)} states, {x.group(2)}{', 8-bit' if x.group(3) == 'true' else ''}",
+               s)
+    names[m] = s.replace(" >", ">")
+  return names
+
+
+# ---- budgets --------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Budget:
+  pattern: str
+  max_registers: int
+  min_occupancy: int
+  max_local_bytes: int
+  reason: str = ""  # a known gap's
+  where: str = ""
+  excused: set = dataclasses.field(default_factory=set)  # (name, arch) it lets pass
+
+
+def macro_args(text, start):
+  """The top-level arguments of the macro call whose '(' is at text[start]."""
+  args, depth, current, i = [], 0, "", start
+  while i < len(text):
+    ch = text[i]
+    if ch == '"':
+      end = text.index('"', i + 1)
+      while text[end - 1] == "\\":
+        end = text.index('"', end + 1)
+      current += text[i:end + 1]
+      i = end + 1
+      continue
+    if ch == "(":
+      depth += 1
+      if depth == 1:
+        i += 1
+        continue
+    elif ch == ")":
+      depth -= 1
+      if depth == 0:
+        args.append(current.strip())
+        return args
+    elif ch == "," and depth == 1:
+      args.append(current.strip())
+      current = ""
+      i += 1
+      continue
+    current += ch
+    i += 1
+  raise ValueError("unbalanced macro call")
+
+
+def string_value(arg):
+  parts = re.findall(r'"((?:[^"\\]|\\.)*)"', arg)
+  if not parts:
+    raise ValueError(f"expected a string literal, found {arg!r}")
+  return "".join(parts).replace('\\"', '"').replace("\\\\", "\\")
+
+
+def read_budgets(paths):
+  budgets, gaps = [], []
+  for path in paths:
+    text = open(path).read()
+    for m in re.finditer(r"^\s*JF_KERNEL_(BUDGET|GAP)\s*(?=\()", text, re.M):
+      args = macro_args(text, m.end())
+      where = f"{os.path.relpath(path, ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+      want = 4 if m.group(1) == "BUDGET" else 5
+      if len(args) != want:
+        sys.exit(f"kernel_report: {where}: JF_KERNEL_{m.group(1)} takes {want} arguments")
+      b = Budget(string_value(args[0]), *(int(a) for a in args[1:4]), where=where)
+      re.compile(b.pattern)
+      if m.group(1) == "GAP":
+        b.reason = string_value(args[4])
+        gaps.append(b)
+      else:
+        budgets.append(b)
+  return budgets, gaps
+
+
+def budget_sources(module):
+  if module.endswith(".cubin"):  # a control: its budget is in its own source beside it
+    source = re.sub(r"\.sm_\d+\.cubin$", ".cu", module)
+    return [source] if os.path.exists(source) else []
+  return sorted(glob.glob(os.path.join(BUDGET_SOURCES, "*.cu*")))
+
+
+RESOURCES = ("registers", "occupancy", "local memory")
+
+
+def excess(inst, b):
+  """{resource: what} for each limit of budget (or gap) b that instance inst exceeds."""
+  out = {}
+  if inst.registers > b.max_registers:
+    out["registers"] = f"{inst.registers} registers > {b.max_registers}"
+  if inst.occupancy + 1e-9 < b.min_occupancy:
+    out["occupancy"] = f"occupancy {inst.occupancy:.1f}% < {b.min_occupancy}%"
+  if inst.local_stores + inst.local_loads > b.max_local_bytes:
+    out["local memory"] = (f"local memory {inst.local_stores}+{inst.local_loads} B > "
+                           f"{b.max_local_bytes} B")
+  return out
+
+
+def judge(inst, budgets, gaps):
+  """Sets inst.status: ok, gap (over its budget, within the known gaps that match it), FAIL."""
+  unguarded = [w for guarded, w in inst.traps if not guarded]
+  if unguarded:
+    inst.failures.append(f"unguarded trap at {', '.join(unguarded)}")
+  if inst.threads == 0:
+    inst.failures.append("no __launch_bounds__: its block size is unknown")
+  mine = [b for b in budgets if re.search(b.pattern, inst.name)]
+  if len(mine) != 1:
+    inst.failures.append(f"matches {len(mine)} JF_KERNEL_BUDGET declarations, not one"
+                         + (f" ({', '.join(b.where for b in mine)})" if mine else ""))
+  else:
+    # A gap relaxes the resources in which it is looser than the budget; several may match.
+    my_gaps = [g for g in gaps if re.search(g.pattern, inst.name)]
+    excused = []
+    for resource, what in excess(inst, mine[0]).items():
+      relaxing = [g for g in my_gaps if resource not in excess(inst, g)]
+      if relaxing:
+        relaxing[0].excused.add((inst.name, inst.arch))
+        excused.append(f"{what} ({relaxing[0].reason})")
+      else:
+        inst.failures.append(what + (" (beyond its known gaps)" if my_gaps else ""))
+    if excused and not inst.failures:
+      inst.status = "gap: " + "; ".join(excused)
+  inst.status = ("FAIL: " + "; ".join(inst.failures)) if inst.failures else (inst.status or "ok")
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+def widths(counts):
+  return " ".join(f"{w}:{counts[w]}" for w in sorted(counts, reverse=True)) or "-"
+
+
+def table(instances):
+  rows = ["| kernel | arch | regs | local st/ld B | stack B | shared B | block | occupancy | "
+          "global loads (bits:count) | global stores | local instrs | traps | status |",
+          "|---|---|--:|--:|--:|--:|--:|--:|---|---|--:|---|---|"]
+  for i in instances:
+    spill = f"{i.local_stores}/{i.local_loads}"
+    if i.slow_path_local:
+      spill += f" (+{i.slow_path_local} slow path)"
+    traps = "; ".join(("guarded " if g else "UNGUARDED ") + w for g, w in i.traps) or "-"
+    gpu = GPUS.get(i.arch, {}).get("gpu", "?")
+    generic = f" (+{i.generic} generic)" if i.generic else ""
+    rows.append(f"| `{i.name}` | {i.arch} | {i.registers} | {spill} | {i.stack} | {i.shared} | "
+                f"{i.threads or '?'} | {i.occupancy:.0f}% {gpu} | {widths(i.loads)}{generic} | "
+                f"{widths(i.stores)} | {i.local_instructions} | {traps} | {i.status} |")
+  return "\n".join(rows)
+
+
+def report(path):
+  """Reads, judges and returns (instances, budget problems) for one module or cubin."""
+  cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
+  instances = []
+  with tempfile.TemporaryDirectory(prefix="kernel_report_") as work:
+    module = module_path(path, work)
+    budgets, gaps = read_budgets(budget_sources(module))
+    for cubin in extract_cubins(module, cuobjdump, os.path.join(work, "cubins")):
+      elf = run(cuobjdump, "-elf", cubin)
+      arch = cubin_arch(cubin, elf)
+      usage = resource_usage(cuobjdump, cubin)
+      threads = kernel_threads(elf)
+      sass = read_sass(nvdisasm, cubin)
+      for mangled, t in threads.items():
+        u = usage.get(mangled, {})
+        inst = Instance(mangled, arch, registers=u.get("REG", 0), stack=u.get("STACK", 0),
+                        shared=u.get("SHARED", 0), threads=t)
+        analyse(inst, sass.get(mangled, []))
+        inst.occupancy = occupancy(inst)
+        instances.append(inst)
+  names = short_names([i.mangled for i in instances])
+  for i in instances:
+    i.name = names[i.mangled]
+    judge(i, budgets, gaps)
+  instances.sort(key=lambda i: (i.name, i.arch))
+  problems = [f"{g.where}: the known gap {g.pattern!r} excuses no instance: remove it"
+              for g in gaps if not g.excused]
+  if not instances:
+    problems.append(f"{module}: no kernels found")
+  return module, instances, gaps, problems
+
+
+def summary(module, instances, gaps, problems):
+  failed = [i for i in instances if i.status.startswith("FAIL")]
+  lines = [f"{len(instances)} kernel instances in {os.path.basename(module)}: "
+           f"{sum(i.status == 'ok' for i in instances)} within budget, "
+           f"{sum(i.status.startswith('gap') for i in instances)} in known gaps, {len(failed)} failing; "
+           f"{sum(not g for i in instances for g, _ in i.traps)} unguarded traps, "
+           f"{sum(g for i in instances for g, _ in i.traps)} guarded (grid-sync guards)"]
+  for g in gaps:
+    if g.excused:
+      lines.append(f"known gap ({g.where}), {len(g.excused)} instances: {g.reason}")
+  lines += [f"FAIL {i.name} [{i.arch}]: {'; '.join(i.failures)}" for i in failed]
+  lines += [f"FAIL {p}" for p in problems]
+  return "\n".join(lines)
+
+
+def compile_control(source, workdir):
+  """A control's cubin, compiled for sm_90 with the flags CMakeLists.txt gives the CUDA module."""
+  import jax  # noqa: PLC0415
+  nvcc = shutil.which("nvcc") or sys.exit("kernel_report --controls: needs nvcc on the PATH")
+  name = os.path.splitext(os.path.basename(source))[0]
+  cubin = os.path.join(workdir, f"{name}.sm_90.cubin")
+  subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
+                  "-lineinfo", "-I", os.path.join(ROOT, "src_cuda", "include"),
+                  "-I", os.path.join(ROOT, "src_cuda", "cuda"), "-isystem", jax.ffi.include_dir(),
+                  "-o", cubin, source], check=True)
+  shutil.copy(source, os.path.join(workdir, f"{name}.cu"))  # its budget, read beside the cubin
+  return cubin
+
+
+def controls():
+  """Each planted bug (tools/kernel_report_controls/*.cu, its expected failure in its first
+  line) must make the report fail with that failure."""
+  sources = sorted(glob.glob(os.path.join(CONTROLS, "*.cu")))
+  caught = 0
+  with tempfile.TemporaryDirectory(prefix="kernel_report_controls_") as work:
+    for source in sources:
+      expect = re.match(r"// expect: (.*)", open(source).readline()).group(1).strip()
+      module, instances, gaps, problems = report(compile_control(source, work))
+      failures = [f for i in instances for f in i.failures] + problems
+      hit = [f for f in failures if expect in f]
+      print(f"control {os.path.basename(source)}: "
+            + (f"caught ({hit[0]})" if hit else f"NOT CAUGHT (expected '{expect}', got {failures})"))
+      caught += bool(hit)
+  print(f"{caught} of {len(sources)} planted bugs caught")
+  return caught == len(sources) and caught > 0
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("module", nargs="?", help="_jaxfuse_cuda*.so, a wheel or a cubin "
+                      "(default: the installed jaxfuse's)")
+  parser.add_argument("--markdown", help="also write the table, with the command, to this file")
+  parser.add_argument("--controls", action="store_true",
+                      help="compile the planted bugs and check that each makes the report fail")
+  args = parser.parse_args()
+  if args.controls:
+    sys.exit(0 if controls() else 1)
+  module, instances, gaps, problems = report(args.module)
+  text = table(instances)
+  result = summary(module, instances, gaps, problems)
+  print(text)
+  print()
+  print(result)
+  if args.markdown:
+    with open(args.markdown, "w") as f:
+      f.write(MARKDOWN_HEADER.format(module=os.path.basename(module)) + text + "\n\n```\n"
+              + result + "\n```\n")
+  failed = problems or any(i.status.startswith("FAIL") for i in instances)
+  sys.exit(1 if failed else 0)
+
+
+MARKDOWN_HEADER = """\
+# Kernel report
+
+Generated by `python3 tools/kernel_report.py --markdown docs/kernel_report.md` from {module}
+(what it reads, what it checks and what it cannot know: [building.md](building.md#the-kernel-report)).
+One row per kernel instance and architecture; occupancy is theoretical (sm_90 code on an H100,
+sm_80 code on an A100, at the block size of the kernel's `__launch_bounds__`); spills are the
+bytes of local-memory stores / loads in the kernel's own code (CUDA's division and reciprocal
+slow paths, run only for special operands, apart); a trap is guarded when it is cooperative
+groups' grid-sync check, branched around.
+
+"""
+
+if __name__ == "__main__":
+  main()
