@@ -8,7 +8,8 @@
 # tests/test_readme.py, tests/test_build.py, tests/test_report.py, tests/test_sharding.py,
 # tests/test_kernel_report.py and the
 # optimizer families' own files (test_sgd, test_lion, test_rmsprop, test_adagrad,
-# test_trust_ratio, test_precision, test_moments8).
+# test_trust_ratio, test_precision, test_moments8), tests/test_fused.py and most of
+# tests/test_quantize.py's reference matrix.
 # Exit status 0 when every test passes with no sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
 set -euo pipefail
@@ -39,6 +40,9 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # Of tests/test_quantize.py's kernel-against-reference matrix only the split cases run here: the
 # int8 / fp8 decoder handlers run under this build in tools/cuda_on_cpu.sh (every kernel instance,
 # against the emulated CUDA ones), and the matrix is most of this pass's time under ASan.
+# tests/test_fused.py composes the in-place step (chains, gradient accumulation, skips) from the
+# handler calls test_adam.py and test_clip.py make here, and tools/cuda_on_cpu.sh steps
+# fused_step in every mode under this build.
 if [ $# -eq 0 ]; then
   set -- tests -n auto -m "not slow" --ignore=tests/test_cuda_on_cpu.py \
     --ignore=tests/test_dtypes.py \
@@ -48,7 +52,7 @@ if [ $# -eq 0 ]; then
     --ignore=tests/test_sharding.py --ignore=tests/test_kernel_report.py \
     --ignore=tests/test_sgd.py --ignore=tests/test_lion.py --ignore=tests/test_rmsprop.py \
     --ignore=tests/test_adagrad.py --ignore=tests/test_trust_ratio.py \
-    --ignore=tests/test_precision.py --ignore=tests/test_moments8.py \
+    --ignore=tests/test_precision.py --ignore=tests/test_moments8.py --ignore=tests/test_fused.py \
     -k "not (test_kernel_matches_reference and not splits)"
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"
