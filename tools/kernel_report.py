@@ -373,9 +373,6 @@ def budget_sources(module):
   return sorted(glob.glob(os.path.join(BUDGET_SOURCES, "*.cu*")))
 
 
-RESOURCES = ("registers", "occupancy", "local memory")
-
-
 def excess(inst, b):
   """{resource: what} for each limit of budget (or gap) b that instance inst exceeds."""
   out = {}
@@ -440,7 +437,8 @@ def table(instances):
 
 
 def report(path):
-  """Reads, judges and returns (instances, budget problems) for one module or cubin."""
+  """Reads and judges one module or cubin: (its path, the instances, the known gaps, problems
+  with the budgets themselves)."""
   cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
   instances = []
   with tempfile.TemporaryDirectory(prefix="kernel_report_") as work:
@@ -487,7 +485,8 @@ def summary(module, instances, gaps, problems):
 
 
 def compile_control(source, workdir):
-  """A control's cubin, compiled for sm_90 with the flags CMakeLists.txt gives the CUDA module."""
+  """A control's cubin for sm_90, with the CUDA module's language flags (CMakeLists.txt:
+  -O3, C++17, --expt-relaxed-constexpr, -lineinfo) and include paths."""
   import jax  # noqa: PLC0415
   nvcc = shutil.which("nvcc") or sys.exit("kernel_report --controls: needs nvcc on the PATH")
   name = os.path.splitext(os.path.basename(source))[0]
