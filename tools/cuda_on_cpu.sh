@@ -23,10 +23,11 @@ STAGES="${STAGES:-driver emu}"
 BUILD=build/dev-sanitize        # shared with tools/sanitize.sh
 SMALL=build/dev-cuda-on-cpu-small
 SMALL_DEFINES="JAXFUSE_MT_CHUNK=128;JAXFUSE_MT_TABLE_BYTES=600;JAXFUSE_MT_MAX_SLICE_CHUNKS=3"
-# The builds that run no quantized decoder (the small one, the controls') leave its int8 / fp8
-# kernels out: two thirds of decoder.cu's compile time each.
+# The small build holds the ops whose checks run on it (the emu stage's selection below).
+SMALL_SOURCES="adam;sgd;clip;lamb;lars;trust_sums"
+# The controls' build runs no quantized decoder: its int8 / fp8 kernels are left out, two thirds
+# of decoder.cu's compile time.
 UNQUANTIZED_DECODER="JAXFUSE_DECODER_QUANTIZED_KERNELS=0"
-SMALL_DEFINES="$SMALL_DEFINES;$UNQUANTIZED_DECODER"
 EMU_TARGETS="_jaxfuse_cuda_on_cpu cuda_on_cpu_multi_tensor_test"
 has_stage() { [[ " $STAGES " == *" $1 "* ]]; }
 t0=$(date +%s)
@@ -35,7 +36,8 @@ stamp() { echo "== cuda_on_cpu [$(( $(date +%s) - t0 ))s]: $*"; }
 stamp "build (default constants: $BUILD)"
 dev_build "$BUILD" .
 stamp "build (small tables, chunks and slices: $SMALL)"
-DEV_TARGETS="$EMU_TARGETS" dev_build "$SMALL" . "-DJAXFUSE_CUDA_ON_CPU_DEFINES=$SMALL_DEFINES"
+DEV_TARGETS="$EMU_TARGETS" dev_build "$SMALL" . "-DJAXFUSE_CUDA_ON_CPU_DEFINES=$SMALL_DEFINES" \
+  "-DJAXFUSE_CUDA_ON_CPU_SOURCES=$SMALL_SOURCES"
 cp "$BUILD"/_jaxfuse_cpu.*.so "$SMALL"/  # the CPU handlers to compare against
 
 emu_tests() {  # BUILD_DIR [pytest args]: tests/test_cuda_on_cpu.py against that build
@@ -62,7 +64,8 @@ if has_stage emu; then
   # depend on the grid, so each case's shuffled launch covers this build (the default build runs
   # each on two of the four launch shapes, in-order and shuffled). SGD, Adagrad, Lion and RMSprop
   # are element functors on the driver whose tables, chunks and slices Adam's cases (up to five
-  # tensor lists, mixed dtypes) cross here; the default build runs them.
+  # tensor lists, mixed dtypes) cross here; the default build runs them (SGD's stochastic
+  # rounding runs here too: SMALL_SOURCES).
   emu_tests "$SMALL" \
     -k "not decoder and not sgd_adagrad and not lion_rmsprop and (shuffled or grid16x1)"
 fi

@@ -3,7 +3,8 @@
 
 # Configures and builds in $1 from source root $2; any further arguments go to CMake.
 # Sanitizers (ASan + UBSan) and a Debug build with asserts on (at -O1, for speed; line tables
-# only, -g1, which is what a sanitizer's stack trace shows, at less compile time) always; the
+# only, -g1, which is what a sanitizer's stack trace shows, at less compile time; the CPU
+# handlers' hot loops for this machine's ISA only: CMakeLists.txt, JAXFUSE_SANITIZE) always; the
 # CUDA sources are compiled for the host as well (tools/cuda_on_cpu), with nvcc or without.
 dev_build() {
   local dir="$1" src="$2"; shift 2

@@ -17,10 +17,15 @@
 
 // CPU hot loops are compiled for several x86 ISA levels and picked at load time (ifunc), so one
 // wheel runs everywhere and still uses AVX2 / AVX-512 where the machine has them, as XLA's own
-// code does.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+// code does. A sanitizer build (JAXFUSE_CPU_ONE_ISA, with -march=native) compiles them once,
+// for the machine it runs on: the one version a release build would pick there, and the only
+// one its checks could run.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && \
+    !defined(JAXFUSE_CPU_ONE_ISA)
+#define JF_CPU_ISA_VERSIONS 1
 #define JF_CPU_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
+#define JF_CPU_ISA_VERSIONS 0
 #define JF_CPU_MULTIVERSION
 #endif
 

@@ -373,7 +373,7 @@ template <typename V>
 // storage `dtype`. One version per ISA level, picked at load time: 512-bit vectors where
 // AVX-512 has them (half the instructions per multiply-add, and 32 registers for the
 // accumulators), 256-bit ones otherwise.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__)
+#if JF_CPU_ISA_VERSIONS
 __attribute__((target("default"))) void gemv_pass_for_isa(
     int64_t rows, const float* a, int64_t lda, const void* W, DType dtype, int64_t K, int64_t N,
     int64_t n0, int64_t len, float* y, int64_t ldy) {
@@ -389,10 +389,14 @@ __attribute__((target("avx512f"))) void gemv_pass_for_isa(
     int64_t n0, int64_t len, float* y, int64_t ldy) {
   gemv_pass_as<F32x16>(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
 }
-#else
+#else  // one version, for the ISA this compile targets
 void gemv_pass_for_isa(int64_t rows, const float* a, int64_t lda, const void* W, DType dtype,
                        int64_t K, int64_t N, int64_t n0, int64_t len, float* y, int64_t ldy) {
+#ifdef __AVX512F__
+  gemv_pass_as<F32x16>(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
+#else
   gemv_pass_as<F32x8>(rows, a, lda, W, dtype, K, N, n0, len, y, ldy);
+#endif
 }
 #endif
 
