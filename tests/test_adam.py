@@ -1,6 +1,5 @@
 """jaxfuse.adam / adamw and fused_step against optax, on fresh random pytrees."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
