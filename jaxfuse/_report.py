@@ -234,8 +234,8 @@ def _operand_arrays(module: _hlo.Module, ins: _hlo.Instruction) -> list[_hlo.Arr
   return [shape[0] for shape in module.operand_shapes(ins)]
 
 
-def _buffer(a: _hlo.Array) -> tuple[list[int], int, bool]:
-  return list(a.dims), a.element_bytes, a.complex
+def _buffer(a: _hlo.Array) -> tuple[list[int], int, bool, str]:
+  return list(a.dims), a.element_bytes, a.complex, a.element_type
 
 
 def _int_attrs(config: Optional[str]) -> dict[str, int]:

@@ -70,13 +70,13 @@ nb::dict to_dict(const Contract& contract) {
   return out;
 }
 
-// One buffer per entry of `buffers`: (dims, bytes per element, complex).
+// One buffer per entry of `buffers`: (dims, bytes per element, complex, HLO element type).
 std::vector<CallShape::Buffer> to_buffers(const nb::list& buffers) {
   std::vector<CallShape::Buffer> out;
   for (nb::handle b : buffers) {
-    auto [dims, element_bytes, complex] =
-        nb::cast<std::tuple<std::vector<int64_t>, int64_t, bool>>(b);
-    out.push_back({dims, element_bytes, complex});
+    auto [dims, element_bytes, complex, element_type] =
+        nb::cast<std::tuple<std::vector<int64_t>, int64_t, bool, std::string>>(b);
+    out.push_back({dims, element_bytes, complex, element_type});
   }
   return out;
 }

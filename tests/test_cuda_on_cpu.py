@@ -490,6 +490,10 @@ def precision_case(mode):
       "remainder_skip": lambda: jaxfuse.adamw(3e-3, master_weights="remainder",
                                               skip_nonfinite=True, nu_dtype=jnp.bfloat16),
       "nu_bf16": lambda: jaxfuse.adamw(3e-3, nu_dtype=jnp.bfloat16, mu_dtype=jnp.float16),
+      # fp32 params with bf16 moments: the signature kernel of its own (f16 leaves: the table's)
+      "moments_bf16": lambda: jaxfuse.adamw(3e-3, nu_dtype=jnp.bfloat16, mu_dtype=jnp.bfloat16),
+      # bf16 params' 8-bit momentum loads few bytes per group: two groups in flight per thread
+      "moments8_sgd": lambda: sgd(3e-2, momentum=0.9, moment_bits=8),
       "moments8": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1, moment_bits=8),
       "moments8_master": lambda: jaxfuse.adamw(3e-3, moment_bits=8, master_weights=True,
                                                skip_nonfinite=True),
@@ -507,7 +511,8 @@ def precision_case(mode):
 
 @pytest.mark.parametrize("mode,launch", on_two_launches(
     [(m,) for m in ("stochastic", "stochastic_sgd", "remainder", "remainder_skip", "nu_bf16",
-                    "moments8", "moments8_master")]), indirect=["launch"])
+                    "moments_bf16", "moments8", "moments8_master", "moments8_sgd")]),
+    indirect=["launch"])
 def test_precision_modes_bitwise(mode, launch):
   """Stochastic rounding's bits come from each element's index in its tensor (also across the
   slices a huge tensor is split into), remainders are integer words, and 8-bit moments' block

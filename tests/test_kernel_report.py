@@ -42,22 +42,23 @@ def test_a100_has_less_shared_memory():
 
 GRID_SYNC_GUARD = [
     ((("/cuda/include/cooperative_groups.h", 179), ("/x/src_cuda/cuda/decoder.cu", 56)), True,
-     "BRA", None),
+     "BRA", None, ""),
     ((("/cuda/include/cooperative_groups.h", 180), ("/x/src_cuda/cuda/decoder.cu", 56)), False,
-     "BPT.TRAP", None),
+     "BPT.TRAP", None, ""),
 ]
 HOST_OBJECT_READ = [
     ((("/x/src_cuda/include/jaxfuse/optimizer.h", 83), ("/x/src_cuda/cuda/multi_tensor.cuh", 101)),
-     True, "BRA", None),
+     True, "BRA", None, ""),
     ((("/x/src_cuda/include/jaxfuse/optimizer.h", 83), ("/x/src_cuda/cuda/multi_tensor.cuh", 101)),
-     False, "BPT.TRAP", None),
+     False, "BPT.TRAP", None, ""),
 ]
 
 
 def test_traps_and_accesses_are_read_from_the_sass():
-  sass = [((), False, "LDG.E.128", None), ((), True, "LDG.E.64", None), ((), False, "STG.E", None),
-          ((), False, "STL.64", None), ((), False, "LDL", None),
-          ((), False, "STL.128", "__cuda_sm3x_div_rn_noftz_f32_slowpath")] + GRID_SYNC_GUARD
+  sass = [((), False, "LDG.E.128", None, ""), ((), True, "LDG.E.64", None, ""),
+          ((), False, "STG.E", None, ""), ((), False, "STL.64", None, ""),
+          ((), False, "LDL", None, ""),
+          ((), False, "STL.128", "__cuda_sm3x_div_rn_noftz_f32_slowpath", "")] + GRID_SYNC_GUARD
   inst = instance(sass=sass)
   assert inst.loads == {128: 1, 64: 1} and inst.stores == {32: 1}
   assert (inst.local_stores, inst.local_loads, inst.slow_path_local) == (8, 4, 16)
@@ -86,7 +87,7 @@ def test_budgets_gaps_and_failures():
   assert heavy.status.startswith("gap") and "issue 39" in heavy.status
   assert gap.excused == {(heavy.name, "sm_90")}
 
-  spilling = instance(registers=97, sass=[((), False, "STL", None)])  # the gap allows no spills
+  spilling = instance(registers=97, sass=[((), False, "STL", None, "")])  # the gap allows no spills
   kr.judge(spilling, budgets, [gap])
   assert "local memory 4+0 B > 0 B (beyond its known gaps)" in spilling.status
 
@@ -108,6 +109,29 @@ def test_budgets_gaps_and_failures():
 
 
 def test_budgets_are_read_from_the_sources():
-  budgets, gaps = kr.read_budgets(kr.budget_sources("module.so"))
-  assert any(b.pattern == r"\bChunkOp<" and b.max_registers == 64 for b in budgets)
+  budgets, gaps, floors = kr.read_budgets(kr.budget_sources("module.so"))
+  fixed = [b for b in budgets if b.pattern.startswith(r"\bChunkOp<") and b.pattern.endswith("params")]
+  assert fixed and fixed[0].max_registers == 64 and fixed[0].min_occupancy == 50
   assert gaps and all(g.reason for g in gaps)
+
+
+def sass_of(*lines):
+  """Made-up SASS: (opcode, operands) per instruction."""
+  return [((), False, opcode, None, operands) for opcode, operands in lines]
+
+
+def test_loads_in_flight_counts_arrays_loaded_before_any_is_read():
+  together = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("LDG.E.128", "R8, desc[UR6][R12.64]"),
+                     ("LDG.E.128", "R16, desc[UR6][R2.64+0x1000]"),  # R2's array again
+                     ("FADD", "R20, R4, R8"), ("LDG.E.64", "R22, desc[UR6][R14.64]"))
+  assert instance(sass=together).loads_in_flight == 2
+  serial = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("FSETP.GT.AND", "P0, PT, R4, RZ, PT"),
+                   ("LDG.E.128", "R8, desc[UR6][R12.64]"))
+  assert instance(sass=serial).loads_in_flight == 1
+  branch = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("BRA", "0x100"),
+                   ("LDG.E.128", "R8, desc[UR6][R12.64]"))
+  assert instance(sass=branch).loads_in_flight == 1
+  floor = kr.LoadsFloor(r"ChunkOp<", 2)
+  inst = instance(sass=serial)
+  kr.judge(inst, [kr.Budget(r"ChunkOp<", 64, 50, 0)], [], [floor])
+  assert "1 arrays loaded in flight < 2" in inst.status

@@ -112,6 +112,7 @@ class Instance:
   loads: dict = dataclasses.field(default_factory=dict)  # global load width (bits) -> count
   stores: dict = dataclasses.field(default_factory=dict)
   generic: int = 0  # LD / ST through generic addresses
+  loads_in_flight: int = 0  # most arrays loaded from in a straight run before a load is read
   local_instructions: int = 0
   traps: list = dataclasses.field(default_factory=list)  # (guarded, where)
   occupancy: float = 0.0
@@ -184,7 +185,8 @@ def access_width(opcode):
 
 
 def read_sass(nvdisasm, cubin):
-  """mangled name -> [(where, predicated, opcode, subroutine)] of its .text section; `where` is
+  """mangled name -> [(where, predicated, opcode, subroutine, operands)] of its .text section;
+  `where` is
   the instruction's source line, innermost inlined function first (nvdisasm prints it where it
   changes: it holds until the next)."""
   text = run(nvdisasm, "-c", "-gi", cubin)
@@ -211,15 +213,44 @@ def read_sass(nvdisasm, cubin):
     if m:
       if pending:
         where, pending = tuple(pending), []
-      current.append((where, bool(m.group(1)), m.group(2), subroutine))
+      current.append((where, bool(m.group(1)), m.group(2), subroutine, m.group(3).strip()))
   return functions
+
+
+REGISTER = re.compile(r"\bR(\d+)\b")
+# Instructions that end a straight run of code: a load issued before one is not counted as in
+# flight with the loads after it.
+CONTROL = {"BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BSSY", "BSYNC", "BREAK", "BAR",
+           "WARPSYNC"}
+
+
+def track_loads(pending, base, opcode, operands):
+  """Updates `pending` (the destination registers and address register of each global load
+  issued and not yet read in this straight run) with one instruction; returns how many
+  addresses (arrays: loads through one register, scalars of one vector, are one) are in
+  flight after it."""
+  if base in CONTROL:
+    pending.clear()
+    return 0
+  ops = [o for o in operands.split(",") if o.strip()]
+  sources = ops if base.startswith("ST") or base in ("RED", "REDG") else ops[1:]
+  read = {int(r) for o in sources for r in REGISTER.findall(o)}
+  pending[:] = [(regs, address) for regs, address in pending if not regs & read]
+  if base == "LDG" and len(ops) > 1:
+    first, address = REGISTER.search(ops[0]), REGISTER.findall(ops[-1].split("[")[-1])
+    if first and address:
+      r = int(first.group(1))
+      pending.append((set(range(r, r + max(1, access_width(opcode) // 32))), address[0]))
+  return len({address for _, address in pending})
 
 
 def analyse(inst, sass):
   """Fills the SASS columns of one instance."""
   previous = None
-  for where, predicated, opcode, subroutine in sass:
+  pending = []
+  for where, predicated, opcode, subroutine, operands in sass:
     base = opcode.split(".")[0]
+    inst.loads_in_flight = max(inst.loads_in_flight, track_loads(pending, base, opcode, operands))
     if base in ("LDL", "STL"):
       nbytes = access_width(opcode) // 8
       if subroutine and SLOW_PATHS.search(subroutine):
@@ -267,6 +298,16 @@ DTYPES = ["f32", "bf16", "f16", "f64", "i16", "i8", "u8", "f8e4m3"]  # dtype.h's
 PARAMS_MODES = ["plain", "master", "remainders"]
 
 
+def lists_name(m):
+  """An optimizer kernel's layout and dtypes: "2 states, master, bf16 params, f32 states"."""
+  states, mode, quantized, dtypes, params, state_dtype = m.groups()
+  name = f"{states} states, {mode}{', 8-bit' if quantized == 'true' else ''}"
+  if dtypes == "TableDTypes":
+    return f"{name}, table dtypes"
+  float_states = states != "0" and quantized == "false"
+  return f"{name}, {params} params" + (f", {state_dtype} states" if float_states else "")
+
+
 def short_names(mangled):
   """Demangled names without namespaces, argument lists or enum casts."""
   out = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True,
@@ -287,9 +328,8 @@ def short_names(mangled):
     s = s[:cut]
     s = re.sub(r"\(ParamsMode\)(\d)", lambda x: PARAMS_MODES[int(x.group(1))], s)
     s = re.sub(r"\(DType\)(\d)", lambda x: DTYPES[int(x.group(1))], s)
-    s = re.sub(r"StaticLists<(\d), (\w+), (true|false)>",
-               lambda x: f"{x.group(1)} states, {x.group(2)}{', 8-bit' if x.group(3) == 'true' else ''}",
-               s)
+    s = re.sub(r"StaticLists<(\d), (\w+), (true|false)>, (FixedDTypes<(\w+), (\w+)>|TableDTypes)",
+               lists_name, s)
     names[m] = s.replace(" >", ">")
   return names
 
@@ -346,16 +386,28 @@ def string_value(arg):
   return "".join(parts).replace('\\"', '"').replace("\\\\", "\\")
 
 
+@dataclasses.dataclass
+class LoadsFloor:
+  pattern: str
+  min_loads: int  # arrays loaded from in one straight run before a load is read
+  where: str = ""
+
+
 def read_budgets(paths):
-  budgets, gaps = [], []
+  """The JF_KERNEL_BUDGET, JF_KERNEL_GAP and JF_KERNEL_LOADS declarations of the sources."""
+  budgets, gaps, floors = [], [], []
   for path in paths:
     text = open(path).read()
-    for m in re.finditer(r"^\s*JF_KERNEL_(BUDGET|GAP)\s*(?=\()", text, re.M):
+    for m in re.finditer(r"^\s*JF_KERNEL_(BUDGET|GAP|LOADS)\s*(?=\()", text, re.M):
       args = macro_args(text, m.end())
       where = f"{os.path.relpath(path, ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
-      want = 4 if m.group(1) == "BUDGET" else 5
+      want = {"BUDGET": 4, "GAP": 5, "LOADS": 2}[m.group(1)]
       if len(args) != want:
         sys.exit(f"kernel_report: {where}: JF_KERNEL_{m.group(1)} takes {want} arguments")
+      if m.group(1) == "LOADS":
+        floors.append(LoadsFloor(string_value(args[0]), int(args[1]), where=where))
+        re.compile(floors[-1].pattern)
+        continue
       b = Budget(string_value(args[0]), *(int(a) for a in args[1:4]), where=where)
       re.compile(b.pattern)
       if m.group(1) == "GAP":
@@ -363,7 +415,7 @@ def read_budgets(paths):
         gaps.append(b)
       else:
         budgets.append(b)
-  return budgets, gaps
+  return budgets, gaps, floors
 
 
 def budget_sources(module):
@@ -386,11 +438,15 @@ def excess(inst, b):
   return out
 
 
-def judge(inst, budgets, gaps):
+def judge(inst, budgets, gaps, floors=()):
   """Sets inst.status: ok, gap (over its budget, within the known gaps that match it), FAIL."""
   unguarded = [w for guarded, w in inst.traps if not guarded]
   if unguarded:
     inst.failures.append(f"unguarded trap at {', '.join(unguarded)}")
+  for f in floors:
+    if re.search(f.pattern, inst.name) and inst.loads_in_flight < f.min_loads:
+      inst.failures.append(f"{inst.loads_in_flight} arrays loaded in flight < {f.min_loads} "
+                           f"({f.where})")
   if inst.threads == 0:
     inst.failures.append("no __launch_bounds__: its block size is unknown")
   mine = [b for b in budgets if re.search(b.pattern, inst.name)]
@@ -421,8 +477,9 @@ def widths(counts):
 
 def table(instances):
   rows = ["| kernel | arch | regs | local st/ld B | stack B | shared B | block | occupancy | "
-          "global loads (bits:count) | global stores | local instrs | traps | status |",
-          "|---|---|--:|--:|--:|--:|--:|--:|---|---|--:|---|---|"]
+          "global loads (bits:count) | loads in flight | global stores | local instrs | traps | "
+          "status |",
+          "|---|---|--:|--:|--:|--:|--:|--:|---|--:|---|--:|---|---|"]
   for i in instances:
     spill = f"{i.local_stores}/{i.local_loads}"
     if i.slow_path_local:
@@ -432,7 +489,8 @@ def table(instances):
     generic = f" (+{i.generic} generic)" if i.generic else ""
     rows.append(f"| `{i.name}` | {i.arch} | {i.registers} | {spill} | {i.stack} | {i.shared} | "
                 f"{i.threads or '?'} | {i.occupancy:.0f}% {gpu} | {widths(i.loads)}{generic} | "
-                f"{widths(i.stores)} | {i.local_instructions} | {traps} | {i.status} |")
+                f"{i.loads_in_flight} | {widths(i.stores)} | {i.local_instructions} | {traps} | "
+                f"{i.status} |")
   return "\n".join(rows)
 
 
@@ -443,7 +501,7 @@ def report(path):
   instances = []
   with tempfile.TemporaryDirectory(prefix="kernel_report_") as work:
     module = module_path(path, work)
-    budgets, gaps = read_budgets(budget_sources(module))
+    budgets, gaps, floors = read_budgets(budget_sources(module))
     for cubin in extract_cubins(module, cuobjdump, os.path.join(work, "cubins")):
       elf = run(cuobjdump, "-elf", cubin)
       arch = cubin_arch(cubin, elf)
@@ -460,10 +518,12 @@ def report(path):
   names = short_names([i.mangled for i in instances])
   for i in instances:
     i.name = names[i.mangled]
-    judge(i, budgets, gaps)
+    judge(i, budgets, gaps, floors)
   instances.sort(key=lambda i: (i.name, i.arch))
   problems = [f"{g.where}: the known gap {g.pattern!r} excuses no instance: remove it"
               for g in gaps if not g.excused]
+  problems += [f"{f.where}: JF_KERNEL_LOADS {f.pattern!r} matches no instance" for f in floors
+               if not any(re.search(f.pattern, i.name) for i in instances)]
   if not instances:
     problems.append(f"{module}: no kernels found")
   return module, instances, gaps, problems
@@ -549,9 +609,11 @@ Generated by `python3 tools/kernel_report.py --markdown docs/kernel_report.md` f
 One row per kernel instance and architecture; occupancy is theoretical (sm_90 code on an H100,
 sm_80 code on an A100, at the block size of the kernel's `__launch_bounds__`); local st/ld are the
 bytes of local-memory stores / loads in the kernel's own code, spills and stack arrays alike
-(CUDA's division and reciprocal slow paths, run only for special operands, apart); a trap is
-guarded when it is cooperative groups' grid-sync check, branched around; a gap is an instance
-over its budget and within a known gap, whose reason names the issue that closes it.
+(CUDA's division and reciprocal slow paths, run only for special operands, apart); loads in
+flight are the most arrays (address registers) a straight run of its SASS loads from before it
+reads any of the loaded values; a trap is guarded when it is cooperative groups' grid-sync check,
+branched around; a gap is an instance over its budget and within a known gap, whose reason names
+the issue that closes it.
 
 """
 

@@ -15,6 +15,11 @@
 //     issue that closes them), never as passing. A gap that excuses no instance fails the
 //     report: delete it when its issue closes it.
 //
+//   JF_KERNEL_LOADS("regex", min_arrays)
+//     every instance it matches issues loads from at least min_arrays arrays (distinct address
+//     registers) in one straight run of its SASS before any of them is read: the loads of a
+//     group go out together rather than one round trip after another.
+//
 // Any unguarded trap fails the report whatever the budget says: a trap in the SASS is nvcc's
 // verdict of undefined behaviour on that path (the grid-sync guards of cooperative groups,
 // compiled from CUDA's own headers and skipped by a branch, are the only traps allowed), and
@@ -26,6 +31,9 @@
                     (min_occupancy_percent) >= 0 && (min_occupancy_percent) <= 100 &&     \
                     (max_local_bytes) >= 0,                                                \
                 "kernel budget out of range: " instances)
+
+#define JF_KERNEL_LOADS(instances, min_arrays)                            \
+  static_assert((min_arrays) > 0, "loads floor out of range: " instances)
 
 #define JF_KERNEL_GAP(instances, max_registers, min_occupancy_percent, max_local_bytes, reason) \
   static_assert((max_registers) > 0 && (max_registers) <= 255 &&                               \

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 #include "cuda_common.cuh"
 #include "jaxfuse/multi_tensor_plan.h"
@@ -20,18 +22,13 @@ namespace jaxfuse {
 
 inline constexpr int kMultiTensorThreads = 256;
 
-// A tuning switch for tools/gpu_check.sh's variants stage: a minimum of resident blocks per SM,
-// which caps the kernels' registers (4: 64 registers; the fp32 Adam kernels then spill 0-56 B and
-// the float64 ones 668-1156 B). 0, the default, sets no minimum (87-108 registers in fp32, 2
-// blocks per SM: ncu on an H100 measured 25% occupancy and 72% of DRAM bandwidth).
-#ifndef JAXFUSE_MT_MIN_BLOCKS_PER_SM
-#define JAXFUSE_MT_MIN_BLOCKS_PER_SM 0
-#endif
-#if JAXFUSE_MT_MIN_BLOCKS_PER_SM > 0
-#define JF_MULTI_TENSOR_BOUNDS __launch_bounds__(kMultiTensorThreads, JAXFUSE_MT_MIN_BLOCKS_PER_SM)
-#else
-#define JF_MULTI_TENSOR_BOUNDS __launch_bounds__(kMultiTensorThreads)
-#endif
+// Blocks of kMultiTensorThreads an op's kernel is compiled to fit on one SM, which caps its
+// registers (4: 64 per thread, 3: 80): an op may declare kMinBlocksPerSM, 1 otherwise.
+template <typename Op, typename = void>
+struct MinBlocksPerSM : std::integral_constant<int, 1> {};
+template <typename Op>
+struct MinBlocksPerSM<Op, std::void_t<decltype(Op::kMinBlocksPerSM)>>
+    : std::integral_constant<int, Op::kMinBlocksPerSM> {};
 
 template <int kLists>
 struct TensorTable {
@@ -75,7 +72,7 @@ __device__ __forceinline__ int find_entry(const int32_t* chunk_start, int num, i
 // and `finish(block)` after them, with `block` numbering blocks across all launches of one
 // multi_tensor_apply (for ops that write one partial result per block).
 template <int kLists, typename Op>
-__global__ void JF_MULTI_TENSOR_BOUNDS
+__global__ void __launch_bounds__(kMultiTensorThreads, MinBlocksPerSM<Op>::value)
     multi_tensor_kernel(const __grid_constant__ TensorTable<kLists> table, Op op, int block_offset,
                         int chunk_offset) {
   op.prepare();
@@ -112,10 +109,12 @@ struct MultiTensorOpBase {
 // Packs `lists` into as few tables as needed (tensors of 2^31 elements or more are split into
 // slices) and launches multi_tensor_kernel<kLists, Op> for each on `stream`. Each launch gets at
 // most `max_blocks_per_launch` blocks (0: as many as are co-resident); `*blocks_used`, if given,
-// receives the number of blocks of all launches together.
+// receives the number of blocks of all launches together. `subset`, if given, names the tensors
+// to take, in order (ops still see each tensor's number in `lists`).
 template <int kLists, typename Op>
 ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, const Op& op,
-                              int max_blocks_per_launch = 0, int* blocks_used = nullptr) {
+                              int max_blocks_per_launch = 0, int* blocks_used = nullptr,
+                              const std::vector<int32_t>* subset = nullptr) {
   if (lists.num_lists != kLists) return internal_error("list count mismatch");
   using Table = TensorTable<kLists>;
   constexpr auto kernel = multi_tensor_kernel<kLists, Op>;
@@ -144,7 +143,10 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
     table.num_tensors = 0;
     return ffi::Error::Success();
   };
-  for (int64_t t = 0; t < lists.num_tensors(); ++t) {
+  const int64_t count =
+      subset != nullptr ? static_cast<int64_t>(subset->size()) : lists.num_tensors();
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t t = subset != nullptr ? (*subset)[j] : j;
     for (int64_t off = 0; off < lists.size[t]; off += kMaxSlice) {
       const int64_t n = std::min(kMaxSlice, lists.size[t] - off);
       const int e = table.num_tensors;

@@ -12,9 +12,10 @@
 namespace jaxfuse {
 namespace cuda_trust_sums {
 
-template <typename Family, typename Real, typename Lists>
+template <typename Family, typename Real, typename Lists, typename DTypes>
 struct ChunkSumOp : MultiTensorOpBase {
   static constexpr int kLists = Lists::kCount;
+  static constexpr int kMinBlocksPerSM = cuda_optimizer::kOptimizerMinBlocks<Real, Lists, DTypes>;
 
   const int32_t* count;
   ScalarVector hyper;
@@ -29,15 +30,18 @@ struct ChunkSumOp : MultiTensorOpBase {
 
   __device__ void operator()(const ChunkRef<kLists>& chunk) const {
     double param_sumsq = 0.0, direction_sumsq = 0.0;
-    for_each_group(chunk, [&](int64_t i, int n, bool vec) {
-      const cuda_optimizer::RegisterGroup<Family, Real, kLists> group{chunk, i, n, vec};
-      Real p[4], d[4];
-      trust_group(step, Lists{}, group, p, d);
-      for (int j = 0; j < n; ++j) {  // the lanes past n were computed from nothing: dropped
-        param_sumsq += double(p[j]) * double(p[j]);
-        direction_sumsq += double(d[j]) * double(d[j]);
-      }
-    });
+    cuda_optimizer::for_each_register_group<Family, Real, Lists, DTypes>(
+        chunk, [&](const auto& group) {
+          typename std::decay_t<decltype(group)>::Values p, d;
+          trust_group(step, Lists{}, group, p, d);
+          const int n = group.valid();  // the lanes past n were computed from nothing: dropped
+          for (int j = 0; j < group.size(); ++j) {
+            if (j < n) {
+              param_sumsq += double(p[j]) * double(p[j]);
+              direction_sumsq += double(d[j]) * double(d[j]);
+            }
+          }
+        });
     __shared__ double scratch[kMultiTensorThreads / 32];
     const double p = block_sum<kMultiTensorThreads>(param_sumsq, scratch);
     const double d = block_sum<kMultiTensorThreads>(direction_sumsq, scratch);
@@ -54,26 +58,60 @@ struct ChunkStarts {
 ffi::Error launch_finish(cudaStream_t stream, const TrustSum* partials, const ChunkStarts& starts,
                          int64_t num_tensors, uint32_t* sums);
 
-// The first pass streams the params and states like a step (the optimizer's budget).
-JF_KERNEL_BUDGET("\\bChunkSumOp<", 64, 50, 0);
-JF_KERNEL_GAP("\\bChunkSumOp<\\w+, float", 80, 37, 0,
-              "issue 39: dtypes dispatched at run time in the loop");
-JF_KERNEL_GAP("\\bChunkSumOp<\\w+, double", 128, 25, 0,
-              "issue 39: float64 math in registers, dtypes dispatched at run time");
+// The first pass streams the params and states like a step (the optimizer's budgets).
+JF_KERNEL_BUDGET("\\bChunkSumOp<\\w+, float, [012] states, \\w+, \\w+ params", 64, 50, 0);
+JF_KERNEL_BUDGET("\\bChunkSumOp<\\w+, float, [^>]*table dtypes", 128, 25, 0);
+JF_KERNEL_BUDGET("\\bChunkSumOp<\\w+, double", 168, 12, 0);
+JF_KERNEL_LOADS("\\bChunkSumOp<\\w+, float, 0 states, \\w+, \\w+ params", 2);
+JF_KERNEL_LOADS("\\bChunkSumOp<\\w+, float, 2 states, \\w+, \\w+ params", 4);
 
-template <typename Family, typename Real, int kStates>
-ffi::Error launch(cudaStream_t stream, const typename TrustSumsOp<Family>::Call& call) {
-  using Lists = cuda_optimizer::StaticLists<kStates, cuda_optimizer::ParamsMode::kPlain, false>;
-  using Op = ChunkSumOp<Family, Real, Lists>;
-  const int64_t n = call.tensors.num_tensors();
-  if (n == 0) return ffi::Error::Success();
+template <typename Family, typename Real, int kStates, typename DTypes>
+ffi::Error launch_sums(cudaStream_t stream, const typename TrustSumsOp<Family>::Call& call) {
+  using Lists = cuda_optimizer::StaticLists<kStates, ParamsMode::kPlain, false>;
+  using Op = ChunkSumOp<Family, Real, Lists, DTypes>;
   Op op;
   op.count = call.count;
   op.hyper = call.hyper;
   op.grad_ctrl = call.grad_ctrl;
   op.flags = call.flags;
   op.partials = call.partials;
-  JF_RETURN_IF_ERROR(multi_tensor_apply<Op::kLists>(stream, call.tensors, op));
+  return multi_tensor_apply<Op::kLists>(stream, call.tensors, op);
+}
+
+// The signature kernel that takes every tensor of a float32 call, or -1. One launch numbers
+// the partials' slots in tensor order, which the finish reads.
+inline int uniform_signature(const TensorLists& tensors, int num_states) {
+  int s = -1;
+  for (int64_t t = 0; t < tensors.num_tensors(); ++t) {
+    const int st = find_kernel_signature(tensors.dtype[t], ParamsMode::kPlain, num_states,
+                                         num_states > 0);
+    if (st < 0 || (t > 0 && st != s)) return -1;
+    s = st;
+  }
+  return s;
+}
+
+template <typename Family, typename Real, int kStates, int kSignature = 0>
+ffi::Error launch_uniform(cudaStream_t stream, const typename TrustSumsOp<Family>::Call& call,
+                          int signature) {
+  if constexpr (std::is_same_v<Real, float> && kSignature < kNumKernelSignatures) {
+    if constexpr (has_signature_kernel(kSignature, ParamsMode::kPlain, kStates > 0)) {
+      if (signature == kSignature) {
+        return launch_sums<Family, Real, kStates, cuda_optimizer::SignatureDTypes<kSignature>>(
+            stream, call);
+      }
+    }
+    return launch_uniform<Family, Real, kStates, kSignature + 1>(stream, call, signature);
+  }
+  return launch_sums<Family, Real, kStates, cuda_optimizer::TableDTypes>(stream, call);
+}
+
+template <typename Family, typename Real, int kStates>
+ffi::Error launch(cudaStream_t stream, const typename TrustSumsOp<Family>::Call& call) {
+  const int64_t n = call.tensors.num_tensors();
+  if (n == 0) return ffi::Error::Success();
+  const int signature = std::is_same_v<Real, float> ? uniform_signature(call.tensors, kStates) : -1;
+  JF_RETURN_IF_ERROR((launch_uniform<Family, Real, kStates>(stream, call, signature)));
   ChunkStarts starts;
   starts.first[0] = 0;
   for (int64_t t = 0; t < n; ++t) {

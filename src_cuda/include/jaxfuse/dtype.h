@@ -33,7 +33,7 @@ enum class DType : uint8_t {
   kF32 = 0, kBF16 = 1, kF16 = 2, kF64 = 3, kI16 = 4, kI8 = 5, kU8 = 6, kF8E4M3 = 7
 };
 
-JF_HD int dtype_bytes(DType t) {
+JF_HD constexpr int dtype_bytes(DType t) {
   return t == DType::kF64 ? 8
          : t == DType::kF32 ? 4
          : (t == DType::kI8 || t == DType::kU8 || t == DType::kF8E4M3) ? 1

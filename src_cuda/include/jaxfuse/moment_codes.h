@@ -80,9 +80,11 @@ JF_HD uint32_t encode_moment(float x, float inverse, bool is_signed) {
 }
 
 JF_HD float decode_moment(uint8_t code, float scale, bool is_signed) {
-  if (!is_signed) return decode_magnitude(code, 4) * scale;
-  const float v = decode_magnitude(code & 0x7fu, 3) * scale;
-  return (code & 0x80u) ? -v : v;
+  // One path for both formats (the GPU reads the format at run time): the sign bit, if any,
+  // masked off and applied after the scaling (exact, whichever the rounding).
+  const uint32_t sign = is_signed ? code & 0x80u : 0u;
+  const float v = decode_magnitude(code & ~sign, moment_mantissa_bits(is_signed)) * scale;
+  return sign ? -v : v;
 }
 
 }  // namespace jaxfuse

@@ -99,6 +99,7 @@ struct CallShape {
     std::vector<int64_t> dims;
     int64_t element_bytes = 0;
     bool complex = false;
+    std::string element_type;  // HLO's name: "f32", "bf16", "c64", "s8", ...
     int64_t elements() const {
       int64_t n = 1;
       for (int64_t d : dims) n *= d;

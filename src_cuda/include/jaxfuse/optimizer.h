@@ -51,6 +51,7 @@
 #include "jaxfuse/multi_tensor_plan.h"
 #include "jaxfuse/norm_math.h"
 #include "jaxfuse/op.h"
+#include "jaxfuse/optimizer_signatures.h"
 #include "jaxfuse/rounding.h"
 #include "jaxfuse/tensor_lists.h"
 
@@ -228,29 +229,33 @@ JF_HD void optimizer_group(const OptimizerStep<Family, Real>& step, const Lists&
   if (step.grad.skip) return;
   typename Group::Values g, p, s0, s1, s2, u;
   const auto n = group.size();
+  // Every load first, then the math: on the GPU a group's loads go out together, none waiting
+  // on the division of the gradient scaling.
   group.load(OptimizerLists::kGrads, g);
-  scale_group(step.grad, n, g);
   group.load(lists.param_source(), p);
-  if (lists.remainders >= 0) {
-    group.load_words(lists.remainders, u);
-    for (decltype(+n) i = 0; i < n; ++i) p[i] = join_remainder(p[i], u[i]);
-  }
+  if (lists.remainders >= 0) group.load_words(lists.remainders, u);
   if (lists.num_states > 0) load_state(lists, group, 0, s0);
   if (lists.num_states > 1) load_state(lists, group, 1, s1);
   if (lists.num_states > 2) load_state(lists, group, 2, s2);
+  scale_group(step.grad, n, g);
+  if (lists.remainders >= 0) {
+    for (decltype(+n) i = 0; i < n; ++i) p[i] = join_remainder(p[i], u[i]);
+  }
   group.update(step.math, g, p, s0, s1, s2, u);
-  if (lists.num_states > 0) store_state(lists, group, 0, s0);
-  if (lists.num_states > 1) store_state(lists, group, 1, s1);
-  if (lists.num_states > 2) store_state(lists, group, 2, s2);
+  // The params first: their values die before the states' stores (8-bit codes reduce a block's
+  // maximum across the warp, with only the states left live).
   for (decltype(+n) i = 0; i < n; ++i) p[i] = p[i] + u[i];
   if (lists.master >= 0) group.store(lists.master, p);
   if (lists.remainders >= 0) {
     for (decltype(+n) i = 0; i < n; ++i) split_remainder(p[i], p[i], u[i]);
     group.store_words(lists.remainders, u);
-  } else if (step.rounding.stochastic()) {
+  } else if (lists.master < 0 && step.rounding.stochastic()) {  // (the op refuses both)
     group.round_stochastically(step.stream, p);
   }
   group.store(OptimizerLists::kParams, p);
+  if (lists.num_states > 0) store_state(lists, group, 0, s0);
+  if (lists.num_states > 1) store_state(lists, group, 1, s1);
+  if (lists.num_states > 2) store_state(lists, group, 2, s2);
 }
 
 namespace optimizer_detail {
@@ -481,15 +486,22 @@ struct OptimizerOp {
     return names;
   }
 
-  // One multi-tensor kernel over the call's lists, every buffer read or written once.
+  // Multi-tensor kernels over the call's lists, one per signature of its tensors
+  // (optimizer_signatures.h), every buffer read or written once.
   static CallCost cost(const CallShape& shape) {
     const int64_t n = contract_arg(shape.attrs, "num_tensors");
     const int64_t fixed = 3;  // count, hyper, grad_ctrl; the grads are the first list
-    const int64_t trailing = num_trailing(contract_arg(shape.attrs, "stochastic_rounding") != 0);
-    const int64_t list_operands = static_cast<int64_t>(shape.operands.size()) - fixed - trailing;
-    const int64_t lists = n > 0 ? list_operands / n : 0;
-    return streaming_cost(shape, multi_tensor_launches(static_cast<int>(lists),
-                                                       shape.scalars(fixed, n)));
+    const OptimizerLists lists = lists_of(static_cast<uint32_t>(contract_arg(shape.attrs, "flags")),
+                                          contract_arg(shape.attrs, "master") != 0,
+                                          contract_arg(shape.attrs, "remainders") != 0,
+                                          contract_arg(shape.attrs, "quantized_states") != 0);
+    std::vector<std::array<DType, kMaxLists>> rows(n);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int k = 0; k < lists.count(); ++k) {
+        rows[t][k] = hlo_float_dtype(shape.operands.at(fixed + k * n + t).element_type);
+      }
+    }
+    return streaming_cost(shape, signature_launches(lists, rows, shape.scalars(fixed, n)));
   }
 };
 

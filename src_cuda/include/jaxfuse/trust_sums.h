@@ -31,12 +31,12 @@ template <typename Family, typename Real, typename Lists, typename Group>
 JF_HD void trust_group(const OptimizerStep<Family, Real>& step, const Lists& lists,
                        const Group& group, Real* p, Real* d) {
   typename Group::Values g, s0, s1, s2;
-  group.load(OptimizerLists::kGrads, g);
-  scale_group(step.grad, group.size(), g);
+  group.load(OptimizerLists::kGrads, g);  // every load first, as optimizer_group()
   group.load(OptimizerLists::kParams, p);
   if (lists.num_states > 0) group.load(OptimizerLists::state(0), s0);
   if (lists.num_states > 1) group.load(OptimizerLists::state(1), s1);
   if (lists.num_states > 2) group.load(OptimizerLists::state(2), s2);
+  scale_group(step.grad, group.size(), g);
   group.direction(step.math, g, p, s0, s1, s2, d);
 }
 
