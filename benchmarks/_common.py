@@ -58,9 +58,51 @@ def emit_table(table: str, out_path=None) -> None:
 
 def gpt2_small_shapes() -> list[tuple[int, ...]]:
   """The 148 parameter shapes of GPT-2 small (124M parameters)."""
-  d, vocab, n_ctx, layers = 768, 50257, 1024, 12
+  return gpt2_shapes(768, 12)
+
+
+def gpt2_medium_shapes() -> list[tuple[int, ...]]:
+  """The 292 parameter shapes of GPT-2 medium (355M parameters)."""
+  return gpt2_shapes(1024, 24)
+
+
+def gpt2_shapes(d: int, layers: int) -> list[tuple[int, ...]]:
+  vocab, n_ctx = 50257, 1024
   shapes = [(vocab, d), (n_ctx, d)]
   for _ in range(layers):
     shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,),
                (4 * d, d), (d,)]
   return shapes + [(d,), (d,)]
+
+
+def device_ms_per_call(run, calls: int) -> float | None:
+  """Device time per call from the profiler's trace: the summed durations of the events on the
+  GPU's stream timelines (kernels and copies, as CUPTI records them) while run(calls) makes
+  `calls` calls and waits for the last, over `calls`. Kernel time only: gaps between kernels
+  and the host's dispatch are not in it, so a step whose wall time is far above it is
+  host-bound. None where there is no device timeline (the CPU)."""
+  import glob
+  import gzip
+  import json
+  import tempfile
+
+  if jax.devices()[0].platform != "gpu":
+    return None
+
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+      run(calls)
+    paths = glob.glob(f"{log_dir}/**/perfetto_trace.json.gz", recursive=True)
+    if not paths:
+      return None
+    with gzip.open(paths[0]) as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+          and "GPU" in e["args"].get("name", "")}
+  streams = {(e["pid"], e["tid"]) for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e["pid"] in gpus
+             and e["args"].get("name", "").startswith("Stream")}
+  busy_us = sum(e.get("dur", 0) for e in events
+                if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams)
+  return busy_us / 1e3 / calls if streams else None

@@ -8,10 +8,19 @@ and the same with clipping, optax.chain(clip_by_global_norm(1.0), adamw):
   optax+clip   the optax chain
   jf-fused+clip  jaxfuse.fused_step on the jaxfuse chain      (32 B/param fp32)
 
-It prints ms/step, the ratio to optax, the bytes a step must move (the minimum for the fused
-kernels: 28 or 32 bytes per fp32 param), effective GB/s at that byte count, the fraction of the
-device's measured copy bandwidth, and from jaxfuse.report (one implementation of the counting):
-the bytes each step moves, its XLA kernels, custom calls and jaxfuse's CUDA launches.
+and, for the state precisions users pick to save memory:
+  optax bf16-mu  optax.adamw(mu_dtype=bfloat16)                (fp32 params, bf16 first moment)
+  jf-fused 8-bit jaxfuse.adamw(moment_bits=8), fused           (~16 B/param fp32)
+and on a bf16 copy of each tree (bf16 params and grads):
+  optax bf16       optax.adamw on bf16 params (bf16 moments)
+  jf-fused master  jaxfuse.adamw(master_weights=True), fused (fp32 master and moments)
+
+It prints ms/step (wall time per step in a loop of jitted calls), the device time per step
+(the kernels' durations from the profiler's trace, GPU only: where the wall time is far above
+it the step is host-bound), the ratio to optax, the bytes a step must move (the minimum for the
+fused kernels: 28 or 32 bytes per fp32 param), effective GB/s at that byte count, the fraction
+of the device's measured copy bandwidth, and from jaxfuse.report (one implementation of the
+counting): the bytes each step moves, its XLA kernels, custom calls and jaxfuse's CUDA launches.
 
 It also saves a plot (PNG, needs matplotlib) of achieved GB/s (the report's bytes over the time)
 against tensor size for the single-tensor trees: jaxfuse, optax and the copy reference at the
@@ -37,18 +46,19 @@ import numpy as np
 import optax
 
 import jaxfuse
-from _common import copy_bandwidth, emit_table
-from _common import gpt2_small_shapes
+from _common import copy_bandwidth, device_ms_per_call, emit_table
+from _common import gpt2_medium_shapes, gpt2_small_shapes
 
 
-def make_tree(shapes, seed=0):
+def make_tree(shapes, seed=0, dtype=jnp.float32):
   rng = np.random.default_rng(seed)
-  return {f"p{i:04d}": jnp.asarray(rng.standard_normal(s, np.float32) * 0.02) for i, s in
+  return {f"p{i:04d}": jnp.asarray(rng.standard_normal(s, np.float32) * 0.02, dtype) for i, s in
           enumerate(shapes)}
 
 
 def time_step(step, params, state, grads, min_time=1.0, max_iters=200):
-  """Median ms per step over repeated timed loops (the step donates params and state)."""
+  """(median ms per step over repeated timed loops, device ms per step or None, params, state);
+  the step donates params and state."""
   params, state = step(params, state, grads)[:2]  # compile + warm up
   jax.block_until_ready((params, state))
   t0 = time.perf_counter()
@@ -63,7 +73,15 @@ def time_step(step, params, state, grads, min_time=1.0, max_iters=200):
       params, state = step(params, state, grads)[:2]
     jax.block_until_ready((params, state))
     samples.append((time.perf_counter() - t0) / iters)
-  return 1e3 * statistics.median(samples), params, state
+  carry = [params, state]
+
+  def run(calls):
+    for _ in range(calls):
+      carry[:] = step(*carry, grads)[:2]
+    jax.block_until_ready(carry)
+
+  device_ms = device_ms_per_call(run, min(iters, 20))
+  return 1e3 * statistics.median(samples), device_ms, *carry
 
 
 def variants():
@@ -86,45 +104,73 @@ def variants():
                                                 optax.adamw(lr, weight_decay=wd)))),
       ("jf-fused+clip", 32, fused(optax.chain(jaxfuse.clip_by_global_norm(1.0),
                                               jaxfuse.adamw(lr, weight_decay=wd)))),
+      # fp32 params, lower-precision states: bytes per param of the fused 8-bit step (g, p
+      # read, p written: 12; both moments' codes read and written: 4; their scales)
+      ("optax bf16-mu", 24, optax_step(optax.adamw(lr, weight_decay=wd, mu_dtype=jnp.bfloat16))),
+      ("jf-fused 8-bit", 16, fused(jaxfuse.adamw(lr, weight_decay=wd, moment_bits=8))),
   ]
 
 
-def bench_tree(label, shapes, copy_bw, rows, progress):
-  params = make_tree(shapes)
+def bf16_variants():
+  """On bf16 params and grads: optax keeps bf16 moments (14 B/param in place); jaxfuse's fused
+  step keeps an fp32 master and moments (g, p 2+2, master and moments 3 x 8: 28 B/param)."""
+  lr, wd = 1e-3, 0.1
+
+  def optax_step(tx):
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+    return tx, step
+
+  tx = jaxfuse.adamw(lr, weight_decay=wd, master_weights=True)
+  return [("optax bf16", 14, optax_step(optax.adamw(lr, weight_decay=wd))),
+          ("jf-fused master", 28, (tx, lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)))]
+
+
+def bench_tree(label, shapes, copy_bw, rows, progress, dtype=jnp.float32):
+  params = make_tree(shapes, dtype=dtype)
   n = sum(math.prod(s) for s in shapes)
   grads = jax.tree.map(lambda x: x * 0.5 + 1e-3, params)
   base = {}
-  for name, bytes_per_param, (tx, fn) in variants():
+  for name, bytes_per_param, (tx, fn) in (variants() if dtype == jnp.float32
+                                          else bf16_variants()):
     progress(f"  {label}: {name} ...")
     p = jax.tree.map(jnp.copy, params)
     s = tx.init(p)
     step = jax.jit(fn, donate_argnums=(0, 1))
     report = jaxfuse.report(step, p, s, grads)
-    ms, p, s = time_step(step, p, s, grads)
+    ms, device_ms, p, s = time_step(step, p, s, grads)
     del p, s
-    base.setdefault(bytes_per_param, ms)  # optax is first in each group
+    base[name] = ms
+    # Against optax's same computation: the clipped chain, else plain (fp32 or bf16) AdamW.
+    baseline = next(v for v in ("optax+clip", "optax bf16", "optax")
+                    if v in base and (v != "optax+clip" or name.endswith("+clip")))
     min_bytes = bytes_per_param * n
     gbs = min_bytes / (ms * 1e-3) / 1e9
     rows.append({
         "tree": label, "params": n, "leaves": len(shapes), "variant": name, "ms": ms,
-        "vs_optax": base[bytes_per_param] / ms, "bytes": min_bytes, "gbs": gbs,
+        "device_ms": device_ms, "vs_optax": base[baseline] / ms, "bytes": min_bytes, "gbs": gbs,
         "frac_copy": gbs * 1e9 / copy_bw, "moved": report.bytes_moved,
         "achieved_gbs": report.bytes_moved / (ms * 1e-3) / 1e9, "xla_kernels": report.xla_kernels,
         "custom_calls": report.custom_calls, "cuda_launches": report.jaxfuse_cuda_launches,
     })
-    progress(f"    {ms:9.3f} ms/step  {gbs:7.1f} GB/s  x{base[bytes_per_param] / ms:.2f} vs optax")
+    device = "" if device_ms is None else f"  (device {device_ms:.3f} ms)"
+    progress(f"    {ms:9.3f} ms/step{device}  {gbs:7.1f} GB/s  "
+             f"x{base[baseline] / ms:.2f} vs {baseline}")
 
 
 def format_table(rows, copy_bw, device):
   lines = [
       f"device: {device}; jax {jax.__version__}; measured copy bandwidth {copy_bw / 1e9:.1f} GB/s",
       "",
-      "| tree | params | leaves | variant | ms/step | speedup vs optax | min bytes/step | GB/s at min bytes | % of copy BW | bytes moved (report) | achieved GB/s | XLA kernels | custom calls | jaxfuse CUDA launches |",
-      "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "| tree | params | leaves | variant | ms/step | device ms/step | speedup vs optax's same step | min bytes/step | GB/s at min bytes | % of copy BW | bytes moved (report) | achieved GB/s | XLA kernels | custom calls | jaxfuse CUDA launches |",
+      "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
+    device = "-" if r["device_ms"] is None else f"{r['device_ms']:.3f}"
     lines.append(
         f"| {r['tree']} | {r['params'] / 1e6:.1f}M | {r['leaves']} | {r['variant']} | {r['ms']:.3f} "
+        f"| {device} "
         f"| {r['vs_optax']:.2f}x | {r['bytes'] / 1e6:.0f} MB | {r['gbs']:.1f} | "
         f"{100 * r['frac_copy']:.0f}% | {r['moved'] / 1e6:.0f} MB | {r['achieved_gbs']:.1f} | "
         f"{r['xla_kernels']} | {r['custom_calls']} | {r['cuda_launches'] or '-'} |")
@@ -164,15 +210,21 @@ def main(argv=None):
   else:
     if not (args.skip_gpt2 or args.tensors_only):
       trees.append(("GPT-2 small", gpt2_small_shapes()))
+    if not (args.skip_gpt2 or args.tensors_only):
+      trees.append(("GPT-2 small bf16", gpt2_small_shapes(), jnp.bfloat16))
+      if on_gpu:
+        trees.append(("GPT-2 medium", gpt2_medium_shapes()))
     if not args.tensors_only:
       trees.append(("1000 leaves x 4K", [(64, 64)] * 1000))
+      if on_gpu:
+        trees.append(("10000 leaves x 1K", [(32, 32)] * 10000))
     sizes = args.sizes or ("0.0625,0.25,1,4,16,64,256" if on_gpu else "0.0625,0.25,1,4,16,64")
     for m in sizes.split(","):
       trees.append((f"{m}M tensor", [(int(float(m) * (1 << 20)),)]))
   rows = []
-  for label, shapes in trees:
+  for label, shapes, *dtype in trees:
     progress(f"{label}: {len(shapes)} leaves")
-    bench_tree(label, shapes, copy_bw, rows, progress)
+    bench_tree(label, shapes, copy_bw, rows, progress, *dtype)
   emit_table(format_table(rows, copy_bw, f"{device.device_kind} ({device.platform})"), args.out)
   plot_bandwidth(rows, device, args.plot or os.path.join(
       os.path.dirname(os.path.abspath(__file__)), f"optim_bandwidth_{device.platform}.png"),

@@ -79,7 +79,7 @@ def bench(label, shapes, kind, rows):
       state = tx.init(params)  # eagerly: the moments take the params' shardings
       step = make(tx)
       compiled = step.lower(params, state, grads).compile()
-      ms, _, _ = time_step(step, params, state, grads)
+      ms = time_step(step, params, state, grads)[0]
       base = base or ms
       c = collectives(compiled.as_text())
       rows.append((label, kind, name, ms, base / ms, c["all-gather"], c["all-reduce"],

@@ -12,8 +12,10 @@ Models:
   gpt2     the GPT-2-small parameter tree (148 leaves, 124M fp32 params) with a quadratic loss,
            so that the step is mostly optimizer (its gradients are still computed in the jit).
 
-It prints ms/step, the speedup over optax, and from jaxfuse.report the bytes each step moves and
-the kernels it launches. Usage:
+It prints ms/step (wall time per step in a loop of jitted calls), the device time per step (the
+kernels' durations from the profiler's trace, GPU only: a step whose wall time is far above it is
+host-bound), the speedups over optax, and from jaxfuse.report the bytes each step moves and the
+kernels it launches. Usage:
 
   python3 benchmarks/bench_train_step.py [--quick] [--models mlp25m,gpt2] [--out table.md]
 """
@@ -31,7 +33,7 @@ import numpy as np
 import optax
 
 import jaxfuse
-from _common import emit_table, gpt2_small_shapes
+from _common import device_ms_per_call, emit_table, gpt2_small_shapes
 
 try:
   from flax.training import train_state as flax_train_state
@@ -135,7 +137,14 @@ def time_interleaved(step, states: list, batch, min_time: float, rounds: int = 7
       jax.block_until_ready((state, loss))
       samples[i].append((time.perf_counter() - t0) / iters)
       states[i] = state
-  return [1e3 * statistics.median(x) for x in samples], states
+  device_ms = []
+  for i in range(len(states)):
+    def run(calls):
+      for _ in range(calls):
+        states[i], loss = step(states[i], batch)
+      jax.block_until_ready((states[i], loss))
+    device_ms.append(device_ms_per_call(run, min(iters, 20)))
+  return [1e3 * statistics.median(x) for x in samples], device_ms, states
 
 
 def main(argv=None) -> None:
@@ -148,9 +157,9 @@ def main(argv=None) -> None:
   min_time = 0.5 if args.quick else 6.0
   print(f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
         f", optax {optax.__version__}, jaxfuse {jaxfuse.__version__}", flush=True)
-  rows = ["| model | params | leaves | variant | ms/step | vs optax | bytes moved (report) "
-          "| XLA kernels | custom calls |",
-          "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+  rows = ["| model | params | leaves | variant | ms/step | device ms/step | vs optax "
+          "| device vs optax | bytes moved (report) | XLA kernels | custom calls |",
+          "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
   for model in args.models.split(","):
     params, batch, apply_fn, loss_fn = MODELS[model](args.quick)
     n = sum(x.size for x in jax.tree.leaves(params))
@@ -161,12 +170,13 @@ def main(argv=None) -> None:
       states = [cls.create(apply_fn=apply_fn, params=jax.tree.map(jnp.copy, params), tx=tx)
                 for _, cls, tx in runs]
       reports = [jaxfuse.report(step, state, batch) for state in states]
-      times, states = time_interleaved(step, states, batch, min_time)
+      times, device_ms, states = time_interleaved(step, states, batch, min_time)
       del states
-      for (name, _, _), ms, rep in zip(runs, times, reports):
-        rows.append(f"| {model} | {n / 1e6:.1f}M | {leaves} | {name} | {ms:.2f} | "
-                    f"{times[0] / ms:.2f}x | {rep.bytes_moved / 1e6:.0f} MB | {rep.xla_kernels} | "
-                    f"{rep.custom_calls} |")
+      for (name, _, _), ms, dev, rep in zip(runs, times, device_ms, reports):
+        device = ("-", "-") if dev is None else (f"{dev:.2f}", f"{device_ms[0] / dev:.2f}x")
+        rows.append(f"| {model} | {n / 1e6:.1f}M | {leaves} | {name} | {ms:.2f} | {device[0]} | "
+                    f"{times[0] / ms:.2f}x | {device[1]} | {rep.bytes_moved / 1e6:.0f} MB | "
+                    f"{rep.xla_kernels} | {rep.custom_calls} |")
         print(rows[-1], flush=True)
   emit_table("\n".join(rows), args.out)
 

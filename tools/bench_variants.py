@@ -4,7 +4,7 @@ fp32 tensors (benchmarks/bench_optim.py: optax, fused AdamW, with and without cl
 decoder step (benchmarks/bench_decoder.py --quick). One markdown table per benchmark, rows
 tagged with the variant's name.
 
-  python3 tools/bench_variants.py default=build/gpu-carry mt_min4=build/variant-mt_min4 ...
+  python3 tools/bench_variants.py default=build/gpu-carry decoder_1=build/variant-decoder_1 ...
 """
 
 import os

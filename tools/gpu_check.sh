@@ -240,8 +240,7 @@ stage_bench_leaves() {
 # Tuning variants: the default build beside builds that differ by one switch (see the switches'
 # comments in src_cuda/cuda), timed side by side. A variant's build is carried in
 # build/variant-NAME (stage carry) or built here, all in parallel.
-VARIANTS=("mt_min4:-DJAXFUSE_MT_MIN_BLOCKS_PER_SM=4" "mt_min3:-DJAXFUSE_MT_MIN_BLOCKS_PER_SM=3"
-          "decoder_1:-DJAXFUSE_DECODER_BLOCKS_PER_SM=1")
+VARIANTS=("decoder_1:-DJAXFUSE_DECODER_BLOCKS_PER_SM=1")
 
 stage_variants() {
   use_extension
