@@ -1,8 +1,10 @@
-// The CUDA driver of the optimizer op (optimizer.h), one for every family: every leaf in one
-// multi-tensor launch (a few for very many leaves). Each thread runs optimizer_group() (the
-// CPU's program too) on groups of 4 scalars held in registers, in float (double for float64
-// calls), with 16-byte (32-/64-bit) or 8-byte (16-bit) accesses when aligned. Each list layout
-// (number of states, master copy or not) is its own kernel, with no branches on it.
+// The CUDA driver of the optimizer op (optimizer.h), one for every family: the leaves of a call
+// in one multi-tensor launch per dtype signature (optimizer_signatures.h; a few launches for very
+// many leaves). Each thread runs optimizer_group() (the CPU's program too) on groups of 4 scalars
+// held in registers, in float (double for float64 calls), with 16-byte (32-/64-bit) or 8-byte
+// (16-bit) accesses when aligned, every load of a group issued before its math. Each list layout
+// (number of states, params mode, 8-bit states) and signature is its own kernel, with no branches
+// on them; the tensors no signature takes run a kernel that reads each list's dtype per chunk.
 //
 // A family's CUDA file is one line, JAXFUSE_CUDA_OPTIMIZER(Family).
 #pragma once
