@@ -133,14 +133,16 @@ def adam_case(mode, dtypes, sizes=SIZES):
   return tx, params, grads, state
 
 
-ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] +
+ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] + [("plain", "c64")] +
               [(mode, "mixed") for mode in ("nesterov", "master", "skip", "loss_scale")] +
               [(mode, "wide") for mode in ("nesterov", "master", "adam")])
 
 
 @pytest.mark.parametrize("mode,mix,launch", on_two_launches(ADAM_CASES), indirect=["launch"])
 def test_adam_bitwise(mode, mix, launch):
-  tx, params, grads, state = adam_case(mode, DTYPE_MIXES[mix])
+  # complex64 alone: the fp32 signature kernel, with its (re, im) pairs
+  dtypes = [jnp.complex64] * len(SIZES) if mix == "c64" else DTYPE_MIXES[mix]
+  tx, params, grads, state = adam_case(mode, dtypes)
   scale = jnp.float32(128.0) if mode == "loss_scale" else None
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=scale)
   native, emu = on_both(fn, grads, state, params)
