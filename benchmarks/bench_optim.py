@@ -84,18 +84,24 @@ def time_step(step, params, state, grads, min_time=1.0, max_iters=200):
   return 1e3 * statistics.median(samples), device_ms, *carry
 
 
+LR, WD = 1e-3, 0.1
+
+
+def optax_step(tx):
+  """(tx, step) through the optax protocol: update, then apply_updates."""
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return tx, step
+
+
+def fused(tx):
+  """(tx, step) of jaxfuse's in-place step."""
+  return tx, lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)
+
+
 def variants():
-  lr, wd = 1e-3, 0.1
-
-  def optax_step(tx):
-    def step(p, s, g):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-    return tx, step
-
-  def fused(tx):
-    return tx, lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)
-
+  lr, wd = LR, WD
   return [
       ("optax", 28, optax_step(optax.adamw(lr, weight_decay=wd))),
       ("jf-optax", 28, optax_step(jaxfuse.adamw(lr, weight_decay=wd))),
@@ -104,8 +110,8 @@ def variants():
                                                 optax.adamw(lr, weight_decay=wd)))),
       ("jf-fused+clip", 32, fused(optax.chain(jaxfuse.clip_by_global_norm(1.0),
                                               jaxfuse.adamw(lr, weight_decay=wd)))),
-      # fp32 params, lower-precision states: bytes per param of the fused 8-bit step (g, p
-      # read, p written: 12; both moments' codes read and written: 4; their scales)
+      # Lower-precision states on fp32 params: optax's bf16 first moment (24 B/param), the
+      # fused 8-bit step (g, p read and p written: 12; both moments' codes read and written: 4)
       ("optax bf16-mu", 24, optax_step(optax.adamw(lr, weight_decay=wd, mu_dtype=jnp.bfloat16))),
       ("jf-fused 8-bit", 16, fused(jaxfuse.adamw(lr, weight_decay=wd, moment_bits=8))),
   ]
@@ -114,17 +120,8 @@ def variants():
 def bf16_variants():
   """On bf16 params and grads: optax keeps bf16 moments (14 B/param in place); jaxfuse's fused
   step keeps an fp32 master and moments (g, p 2+2, master and moments 3 x 8: 28 B/param)."""
-  lr, wd = 1e-3, 0.1
-
-  def optax_step(tx):
-    def step(p, s, g):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-    return tx, step
-
-  tx = jaxfuse.adamw(lr, weight_decay=wd, master_weights=True)
-  return [("optax bf16", 14, optax_step(optax.adamw(lr, weight_decay=wd))),
-          ("jf-fused master", 28, (tx, lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)))]
+  return [("optax bf16", 14, optax_step(optax.adamw(LR, weight_decay=WD))),
+          ("jf-fused master", 28, fused(jaxfuse.adamw(LR, weight_decay=WD, master_weights=True)))]
 
 
 def bench_tree(label, shapes, copy_bw, rows, progress, dtype=jnp.float32):
