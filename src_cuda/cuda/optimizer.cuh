@@ -321,11 +321,12 @@ struct SignatureGroups {
   std::vector<int32_t> rest;
 };
 
-inline SignatureGroups group_by_signature(const TensorLists& tensors, ParamsMode mode,
-                                          int num_states, bool float_states) {
+inline SignatureGroups group_by_signature(const TensorLists& tensors,
+                                          const OptimizerLists& lists) {
   SignatureGroups groups;
-  for (int64_t t = 0; t < tensors.num_tensors(); ++t) {
-    const int s = find_kernel_signature(tensors.dtype[t], mode, num_states, float_states);
+  const std::vector<int> signatures = tensor_signatures(tensors.dtype, lists);
+  for (size_t t = 0; t < signatures.size(); ++t) {
+    const int s = signatures[t];
     (s >= 0 ? groups.by_signature[s] : groups.rest).push_back(static_cast<int32_t>(t));
   }
   return groups;
@@ -358,8 +359,7 @@ template <typename Family, typename Real, int kStates, ParamsMode kMode, bool kQ
 ffi::Error launch_by_signature(cudaStream_t stream,
                                const typename OptimizerOp<Family>::Call& call) {
   if constexpr (std::is_same_v<Real, float>) {
-    const SignatureGroups groups =
-        group_by_signature(call.tensors, kMode, kStates, kStates > 0 && !kQuantized);
+    const SignatureGroups groups = group_by_signature(call.tensors, call.lists);
     if (groups.rest.size() < static_cast<size_t>(call.tensors.num_tensors())) {
       JF_RETURN_IF_ERROR(
           (launch_signatures<Family, kStates, kMode, kQuantized>(stream, call, groups)));

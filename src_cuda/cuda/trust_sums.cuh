@@ -81,14 +81,12 @@ ffi::Error launch_sums(cudaStream_t stream, const typename TrustSumsOp<Family>::
 // The signature kernel that takes every tensor of a float32 call, or -1. One launch numbers
 // the partials' slots in tensor order, which the finish reads.
 inline int uniform_signature(const TensorLists& tensors, int num_states) {
-  int s = -1;
-  for (int64_t t = 0; t < tensors.num_tensors(); ++t) {
-    const int st = find_kernel_signature(tensors.dtype[t], ParamsMode::kPlain, num_states,
-                                         num_states > 0);
-    if (st < 0 || (t > 0 && st != s)) return -1;
-    s = st;
+  const std::vector<int> signatures =
+      tensor_signatures(tensors.dtype, OptimizerLists::of(num_states, /*master=*/false));
+  for (int s : signatures) {
+    if (s < 0 || s != signatures[0]) return -1;
   }
-  return s;
+  return signatures.empty() ? -1 : signatures[0];
 }
 
 template <typename Family, typename Real, int kStates, int kSignature = 0>

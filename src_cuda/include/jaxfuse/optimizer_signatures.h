@@ -78,24 +78,34 @@ inline DType hlo_float_dtype(const std::string& t) {
   return DType::kF32;
 }
 
-// The CUDA launches of an optimizer call (`lists` with these fields) over tensors whose lists
-// have the dtypes `rows` and `sizes` scalars: the driver's split by signature, each group in
-// as many launches as its tables take; a float64 call, or one no signature takes, in one group.
+// Per tensor of a call laid out as `lists` (an OptimizerLists), whose lists have the dtypes
+// `rows`: the signature kernel that takes it, or -1 (every tensor of a float64 call).
 template <typename Lists>
-int64_t signature_launches(const Lists& lists, const std::vector<std::array<DType, kMaxLists>>& rows,
-                           const std::vector<int64_t>& sizes) {
+std::vector<int> tensor_signatures(const std::vector<std::array<DType, kMaxLists>>& rows,
+                                   const Lists& lists) {
   const ParamsMode mode = lists.master >= 0       ? ParamsMode::kMaster
                           : lists.remainders >= 0 ? ParamsMode::kRemainders
                                                   : ParamsMode::kPlain;
   bool f64 = false;
   for (const auto& row : rows) f64 |= computes_in_double(row.data(), lists.count());
-  std::vector<int64_t> groups[kNumKernelSignatures + 1];  // [0]: no signature
-  for (size_t t = 0; t < rows.size(); ++t) {
-    const int s = f64 ? -1
-                      : find_kernel_signature(rows[t], mode, lists.num_states,
-                                              lists.num_states > 0 && !lists.quantized);
-    groups[s + 1].push_back(sizes[t]);
+  std::vector<int> out;
+  for (const auto& row : rows) {
+    out.push_back(f64 ? -1
+                      : find_kernel_signature(row, mode, lists.num_states,
+                                              lists.num_states > 0 && !lists.quantized));
   }
+  return out;
+}
+
+// The CUDA launches of such a call over tensors of `sizes` scalars: the driver's split by
+// signature, each group in as many launches as its tables take; the tensors no signature takes
+// in one more group, which also runs an empty call.
+template <typename Lists>
+int64_t signature_launches(const Lists& lists, const std::vector<std::array<DType, kMaxLists>>& rows,
+                           const std::vector<int64_t>& sizes) {
+  const std::vector<int> signatures = tensor_signatures(rows, lists);
+  std::vector<int64_t> groups[kNumKernelSignatures + 1];  // [0]: no signature
+  for (size_t t = 0; t < rows.size(); ++t) groups[signatures[t] + 1].push_back(sizes[t]);
   int64_t launches = 0;
   for (int s = 1; s <= kNumKernelSignatures; ++s) {
     if (!groups[s].empty()) launches += multi_tensor_launches(lists.count(), groups[s]);
