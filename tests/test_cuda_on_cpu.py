@@ -224,6 +224,19 @@ def test_decoder(dtype, launch):
   check_decoder(*decoder_case(dtype))
 
 
+# The GEMV engine's long paths, which the small case does not reach: K = 1104 rows in chunks of
+# 256 (each chunk's first weights loaded before its inputs are staged), 6 batch rows in two
+# passes of up to 4, and on the 16-block grid 16 K splits summed in two rounds of loads.
+@pytest.mark.parametrize("device", [pytest.param("1", id="grid1x1"),
+                                    pytest.param("3", id="grid16x1")])
+def test_decoder_gemv_chunks_passes_and_splits(device, monkeypatch):
+  monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
+  cfg = jaxfuse.DecoderConfig(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
+                              head_dim=32, intermediate_size=1104, max_seq_len=8)
+  x, w, cache = random_decoder_problem(cfg, 6, jnp.bfloat16, seed=10)
+  check_decoder(cfg, x, jnp.asarray([0, 7, 3, 5, 1, 6], jnp.int32), w, cache)
+
+
 # Weight-only quantized matrices: each kernel instance (int8, fp8 under fp32 activations, with
 # FEATURES, and under bf16 and fp16 ones, without) once, batches 3 and 1 in turn, each case on
 # one launch of LAUNCHES in turn (a case takes about 10 s under ASan; the launches' schedules do

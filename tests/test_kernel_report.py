@@ -108,11 +108,18 @@ def test_budgets_gaps_and_failures():
   assert "no __launch_bounds__" in unbounded.status
 
 
-def test_budgets_are_read_from_the_sources():
+def test_budgets_are_read_from_the_sources(tmp_path):
   budgets, gaps, floors = kr.read_budgets(kr.budget_sources("module.so"))
   fixed = [b for b in budgets if b.pattern.startswith(r"\bChunkOp<") and b.pattern.endswith("params")]
   assert fixed and fixed[0].max_registers == 64 and fixed[0].min_occupancy == 50
-  assert gaps and all(g.reason for g in gaps)
+  decoder = [b for b in budgets if b.pattern == "^decoder_kernel<"]
+  assert decoder and decoder[0].max_local_bytes == 32
+  assert all(g.reason for g in gaps)
+  source = tmp_path / "gap.cu"  # no source declares a gap today: read a made-up one
+  source.write_text('JF_KERNEL_GAP("^k<", 96, 25, 64,\n              "issue 1: why");\n')
+  _, (gap,), _ = kr.read_budgets([str(source)])
+  assert (gap.pattern, gap.max_registers, gap.max_local_bytes, gap.reason) == (
+      "^k<", 96, 64, "issue 1: why")
 
 
 def sass_of(*lines):

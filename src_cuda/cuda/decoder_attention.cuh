@@ -77,7 +77,7 @@ struct AttentionStage {
   __device__ void zero_output(const AttnItem& it) const {
     if (it.split != 0) return;
     float* out = p.ws.attn_out.head(it.b, it.first_head);
-    for (int i = threadIdx.x; i < it.heads * p.dims.head_dim; i += kThreads) {
+    for (int i = thread_index(); i < it.heads * p.dims.head_dim; i += kThreads) {
       ws_store(out + i, 0.0f);
     }
   }
@@ -91,20 +91,21 @@ struct AttentionStage {
 #pragma unroll
       for (int e = 0; e < kLaneElems; ++e) s.o[g][e] = 0.0f;
     }
-    for (int t = it.t0 + threadIdx.x / 32; t < it.t1; t += kWarps) {
+    const int lane = thread_index() % 32;
+    for (int t = it.t0 + thread_index() / 32; t < it.t1; t += kWarps) {
       float k[kLaneElems], v[kLaneElems];
-      load_kv(it, t, k, v);
-      fold_position(it, k, v, s);
+      load_kv(it, t, lane, k, v);
+      fold_position(it, lane, k, v, s);
     }
   }
 
   // This lane's elements of position t's k and v; the new token's from shared memory.
-  __device__ void load_kv(const AttnItem& it, int t, float (&k)[kLaneElems],
+  __device__ void load_kv(const AttnItem& it, int t, int lane, float (&k)[kLaneElems],
                           float (&v)[kLaneElems]) const {
     const int64_t at = it.cache_index(t, p.dims.kv_dim);
 #pragma unroll
     for (int e = 0; e < kLaneElems; ++e) {
-      const int j = threadIdx.x % 32 + 32 * e;
+      const int j = lane + 32 * e;
       if (j < p.dims.head_dim) {
         k[e] = t == it.position ? sm.attn_k_new()[j] : load_as_float(p.io.k_cache, kT, at + j);
         v[e] = t == it.position ? sm.attn_v_new()[j] : load_as_float(p.io.v_cache, kT, at + j);
@@ -116,7 +117,7 @@ struct AttentionStage {
   }
 
   // Folds one position (this lane's k and v elements) into each head's softmax state.
-  __device__ void fold_position(const AttnItem& it, const float (&k)[kLaneElems],
+  __device__ void fold_position(const AttnItem& it, int lane, const float (&k)[kLaneElems],
                                 const float (&v)[kLaneElems], WarpSoftmax& s) const {
     const int hd = p.dims.head_dim;
 #pragma unroll
@@ -126,7 +127,7 @@ struct AttentionStage {
         float dot = 0.0f;
 #pragma unroll
         for (int e = 0; e < kLaneElems; ++e) {
-          const int j = threadIdx.x % 32 + 32 * e;
+          const int j = lane + 32 * e;
           if (j < hd) dot = fmaf(q[j], k[e], dot);
         }
         dot = warp_sum(dot);
@@ -140,7 +141,7 @@ struct AttentionStage {
 
   // Merges the warps' states (fixed order) into this split's partial (m, l, o) per head.
   __device__ void write_split_partial(const AttnItem& it, const WarpSoftmax& s) const {
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = p.dims.head_dim;
+    const int t = thread_index(), warp = t / 32, lane = t % 32, hd = p.dims.head_dim;
     __syncthreads();
 #pragma unroll
     for (int g = 0; g < kHeadChunk; ++g) {
@@ -155,7 +156,7 @@ struct AttentionStage {
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < it.heads * hd; i += kThreads) {
+    for (int i = thread_index(); i < it.heads * hd; i += kThreads) {
       const int g = i / hd, j = i % hd;
       float m = neg_inf_f32(), l = 0.0f, o = 0.0f;
       for (int w = 0; w < kWarps; ++w) {
@@ -176,7 +177,7 @@ struct AttentionStage {
   // The last split to finish: merges all splits' partials (fixed order) into attn_out.
   __device__ void merge_splits(const AttnItem& it) const {
     const int hd = p.dims.head_dim;
-    for (int i = threadIdx.x; i < it.heads * hd; i += kThreads) {
+    for (int i = thread_index(); i < it.heads * hd; i += kThreads) {
       const int g = i / hd, j = i % hd;
       float m = neg_inf_f32(), l = 0.0f, o = 0.0f;
       for (int s = 0; s < p.plan.attn_splits; ++s) {

@@ -21,8 +21,8 @@ constexpr int kKChunk = 256;      // GEMV input rows staged in shared memory at 
 constexpr int kMaxHeadDim = 256;  // lanes hold head_dim / 32 <= 8 elements
 constexpr int kLaneElems = kMaxHeadDim / 32;  // head elements of a lane: lane + 32 * e
 constexpr int kHeadChunk = int(kDecHeadChunk);
-// Blocks per SM, which caps registers at 65536 / (kThreads * blocks): at 2 (128 registers) the
-// kernel spills 56-224 B (ncu on an H100: 1.45M local-memory requests per bf16 step).
+// Blocks per SM, which caps registers at 65536 / (kThreads * blocks): 2 (128 registers; the
+// kernel report holds the kernel to no spills there, see thread_index()).
 // JAXFUSE_DECODER_BLOCKS_PER_SM is a tuning switch for tools/gpu_check.sh's variants stage.
 #ifndef JAXFUSE_DECODER_BLOCKS_PER_SM
 #define JAXFUSE_DECODER_BLOCKS_PER_SM 2
@@ -63,6 +63,19 @@ struct DecoderParams {
 };
 
 // ---- device helpers ----------------------------------------------------------------------------
+
+// threadIdx.x, read where it is used: values derived from it cannot be hoisted out of the
+// persistent kernel's layer loop (ptxas would keep dozens of them live across every stage and
+// spill them).
+__device__ __forceinline__ int thread_index() {
+#if defined(__CUDA_ARCH__)
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+#else
+  return int(threadIdx.x);
+#endif
+}
 
 // The GEMV column tile of activation dtype kT: 32 lanes x kVec columns, kVec the elements of kT
 // in 16 bytes. The tile does not depend on the weights' dtype, so neither do the workspace's
@@ -106,7 +119,10 @@ struct WeightVector {
   static constexpr int kPerWord = 4 / kElementBytes;
   // Rows whose vectors a lane loads before using them: kInFlight bytes, so 8-bit weights keep
   // as many bytes in flight in the same raw registers (8 rows of 16 bytes, 16 of 8, 32 of 4).
-  static constexpr int kRowsInFlight = kInFlight / kBytes;
+  // fp32 activations with fp8 weights keep half: 32 rows of 4-byte vectors and their software
+  // fp8 decode (sm_80) do not fit 128 registers (64 B per lane still hold 32 KB per SM in flight).
+  static constexpr int kRowsInFlight =
+      kInFlight / kBytes / (kT == DType::kF32 && kW == DType::kF8E4M3 ? 2 : 1);
   using Raw = typename VectorLoad<kBytes>::Raw;
 
   Raw raw;
@@ -139,12 +155,46 @@ struct WeightVector {
 __device__ __forceinline__ float ws_load(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ void ws_store(float* p, float v) { __stcg(p, v); }
 
+// sum(load(i) for i < n), added in index order (the bits of a serial loop: deterministic), with
+// kLoadsInFlight loads issued before any is added: a finish over 33 splits waits for 5 L2 round
+// trips, not 33.
+constexpr int kLoadsInFlight = 8;
+template <typename Load>
+__device__ __forceinline__ float ordered_sum(int n, const Load& load) {
+  float s = 0.0f;
+  for (int i0 = 0; i0 < n; i0 += kLoadsInFlight) {
+    float v[kLoadsInFlight];
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) v[u] = i0 + u < n ? load(i0 + u) : 0.0f;
+#pragma unroll
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      if (i0 + u < n) s += v[u];
+    }
+  }
+  return s;
+}
+
+// Asks L2 to fetch the 16-byte words within [p, p + bytes) without waiting for them: weights never
+// depend on activations, so the next stage's are fetched while this one finishes and the grid
+// syncs. One bulk request on sm_90, one per 128-byte line before; nothing on the emulator.
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t(15);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~uintptr_t(15);
+  if (end <= begin) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(begin), "r"(unsigned(end - begin))
+               : "memory");
+#elif defined(__CUDA_ARCH__)
+  for (uintptr_t at = begin; at < end; at += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+#endif
+}
+
 // Release this block's writes and count its arrival; true in every thread of the last block
 // to arrive (which then sees every arrived block's writes).
 __device__ __forceinline__ bool arrive_last(int* counter, int expected, int* flag) {
   __threadfence();  // release: this thread's partials are visible device-wide
   __syncthreads();  // ...for every thread of the block
-  if (threadIdx.x == 0) *flag = atomicAdd(counter, 1) == expected - 1;
+  if (thread_index() == 0) *flag = atomicAdd(counter, 1) == expected - 1;
   __syncthreads();
   const bool last = *flag != 0;
   if (last) __threadfence();  // acquire
@@ -185,7 +235,7 @@ static_assert(kWarps * kHeadChunk * kMaxHeadDim <= kWarps * kBatchPass * kMaxTil
 __device__ __forceinline__ void store_tile_sumsq(const DecoderParams& p, Smem& sm, int b, int tile,
                                                  float sq) {
   const float total = block_sum<kThreads>(sq, sm.scratch);
-  if (threadIdx.x == 0) ws_store(p.ws.row_sumsq.at(b, tile), total);
+  if (thread_index() == 0) ws_store(p.ws.row_sumsq.at(b, tile), total);
 }
 
 }  // namespace jaxfuse::cuda_decoder

@@ -11,6 +11,11 @@
 // __threadfence) sums the partials of all splits in a fixed order, so results are
 // deterministic, and runs the stage's finish() (scales, residual add, SwiGLU, sums of squares
 // for the next RMSNorm). No extra grid sync is needed for the split-K reduction.
+//
+// Weights never wait for activations: a chunk's first row group is loaded before its inputs are
+// staged (the 1 / rms and input reads from L2 overlap it), and before each grid sync every block
+// asks L2 for the first rows of its first item of the next GEMV stage (prefetch_gemv). Sums over
+// workspace values (1 / rms, the splits) keep kLoadsInFlight loads in flight (ordered_sum).
 #pragma once
 
 #include "decoder_common.cuh"
@@ -60,16 +65,21 @@ struct GemvJob {
   // The tile group that one counter (and one finishing block) covers.
   __device__ int group(int tile) const { return paired ? tile % matrix[0].tiles : tile; }
   __device__ int arrivals() const { return paired ? 2 * splits : splits; }
+  // The first row of K split s (s == splits: k_rows).
+  __device__ int split_row(int s) const { return int(int64_t(k_rows) * s / splits); }
 };
 
-// Stage tile `tile` as (matrix, tile of that matrix).
+// Stage tile `tile` as (matrix, its index in the job, tile of that matrix). Constant indices
+// only: a dynamic job.matrix[m] would put the whole job on the stack (local memory).
 struct MatrixTile {
-  int matrix, tile;
+  GemvMatrix matrix;
+  int index, tile;
 };
 __device__ __forceinline__ MatrixTile locate_tile(const GemvJob& job, int tile) {
-  int m = 0;
-  while (tile >= job.matrix[m].tiles) tile -= job.matrix[m++].tiles;
-  return {m, tile};
+  if (tile < job.matrix[0].tiles) return {job.matrix[0], 0, tile};
+  tile -= job.matrix[0].tiles;
+  if (job.matrices == 2 || tile < job.matrix[1].tiles) return {job.matrix[1], 1, tile};
+  return {job.matrix[2], 2, tile - job.matrix[1].tiles};
 }
 
 // GEMV input rows rmsnorm(h) * norm (QKV, gate/up).
@@ -80,8 +90,8 @@ struct NormedHidden {
   const void* norm;  // this layer's norm weights [hidden]
 
   __device__ float inv_rms(int b) const {
-    float s = 0.0f;
-    for (int j = 0; j < p.dims.hidden_tiles; ++j) s += ws_load(p.ws.row_sumsq.at(b, j));
+    const float s = ordered_sum(p.dims.hidden_tiles,
+                                [&](int j) { return ws_load(p.ws.row_sumsq.at(b, j)); });
     return rms_inv(s, p.dims.hidden, p.dims.rms_eps);
   }
   __device__ float value(int b, int k, float inv_rms) const {
@@ -97,20 +107,35 @@ struct WorkspaceInput {
   __device__ float value(int b, int k, float) const { return ws_load(rows.at(b, k)); }
 };
 
+// 1 / rms of batch rows b0 .. b0 + nb - 1 into shared memory (normalized inputs only), once per
+// pass over a work item's rows.
+template <typename Input>
+__device__ __forceinline__ void stage_inv_rms(Smem& sm, const Input& in, int b0, int nb) {
+  if constexpr (Input::kNormalized) {
+    __syncthreads();  // previous readers of inv_rms are done
+    const int t = thread_index();
+    if (t < nb) sm.inv_rms[t] = in.inv_rms(b0 + t);
+  }
+}
+
 // Stages input rows [r0, r0 + rows) of batch rows b0 .. b0 + nb - 1 in shared memory as
-// staged[bb][r] (zero past `rows`).
+// staged[bb][r] (zero past `rows`): every thread's values loaded before any is stored.
 template <typename Input>
 __device__ __forceinline__ void stage_inputs(Smem& sm, const Input& in, int b0, int nb, int r0,
                                              int rows) {
-  __syncthreads();  // previous readers of the staging area are done
-  if constexpr (Input::kNormalized) {
-    if (threadIdx.x < nb) sm.inv_rms[threadIdx.x] = in.inv_rms(b0 + threadIdx.x);
+  constexpr int kPerThread = kBatchPass * kKChunk / kThreads;
+  static_assert(kPerThread * kThreads == kBatchPass * kKChunk, "whole rounds");
+  __syncthreads();  // previous readers of the staging area are done; inv_rms is written
+  const int t = thread_index();
+  float v[kPerThread];
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int i = t + u * kThreads, bb = i / kKChunk, r = i % kKChunk;
+    const float inv_rms = Input::kNormalized ? sm.inv_rms[min(bb, nb - 1)] : 0.0f;
+    v[u] = bb < nb && r < rows ? in.value(b0 + bb, r0 + r, inv_rms) : 0.0f;
   }
-  __syncthreads();
-  for (int i = threadIdx.x; i < nb * kKChunk; i += kThreads) {
-    const int bb = i / kKChunk, r = i % kKChunk;
-    sm.staged[i] = r < rows ? in.value(b0 + bb, r0 + r, sm.inv_rms[bb]) : 0.0f;
-  }
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) sm.staged[t + u * kThreads] = v[u];
   __syncthreads();
 }
 
@@ -125,26 +150,32 @@ struct LaneColumns {
 template <DType kT>
 using GemvAcc = float[kBatchPass][GemvTile<kT>::kVec];
 
-// acc[bb][v] += staged[bb][r] * W[r0 + r][column + v] over this warp's staged rows: groups of
-// kRowsInFlight rows, interleaved over the warps, all loads of a group issued first.
+// The weight vectors of the kRowsInFlight rows from rb of a lane's columns, loaded before any is
+// used (zero past `rows`).
 template <DType kT, DType kW>
-__device__ __forceinline__ void accumulate_rows(const Smem& sm, const LaneColumns& lc, int r0,
-                                                int rows, int nb, GemvAcc<kT>& acc) {
+struct RowGroup {
   using Weights = WeightVector<kT, kW>;
-  constexpr int kVec = Weights::kVec;
-  constexpr int kUnroll = Weights::kRowsInFlight;
-  for (int rb = threadIdx.x / 32 * kUnroll; rb < rows; rb += kWarps * kUnroll) {
-    Weights loaded[kUnroll];
+  static constexpr int kRows = Weights::kRowsInFlight;
+  Weights w[kRows];
+
+  __device__ static RowGroup load(const LaneColumns& lc, int r0, int rb, int rows) {
+    RowGroup g;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       const int r = rb + u;
       const int64_t at = int64_t(r0 + r) * lc.columns + lc.column;
-      loaded[u] = lc.valid && r < rows ? Weights::load(lc.matrix, at) : Weights::zero();
+      g.w[u] = lc.valid && r < rows ? Weights::load(lc.matrix, at) : Weights::zero();
     }
+    return g;
+  }
+
+  // acc[bb][v] += staged[bb][rb + u] * w[u][v]
+  __device__ void accumulate(const Smem& sm, int rb, int nb, GemvAcc<kT>& acc) const {
+    constexpr int kVec = Weights::kVec;
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kRows; ++u) {
       float wf[kVec];
-      loaded[u].unpack(wf);
+      w[u].unpack(wf);
       const int r = min(rb + u, kKChunk - 1);  // rows past `rows` have zero weights
 #pragma unroll
       for (int bb = 0; bb < kBatchPass; ++bb) {
@@ -156,6 +187,29 @@ __device__ __forceinline__ void accumulate_rows(const Smem& sm, const LaneColumn
       }
     }
   }
+};
+
+// This warp's first row group of a chunk: warps take interleaved groups of kRows rows.
+template <DType kT, DType kW>
+__device__ __forceinline__ int first_group_row() {
+  return thread_index() / 32 * RowGroup<kT, kW>::kRows;
+}
+
+// acc over this warp's staged rows of a chunk, its first group already loaded (`first`, in
+// flight while the inputs were staged); each later group's loads all issued before its math.
+template <DType kT, DType kW>
+__device__ __forceinline__ void accumulate_rows(const Smem& sm, const LaneColumns& lc, int r0,
+                                                int rows, int nb, RowGroup<kT, kW> group,
+                                                GemvAcc<kT>& acc) {
+  constexpr int kStride = kWarps * RowGroup<kT, kW>::kRows;
+  int rb = first_group_row<kT, kW>();
+  if (rb >= rows) return;
+  while (true) {
+    group.accumulate(sm, rb, nb, acc);
+    rb += kStride;
+    if (rb >= rows) break;
+    group = RowGroup<kT, kW>::load(lc, r0, rb, rows);
+  }
 }
 
 // Sums acc over the warps (fixed order) and writes one partial per (work item, batch row).
@@ -164,7 +218,7 @@ __device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
                                                const GemvAcc<kT>& acc, int item, int b0, int nb) {
   constexpr int kVec = GemvTile<kT>::kVec;
   constexpr int kColumns = GemvTile<kT>::kColumns;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = thread_index(), warp = t / 32, lane = t % 32;
   __syncthreads();
 #pragma unroll
   for (int bb = 0; bb < kBatchPass; ++bb) {
@@ -173,7 +227,7 @@ __device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
     for (int v = 0; v < kVec; ++v) sums[v] = acc[bb][v];
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < nb * kColumns; i += kThreads) {
+  for (int i = thread_index(); i < nb * kColumns; i += kThreads) {
     const int bb = i / kColumns, c = i % kColumns;
     float sum = 0.0f;
 #pragma unroll
@@ -190,11 +244,10 @@ __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, cons
   constexpr int kVec = GemvTile<kT>::kVec;
   const int split = item % job.splits;
   const MatrixTile mt = locate_tile(job, item / job.splits);
-  const GemvMatrix& m = job.matrix[mt.matrix];
-  const int column = mt.tile * GemvTile<kT>::kColumns + threadIdx.x % 32 * kVec;
+  const GemvMatrix& m = mt.matrix;
+  const int column = mt.tile * GemvTile<kT>::kColumns + thread_index() % 32 * kVec;
   const LaneColumns lc{static_cast<const char*>(m.weights), m.columns, column, column < m.columns};
-  const int k0 = int(int64_t(job.k_rows) * split / job.splits);
-  const int k1 = int(int64_t(job.k_rows) * (split + 1) / job.splits);
+  const int k0 = job.split_row(split), k1 = job.split_row(split + 1);
   for (int b0 = 0; b0 < p.dims.batch; b0 += kBatchPass) {
     const int nb = min(kBatchPass, p.dims.batch - b0);
     GemvAcc<kT> acc;
@@ -202,10 +255,14 @@ __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, cons
     for (int bb = 0; bb < kBatchPass; ++bb)
 #pragma unroll
       for (int v = 0; v < kVec; ++v) acc[bb][v] = 0.0f;
+    // Each chunk's first weight loads are issued before its inputs are staged: they depend on
+    // no activation, so the staging's L2 round trips (1 / rms, the inputs) overlap them.
     for (int r0 = k0; r0 < k1; r0 += kKChunk) {
       const int rows = min(kKChunk, k1 - r0);
+      const auto first = RowGroup<kT, kW>::load(lc, r0, first_group_row<kT, kW>(), rows);
+      if (r0 == k0) stage_inv_rms(sm, in, b0, nb);
       stage_inputs(sm, in, b0, nb, r0, rows);
-      accumulate_rows<kT, kW>(sm, lc, r0, rows, nb, acc);
+      accumulate_rows<kT, kW>(sm, lc, r0, rows, nb, first, acc);
     }
     write_partials<kT>(p, sm, acc, item, b0, nb);
   }
@@ -227,12 +284,35 @@ __device__ __forceinline__ void run_gemv(const Stage& stage) {
   }
 }
 
+// Asks L2 for the first kPrefetchRows rows of this block's first work item of a GEMV stage
+// (each warp's first two row groups of 16-bit weights: 64 KB per block, 17 MB over an H100's
+// 264 blocks, a third of its L2), issued before the grid sync that precedes the stage.
+constexpr int kPrefetchRows = 128;
+static_assert(kPrefetchRows <= kThreads, "one row per thread");
+
+template <DType kT, DType kW, typename Stage>
+__device__ __forceinline__ void prefetch_gemv(const Stage& stage) {
+  constexpr int kBytes = WeightVector<kT, kW>::kElementBytes;
+  const GemvJob job = stage.job();
+  const int item = blockIdx.x;
+  if (item >= job.total_tiles() * job.splits) return;
+  const int split = item % job.splits;
+  const MatrixTile mt = locate_tile(job, item / job.splits);
+  const int row = job.split_row(split) + thread_index();
+  const int end = min(job.split_row(split + 1), job.split_row(split) + kPrefetchRows);
+  const int column = mt.tile * GemvTile<kT>::kColumns;
+  if (row < end) {
+    const int width = min(GemvTile<kT>::kColumns, mt.matrix.columns - column);
+    const int64_t at = int64_t(row) * mt.matrix.columns + column;
+    prefetch_l2(static_cast<const char*>(mt.matrix.weights) + at * kBytes, width * kBytes);
+  }
+}
+
 // Sum over the splits (fixed order: deterministic) of stage tile `tile`'s partials at (b, c).
 __device__ __forceinline__ float split_sum(const DecoderParams& p, int tile, int splits, int b,
                                            int c) {
-  float y = 0.0f;
-  for (int s = 0; s < splits; ++s) y += ws_load(p.ws.gemv_partial(tile * splits + s, b, c));
-  return y;
+  return ordered_sum(splits,
+                     [&](int s) { return ws_load(p.ws.gemv_partial(tile * splits + s, b, c)); });
 }
 
 // Finishes a residual GEMV tile of matrix m (O and down projections): h += y, the tile's sums
@@ -241,7 +321,7 @@ template <DType kT, DType kW>
 __device__ void add_residual(const DecoderParams& p, Smem& sm, const GemvMatrix& m, int tile,
                              int splits, bool last_layer) {
   constexpr int kColumns = GemvTile<kT>::kColumns;
-  const int c = threadIdx.x;
+  const int c = thread_index();
   const int col = tile * kColumns + c;
   for (int b = 0; b < p.dims.batch; ++b) {
     float sq = 0.0f;

@@ -35,20 +35,20 @@ struct NewToken {
   __device__ void load_query_and_new_kv(const AttnItem& it) const {
     const int hd = p.dims.head_dim, half = hd / 2;
     __syncthreads();  // the staging area may still be read by the previous item
-    for (int i = threadIdx.x; i < (it.heads + 1) * hd; i += kThreads) {
+    for (int i = thread_index(); i < (it.heads + 1) * hd; i += kThreads) {
       const int g = i / hd, j = i % hd;
       const float* x = g < it.heads ? p.ws.qkv.q(it.b, it.first_head + g)
                                     : p.ws.qkv.k(it.b, it.kv_head);
       staged_head(it, g)[j] = ws_load(x + j);
     }
     const float* v = p.ws.qkv.v(it.b, it.kv_head);
-    for (int j = threadIdx.x; j < hd; j += kThreads) {
+    for (int j = thread_index(); j < hd; j += kThreads) {
       sm.attn_v_new()[j] = round_to(kT, ws_load(v + j));
     }
     __syncthreads();
     if (p.dims.qk_norm) normalize_heads(it);
     // RoPE in place: one thread owns each pair (j, j + half).
-    for (int i = threadIdx.x; i < (it.heads + 1) * half; i += kThreads) {
+    for (int i = thread_index(); i < (it.heads + 1) * half; i += kThreads) {
       const int g = i / half, j = i % half;
       float c, sn;
       rope_cos_sin(rope_angle(it.position, __ldg(p.io.rope_inv_freq + j)), &c, &sn);
@@ -69,7 +69,7 @@ struct NewToken {
 
   // Per-head RMSNorm of the staged heads in place (Qwen3's q_norm, k_norm): warp g takes head g.
   __device__ void normalize_heads(const AttnItem& it) const {
-    const int hd = p.dims.head_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int t = thread_index(), hd = p.dims.head_dim, warp = t / 32, lane = t % 32;
     if (warp <= it.heads) {
       float* x = staged_head(it, warp);
       float sum_sq = 0.0f;
@@ -85,7 +85,7 @@ struct NewToken {
   // The new k and v into the caches at [layer, b, p] (one item per (b, kv head) does it).
   __device__ void append_new_kv(const AttnItem& it) const {
     const int64_t at = it.cache_index(it.position, p.dims.kv_dim);
-    for (int j = threadIdx.x; j < p.dims.head_dim; j += kThreads) {
+    for (int j = thread_index(); j < p.dims.head_dim; j += kThreads) {
       store_from_float(p.io.k_cache, kT, at + j, sm.attn_k_new()[j]);
       store_from_float(p.io.v_cache, kT, at + j, sm.attn_v_new()[j]);
     }

@@ -18,9 +18,9 @@ struct EmbedStage {
     const int tiles = p.dims.hidden_tiles;
     for (int item = blockIdx.x; item < p.dims.batch * tiles; item += gridDim.x) {
       const int b = item / tiles, tile = item % tiles;
-      const int col = tile * kColumns + threadIdx.x;
+      const int c = thread_index(), col = tile * kColumns + c;
       float sq = 0.0f;
-      if (threadIdx.x < kColumns && col < p.dims.hidden) {
+      if (c < kColumns && col < p.dims.hidden) {
         const float v = load_as_float(p.io.x, kT, int64_t(b) * p.dims.hidden + col);
         ws_store(p.ws.hidden.at(b, col), v);
         sq = v * v;
@@ -58,14 +58,14 @@ struct QkvStage {
   __device__ void finish(const GemvJob& job, int tile) const {
     constexpr int kColumns = GemvTile<kT>::kColumns;
     const MatrixTile mt = locate_tile(job, tile);
-    const GemvMatrix& m = job.matrix[mt.matrix];
-    const int c = threadIdx.x, col = mt.tile * kColumns + c;
+    const GemvMatrix& m = mt.matrix;
+    const int c = thread_index(), col = mt.tile * kColumns + c;
     if (c < kColumns && col < m.columns) {
-      const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.matrix, m.columns), kT, col)
+      const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.index, m.columns), kT, col)
                                          : 0.0f;
       for (int b = 0; b < p.dims.batch; ++b) {
         const float y = apply_scale<kT, kW>(m, col, split_sum(p, tile, job.splits, b, c));
-        ws_store(p.ws.qkv.column(b, mt.matrix, col), p.dims.qkv_bias ? y + bias : y);
+        ws_store(p.ws.qkv.column(b, mt.index, col), p.dims.qkv_bias ? y + bias : y);
       }
     }
   }
@@ -75,6 +75,7 @@ struct QkvStage {
     return layer_slice(m == 0 ? w.q_bias : (m == 1 ? w.k_bias : w.v_bias), kT, layer, columns);
   }
   __device__ void run() const { run_gemv<kT, kW>(*this); }
+  __device__ void prefetch() const { prefetch_gemv<kT, kW>(*this); }
 };
 
 
@@ -112,6 +113,7 @@ struct ResidualStage {
                          kDown && layer == p.dims.layers - 1);
   }
   __device__ void run() const { run_gemv<kT, kW>(*this); }
+  __device__ void prefetch() const { prefetch_gemv<kT, kW>(*this); }
 };
 template <DType kT, DType kW>
 using OProjStage = ResidualStage<kT, kW, false>;
@@ -145,7 +147,7 @@ struct GateUpStage {
   __device__ int* counter(int tile) const { return p.ws.gate_up_counter(layer, tile); }
   // Gate tile `tile` and its up tile (mlp_tiles further).
   __device__ void finish(const GemvJob& job, int tile) const {
-    const int c = threadIdx.x, col = tile * GemvTile<kT>::kColumns + c;
+    const int c = thread_index(), col = tile * GemvTile<kT>::kColumns + c;
     if (c < GemvTile<kT>::kColumns && col < p.dims.intermediate) {
       for (int b = 0; b < p.dims.batch; ++b) {
         const float gate = split_sum(p, tile, job.splits, b, c);
@@ -156,6 +158,7 @@ struct GateUpStage {
     }
   }
   __device__ void run() const { run_gemv<kT, kW>(*this); }
+  __device__ void prefetch() const { prefetch_gemv<kT, kW>(*this); }
 };
 
 }  // namespace jaxfuse::cuda_decoder
