@@ -224,17 +224,20 @@ def test_decoder(dtype, launch):
   check_decoder(*decoder_case(dtype))
 
 
-# The GEMV engine's long paths, which the small case does not reach: K = 1104 rows in chunks of
-# 256 (each chunk's first weights loaded before its inputs are staged), 6 batch rows in two
-# passes of up to 4, and on the 16-block grid 16 K splits summed in two rounds of loads.
+# The GEMV engines' long paths, which the small case does not reach: K = 400 rows in chunks
+# (each chunk's first weights loaded before its inputs are staged), batch rows in several passes
+# (fp16's FMA engine: 4 rows a pass; bf16's tensor-core engine: 16, in two 8-row batch tiles),
+# and on the 16-block grid 16 K splits summed in two rounds of loads.
+@pytest.mark.parametrize("dtype,batch", [(jnp.float16, 6), (jnp.bfloat16, 18)],
+                         ids=["fma-f16-batch6", "mma-bf16-batch18"])
 @pytest.mark.parametrize("device", [pytest.param("1", id="grid1x1"),
                                     pytest.param("3", id="grid16x1")])
-def test_decoder_gemv_chunks_passes_and_splits(device, monkeypatch):
+def test_decoder_gemv_chunks_passes_and_splits(dtype, batch, device, monkeypatch):
   monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
   cfg = jaxfuse.DecoderConfig(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
-                              head_dim=32, intermediate_size=1104, max_seq_len=8)
-  x, w, cache = random_decoder_problem(cfg, 6, jnp.bfloat16, seed=10)
-  check_decoder(cfg, x, jnp.asarray([0, 7, 3, 5, 1, 6], jnp.int32), w, cache)
+                              head_dim=32, intermediate_size=400, max_seq_len=8)
+  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=10)
+  check_decoder(cfg, x, jnp.arange(batch, dtype=jnp.int32) * 5 % 8, w, cache)
 
 
 # Weight-only quantized matrices: each kernel instance (int8, fp8 under fp32 activations, with

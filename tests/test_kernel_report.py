@@ -46,6 +46,15 @@ GRID_SYNC_GUARD = [
     ((("/cuda/include/cooperative_groups.h", 180), ("/x/src_cuda/cuda/decoder.cu", 56)), False,
      "BPT.TRAP", None, ""),
 ]
+SHARED_GRID_SYNC_GUARD = [  # several syncs jump to one failure block after the kernel's EXIT
+    ((("/x/src_cuda/cuda/decoder.cu", 80),), False, "EXIT", None, ""),
+    ((("/cuda/include/cooperative_groups.h", 180), ("/x/src_cuda/cuda/decoder.cu", 65)), False,
+     "BPT.TRAP", None, ""),
+]
+STRAIGHT_LINE_TRAP = [  # reached by falling through: not a guard, wherever it is
+    ((("/cuda/include/cooperative_groups.h", 180),), False, "IADD3", None, ""),
+    ((("/cuda/include/cooperative_groups.h", 180),), False, "BPT.TRAP", None, ""),
+]
 HOST_OBJECT_READ = [
     ((("/x/src_cuda/include/jaxfuse/optimizer.h", 83), ("/x/src_cuda/cuda/multi_tensor.cuh", 101)),
      True, "BRA", None, ""),
@@ -65,6 +74,8 @@ def test_traps_and_accesses_are_read_from_the_sass():
   assert inst.local_instructions == 2
   assert [guarded for guarded, _ in inst.traps] == [True]
   assert [guarded for guarded, _ in instance(sass=HOST_OBJECT_READ).traps] == [False]
+  assert [guarded for guarded, _ in instance(sass=SHARED_GRID_SYNC_GUARD).traps] == [True]
+  assert [guarded for guarded, _ in instance(sass=STRAIGHT_LINE_TRAP).traps] == [False]
 
 
 def budget(registers=64, occupancy=50, local=0, reason="", pattern=r"\bChunkOp<"):

@@ -11,8 +11,8 @@ theoretical occupancy (sm_90 code on an H100, sm_80 code on an A100), global loa
 widths, local-memory instructions and traps. It fails (exit status 1) on
 
 - any unguarded trap (nvcc compiles undefined behaviour, such as device code reading a host
-  object, into a trap; only cooperative groups' grid-sync guards, a branch around a trap in
-  CUDA's own headers, are allowed),
+  object, into a trap; only cooperative groups' grid-sync guards, a trap in CUDA's own headers
+  that a conditional branch skips or jumps to, are allowed),
 - any instance over its budget: the JF_KERNEL_BUDGET / JF_KERNEL_GAP declarations beside the
   launch code in src_cuda/cuda (kernel_budget.cuh says what they mean); known gaps print with
   their reasons; a gap that excuses nothing, an instance without exactly one budget, a kernel
@@ -272,8 +272,14 @@ def analyse(inst, sass):
     elif opcode.startswith("BPT.TRAP"):
       inner = where[0] if where else ("?", 0)
       outer = next((w for w in reversed(where) if "/src_cuda/" in w[0] or "/tools/" in w[0]), inner)
-      guard = (not predicated and previous is not None and previous[1]
-               and previous[2].startswith("BRA") and "cooperative_groups" in inner[0])
+      # Cooperative groups' grid-sync check: its trap right after a conditional branch around
+      # it, or (several syncs sharing one failure block) after an EXIT or unconditional branch,
+      # where only a jump reaches it.
+      jumped_to = previous is not None and (previous[2].startswith("EXIT") or (
+          previous[2].startswith("BRA") and not previous[1]))
+      branched_around = previous is not None and previous[1] and previous[2].startswith("BRA")
+      guard = (not predicated and (branched_around or jumped_to)
+               and "cooperative_groups" in inner[0])
       inst.traps.append((guard, f"{os.path.basename(inner[0])}:{inner[1]}"
                          + (f" in {os.path.basename(outer[0])}:{outer[1]}" if outer != inner else "")))
     previous = (where, predicated, opcode)
@@ -612,7 +618,7 @@ bytes of local-memory stores / loads in the kernel's own code, spills and stack 
 (CUDA's division and reciprocal slow paths, run only for special operands, apart); loads in
 flight are the most arrays (address registers) a straight run of its SASS loads from before it
 reads any of the loaded values; a trap is guarded when it is cooperative groups' grid-sync check,
-branched around; a gap is an instance over its budget and within a known gap, whose reason names
+branched around or reached only by a jump; a gap is an instance over its budget and within a known gap, whose reason names
 the issue that closes it.
 
 """

@@ -29,7 +29,13 @@ constexpr int kHeadChunk = int(kDecHeadChunk);
 #endif
 constexpr int kMaxBlocksPerSm = JAXFUSE_DECODER_BLOCKS_PER_SM;
 constexpr int kMaxTile = 256;  // columns per tile for 16-bit dtypes
-constexpr int kStaged = 2048;  // floats of the shared staging area
+// The tensor-core GEMV (bf16 activations, decoder_gemv_mma.cuh): batch rows per pass, input rows
+// staged per chunk, and the 16-byte cells of one staged batch row (4 of padding put two batch
+// rows in one 128-byte shared-memory wavefront).
+constexpr int kMmaBatch = 16;
+constexpr int kMmaChunk = 128;
+constexpr int kMmaCellsPerRow = kMmaChunk / 4 + 4;
+constexpr int kStaged = kMmaBatch * kMmaCellsPerRow * 4;  // floats of the shared staging area
 
 static_assert(kHeadChunk == 4, "attention accumulators are sized for 4 heads");
 static_assert(kHeadChunk + 1 <= kWarps, "per-head q/k RMSNorm takes one warp per staged head");
@@ -136,17 +142,19 @@ struct WeightVector {
 
   // The kVec weights as fp32: exact for every kW.
   __device__ void unpack(float* o) const {
-    constexpr int kBits = 8 * kElementBytes;
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) {
-      const uint32_t w = word(raw, i / kPerWord);
-      if constexpr (kW == DType::kF32) {
-        o[i] = __uint_as_float(w);
-      } else {
-        using Bits = typename Storage<kW>::Bits;
-        const auto bits = Bits((w >> (kBits * (i % kPerWord))) & ((1u << kBits) - 1));
-        o[i] = Storage<kW>::template load<float>(bits);
-      }
+    for (int i = 0; i < kVec; ++i) o[i] = at(i);
+  }
+  // Weight i (a compile-time index) as fp32.
+  __device__ float at(int i) const {
+    const uint32_t w = word(raw, i / kPerWord);
+    if constexpr (kW == DType::kF32) {
+      return __uint_as_float(w);
+    } else {
+      constexpr int kBits = 8 * kElementBytes;
+      using Bits = typename Storage<kW>::Bits;
+      return Storage<kW>::template load<float>(
+          Bits((w >> (kBits * (i % kPerWord))) & ((1u << kBits) - 1)));
     }
   }
 };
@@ -155,10 +163,11 @@ struct WeightVector {
 __device__ __forceinline__ float ws_load(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ void ws_store(float* p, float v) { __stcg(p, v); }
 
-// sum(load(i) for i < n), added in index order (the bits of a serial loop: deterministic), with
-// kLoadsInFlight loads issued before any is added: a finish over 33 splits waits for 5 L2 round
-// trips, not 33.
-constexpr int kLoadsInFlight = 8;
+// sum(load(i) for i < n), added in index order (the bits of a serial loop: deterministic), in
+// rounds of kLoadsInFlight loads issued before any is added: 33 splits wait for 3 L2 round
+// trips, 22 for 2 and a row's 8 tile sums for 1, where nvcc's unrolling of a serial loop (rounds
+// of 16 loads, then 4, then 1) takes 3, 4 and 2. 16 would spill in the fp32 instances.
+constexpr int kLoadsInFlight = 12;
 template <typename Load>
 __device__ __forceinline__ float ordered_sum(int n, const Load& load) {
   float s = 0.0f;
@@ -206,9 +215,9 @@ __device__ __forceinline__ bool arrive_last(int* counter, int expected, int* fla
 // A block's shared memory; the stages reuse the arrays (a grid sync separates them).
 struct Smem {
   float warp_sums[kWarps * kBatchPass * kMaxTile];  // per-warp GEMV column sums / attention o
-  float staged[kStaged];                             // GEMV inputs / attention q, k_new, v_new
+  alignas(16) float staged[kStaged];                 // GEMV inputs / attention q, k_new, v_new
   float warp_ml[2 * kWarps * kHeadChunk];            // per-warp attention (m, l)
-  float inv_rms[kBatchPass];
+  float inv_rms[kMmaBatch];
   float scratch[kWarps];  // block_sum
   int flag;               // arrive_last
 
@@ -216,6 +225,15 @@ struct Smem {
   __device__ float* gemv_warp_sums(int w, int bb, int columns) {
     return warp_sums + (w * kBatchPass + bb) * columns;
   }
+  // Tensor-core GEMV: the staged inputs' cell c of batch row b (bf16 hi x4, then lo x4), and
+  // warp phase ph's column sums of batch row b [kMaxTile].
+  __device__ uint4* mma_cell(int b, int c) {
+    return reinterpret_cast<uint4*>(staged) + b * kMmaCellsPerRow + c;
+  }
+  __device__ const uint4* mma_cell(int b, int c) const {
+    return reinterpret_cast<const uint4*>(staged) + b * kMmaCellsPerRow + c;
+  }
+  __device__ float* mma_sums(int ph, int b) { return warp_sums + (ph * kMmaBatch + b) * kMaxTile; }
   // Attention: q of head g of the chunk [head_dim], the new k and v [head_dim].
   __device__ float* attn_q(int g, int head_dim) { return staged + g * head_dim; }
   __device__ float* attn_k_new() { return staged + kHeadChunk * kMaxHeadDim; }
@@ -227,6 +245,7 @@ struct Smem {
   __device__ float* attn_warp_ml(int w, int g) { return warp_ml + (w * kHeadChunk + g) * 2; }
 };
 static_assert(kBatchPass * kKChunk <= kStaged, "staging area too small");
+static_assert(kWarps / 4 * kMmaBatch <= kWarps * kBatchPass, "tensor-core sums area too small");
 static_assert(kHeadChunk * kMaxHeadDim + 2 * kMaxHeadDim <= kStaged, "attention staging too small");
 static_assert(kWarps * kHeadChunk * kMaxHeadDim <= kWarps * kBatchPass * kMaxTile,
               "attention merge area too small");

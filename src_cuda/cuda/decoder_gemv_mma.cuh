@@ -1,0 +1,291 @@
+// The CUDA decoder's tensor-core GEMV work item, for bf16 activations (included by
+// decoder_gemv.cuh only): every weight byte of the item is read once for up to kMmaBatch batch
+// rows, so a step's time hardly grows with the batch, where the fp32-FMA item re-reads its slice
+// per kBatchPass rows.
+//
+// y[b, n] = sum_k x[b, k] W[k, n] as mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the
+// weights as the 16 x 16 operand A (rows m: output columns, columns: k) and the inputs as the
+// 16 x 8 operand B (k x batch rows). A sum over k does not care which k a fragment slot holds, so
+// each lane loads its own 4 consecutive rows of 8 consecutive columns (16-byte loads straight
+// from the matrix, the warp reading whole 128-byte lines) and a byte permute pairs rows into
+// A's k-pairs; the inputs are staged in shared memory in the same k order, so one 16-byte load
+// gives a lane its B fragment. Lane (g, q) = (lane / 4, lane % 4) of a warp's 16-row step holds:
+//   A: rows 4q .. 4q + 3 of columns 8g .. 8g + 7 of the warp's 64 (mma j takes columns 8g + 2j
+//      as m = g and 8g + 2j + 1 as m = g + 8);
+//   B: x[8t + g][4q .. 4q + 3] (t: the batch tile);
+//   C: batch rows 8t + 2q, 8t + 2q + 1 of columns 8g + 2j (c0, c1) and 8g + 2j + 1 (c2, c3).
+// The fp32 inputs are split into bf16 hi + lo (x - hi, exact), two mmas each: products within
+// about 2^-17 of fp32's. 8-bit weights are widened to bf16 (exact for int8 and fp8 e4m3).
+//
+// The block's 256-column tile is 4 warp tiles of 64 columns; warps w and w + 4 share one and take
+// alternate row groups (kRowsInFlight rows: 128 bytes of loads per lane), then sum their columns
+// in shared memory in a fixed order. The emulator runs the mma as the same sum by warp shuffles.
+#pragma once
+
+#include "decoder_gemv_job.cuh"
+
+namespace jaxfuse::cuda_decoder {
+
+constexpr int kMmaSubTiles = 4;                     // 64-column warp tiles per block tile
+constexpr int kMmaPhases = kWarps / kMmaSubTiles;   // warps per warp tile
+static_assert(kMmaSubTiles * 64 == GemvTile<DType::kBF16>::kColumns, "block tile of 256 columns");
+
+// D += A B for one m16n8k16 bf16 mma (fragments as the file comment lays them out).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4],
+                                         const uint32_t (&b)[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+  // The emulator: each lane gathers rows g, g + 8 of A and columns 2q, 2q + 1 of B from the lanes
+  // holding them (PTX's fragment layout), two registers per shuffle, and sums over k in order.
+  const int lane = int(threadIdx.x % 32), g = lane / 4, q = lane % 4;
+  const auto pair = [](uint32_t lo, uint32_t hi) { return uint64_t(lo) | uint64_t(hi) << 32; };
+  uint64_t rows[4][2], cols[2][4];  // rows[src]: A (a0, a1), (a2, a3); cols[c][src]: B (b0, b1)
+  for (int src = 0; src < 4; ++src) {
+    rows[src][0] = __shfl_sync(0xffffffffu, pair(a[0], a[1]), g * 4 + src);
+    rows[src][1] = __shfl_sync(0xffffffffu, pair(a[2], a[3]), g * 4 + src);
+    for (int c = 0; c < 2; ++c) {
+      cols[c][src] = __shfl_sync(0xffffffffu, pair(b[0], b[1]), (2 * q + c) * 4 + src);
+    }
+  }
+  // Element h (0, 1) of 32-bit register r (0-3) of a 64-bit pair of registers.
+  const auto element = [](const uint64_t* regs, int r, int h) {
+    return bf16_to_float(uint16_t(regs[r / 2] >> (32 * (r % 2) + 16 * h)));
+  };
+  for (int i = 0; i < 4; ++i) {
+    const int upper = i / 2, c = i % 2;  // A row g + 8 * upper, B column 2q + c
+    for (int k = 0; k < 16; ++k) {
+      const int src = k % 8 / 2, h = k % 2, high_k = k / 8;
+      d[i] = fmaf(element(rows[src], upper + 2 * high_k, h), element(&cols[c][src], high_k, h),
+                  d[i]);
+    }
+  }
+#endif
+}
+
+// The bf16 bits of a weight already widened to fp32: exact, every 8-bit kW value is a bf16.
+__device__ __forceinline__ uint32_t bf16_bits(float w) { return __float_as_uint(w) >> 16; }
+
+// One lane's weights of one 16-row step: rows 4q .. 4q + 3 of its 8 columns, as loaded.
+template <DType kW>
+struct MmaStepWeights {
+  using Weights = WeightVector<DType::kBF16, kW>;  // 8 columns of kW: 16 or 8 bytes
+  Weights row[4];
+
+  __device__ static MmaStepWeights load(const char* matrix, int64_t columns, int64_t first_row,
+                                        int column, int rows_left, bool valid) {
+    MmaStepWeights s;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      s.row[r] = valid && r < rows_left
+                     ? Weights::load(matrix, (first_row + r) * columns + column)
+                     : Weights::zero();
+    }
+    return s;
+  }
+
+  // A fragment of mma j: columns 2j (m = g), 2j + 1 (m = g + 8); rows (0, 1) and (2, 3) as the
+  // two k-pairs.
+  __device__ void fragment(int j, uint32_t (&a)[4]) const {
+    if constexpr (kW == DType::kBF16) {
+      const uint32_t r0 = word(row[0].raw, j), r1 = word(row[1].raw, j);
+      const uint32_t r2 = word(row[2].raw, j), r3 = word(row[3].raw, j);
+      a[0] = (r0 & 0xffffu) | (r1 << 16);
+      a[1] = (r0 >> 16) | (r1 & 0xffff0000u);
+      a[2] = (r2 & 0xffffu) | (r3 << 16);
+      a[3] = (r2 >> 16) | (r3 & 0xffff0000u);
+    } else {
+      const auto bits = [&](int r, int c) { return bf16_bits(row[r].at(c)); };
+      a[0] = bits(0, 2 * j) | bits(1, 2 * j) << 16;
+      a[1] = bits(0, 2 * j + 1) | bits(1, 2 * j + 1) << 16;
+      a[2] = bits(2, 2 * j) | bits(3, 2 * j) << 16;
+      a[3] = bits(2, 2 * j + 1) | bits(3, 2 * j + 1) << 16;
+    }
+  }
+};
+
+// A row group: kSteps consecutive 16-row steps, loaded before any is used: 2 steps (kInFlight
+// bytes per lane of 16-bit weights, half that of 8-bit ones) with one batch tile, 1 with two
+// (whose accumulators take the registers). Every case keeps >= 32 KB per SM in flight, about
+// twice what Little's law asks of an H100 SM; more spills at 128 registers.
+template <DType kW, int kTiles>
+struct MmaGroup {
+  static constexpr int kSteps = kInFlight / (4 * 16 * kTiles);
+  static constexpr int kRows = 16 * kSteps;
+  MmaStepWeights<kW> step[kSteps];
+};
+
+// This lane's place in the block tile.
+struct MmaLane {
+  const char* matrix;
+  int64_t columns;
+  int column;  // first of its 8 columns in the matrix
+  bool valid;  // column < columns (columns % 8 == 0, checked on the host)
+  int q;       // lane % 4: its rows 4q .. 4q + 3 of each step
+
+  // Row group gi (of Group::kRows rows) of the chunk at r0 (rows: the chunk's rows).
+  template <DType kW, int kTiles>
+  __device__ MmaGroup<kW, kTiles> load(int r0, int gi, int rows) const {
+    MmaGroup<kW, kTiles> group;
+#pragma unroll
+    for (int s = 0; s < MmaGroup<kW, kTiles>::kSteps; ++s) {
+      const int first = gi * MmaGroup<kW, kTiles>::kRows + 16 * s + 4 * q;
+      group.step[s] = MmaStepWeights<kW>::load(matrix, columns, int64_t(r0) + first, column,
+                                               rows - first, valid);
+    }
+    return group;
+  }
+};
+
+// Stages input rows [r0, r0 + rows) of batch rows b0 .. b0 + nb - 1 (zero past them) as bf16
+// hi / lo cells: cell (b, c) holds the hi parts of rows 4c .. 4c + 3, then their lo parts.
+template <typename Input>
+__device__ __forceinline__ void stage_mma_inputs(Smem& sm, const Input& in, int b0, int nb,
+                                                 int r0, int rows) {
+  constexpr int kCells = kMmaBatch * kMmaChunk / 4;
+  constexpr int kPerThread = kCells / kThreads;
+  static_assert(kPerThread * kThreads == kCells, "whole rounds");
+  const int t = thread_index();
+  __syncthreads();  // previous readers of the staging area are done; inv_rms is written
+  float v[kPerThread][4];
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int cell = t + u * kThreads, b = cell / (kMmaChunk / 4), c = cell % (kMmaChunk / 4);
+    const float inv_rms = Input::kNormalized ? sm.inv_rms[min(b, nb - 1)] : 0.0f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = 4 * c + e;
+      v[u][e] = b < nb && r < rows ? in.value(b0 + b, r0 + r, inv_rms) : 0.0f;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kPerThread; ++u) {
+    const int cell = t + u * kThreads, b = cell / (kMmaChunk / 4), c = cell % (kMmaChunk / 4);
+    uint16_t hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      hi[e] = float_to_bf16(v[u][e]);
+      lo[e] = float_to_bf16(v[u][e] - bf16_to_float(hi[e]));
+    }
+    *sm.mma_cell(b, c) = uint4{hi[0] | uint32_t(hi[1]) << 16, hi[2] | uint32_t(hi[3]) << 16,
+                               lo[0] | uint32_t(lo[1]) << 16, lo[2] | uint32_t(lo[3]) << 16};
+  }
+  __syncthreads();
+}
+
+template <int kTiles>
+using MmaAcc = float[kTiles][4][4];  // [batch tile][mma j][c0..c3]
+
+// acc += this warp's row groups of a chunk; the first group already loaded (`first`, in flight
+// while the inputs were staged). kTiles: batch tiles of 8 rows (1 or 2).
+template <DType kW, int kTiles>
+__device__ __forceinline__ void mma_rows(const Smem& sm, const MmaLane& lane, int r0, int rows,
+                                         int phase, MmaGroup<kW, kTiles> group,
+                                         MmaAcc<kTiles>& acc) {
+  using Group = MmaGroup<kW, kTiles>;
+  const int g = thread_index() % 32 / 4;
+  for (int gi = phase; gi * Group::kRows < rows;) {
+#pragma unroll
+    for (int s = 0; s < Group::kSteps; ++s) {
+      const int cell = (gi * Group::kRows + 16 * s) / 4 + lane.q;
+      uint4 x[kTiles];
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) x[t] = *sm.mma_cell(8 * t + g, cell);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        uint32_t a[4];
+        group.step[s].fragment(j, a);
+#pragma unroll
+        for (int t = 0; t < kTiles; ++t) {
+          mma_bf16(acc[t][j], a, {x[t].x, x[t].y});  // hi
+          mma_bf16(acc[t][j], a, {x[t].z, x[t].w});  // lo
+        }
+      }
+    }
+    gi += kMmaPhases;
+    if (gi * Group::kRows >= rows) break;
+    group = lane.load<kW, kTiles>(r0, gi, rows);
+  }
+}
+
+// Sums the two phases' columns (fixed order) and writes one partial per (work item, batch row).
+template <int kTiles>
+__device__ __forceinline__ void write_mma_partials(const DecoderParams& p, Smem& sm,
+                                                   const MmaAcc<kTiles>& acc, int item, int b0,
+                                                   int nb) {
+  constexpr int kColumns = GemvTile<DType::kBF16>::kColumns;
+  const int t = thread_index(), warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
+  const int phase = warp / kMmaSubTiles, base = warp % kMmaSubTiles * 64 + 8 * g;
+  __syncthreads();
+#pragma unroll
+  for (int bt = 0; bt < kTiles; ++bt) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int b = 8 * bt + 2 * q + i % 2, c = base + 2 * j + i / 2;
+        sm.mma_sums(phase, b)[c] = acc[bt][j][i];
+      }
+    }
+  }
+  __syncthreads();
+  // The item's partials of rows b0 .. b0 + nb - 1 are contiguous (decoder.h: tile() columns a row).
+  float* partials = p.ws.gemv_partial(item, b0, 0);
+  for (int i = t; i < nb * kColumns; i += kThreads) {
+    const int b = i / kColumns, c = i % kColumns;
+    float sum = 0.0f;
+#pragma unroll
+    for (int ph = 0; ph < kMmaPhases; ++ph) sum += sm.mma_sums(ph, b)[c];
+    ws_store(partials + i, sum);
+  }
+}
+
+// One pass of a work item (rows k0 .. k1 of the lane's columns) for batch rows b0 .. b0 + nb - 1.
+template <DType kW, int kTiles, typename Input>
+__device__ __forceinline__ void mma_pass(const DecoderParams& p, Smem& sm, const MmaLane& lane,
+                                         const Input& in, int item, int k0, int k1, int b0,
+                                         int nb) {
+  const int phase = thread_index() / 32 / kMmaSubTiles;
+  MmaAcc<kTiles> acc;
+#pragma unroll
+  for (int t = 0; t < kTiles; ++t)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
+  // Each chunk's first weight loads are issued before its inputs are staged.
+  for (int r0 = k0; r0 < k1; r0 += kMmaChunk) {
+    const int rows = min(kMmaChunk, k1 - r0);
+    const auto first = lane.load<kW, kTiles>(r0, phase, rows);
+    if (r0 == k0) stage_inv_rms(sm, in, b0, nb);
+    stage_mma_inputs(sm, in, b0, nb, r0, rows);
+    mma_rows<kW, kTiles>(sm, lane, r0, rows, phase, first, acc);
+  }
+  write_mma_partials<kTiles>(p, sm, acc, item, b0, nb);
+}
+
+// Work item `item` of a GEMV job (bf16 activations): one column tile's partial sums over one
+// split of K for every batch row, kMmaBatch rows per pass (8 when no more are left).
+template <DType kW, typename Input>
+__device__ __forceinline__ void mma_gemv_item(const DecoderParams& p, Smem& sm,
+                                              const GemvJob& job, const Input& in, int item) {
+  const int split = item % job.splits;
+  const MatrixTile mt = locate_tile(job, item / job.splits);
+  const int lane_id = thread_index() % 32;
+  const int column = mt.tile * GemvTile<DType::kBF16>::kColumns +
+                     thread_index() / 32 % kMmaSubTiles * 64 + lane_id / 4 * 8;
+  const MmaLane lane{static_cast<const char*>(mt.matrix.weights), mt.matrix.columns, column,
+                     column < mt.matrix.columns, lane_id % 4};
+  const int k0 = job.split_row(split), k1 = job.split_row(split + 1);
+  for (int b0 = 0; b0 < p.dims.batch; b0 += kMmaBatch) {
+    const int nb = min(kMmaBatch, p.dims.batch - b0);
+    if (nb > 8) mma_pass<kW, 2>(p, sm, lane, in, item, k0, k1, b0, nb);
+    else mma_pass<kW, 1>(p, sm, lane, in, item, k0, k1, b0, nb);
+  }
+}
+
+}  // namespace jaxfuse::cuda_decoder
