@@ -240,6 +240,21 @@ def test_decoder_gemv_chunks_passes_and_splits(dtype, batch, device, monkeypatch
   check_decoder(cfg, x, jnp.arange(batch, dtype=jnp.int32) * 5 % 8, w, cache)
 
 
+# Attention's lane groups: head_dim 64 in bf16 (8 lanes a position, 4 positions a warp), 96 in
+# fp16 (12 vectors: groups of 16 lanes, 4 idle) and 128 in fp32 (a whole warp a position), over
+# 300 positions, so each warp's loop takes several rounds on the 1-block grid (one split) and
+# several splits on the 16-block one.
+@pytest.mark.parametrize("dtype,head_dim,device", [(jnp.bfloat16, 64, "1"), (jnp.float16, 96, "3"),
+                                                   (jnp.float32, 128, "1")],
+                         ids=["bf16-hd64-grid1x1", "f16-hd96-grid16x1", "f32-hd128-grid1x1"])
+def test_decoder_attention_lane_groups(dtype, head_dim, device, monkeypatch):
+  monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
+  cfg = jaxfuse.DecoderConfig(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
+                              head_dim=head_dim, intermediate_size=128, max_seq_len=300)
+  x, w, cache = random_decoder_problem(cfg, 2, dtype, seed=11)
+  check_decoder(cfg, x, jnp.asarray([299, 130], jnp.int32), w, cache)
+
+
 # Weight-only quantized matrices: each kernel instance (int8, fp8 under fp32 activations, with
 # FEATURES, and under bf16 and fp16 ones, without) once, batches 3 and 1 in turn, each case on
 # one launch of LAUNCHES in turn (a case takes about 10 s under ASan; the launches' schedules do

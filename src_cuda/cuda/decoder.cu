@@ -83,17 +83,19 @@ __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
 
 // ---- host side ----------------------------------------------------------------------------------
 
-// Kernel limits: kVec-column weight vectors per lane, lane-split heads, 32-bit indices within a
-// matrix.
+// Kernel limits: kVec-column weight vectors per lane, 16-byte vectors of k and v rows, 32-bit
+// indices within a matrix.
 ffi::Error check_kernel_limits(const DecoderDims& d) {
   const int64_t vec = d.vec();
-  if (d.D % vec || d.I % vec || d.q_dim() % vec || d.kv_dim() % vec) {
-    return invalid_argument("the CUDA kernel needs hidden_size, intermediate_size, "
-                            "num_heads*head_dim and num_kv_heads*head_dim to be multiples of ",
-                            vec, " for ", dtype_name(d.dtype));
+  if (d.D % vec || d.I % vec || d.hd % vec) {
+    return invalid_argument("the CUDA kernel needs hidden_size, intermediate_size and head_dim "
+                            "to be multiples of ", vec, " for ", dtype_name(d.dtype));
   }
-  if (d.hd > kMaxHeadDim) {
-    return invalid_argument("the CUDA kernel needs head_dim <= ", kMaxHeadDim);
+  // A k or v row is at most one 16-byte vector per lane of a warp.
+  const int64_t max_head_dim = std::min<int64_t>(kMaxHeadDim, 32 * vec);
+  if (d.hd > max_head_dim) {
+    return invalid_argument("the CUDA kernel needs head_dim <= ", max_head_dim, " for ",
+                            dtype_name(d.dtype));
   }
   const int64_t big = std::max({d.L * d.D * std::max({d.q_dim(), d.I}), d.L * d.I * d.D,
                                 d.L * d.B * d.S * d.kv_dim()});
@@ -177,7 +179,7 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d) {
 // Two blocks per SM (kMaxBlocksPerSm) cap the registers at 128, without spills. The 32 bytes of
 // local memory are sincosf's table for RoPE angles past 105615 (CUDA's full-range reduction).
 JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 32);
-JF_KERNEL_GAP("^decoder_kernel<bf16, f8e4m3>", 128, 25, 256,
+JF_KERNEL_GAP("^decoder_kernel<bf16, f8e4m3>", 128, 25, 128,
               "issue 40: fp8 widened to bf16 for the tensor cores spills a few stage-boundary "
               "values at 128 registers");
 

@@ -1,9 +1,12 @@
 // The CUDA decoder's attention stage (included by cuda/decoder.cu only), flash-decoding style
 // over the cache with the new token's q, k and v (decoder_new_token.cuh):
-// a work item is (batch row, kv head, chunk of <= 4 query heads of its group, split of 0..p);
-// warps stride over positions, lanes split head_dim; online softmax per warp, merged across warps
-// in shared memory, one partial (m, l, o) per split; the last split to finish (counter) merges
-// all splits in a fixed order. The current token's k/v are used from shared memory (rounded to
+// a work item is (batch row, kv head, chunk of <= 4 query heads of its group, split of 0..p).
+// A position's k (and v) row is read as 16-byte vectors by a group of AttnLanes::lanes lanes, so
+// a warp takes 32 / lanes positions at once (4 for head_dim 64 in bf16), kPositionsInFlight of
+// them per lane group with every load issued before any is used; each lane group keeps its own
+// online softmax, merged within the warp by shuffles and across warps in shared memory, one
+// partial (m, l, o) per split; the last split to finish (counter) merges all splits in a fixed
+// order. The current token's k/v are used from shared memory (rounded to
 // the cache dtype, exactly what the cache will hold), and written to the cache by one item per
 // (b, kv head); no block reads [l, b, p] from memory.
 #pragma once
@@ -12,9 +15,34 @@
 
 namespace jaxfuse::cuda_decoder {
 
-// One warp's online softmax state per head of the chunk; lanes hold elements lane + 32 * e.
+constexpr int kPositionsInFlight = 2;  // positions per lane group whose k, v loads go out together
+
+// Where a lane works: head_dim as 16-byte vectors of kVec elements, one per lane of a group of
+// `lanes` (the next power of two; lanes past head_dim / kVec hold zeros), 32 / lanes groups (slots)
+// per warp, each taking its own positions.
+template <DType kT>
+struct AttnLanes {
+  static constexpr int kVec = GemvTile<kT>::kVec;
+  int lanes, slots, slot, vec;
+  bool valid;  // vec < head_dim / kVec
+
+  __device__ explicit AttnLanes(int head_dim) {
+    const int vectors = head_dim / kVec;  // head_dim % kVec == 0: checked on the host
+    lanes = 1;
+    while (lanes < vectors) lanes *= 2;
+    slots = 32 / lanes;
+    const int lane = thread_index() % 32;
+    slot = lane / lanes;
+    vec = lane % lanes;
+    valid = vec < vectors;
+  }
+};
+
+// One lane group's online softmax state per head of the chunk, the lane holding elements
+// vec * kVec .. + kVec of o.
+template <DType kT>
 struct WarpSoftmax {
-  float m[kHeadChunk], l[kHeadChunk], o[kHeadChunk][kLaneElems];
+  float m[kHeadChunk], l[kHeadChunk], o[kHeadChunk][AttnLanes<kT>::kVec];
 };
 
 // Attention with RoPE and the cache append, flash-decoding style (see the file comment).
@@ -36,9 +64,11 @@ struct AttentionStage {
       const NewToken<kT> token{p, sm, layer};
       token.load_query_and_new_kv(it);
       if (it.split == 0 && it.chunk == 0) token.append_new_kv(it);
-      WarpSoftmax state;
-      attend(it, state);
-      write_split_partial(it, state);
+      const AttnLanes<kT> lanes(p.dims.head_dim);
+      WarpSoftmax<kT> state;
+      attend(it, lanes, state);
+      merge_slots(lanes, state);
+      write_split_partial(it, lanes, state);
       int* counter = p.ws.attn_counter(layer, it.b, it.kv_head, it.chunk);
       if (arrive_last(counter, p.plan.attn_splits, &sm.flag)) merge_splits(it);
     }
@@ -82,65 +112,115 @@ struct AttentionStage {
     }
   }
 
-  // This warp's online softmax over its positions of the split (every kWarps-th).
-  __device__ void attend(const AttnItem& it, WarpSoftmax& s) const {
+  // Each lane group's online softmax over its positions of the split: a warp takes slots x
+  // kPositionsInFlight consecutive positions at a time, kWarps x that apart.
+  __device__ void attend(const AttnItem& it, const AttnLanes<kT>& ln,
+                         WarpSoftmax<kT>& s) const {
+    constexpr int kVec = AttnLanes<kT>::kVec;
 #pragma unroll
     for (int g = 0; g < kHeadChunk; ++g) {
       s.m[g] = neg_inf_f32();
       s.l[g] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < kLaneElems; ++e) s.o[g][e] = 0.0f;
+      for (int e = 0; e < kVec; ++e) s.o[g][e] = 0.0f;
     }
-    const int lane = thread_index() % 32;
-    for (int t = it.t0 + thread_index() / 32; t < it.t1; t += kWarps) {
-      float k[kLaneElems], v[kLaneElems];
-      load_kv(it, t, lane, k, v);
-      fold_position(it, lane, k, v, s);
-    }
-  }
-
-  // This lane's elements of position t's k and v; the new token's from shared memory.
-  __device__ void load_kv(const AttnItem& it, int t, int lane, float (&k)[kLaneElems],
-                          float (&v)[kLaneElems]) const {
-    const int64_t at = it.cache_index(t, p.dims.kv_dim);
+    const int per_warp = ln.slots * kPositionsInFlight;
+    for (int t0 = it.t0 + thread_index() / 32 * per_warp; t0 < it.t1; t0 += kWarps * per_warp) {
+      uint4 k[kPositionsInFlight], v[kPositionsInFlight];
 #pragma unroll
-    for (int e = 0; e < kLaneElems; ++e) {
-      const int j = lane + 32 * e;
-      if (j < p.dims.head_dim) {
-        k[e] = t == it.position ? sm.attn_k_new()[j] : load_as_float(p.io.k_cache, kT, at + j);
-        v[e] = t == it.position ? sm.attn_v_new()[j] : load_as_float(p.io.v_cache, kT, at + j);
-      } else {
-        k[e] = 0.0f;
-        v[e] = 0.0f;
+      for (int u = 0; u < kPositionsInFlight; ++u) {
+        load_kv(it, ln, t0 + u * ln.slots + ln.slot, k[u], v[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kPositionsInFlight; ++u) {
+        fold_position(it, ln, t0 + u * ln.slots + ln.slot, k[u], v[u], s);
       }
     }
   }
 
-  // Folds one position (this lane's k and v elements) into each head's softmax state.
-  __device__ void fold_position(const AttnItem& it, int lane, const float (&k)[kLaneElems],
-                                const float (&v)[kLaneElems], WarpSoftmax& s) const {
-    const int hd = p.dims.head_dim;
+  // This lane's vectors of position t's k and v as stored (zero past the split or head_dim;
+  // the new token's come from shared memory in fold_position).
+  __device__ void load_kv(const AttnItem& it, const AttnLanes<kT>& ln, int t, uint4& k,
+                          uint4& v) const {
+    k = v = uint4{0, 0, 0, 0};
+    if (ln.valid && t < it.t1 && t != it.position) {
+      const int64_t at =
+          (it.cache_index(t, p.dims.kv_dim) + ln.vec * ln.kVec) * GemvTile<kT>::kBytes;
+      k = *reinterpret_cast<const uint4*>(static_cast<const char*>(p.io.k_cache) + at);
+      v = *reinterpret_cast<const uint4*>(static_cast<const char*>(p.io.v_cache) + at);
+    }
+  }
+  // Folds position t into the lane group's state for each head. Every lane runs the group's
+  // shuffles, whether or not t is one of its positions.
+  __device__ void fold_position(const AttnItem& it, const AttnLanes<kT>& ln, int t,
+                                const uint4& k_raw, const uint4& v_raw,
+                                WarpSoftmax<kT>& s) const {
+    constexpr int kVec = AttnLanes<kT>::kVec;
+    const int hd = p.dims.head_dim, j0 = ln.vec * kVec;
+    const bool mine = t < it.t1;
+    float k[kVec], v[kVec];
+    if (t == it.position && ln.valid) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        k[e] = sm.attn_k_new()[j0 + e];
+        v[e] = sm.attn_v_new()[j0 + e];
+      }
+    } else {
+      WeightVector<kT, kT>{k_raw}.unpack(k);
+      WeightVector<kT, kT>{v_raw}.unpack(v);
+    }
 #pragma unroll
     for (int g = 0; g < kHeadChunk; ++g) {
       if (g < it.heads) {
-        const float* q = sm.attn_q(g, hd);
         float dot = 0.0f;
+        if (ln.valid) {
+          const float* q = sm.attn_q(g, hd) + j0;
 #pragma unroll
-        for (int e = 0; e < kLaneElems; ++e) {
-          const int j = lane + 32 * e;
-          if (j < hd) dot = fmaf(q[j], k[e], dot);
+          for (int e = 0; e < kVec; ++e) dot = fmaf(q[e], k[e], dot);
         }
-        dot = warp_sum(dot);
-        float pw;
-        const float alpha = online_softmax_step(s.m[g], s.l[g], dot * p.dims.attn_scale, &pw);
+        for (int offset = ln.lanes / 2; offset > 0; offset /= 2) {
+          dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        }
+        if (mine) {
+          float pw;
+          const float alpha = online_softmax_step(s.m[g], s.l[g], dot * p.dims.attn_scale, &pw);
 #pragma unroll
-        for (int e = 0; e < kLaneElems; ++e) s.o[g][e] = s.o[g][e] * alpha + pw * v[e];
+          for (int e = 0; e < kVec; ++e) s.o[g][e] = s.o[g][e] * alpha + pw * v[e];
+        }
+      }
+    }
+  }
+
+  // Merges the warp's lane groups into one state (every lane ends with the merged state of its
+  // vector): a butterfly over the slot bits, the lower slot's state always merged first, so both
+  // partners compute the same bits.
+  __device__ static void merge_slots(const AttnLanes<kT>& ln, WarpSoftmax<kT>& s) {
+    constexpr int kVec = AttnLanes<kT>::kVec;
+    for (int offset = ln.lanes; offset < 32; offset *= 2) {
+      const bool lower = (thread_index() & offset) == 0;
+#pragma unroll
+      for (int g = 0; g < kHeadChunk; ++g) {
+        float m2 = __shfl_xor_sync(0xffffffffu, s.m[g], offset);
+        float l2 = __shfl_xor_sync(0xffffffffu, s.l[g], offset);
+        float o2[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) o2[e] = __shfl_xor_sync(0xffffffffu, s.o[g][e], offset);
+        float m = lower ? s.m[g] : m2, l = lower ? s.l[g] : l2, a, b;
+        online_softmax_merge(m, l, lower ? m2 : s.m[g], lower ? l2 : s.l[g], &a, &b);
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          s.o[g][e] = lower ? s.o[g][e] * a + o2[e] * b : o2[e] * a + s.o[g][e] * b;
+        }
+        s.m[g] = m;
+        s.l[g] = l;
       }
     }
   }
 
   // Merges the warps' states (fixed order) into this split's partial (m, l, o) per head.
-  __device__ void write_split_partial(const AttnItem& it, const WarpSoftmax& s) const {
+  __device__ void write_split_partial(const AttnItem& it, const AttnLanes<kT>& ln,
+                                     const WarpSoftmax<kT>& s) const {
+    constexpr int kVec = AttnLanes<kT>::kVec;
     const int t = thread_index(), warp = t / 32, lane = t % 32, hd = p.dims.head_dim;
     __syncthreads();
 #pragma unroll
@@ -149,10 +229,9 @@ struct AttentionStage {
         sm.attn_warp_ml(warp, g)[0] = s.m[g];
         sm.attn_warp_ml(warp, g)[1] = s.l[g];
       }
+      if (ln.slot == 0 && ln.valid) {
 #pragma unroll
-      for (int e = 0; e < kLaneElems; ++e) {
-        const int j = lane + 32 * e;
-        if (j < hd) sm.attn_warp_o(warp, g)[j] = s.o[g][e];
+        for (int e = 0; e < kVec; ++e) sm.attn_warp_o(warp, g)[ln.vec * kVec + e] = s.o[g][e];
       }
     }
     __syncthreads();

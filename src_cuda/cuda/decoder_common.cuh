@@ -18,8 +18,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kBatchPass = 4;     // batch rows accumulated per pass over a weight slice
 constexpr int kInFlight = 128;    // GEMV weight bytes a lane loads before using them
 constexpr int kKChunk = 256;      // GEMV input rows staged in shared memory at a time
-constexpr int kMaxHeadDim = 256;  // lanes hold head_dim / 32 <= 8 elements
-constexpr int kLaneElems = kMaxHeadDim / 32;  // head elements of a lane: lane + 32 * e
+constexpr int kMaxHeadDim = 256;  // the shared-memory staging of a chunk's heads
 constexpr int kHeadChunk = int(kDecHeadChunk);
 // Blocks per SM, which caps registers at 65536 / (kThreads * blocks): 2 (128 registers; the
 // kernel report holds the kernel to no spills there, see thread_index()).
