@@ -143,9 +143,13 @@ def test_loads_in_flight_counts_arrays_loaded_before_any_is_read():
                      ("LDG.E.128", "R16, desc[UR6][R2.64+0x1000]"),  # R2's array again
                      ("FADD", "R20, R4, R8"), ("LDG.E.64", "R22, desc[UR6][R14.64]"))
   assert instance(sass=together).loads_in_flight == 2
+  # 48 bytes a thread before the FADD; at 60 registers (50%: 1024 threads an H100 SM) 48 KB,
+  # 2.8x the ~17 KB Little's law asks of an SM
+  assert kr.in_flight(instance(sass=together)) == "2, 48 B, 48 KB/SM (2.8x)"
   serial = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("FSETP.GT.AND", "P0, PT, R4, RZ, PT"),
                    ("LDG.E.128", "R8, desc[UR6][R12.64]"))
   assert instance(sass=serial).loads_in_flight == 1
+  assert instance(sass=serial).bytes_in_flight == 16
   branch = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("BRA", "0x100"),
                    ("LDG.E.128", "R8, desc[UR6][R12.64]"))
   assert instance(sass=branch).loads_in_flight == 1

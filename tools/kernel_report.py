@@ -48,9 +48,11 @@ CONTROLS = os.path.join(ROOT, "tools", "kernel_report_controls")
 # The GPU each architecture's code is judged on, with what bounds its occupancy: warps, blocks,
 # registers (allocated per warp in units of 256) and shared memory (per SM, and 1 KiB the
 # runtime reserves per block).
+# little: Little's law's bytes in flight per SM to keep HBM busy (rate x loaded latency / SMs:
+# H100 SXM 3.35 TB/s x ~700 ns / 132, A100 80GB 2.04 TB/s x ~600 ns / 108).
 GPUS = {
-    "sm_90": dict(gpu="H100", warps=64, blocks=32, registers=65536, shared=233472),
-    "sm_80": dict(gpu="A100", warps=64, blocks=32, registers=65536, shared=167936),
+    "sm_90": dict(gpu="H100", warps=64, blocks=32, registers=65536, shared=233472, little=17765),
+    "sm_80": dict(gpu="A100", warps=64, blocks=32, registers=65536, shared=167936, little=11333),
 }
 RESERVED_SHARED = 1024
 SLOW_PATHS = re.compile(r"__cuda_sm\w*_(div|rcp|sqrt|rsqrt)\w*slowpath")
@@ -113,6 +115,7 @@ class Instance:
   stores: dict = dataclasses.field(default_factory=dict)
   generic: int = 0  # LD / ST through generic addresses
   loads_in_flight: int = 0  # most arrays loaded from in a straight run before a load is read
+  bytes_in_flight: int = 0  # most bytes a thread has loaded in such a run
   local_instructions: int = 0
   traps: list = dataclasses.field(default_factory=list)  # (guarded, where)
   occupancy: float = 0.0
@@ -227,11 +230,11 @@ CONTROL = {"BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT", "BSSY", "BSYNC", "
 def track_loads(pending, base, opcode, operands):
   """Updates `pending` (the destination registers and address register of each global load
   issued and not yet read in this straight run) with one instruction; returns how many
-  addresses (arrays: loads through one register, scalars of one vector, are one) are in
-  flight after it."""
+  addresses (arrays: loads through one register, scalars of one vector, are one) and how many
+  bytes are in flight after it."""
   if base in CONTROL:
     pending.clear()
-    return 0
+    return 0, 0
   ops = [o for o in operands.split(",") if o.strip()]
   sources = ops if base.startswith("ST") or base in ("RED", "REDG") else ops[1:]
   read = {int(r) for o in sources for r in REGISTER.findall(o)}
@@ -241,7 +244,7 @@ def track_loads(pending, base, opcode, operands):
     if first and address:
       r = int(first.group(1))
       pending.append((set(range(r, r + max(1, access_width(opcode) // 32))), address[0]))
-  return len({address for _, address in pending})
+  return len({address for _, address in pending}), 4 * sum(len(regs) for regs, _ in pending)
 
 
 def analyse(inst, sass):
@@ -250,7 +253,9 @@ def analyse(inst, sass):
   pending = []
   for where, predicated, opcode, subroutine, operands in sass:
     base = opcode.split(".")[0]
-    inst.loads_in_flight = max(inst.loads_in_flight, track_loads(pending, base, opcode, operands))
+    arrays, nbytes = track_loads(pending, base, opcode, operands)
+    inst.loads_in_flight = max(inst.loads_in_flight, arrays)
+    inst.bytes_in_flight = max(inst.bytes_in_flight, nbytes)
     if base in ("LDL", "STL"):
       nbytes = access_width(opcode) // 8
       if subroutine and SLOW_PATHS.search(subroutine):
@@ -477,6 +482,17 @@ def judge(inst, budgets, gaps, floors=()):
 
 # ---- the report -------------------------------------------------------------------------------
 
+def in_flight(inst):
+  """The deepest run of loads: arrays, bytes per thread, and per SM at the instance's occupancy
+  against Little's law for its GPU."""
+  gpu = GPUS.get(inst.arch)
+  text = f"{inst.loads_in_flight}, {inst.bytes_in_flight} B"
+  if gpu is None or not inst.bytes_in_flight:
+    return text
+  per_sm = inst.bytes_in_flight * inst.occupancy / 100 * gpu["warps"] * 32
+  return f"{text}, {per_sm / 1024:.0f} KB/SM ({per_sm / gpu['little']:.1f}x)"
+
+
 def widths(counts):
   return " ".join(f"{w}:{counts[w]}" for w in sorted(counts, reverse=True)) or "-"
 
@@ -495,7 +511,7 @@ def table(instances):
     generic = f" (+{i.generic} generic)" if i.generic else ""
     rows.append(f"| `{i.name}` | {i.arch} | {i.registers} | {spill} | {i.stack} | {i.shared} | "
                 f"{i.threads or '?'} | {i.occupancy:.0f}% {gpu} | {widths(i.loads)}{generic} | "
-                f"{i.loads_in_flight} | {widths(i.stores)} | {i.local_instructions} | {traps} | "
+                f"{in_flight(i)} | {widths(i.stores)} | {i.local_instructions} | {traps} | "
                 f"{i.status} |")
   return "\n".join(rows)
 
@@ -617,9 +633,12 @@ sm_80 code on an A100, at the block size of the kernel's `__launch_bounds__`); l
 bytes of local-memory stores / loads in the kernel's own code, spills and stack arrays alike
 (CUDA's division and reciprocal slow paths, run only for special operands, apart); loads in
 flight are the most arrays (address registers) a straight run of its SASS loads from before it
-reads any of the loaded values; a trap is guarded when it is cooperative groups' grid-sync check,
-branched around or reached only by a jump; a gap is an instance over its budget and within a known gap, whose reason names
-the issue that closes it.
+reads any of the loaded values, the most bytes a thread so loads, and those bytes over the SM's
+resident threads at that occupancy against Little's law (HBM rate x ~700 ns / SMs: about 17 KB
+on an H100, 11 KB on an A100; the deepest run anywhere in the kernel, not necessarily its main
+loop's); a trap is guarded when it is cooperative groups' grid-sync check, branched around or
+reached only by a jump; a gap is an instance over its budget and within a known gap, whose
+reason names the issue that closes it.
 
 """
 
