@@ -193,7 +193,9 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(begin), "r"(unsigned(end - begin))
                : "memory");
 #elif defined(__CUDA_ARCH__)
-  for (uintptr_t at = begin; at < end; at += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+  for (uintptr_t at = begin; at < end; at += 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+  }
 #endif
 }
 

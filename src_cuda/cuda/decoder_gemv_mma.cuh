@@ -18,8 +18,8 @@
 // about 2^-17 of fp32's. 8-bit weights are widened to bf16 (exact for int8 and fp8 e4m3).
 //
 // The block's 256-column tile is 4 warp tiles of 64 columns; warps w and w + 4 share one and take
-// alternate row groups (kRowsInFlight rows: 128 bytes of loads per lane), then sum their columns
-// in shared memory in a fixed order. The emulator runs the mma as the same sum by warp shuffles.
+// alternate row groups (MmaGroup: loaded before use), then sum their columns in shared memory in
+// a fixed order. The emulator runs the mma as the same sum by warp shuffles.
 #pragma once
 
 #include "decoder_gemv_job.cuh"
@@ -44,7 +44,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4],
   // holding them (PTX's fragment layout), two registers per shuffle, and sums over k in order.
   const int lane = int(threadIdx.x % 32), g = lane / 4, q = lane % 4;
   const auto pair = [](uint32_t lo, uint32_t hi) { return uint64_t(lo) | uint64_t(hi) << 32; };
-  uint64_t rows[4][2], cols[2][4];  // rows[src]: A (a0, a1), (a2, a3); cols[c][src]: B (b0, b1)
+  uint64_t rows[4][2], cols[2][4];  // rows[src]: A's registers 0-1, 2-3; cols[c][src]: B's 0-1
   for (int src = 0; src < 4; ++src) {
     rows[src][0] = __shfl_sync(0xffffffffu, pair(a[0], a[1]), g * 4 + src);
     rows[src][1] = __shfl_sync(0xffffffffu, pair(a[2], a[3]), g * 4 + src);
@@ -110,8 +110,8 @@ struct MmaStepWeights {
 
 // A row group: kSteps consecutive 16-row steps, loaded before any is used: 2 steps (kInFlight
 // bytes per lane of 16-bit weights, half that of 8-bit ones) with one batch tile, 1 with two
-// (whose accumulators take the registers). Every case keeps >= 32 KB per SM in flight, about
-// twice what Little's law asks of an H100 SM; more spills at 128 registers.
+// (whose accumulators take the registers). The smallest, 64 B a lane, is 32 KB per SM in
+// flight, 1.8x what Little's law asks of an H100 SM; more spilled at 128 registers.
 template <DType kW, int kTiles>
 struct MmaGroup {
   static constexpr int kSteps = kInFlight / (4 * 16 * kTiles);
