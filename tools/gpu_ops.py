@@ -169,19 +169,26 @@ def run_steps(gpu, cpu, cases):
     compare(f"{label} (5 steps)", out["gpu"], out["cpu"])
 
 
+# (activations, matrices, batch, max_seq_len): fp32 and fp16 (the FMA GEMVs), bf16 (tensor cores,
+# one 8-row batch tile), int8 / fp8 under bf16, and bf16 at batch 12 (two batch tiles) over 1024
+# positions (each warp's attention loop takes several rounds).
+DECODER_CASES = [(jnp.float32, None, 3, 96), (jnp.float16, None, 3, 96),
+                 (jnp.bfloat16, None, 3, 96), (jnp.bfloat16, "int8", 3, 96),
+                 (jnp.bfloat16, "fp8", 3, 96), (jnp.bfloat16, None, 12, 1024)]
+
+
 def run_decoder(gpu, cpu):
-  """fp32 and bf16 models, and int8 / fp8 matrices (weight-only quantization) under bf16."""
-  for dt, quantization in ((jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, "int8"),
-                           (jnp.bfloat16, "fp8")):
+  for dt, quantization, batch, seq in DECODER_CASES:
     cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
-                                head_dim=64, intermediate_size=640, max_seq_len=96,
+                                head_dim=64, intermediate_size=640, max_seq_len=seq,
                                 quantization=quantization)
-    x, w, cache = random_decoder_problem(cfg, 3, dt, seed=3)
-    pos = jnp.array([0, 37, 95], jnp.int32)
+    x, w, cache = random_decoder_problem(cfg, batch, dt, seed=3)
+    pos = jnp.asarray(np.linspace(0, seq - 1, batch).astype(np.int32))
     f = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg))
     res = {name: f(*on(d, (x, pos, w, cache))) for name, d in (("gpu", gpu), ("cpu", cpu))}
     weights = f" {quantization} matrices" if quantization else ""
-    compare(f"persistent_decoder {jnp.dtype(dt).name}{weights}", res["gpu"], res["cpu"])
+    compare(f"persistent_decoder {jnp.dtype(dt).name}{weights} batch {batch} context {seq}",
+            res["gpu"], res["cpu"])
 
 
 def main(ops):
