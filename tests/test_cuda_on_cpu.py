@@ -262,6 +262,20 @@ def test_decoder_attention_lane_groups(dtype, head_dim, device, monkeypatch):
   check_decoder(cfg, x, jnp.asarray([299, 130], jnp.int32), w, cache)
 
 
+@pytest.mark.parametrize("dtype,head_dim,message", [
+    (jnp.bfloat16, 20,
+     "hidden_size, intermediate_size and head_dim to be multiples of 8 for bfloat16"),
+    (jnp.float32, 256, "head_dim <= 128 for float32")])
+def test_decoder_head_dim_limits(dtype, head_dim, message):
+  """A head the kernel's 16-byte k/v vectors cannot cover is refused, naming head_dim."""
+  cfg = jaxfuse.DecoderConfig(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
+                              head_dim=head_dim, intermediate_size=128, max_seq_len=8)
+  x, w, cache = random_decoder_problem(cfg, 1, dtype, seed=12)
+  decode = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
+  with pytest.raises(Exception, match=f"jaxfuse_decoder: the CUDA kernel needs {message}"):
+    emulated(decode, x, jnp.zeros(1, jnp.int32), w, cache)
+
+
 def test_greedy_generation_follows_the_reference():
   """A bf16 model's greedy tokens from the emulated CUDA decoder (tensor-core GEMVs with the
   inputs split hi + lo, attention in lane groups of 16-byte loads, here head_dim 16: 16
