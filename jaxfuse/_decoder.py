@@ -266,7 +266,10 @@ class KVCache(NamedTuple):
 _CONTRACT = _ffi.contract("jaxfuse_decoder")
 _OPERANDS_BEFORE = ("x", "positions", "rope_inv_freq")  # then the weights, then _CACHES
 _CACHES = ("k_cache", "v_cache")
-_RESULTS = ("out", "k_cache", "v_cache", "workspace")
+# The whole-model step's operands (empty in a layers-only call), after the caches.
+_MODEL_OPERANDS = ("tokens", "embed", "final_norm", "lm_head", "sample_key")
+_RESULTS = ("out", "k_cache", "v_cache", "logits", "next_tokens", "workspace")
+_STEP_ATTRIBUTES = ("model_step", "sample", "temperature")
 # Config fields that are not attributes: they define the rope_inv_freq operand, and the
 # matrices' dtype (the attribute is the property ``quantized``).
 _NOT_ATTRIBUTES = ("rope_theta", "rope_scaling", "quantization")
@@ -296,9 +299,12 @@ def _check_contract(contract: _ffi.Contract) -> None:
   fields = tuple(f.name for f in dataclasses.fields(DecoderConfig)
                  if f.name not in _NOT_ATTRIBUTES) + _DERIVED_ATTRIBUTES
   problems = []
-  if weights != DecoderWeights._fields or operands != _OPERANDS_BEFORE + weights + _CACHES:
+  if (weights != DecoderWeights._fields
+      or operands != _OPERANDS_BEFORE + weights + _CACHES + _MODEL_OPERANDS
+      or tuple(names["model_operands"]) != _MODEL_OPERANDS):
     problems.append(f"operands {operands} are not x, positions, rope_inv_freq, the DecoderWeights "
-                    f"fields {DecoderWeights._fields} in that order, k_cache and v_cache")
+                    f"fields {DecoderWeights._fields} in that order, k_cache, v_cache and "
+                    f"{_MODEL_OPERANDS}")
   if not set(names["weight_flags"]) <= {"always", *names["bool_attrs"]}:
     problems.append(f"weight flags {names['weight_flags']} are not 'always' or bool attributes")
   if not set(names["weight_kinds"]) <= set(_WEIGHT_KIND_NAMES):
@@ -307,6 +313,9 @@ def _check_contract(contract: _ffi.Contract) -> None:
     problems.append(f"results {results} are not {_RESULTS} in some order")
   if sorted(attrs) != sorted(fields):
     problems.append(f"attributes {attrs} are not the DecoderConfig fields {fields}")
+  step_attrs = names["step_bool_attrs"] + names["step_f32_attrs"]
+  if sorted(step_attrs) != sorted(_STEP_ATTRIBUTES):
+    problems.append(f"step attributes {step_attrs} are not {_STEP_ATTRIBUTES}")
   if problems:
     raise ImportError("jaxfuse.decoder: the C++ contract of jaxfuse_decoder disagrees with "
                       f"jaxfuse/_decoder.py: {'; '.join(problems)} (rebuild jaxfuse, or update "
@@ -356,12 +365,31 @@ def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype) -> int:
   return layout.numbers["bytes"]
 
 
-def _attributes(cfg: DecoderConfig) -> dict[str, np.generic]:
-  """The custom call's attributes: the config fields the contract names, in the contract's types."""
+@dataclasses.dataclass(frozen=True)
+class _Head:
+  """What a whole-model step computes after the layers (static): the final norm and the LM head
+  (``tied``: the embedding's rows), and with a ``temperature`` the next tokens (0: greedy; None:
+  logits only)."""
+
+  tied: bool
+  temperature: float | None = None
+
+  @property
+  def sample(self) -> bool:
+    return self.temperature is not None
+
+
+def _attributes(cfg: DecoderConfig, head: _Head | None = None) -> dict[str, np.generic]:
+  """The custom call's attributes: the config fields the contract names, in the contract's types,
+  and the whole-model step's."""
   names = _CONTRACT.names
+  step = {"model_step": head is not None, "sample": head is not None and head.sample,
+          "temperature": head.temperature if head is not None and head.sample else 0.0}
   return {**{name: np.int64(getattr(cfg, name)) for name in names["size_attrs"]},
           **{name: np.float32(getattr(cfg, name)) for name in names["f32_attrs"]},
-          **{name: np.bool_(getattr(cfg, name)) for name in names["bool_attrs"]}}
+          **{name: np.bool_(getattr(cfg, name)) for name in names["bool_attrs"]},
+          **{name: np.bool_(step[name]) for name in names["step_bool_attrs"]},
+          **{name: np.float32(step[name]) for name in names["step_f32_attrs"]}}
 
 
 # ---- trace-time validation ---------------------------------------------------------------------
@@ -479,41 +507,70 @@ def _kernel_weights(w: DecoderWeights, cfg: DecoderConfig, dtype) -> DecoderWeig
       for name, a in w._asdict().items()})
 
 
-def _call_kernel(cfg: DecoderConfig, x, positions, inv_freq, w: DecoderWeights, k_cache,
-                 v_cache):
-  """One ``jaxfuse_decoder`` custom call on validated operands; returns (out, k_cache, v_cache).
+def _returned(head: _Head | None) -> tuple[str, ...]:
+  """The results a call returns, in order: the layers' output, or a whole-model step's logits
+  (and next tokens), then the caches."""
+  if head is None:
+    return ("out", "k_cache", "v_cache")
+  return ("logits",) + (("next_tokens",) if head.sample else ()) + ("k_cache", "v_cache")
 
-  ``w`` holds None for the optional weights ``cfg`` does not use; ``inv_freq`` is
-  cfg.rope_inv_freq(). Operands and results are matched to the call's slots by name, in the
-  contract's order; the cache operands alias the cache results, and the workspace result is
-  dropped. Sharded operands split over the batch (x, positions and the caches' batch axis;
-  weights replicated): each device decodes its own rows into its own part of the cache
-  (_partition.partitioned_call). The empty stand-ins of the unused weights are made inside the
-  body, on each device: a zero-size operand of a shard_map segfaults jaxlib 0.11.2's compiler.
+
+def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_freq,
+                 w: DecoderWeights, k_cache, v_cache, model=()):
+  """One ``jaxfuse_decoder`` custom call on validated operands; returns the :func:`_returned`
+  results of ``head``.
+
+  ``first`` is x [B, D] (``head`` None: the layers alone), or the tokens [B] of a whole-model
+  step, whose ``model`` holds embed and final_norm, then lm_head unless the head is tied, then
+  the sample key's data u32[2] when it samples. ``w`` holds None for the optional weights ``cfg``
+  does not use; ``inv_freq`` is cfg.rope_inv_freq(). Operands and results are matched to the
+  call's slots by name, in the contract's order; the cache operands alias the cache results, and
+  the workspace result is dropped. Sharded operands split over the batch (the rows, the caches'
+  batch axis; weights replicated): each device decodes its own rows into its own part of the
+  cache (_partition.partitioned_call). The empty stand-ins of the unused operands are made inside
+  the body, on each device: a zero-size operand of a shard_map segfaults jaxlib 0.11.2's
+  compiler.
   """
   names = _CONTRACT.names
   used = jax.tree.structure(w)  # None (no leaf) where a weight is unused
+  n_weights = used.num_leaves
 
-  def body(shards, x, positions, inv_freq, *rest):
+  def body(shards, first, positions, inv_freq, *rest):
     del shards  # rows are independent
-    weights = _kernel_weights(used.unflatten(rest[:-2]), cfg, x.dtype)
-    k_cache, v_cache = rest[-2:]
-    operands = {"x": x, "positions": positions, "rope_inv_freq": inv_freq, **weights._asdict(),
-                "k_cache": k_cache, "v_cache": v_cache}
-    workspace = (_workspace_bytes(cfg, x.shape[0], x.dtype),)
-    results = {"out": jax.ShapeDtypeStruct(x.shape, x.dtype),
+    k_cache, v_cache = rest[n_weights:n_weights + 2]
+    dtype, B, D = k_cache.dtype, positions.shape[0], cfg.hidden_size
+    weights = _kernel_weights(used.unflatten(rest[:n_weights]), cfg, dtype)
+    operands = {"x": first, "positions": positions, "rope_inv_freq": inv_freq,
+                **weights._asdict(), "k_cache": k_cache, "v_cache": v_cache,
+                "tokens": jnp.zeros((0,), jnp.int32), "embed": jnp.zeros((0, D), dtype),
+                "final_norm": jnp.zeros((0,), dtype), "lm_head": jnp.zeros((0, D), dtype),
+                "sample_key": jnp.zeros((0,), jnp.uint32)}
+    if head is not None:
+      given = iter(rest[n_weights + 2:])
+      operands.update(x=jnp.zeros((B, 0), dtype), tokens=first, embed=next(given),
+                      final_norm=next(given))
+      if not head.tied:
+        operands["lm_head"] = next(given)
+      if head.sample:
+        operands["sample_key"] = next(given)
+    vocab = operands["embed"].shape[0]
+    sampled = B if head is not None and head.sample else 0
+    workspace = (_workspace_bytes(cfg, B, dtype),)
+    results = {"out": jax.ShapeDtypeStruct((B, D), dtype),
                "k_cache": jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                "v_cache": jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
+               "logits": jax.ShapeDtypeStruct((B, vocab), jnp.float32),
+               "next_tokens": jax.ShapeDtypeStruct((sampled,), jnp.int32),
                "workspace": jax.ShapeDtypeStruct(workspace, jnp.uint8)}
     call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"),
                             [results[n] for n in names["results"]], input_output_aliases=_ALIASES)
     outs = dict(zip(names["results"], call(*[operands[n] for n in names["operands"]],
-                                           **_attributes(cfg))))
-    return outs["out"], outs["k_cache"], outs["v_cache"]
+                                           **_attributes(cfg, head))))
+    return tuple(outs[n] for n in _returned(head))
 
-  operands = [x, positions, inv_freq, *jax.tree.leaves(w), k_cache, v_cache]
-  return tuple(_partition.partitioned_call("persistent_decoder", body, _partition_layout(cfg),
-                                           operands))
+  operands = [first, positions, inv_freq, *jax.tree.leaves(w), k_cache, v_cache, *model]
+  return tuple(_partition.partitioned_call("persistent_decoder", body,
+                                           _partition_layout(cfg, head), operands))
 
 
 # Batch-sharded decode: the batch axis ("b") may be split over devices; everything else (the
@@ -521,15 +578,26 @@ def _call_kernel(cfg: DecoderConfig, x, positions, inv_freq, w: DecoderWeights, 
 _CACHE_DIMS = (None, "b", None, None, None)  # [L, B, S, KV, hd]
 
 
-def _partition_layout(cfg: DecoderConfig) -> _partition.Layout:
-  """x, positions, rope_inv_freq, the weights ``cfg`` uses (in field order), the two caches."""
+def _partition_layout(cfg: DecoderConfig, head: _Head | None) -> _partition.Layout:
+  """x (or a whole-model step's tokens), positions, rope_inv_freq, the weights ``cfg`` uses (in
+  field order), the two caches, and a whole-model step's embedding, final norm, untied head and
+  sample key; the :func:`_returned` results."""
   shapes = cfg.weight_shapes()
   used = tuple(name for name in DecoderWeights._fields if name in shapes)
-  return _partition.Layout(
-      operands=(("b", None), ("b",), (None,)) + tuple((None,) * len(shapes[n]) for n in used)
-      + (_CACHE_DIMS, _CACHE_DIMS),
-      results=(("b", None), _CACHE_DIMS, _CACHE_DIMS),
-      names=("x", "positions", "rope_inv_freq") + used + ("cache.k", "cache.v"))
+  first = ("x", ("b", None)) if head is None else ("tokens", ("b",))
+  model = ()
+  if head is not None:
+    model = (("embed", (None, None)), ("final_norm", (None,)))
+    model += () if head.tied else (("lm_head", (None, None)),)
+    model += (("sample_key", (None,)),) if head.sample else ()
+  operands = ((first, ("positions", ("b",)), ("rope_inv_freq", (None,)))
+              + tuple((n, (None,) * len(shapes[n])) for n in used)
+              + (("cache.k", _CACHE_DIMS), ("cache.v", _CACHE_DIMS)) + model)
+  result_dims = {"out": ("b", None), "logits": ("b", None), "next_tokens": ("b",),
+                 "k_cache": _CACHE_DIMS, "v_cache": _CACHE_DIMS}
+  return _partition.Layout(operands=tuple(dims for _, dims in operands),
+                           results=tuple(result_dims[n] for n in _returned(head)),
+                           names=tuple(name for name, _ in operands))
 
 
 def _fold(size: int, a, batched: bool, axis: int):
@@ -545,30 +613,44 @@ def _unfold(size: int, batch: int, a, axis: int):
   return jnp.moveaxis(a.reshape(a.shape[:axis] + (size, batch) + a.shape[axis + 1:]), axis, 0)
 
 
-def _vmap_rule(cfg: DecoderConfig, step, axis_size: int, in_batched, x, positions, inv_freq,
-               weights: DecoderWeights, k_cache, v_cache):
+def _vmap_rule(cfg: DecoderConfig, head: _Head | None, step, axis_size: int, in_batched, first,
+               positions, inv_freq, weights: DecoderWeights, k_cache, v_cache, model):
   """The ``custom_vmap`` rule: vmap folds the mapped axis into the kernel's batch dimension.
 
-  Mapped operands arrive with the mapped axis first; an unmapped x, positions or cache is
-  broadcast. The mapped axis becomes the major part of the batch axis (axis 0 of x and positions,
-  axis 1 of the caches [L, B, S, KV, hd]), so one call runs ``axis_size * B`` rows, and the results
-  are split back with the mapped axis first. A nested vmap folds one more axis the same way.
+  Mapped operands arrive with the mapped axis first; an unmapped x (or tokens), positions or
+  cache is broadcast. The mapped axis becomes the major part of the batch axis (axis 0 of x,
+  tokens and positions, axis 1 of the caches [L, B, S, KV, hd]), so one call runs
+  ``axis_size * B`` rows, and the results are split back with the mapped axis first. A nested
+  vmap folds one more axis the same way. (A sampling step's draws are then those of the folded
+  rows: row b of mapped element i draws as row i * B + b.)
 
   Raises:
-    NotImplementedError: a weight is mapped.
+    NotImplementedError: a weight (or the embedding, head or sample key) is mapped.
   """
-  x_b, positions_b, inv_freq_b, weights_b, k_b, v_b = in_batched
-  for name, batched in (("rope_inv_freq", inv_freq_b), *zip(DecoderWeights._fields, weights_b)):
+  first_b, positions_b, inv_freq_b, weights_b, k_b, v_b, model_b = in_batched
+  unmapped = (("rope_inv_freq", inv_freq_b), *zip(DecoderWeights._fields, weights_b),
+              *zip(_model_names(head), model_b))
+  for name, batched in unmapped:
     if batched:
       raise NotImplementedError(
-          f"persistent_decoder: vmap over the weights ({name}) is not supported; map only x, "
-          "positions and the cache (their mapped axis is folded into the batch)")
-  batch = x.shape[-2]
+          f"persistent_decoder: vmap over the weights ({name}) is not supported; map only x (or "
+          "tokens), positions and the cache (their mapped axis is folded into the batch)")
+  batch = positions.shape[-1]
   fold = functools.partial(_fold, axis_size)
-  out, k_cache, v_cache = step(fold(x, x_b, 0), fold(positions, positions_b, 0), inv_freq,
-                               weights, fold(k_cache, k_b, 1), fold(v_cache, v_b, 1))
+  outs = step(fold(first, first_b, 0), fold(positions, positions_b, 0), inv_freq, weights,
+              fold(k_cache, k_b, 1), fold(v_cache, v_b, 1), model)
   unfold = functools.partial(_unfold, axis_size, batch)
-  return (unfold(out, 0), unfold(k_cache, 1), unfold(v_cache, 1)), (True, True, True)
+  batch_axis = {"out": 0, "logits": 0, "next_tokens": 0, "k_cache": 1, "v_cache": 1}
+  names = _returned(head)
+  return tuple(unfold(o, batch_axis[n]) for o, n in zip(outs, names)), (True,) * len(names)
+
+
+def _model_names(head: _Head | None) -> tuple[str, ...]:
+  """The names of a whole-model step's ``model`` operands (see :func:`_call_kernel`)."""
+  if head is None:
+    return ()
+  return (("embed", "final_norm") + (() if head.tied else ("lm_head",))
+          + (("sample_key",) if head.sample else ()))
 
 
 def _not_differentiable(primals, tangents):
@@ -578,9 +660,10 @@ def _not_differentiable(primals, tangents):
 
 
 @functools.cache
-def _decoder_step(cfg: DecoderConfig):
-  """The decode step for ``cfg``: ``(x, positions, inv_freq, weights, k_cache, v_cache) -> (out,
-  k, v)``, ``weights`` with None for the weights ``cfg`` does not use.
+def _decoder_step(cfg: DecoderConfig, head: _Head | None = None):
+  """The decode step for ``cfg``: ``(first, positions, inv_freq, weights, k_cache, v_cache,
+  model) -> the _returned(head) results``, ``weights`` with None for the weights ``cfg`` does not
+  use; ``first`` and ``model`` as :func:`_call_kernel` takes them (x and () for the layers alone).
 
   The custom call with a vmap rule (:class:`jax.custom_batching.custom_vmap`) inside a
   :class:`jax.custom_jvp` whose rule raises, so that jax.grad, jax.jvp, jax.vjp and friends fail
@@ -589,8 +672,8 @@ def _decoder_step(cfg: DecoderConfig):
   The whole is jitted so that an eager call is one cached dispatch (not a retrace of both custom
   wrappers per call); inside an outer jit the inner one is inlined, aliasing included.
   """
-  step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg))
-  step.def_vmap(functools.partial(_vmap_rule, cfg, step))
+  step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg, head))
+  step.def_vmap(functools.partial(_vmap_rule, cfg, head, step))
   differentiable = jax.custom_jvp(step)
   differentiable.defjvp(_not_differentiable)
   return jax.jit(differentiable)
@@ -637,7 +720,7 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
   _check_rows("persistent_decoder", "positions", given, 0, cfg.max_seq_len,
               f"[0, {cfg.max_seq_len}) (max_seq_len)", check_positions)
   inv_freq = jnp.asarray(cfg.rope_inv_freq())
-  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq, w, cache.k, cache.v)
+  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq, w, cache.k, cache.v, ())
   return out, KVCache(k_cache, v_cache)
 
 

@@ -3,17 +3,18 @@ in one jitted call.
 
   cache = init_cache(model, batch, max_seq_len)
   logits, cache = prefill(model, prompt_tokens, prompt_lengths, cache)   # plain XLA
-  logits, cache = decode_step(model, tokens, positions, cache)           # one persistent kernel
+  logits, cache = decode_step(model, tokens, positions, cache)           # one kernel, whole model
   tokens, lengths = generate(model, prompt_tokens, prompt_lengths, max_new_tokens, ...)
 
 :func:`generate` runs the prefill (all prompt tokens at once, causal, in plain XLA) and then
-every decode step inside one ``lax.while_loop`` in one ``jax.jit``: per step, sample a token per
-row (greedy when ``temperature == 0``; else temperature, top-k, top-p sampling with the key), stop
-the rows that emitted a stop token, embed, one
-:func:`jaxfuse.persistent_decoder` call for all layers (the KV cache updated in place: it is a
-loop carry), final norm and LM head. The loop ends when every row has stopped or
-``max_new_tokens`` are out. Stopped rows decode at position -1: the kernel neither reads nor
-writes their cache.
+every decode step inside one ``lax.while_loop`` in one ``jax.jit``: per step, record each row's
+token, stop the rows that emitted a stop token, and run one kernel call for the whole model: the
+embedding gather, every layer (the KV cache updated in place: it is a loop carry), the final norm,
+the LM head and the next token's draw (greedy when ``temperature == 0``, else from
+softmax(logits / temperature), the draw of :func:`jax.random.categorical` with the step's key).
+With ``top_k`` or ``top_p`` the kernel returns the logits and XLA filters and draws. The loop ends
+when every row has stopped or ``max_new_tokens`` are out. Stopped rows decode at position -1: the
+kernel neither reads nor writes their cache.
 
 ``decoder="reference"`` runs the same loop with :func:`jaxfuse.decoder_reference` (plain XLA) in
 place of the kernel: the baseline the kernel is compared with.
@@ -30,14 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse._decoder import (DecoderWeights, KVCache, _check_layers, _check_rows, _concrete,
-                             decoder_reference, persistent_decoder)
+from jaxfuse._decoder import (_SUPPORTED, DecoderWeights, KVCache, _check_layers, _check_rows,
+                             _concrete, _decoder_step, _Head, decoder_reference)
 from jaxfuse._model import DecoderModel
 from jaxfuse._prefill import prefill_stack
 
 __all__ = ["init_cache", "prefill", "decode_step", "generate"]
 
-_DECODERS = {"persistent": persistent_decoder, "reference": decoder_reference}
+_DECODERS = ("persistent", "reference")
 _FILL = -1  # tokens past a row's length
 
 
@@ -168,11 +169,14 @@ def prefill(model: DecoderModel, prompt_tokens, prompt_lengths, cache: KVCache):
 
 def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
                 decoder: str = "persistent", check_positions: bool = False):
-  """One new token per row through every layer (one persistent-decoder call), and the logits.
+  """One new token per row through the whole model, and the next-token logits: with the
+  persistent decoder one kernel call gathers the embeddings, runs every layer, the final norm
+  and the LM head.
 
   Args:
     model: the model.
-    tokens: int [B], the new token of each row.
+    tokens: int [B], the new token of each row, in [0, vocab). Concrete tokens outside it are
+      refused; with the persistent decoder a traced one is treated as a bad position.
     positions: int32 [B], the cache position each row writes and attends up to, in [0, cache
       length). Concrete positions outside it are refused; a traced one leaves the row's cache
       untouched and gives NaN logits (see ``check_positions``).
@@ -189,7 +193,8 @@ def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
       [0, cache length).
   """
   _check_model("decode_step", model)
-  given = positions  # checked as given (see persistent_decoder)
+  _decoder_fn("decode_step", decoder, model)
+  given, given_tokens = positions, tokens  # checked as given (see persistent_decoder)
   tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
   if tokens.ndim != 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"decode_step: tokens must be an integer array [batch], got "
@@ -201,16 +206,38 @@ def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
   S = cache.k.shape[2]
   _check_rows("decode_step", "positions", given, 0, S, f"[0, {S}) (the cache length)",
               check_positions)
-  step = _decoder_fn("decode_step", decoder)
-  h, cache = step(model.embed_tokens(tokens), positions, model.layers, cache,
-                  _cache_config(model, cache))
-  return model.logits(h), cache
+  _check_rows("decode_step", "tokens", given_tokens, 0, model.vocab_size,
+              f"[0, {model.vocab_size}) (the vocabulary)", False)
+  cfg = _cache_config(model, cache)
+  _check_layers("decode_step", model.layers, cache, cfg, tokens.shape[0], model.dtype)
+  if decoder == "reference":
+    h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
+    return model.logits(h), cache
+  logits, k, v = _model_step(model, cfg, tokens.astype(jnp.int32),
+                             positions.astype(jnp.int32), cache)
+  return logits, KVCache(k, v)
 
 
-def _decoder_fn(fn: str, decoder: str):
+def _model_step(model: DecoderModel, cfg, tokens, positions, cache: KVCache,
+                temperature: float | None = None, key_data=None):
+  """One whole-model step in one kernel call (validated operands): the embedding of ``tokens``,
+  every layer, the final norm and the LM head; with a ``temperature``, the next tokens drawn in
+  the same call with the key data ``key_data`` (0: greedy). Returns (logits, [next_tokens,]
+  k_cache, v_cache)."""
+  head = _Head(tied=model.tied, temperature=temperature)
+  operands = (model.embed, model.final_norm) + (() if model.tied else (model.lm_head,))
+  operands += (key_data,) if head.sample else ()
+  return _decoder_step(cfg, head)(tokens, positions, jnp.asarray(cfg.rope_inv_freq()),
+                                  model.layers, cache.k, cache.v, operands)
+
+
+def _decoder_fn(fn: str, decoder: str, model: DecoderModel) -> None:
+  """``decoder`` is one of _DECODERS, and the kernel takes the model's dtype."""
   if decoder not in _DECODERS:
     raise ValueError(f"{fn}: decoder must be one of {sorted(_DECODERS)}, got {decoder!r}")
-  return _DECODERS[decoder]
+  if decoder == "persistent" and model.dtype not in _SUPPORTED:
+    raise TypeError(f"{fn}: the persistent decoder takes float32, bfloat16 or float16 models, "
+                    f"got {model.dtype} (decoder='reference' runs it in plain JAX)")
 
 
 # ---- sampling -----------------------------------------------------------------------------------
@@ -254,6 +281,25 @@ def _stop_table(stop_tokens, batch: int) -> np.ndarray:
   return table.astype(np.int32)
 
 
+def _kernel_key_data(key) -> jax.Array | None:
+  """The data u32[2] of a key with which the kernel draws exactly what jax.random draws (a
+  threefry2x32 key, jax_threefry_partitionable on: sampling_math.h), else None."""
+  if not jax.config.jax_threefry_partitionable:
+    return None
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.key_data(key) if str(jax.random.key_impl(key)) == "threefry2x32" else None
+  ok = key.shape == (2,) and jax.config.jax_default_prng_impl == "threefry2x32"
+  return key.astype(jnp.uint32) if ok else None  # a raw key, jax.random.PRNGKey's
+
+
+def _draws_in_kernel(model: DecoderModel, temperature: float, top_k, top_p) -> bool:
+  """Whether the kernel draws the tokens itself: greedy, or plain temperature sampling (top-k
+  and top-p filters run in XLA on the kernel's logits)."""
+  if temperature == 0.0:
+    return True
+  return (top_k is None or top_k >= model.vocab_size) and (top_p is None or top_p >= 1.0)
+
+
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p",
                                              "decoder"))
 def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens: int,
@@ -262,33 +308,55 @@ def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens
   N = max_new_tokens
   cache = init_cache(model, B, T + N)
   logits, cache = prefill(model, tokens, lengths, cache)
-  step = _DECODERS[decoder]
   cfg = _cache_config(model, cache)
+  sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p)
+  in_kernel = decoder == "persistent" and _draws_in_kernel(model, temperature, top_k, top_p)
+  if in_kernel and temperature > 0.0 and _kernel_key_data(key) is None:
+    in_kernel = False  # a key the kernel cannot draw with: sample in XLA
 
-  def sample_and_record(state):
+  # The loop carries what decides token i: its logits, or the token itself when the kernel drew
+  # it (token i draws with fold_in(key, i) either way, so both give jax.random's tokens).
+  def token_of(pending, i):
+    return pending if in_kernel else sample(pending, jax.random.fold_in(key, i))
+
+  def decode(token, positions, cache, i):
+    """The pending state of token i + 1 after token i."""
+    if decoder == "reference":
+      h, cache = decoder_reference(model.embed_tokens(jnp.maximum(token, 0)), positions,
+                                   model.layers, cache, cfg)
+      return model.logits(h), cache
+    if in_kernel:
+      key_data = (jnp.zeros((2,), jnp.uint32) if temperature == 0.0  # greedy: unused
+                  else _kernel_key_data(jax.random.fold_in(key, i + 1)))
+      _, nxt, k, v = _model_step(model, cfg, token, positions, cache, temperature, key_data)
+      return nxt, KVCache(k, v)
+    logits, k, v = _model_step(model, cfg, token, positions, cache)
+    return logits, KVCache(k, v)
+
+  def record(state):
     """Token i of every running row into the output; rows that emit a stop token stop."""
-    i, cache, logits, out, count, done = state
-    token = _sample(logits, jax.random.fold_in(key, i), temperature, top_k, top_p)
-    token = jnp.where(done, _FILL, token)
+    i, cache, pending, out, count, done = state
+    token = jnp.where(done, _FILL, token_of(pending, i))
     out = lax.dynamic_update_slice(out, token[:, None], (0, i))
     count = count + (~done).astype(jnp.int32)
     done = done | jnp.any(token[:, None] == stop, axis=-1)
-    return token, (i, cache, logits, out, count, done)
+    return token, (i, cache, pending, out, count, done)
 
   def body(state):
-    token, (i, cache, logits, out, count, done) = sample_and_record(state)
+    token, (i, cache, _, out, count, done) = record(state)
     positions = jnp.where(done, -1, lengths + i)  # stopped rows: no cache access
-    h, cache = step(model.embed_tokens(jnp.maximum(token, 0)), positions, model.layers, cache, cfg)
-    return i + 1, cache, model.logits(h), out, count, done
+    pending, cache = decode(token, positions, cache, i)
+    return i + 1, cache, pending, out, count, done
 
   def running(state):
     i, done = state[0], state[-1]
     return (i < N - 1) & ~jnp.all(done)
 
   out = jnp.full((B, N), _FILL, jnp.int32)
-  state = (jnp.int32(0), cache, logits, out, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
+  first = sample(logits, jax.random.fold_in(key, 0)) if in_kernel else logits
+  state = (jnp.int32(0), cache, first, out, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool))
   state = lax.while_loop(running, body, state)
-  _, (_, _, _, out, count, _) = sample_and_record(state)  # the last token needs no decode step
+  _, (_, _, _, out, count, _) = record(state)  # the last token needs no decode step
   return out, count
 
 
@@ -333,7 +401,7 @@ def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens:
   _check_model("generate", model)
   tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
   _check_prompts("generate", model, tokens, lengths, check_positions)
-  _decoder_fn("generate", decoder)
+  _decoder_fn("generate", decoder, model)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")

@@ -286,9 +286,36 @@ def test_batch_sharded_decoder(kind):
   """The decoder with batch rows and the cache split over devices, weights replicated: the
   unsharded result, the cache keeps its sharding, nothing is gathered; heads split over
   devices is refused with an error that says what is supported. Also with int8 matrices (their
-  scales replicated like every weight)."""
+  scales replicated like every weight), and the whole-model step (jaxfuse.decode_step: tokens,
+  embedding and head in the kernel)."""
   for quantization in (None, "int8"):
     _check_batch_sharded_decoder(kind, quantization)
+  _check_batch_sharded_model_step(kind)
+
+
+def _check_batch_sharded_model_step(kind):
+  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                              head_dim=16, intermediate_size=96, max_seq_len=24)
+  _, w, cache = random_decoder_problem(cfg, 16, jnp.float32, 15)
+  rng = np.random.default_rng(16)
+  model = jaxfuse.DecoderModel(cfg, w, jnp.asarray(rng.standard_normal((40, 64)), jnp.float32),
+                               jnp.ones((64,), jnp.float32))
+  tokens = jnp.asarray(rng.integers(0, 40, 16), jnp.int32)
+  positions = jnp.arange(16, dtype=jnp.int32) % cfg.max_seq_len
+  want, want_cache = jax.jit(jaxfuse.decode_step)(
+      *jax.device_put((model, tokens, positions, cache), jax.devices()[0]))
+  step = jax.jit(jaxfuse.decode_step, donate_argnums=(3,))
+  mesh = make_mesh("fsdp", kind)
+  with jax.set_mesh(mesh):
+    rows = lambda spec: NamedSharding(mesh, spec)
+    args = (jax.device_put(model, rows(P())), jax.device_put(tokens, rows(P("fsdp"))),
+            jax.device_put(positions, rows(P("fsdp"))),
+            jax.device_put(cache, rows(P(None, "fsdp"))))
+    assert collectives(step.lower(*args).compile().as_text()) == (0, 0)
+    logits, new_cache = step(*args)
+    assert full_spec(logits.sharding.spec, 2) == P("fsdp", None)
+    np.testing.assert_array_equal(np.asarray(logits), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(new_cache.v), np.asarray(want_cache.v))
 
 
 def _check_batch_sharded_decoder(kind, quantization):

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _ffi, _clip as clip
+from jaxfuse import _ffi, _clip as clip, _generation as generation
 from jaxfuse import adagrad
 from jaxfuse import sgd
 from helpers import (assert_bitwise_equal, assert_trees_close, random_decoder_problem,
@@ -285,6 +285,38 @@ def test_greedy_generation_follows_the_reference():
   out, count = emulated(lambda t, n: jaxfuse.generate(model, t, n, 6), prompts, lengths)
   assert np.all(np.asarray(count) == 6)
   assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[jnp.bfloat16])
+
+
+# The whole-model step: embedding gather, final norm, LM head and the draw in the launch. bf16
+# with a tied head at batch 10 (two passes of the head's 8 staged rows) on the 1-block grid, fp32
+# untied at batch 3 on 16 blocks; a token outside the vocabulary and a bad position make two
+# rows invalid.
+@pytest.mark.parametrize("dtype,tied,batch,device", [(jnp.bfloat16, True, 10, "1"),
+                                                     (jnp.float32, False, 3, "3")],
+                         ids=["bf16-tied-batch10-grid1x1", "f32-untied-batch3-grid16x1"])
+def test_decoder_whole_model_step(dtype, tied, batch, device, monkeypatch):
+  """Logits within fp32 summation-order rounding of the CPU handler's (NaN in the same rows),
+  and next tokens that are exactly jnp.argmax / jax.random.categorical of the emulated logits."""
+  monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
+  model = random_model(dtype, vocab=300, tied=tied, seed=4)
+  cache = jaxfuse.init_cache(model, batch, 12)
+  cfg = generation._cache_config(model, cache)
+  rng = np.random.default_rng(5)
+  tokens = jnp.asarray(rng.integers(0, 300, batch).astype(np.int32)).at[1].set(300)
+  positions = jnp.asarray(np.arange(batch, dtype=np.int32) % 12).at[2].set(-1)
+  key = jax.random.key(8)
+  for temperature in (0.0, 0.8):
+    step = lambda t, p, c, k: generation._model_step(model, cfg, t, p, c, temperature, k)
+    native, emu = on_both(step, tokens, positions, cache, jax.random.key_data(key))
+    logits_n, logits_e = np.asarray(native[0]), np.asarray(emu[0])
+    invalid = np.isnan(logits_e).all(axis=1)
+    np.testing.assert_array_equal(invalid, np.isnan(logits_n).all(axis=1))
+    np.testing.assert_array_equal(np.flatnonzero(invalid), [1, 2])
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(logits_e, logits_n, rtol=tol, atol=tol)
+    want = (jnp.argmax(logits_e, -1) if temperature == 0.0
+            else jax.random.categorical(key, logits_e / jnp.float32(temperature)))
+    np.testing.assert_array_equal(emu[1], want)
 
 
 # Weight-only quantized matrices: each kernel instance (int8, fp8 under fp32 activations, with

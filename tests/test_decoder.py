@@ -439,18 +439,23 @@ def test_handler_validates_buffers(device):
   attrs = dict(num_layers=np.int64(2), hidden_size=np.int64(64), num_heads=np.int64(4),
                num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
                max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), qkv_bias=np.bool_(True),
-               qk_norm=np.bool_(True), quantized=np.bool_(True))
+               qk_norm=np.bool_(True), quantized=np.bool_(True), model_step=np.bool_(False),
+               sample=np.bool_(False), temperature=np.float32(0.0))
   from jaxfuse._decoder import _workspace_bytes
   caches = 3 + len(w)  # the operand index of k_cache
+  D, B = 64, x.shape[0]
+  layers_only = (jnp.zeros((0,), jnp.int32), jnp.zeros((0, D), x.dtype), jnp.zeros((0,), x.dtype),
+                 jnp.zeros((0, D), x.dtype), jnp.zeros((0,), jnp.uint32))
 
-  def call(ws_bytes, **over):
+  def call(ws_bytes, first=x, model=layers_only, logits=(B, 0), sampled=0, **over):
     a = dict(attrs, **over)
-    shapes = (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(cache.k.shape, x.dtype),
+    shapes = (jax.ShapeDtypeStruct((B, D), x.dtype), jax.ShapeDtypeStruct(cache.k.shape, x.dtype),
               jax.ShapeDtypeStruct(cache.v.shape, x.dtype),
+              jax.ShapeDtypeStruct(logits, jnp.float32), jax.ShapeDtypeStruct((sampled,), jnp.int32),
               jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8))
     f = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), shapes, input_output_aliases={caches: 1, caches + 1: 2})
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
-    return jax.jit(lambda *args: f(*args, **a))(x, pos, inv_freq, *w, cache.k, cache.v)
+    return jax.jit(lambda *args: f(*args, **a))(first, pos, inv_freq, *w, cache.k, cache.v, *model)
 
   good = _workspace_bytes(cfg, 2, jnp.float32)
   jax.block_until_ready(call(good))
@@ -466,3 +471,27 @@ def test_handler_validates_buffers(device):
     jax.block_until_ready(call(good, qkv_bias=np.bool_(False)))
   with pytest.raises(Exception, match=r"q_norm does not have shape \[2,0\]"):
     jax.block_until_ready(call(good, qk_norm=np.bool_(False)))
+  # The whole-model step's operands: a vocabulary of 5, a tied head, sampled.
+  V = 5
+  tokens = jax.device_put(jnp.array([1, 4], jnp.int32), device)
+  embed = jnp.ones((V, D), x.dtype)
+  step = dict(first=jnp.zeros((B, 0), x.dtype), logits=(B, V), sampled=B,
+              model_step=np.bool_(True), sample=np.bool_(True), temperature=np.float32(0.5))
+  model = (tokens, embed, jnp.ones((D,), x.dtype), jnp.zeros((0, D), x.dtype),
+           jnp.array([0, 7], jnp.uint32))
+  jax.block_until_ready(call(good, model=model, **step))
+  with pytest.raises(Exception, match=r"x must have shape \[B, 0\]"):
+    jax.block_until_ready(call(good, model=model, **dict(step, first=x)))
+  with pytest.raises(Exception, match=r"tokens must have shape \[2\]"):
+    jax.block_until_ready(call(good, model=(tokens[:1],) + model[1:], **step))
+  with pytest.raises(Exception, match=r"lm_head does not have shape \[5,64\]"):
+    jax.block_until_ready(call(good, model=model[:3] + (jnp.ones((4, D), x.dtype),) + model[4:],
+                               **step))
+  with pytest.raises(Exception, match=r"sample_key must have shape \[2\]"):
+    jax.block_until_ready(call(good, model=model[:4] + (jnp.zeros((0,), jnp.uint32),), **step))
+  with pytest.raises(Exception, match=r"logits does not have shape \[2,5\]"):
+    jax.block_until_ready(call(good, model=model, **dict(step, logits=(B, 4))))
+  with pytest.raises(Exception, match="temperature=-1 must be finite and >= 0"):
+    jax.block_until_ready(call(good, model=model, **dict(step, temperature=np.float32(-1))))
+  with pytest.raises(Exception, match="sample needs model_step"):
+    jax.block_until_ready(call(good, model=model, **dict(step, model_step=np.bool_(False))))

@@ -128,8 +128,10 @@ def test_vector_layouts_are_pinned():
   assert norm.names["grad_ctrl"] == _GRAD_CTRL
   dec = _ffi.contract("jaxfuse_decoder")
   assert dec.names["operands"] == _OPERANDS
-  assert dec.names["results"] == ("out", "k_cache", "v_cache", "workspace")
-  assert dec.names["weights"] == _OPERANDS[3:-2]
+  assert dec.names["results"] == ("out", "k_cache", "v_cache", "logits", "next_tokens",
+                                  "workspace")
+  assert dec.names["weights"] == _OPERANDS[3:-7]
+  assert dec.names["model_operands"] == _OPERANDS[-5:]
   assert dec.names["weight_flags"] == (("always",) * 9 + ("qkv_bias",) * 3 + ("qk_norm",) * 2
                                       + ("quantized",) * 7)
   assert dec.names["weight_kinds"] == (("model",) + ("matrix",) * 4 + ("model",)
@@ -565,9 +567,11 @@ def test_norm_attributes(device):
 
 
 # ---- jaxfuse_decoder ---------------------------------------------------------------------------
-# operands: x, positions, rope_inv_freq, 14 weights, k_cache, v_cache; results: out, k_cache,
-# v_cache, workspace; attributes: the DecoderConfig fields but rope_theta and rope_scaling (which
-# make rope_inv_freq). Tiny config; batch 4.
+# operands: x, positions, rope_inv_freq, 21 weights, k_cache, v_cache, then the whole-model
+# step's (empty here: test_decoder.py's test_handler_validates_buffers checks them); results:
+# out, k_cache, v_cache, logits, next_tokens, workspace; attributes: the DecoderConfig fields but
+# rope_theta and rope_scaling (which make rope_inv_freq), and model_step, sample, temperature.
+# Tiny config; batch 4.
 
 # Every optional weight in use, so that each operand's checks are exercised: int8 matrices.
 _CFG = DecoderConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -575,8 +579,9 @@ _CFG = DecoderConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, 
                      quantization="int8")
 _B = 4
 _WEIGHTS = DecoderWeights._fields
-_OPERANDS = ("x", "positions", "rope_inv_freq", *_WEIGHTS, "k_cache", "v_cache")
-_CACHE_ALIASES = {len(_OPERANDS) - 2: 1, len(_OPERANDS) - 1: 2}
+_OPERANDS = ("x", "positions", "rope_inv_freq", *_WEIGHTS, "k_cache", "v_cache", "tokens", "embed",
+             "final_norm", "lm_head", "sample_key")
+_CACHE_ALIASES = {_OPERANDS.index("k_cache"): 1, _OPERANDS.index("v_cache"): 2}
 
 
 def _dec_attrs(**over):
@@ -586,7 +591,8 @@ def _dec_attrs(**over):
                head_dim=np.int64(c.head_dim), intermediate_size=np.int64(c.intermediate_size),
                max_seq_len=np.int64(c.max_seq_len), rms_norm_eps=np.float32(c.rms_norm_eps),
                qkv_bias=np.bool_(c.qkv_bias), qk_norm=np.bool_(c.qk_norm),
-               quantized=np.bool_(c.quantized))
+               quantized=np.bool_(c.quantized), model_step=np.bool_(False),
+               sample=np.bool_(False), temperature=np.float32(0.0))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
@@ -604,6 +610,10 @@ def _dec_operands(device, seed=3):
       ops[name] = (0.2 * rng.standard_normal(shape)).astype(np.float32)
   ops["k_cache"] = rng.standard_normal(_CFG.cache_shape(_B)).astype(np.float32)
   ops["v_cache"] = rng.standard_normal(_CFG.cache_shape(_B)).astype(np.float32)
+  D = _CFG.hidden_size
+  ops.update(tokens=np.zeros((0,), np.int32), embed=np.zeros((0, D), np.float32),
+             final_norm=np.zeros((0,), np.float32), lm_head=np.zeros((0, D), np.float32),
+             sample_key=np.zeros((0,), np.uint32))
   return ops
 
 
@@ -622,12 +632,13 @@ def _dec_results(ops, ws_bytes=None, ws_dtype=U8):
   x, k, v = ops["x"], ops["k_cache"], ops["v_cache"]
   if ws_bytes is None:
     ws_bytes = _workspace_bytes(_CFG, x.shape[0], x.dtype)
-  return [S(x.shape, x.dtype), S(k.shape, k.dtype), S(v.shape, v.dtype), S((ws_bytes,), ws_dtype)]
+  return [S(x.shape, x.dtype), S(k.shape, k.dtype), S(v.shape, v.dtype), S((x.shape[0], 0), F32),
+          S((0,), np.int32), S((ws_bytes,), ws_dtype)]
 
 
 def test_decoder_good_call_succeeds(device):
   ops = _dec_operands(device)
-  out, k, _, _ = _dec_call(device, ops)
+  out, k, *_ = _dec_call(device, ops)
   assert out.shape == (_B, _CFG.hidden_size) and np.isfinite(np.asarray(out)).all()
   assert not np.array_equal(np.asarray(k), ops["k_cache"])  # the new k/v were written
 
@@ -712,7 +723,7 @@ def test_decoder_attribute_types(device):
     _dec_call(device, ops, qk_norm=np.int64(1))
   with xla_error("Wrong scalar data type: expected S64 but got S32"):
     _dec_call(device, ops, num_layers=np.int32(1))
-  with xla_error("Wrong number of attributes: expected 11 attributes but got 10"):
+  with xla_error("Wrong number of attributes: expected 14 attributes but got 13"):
     _dec_call(device, ops, qkv_bias=None)
 
 
@@ -794,10 +805,10 @@ def test_decoder_results(device):
   with jaxfuse_error("jaxfuse_decoder", r"out must have dtype float32"):
     _dec_call(device, ops, results=[S((_B, 16), BF16)] + good[1:])
   with jaxfuse_error("jaxfuse_decoder", "k/v cache results are not aliased"):
-    _dec_call(device, ops, aliases={len(_OPERANDS) - 1: 2})
-  with xla_error("Wrong number of results: expected 4 but got 3"):
-    _dec_call(device, ops, results=good[:3])
-  with xla_error("Wrong number of results: expected 4 but got 5"):
+    _dec_call(device, ops, aliases={_OPERANDS.index("v_cache"): 2})
+  with xla_error("Wrong number of results: expected 6 but got 5"):
+    _dec_call(device, ops, results=good[:5])
+  with xla_error("Wrong number of results: expected 6 but got 7"):
     _dec_call(device, ops, results=good + [S((1,), U8)])
 
 
@@ -819,7 +830,7 @@ def test_decoder_workspace_type(device):
   with xla_error("Wrong buffer dtype: expected U8 but got F32"):
     _dec_call(device, ops, results=_dec_results(ops, ws_bytes=need // 4, ws_dtype=F32))
   with xla_error("Wrong buffer rank: expected 1 but got 2"):
-    _dec_call(device, ops, results=_dec_results(ops)[:3] + [S((1, need), U8)])
+    _dec_call(device, ops, results=_dec_results(ops)[:5] + [S((1, need), U8)])
 
 
 def test_decoder_operand_count(device):
@@ -829,7 +840,8 @@ def test_decoder_operand_count(device):
   with xla_error(f"Wrong number of arguments: expected {n} but got {n + 1}"):
     _dec_call(device, ops, operand_list=args + [ops["x"]])
   with xla_error(f"Wrong number of arguments: expected {n} but got {n - 1}"):
-    _dec_call(device, ops, operand_list=args[:10] + args[11:], aliases={n - 3: 1, n - 2: 2})
+    k = _OPERANDS.index("k_cache")  # the caches move up one place
+    _dec_call(device, ops, operand_list=args[:10] + args[11:], aliases={k - 1: 1, k: 2})
 
 
 def _quantized_call(device, size=256, codes=(np.int8, np.uint8), blocks=None):

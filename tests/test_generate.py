@@ -139,6 +139,51 @@ def test_decode_step_logits():
   np.testing.assert_array_equal(logits, bad)
 
 
+_model_step = jax.jit(generation._model_step, static_argnums=(1, 5))
+
+
+@pytest.mark.parametrize("dtype,tied", [(jnp.float32, False), (jnp.bfloat16, True)])
+def test_whole_step_draws_what_jax_draws(dtype, tied):
+  """One call for the whole model: its logits are the reference's, and its next tokens are
+  jnp.argmax of them (temperature 0) or exactly jax.random.categorical's draw from them with the
+  same key (the same threefry bits and Gumbel noise, sampling_math.h)."""
+  model = random_model(dtype, vocab=300, tied=tied, seed=7)
+  prompts, lengths = prompts_for(model, 4, 5, seed=8)
+  cache = jaxfuse.init_cache(model, 4, 9)
+  logits, cache = jax.jit(jaxfuse.prefill)(model, prompts, lengths, cache)
+  tokens = jnp.argmax(logits, -1).astype(jnp.int32)
+  positions = jnp.asarray(lengths)
+  cfg = generation._cache_config(model, cache)
+  want, _ = jaxfuse.decode_step(model, tokens, positions, cache, decoder="reference")
+  tol = TIE_TOL[dtype] * float(np.abs(want).max())
+  for temperature, seed in ((0.0, 0), (0.7, 1), (1.5, 2)):
+    key = jax.random.key(seed)
+    got, drawn, _, _ = _model_step(model, cfg, tokens, positions, cache, temperature,
+                                   jax.random.key_data(key))
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    expected = (jnp.argmax(got, -1) if temperature == 0.0
+                else jax.random.categorical(key, got / jnp.float32(temperature)))
+    np.testing.assert_array_equal(drawn, expected)
+
+
+def test_whole_step_bad_tokens():
+  """A traced token outside the vocabulary is a bad row (NaN logits, its cache untouched, the
+  others unaffected); a concrete one is refused."""
+  model = random_model(vocab=40, seed=9)
+  cache = jaxfuse.init_cache(model, 3, 6)
+  step = jax.jit(jaxfuse.decode_step)
+  tokens, positions = jnp.asarray([40, 3, -2], jnp.int32), jnp.asarray([0, 0, 1], jnp.int32)
+  logits, new = step(model, tokens, positions, cache)
+  logits = np.asarray(logits)
+  assert np.isnan(logits[[0, 2]]).all() and np.isfinite(logits[1]).all()
+  changed = np.asarray(new.k != cache.k).any(axis=(0, 2, 3, 4))
+  np.testing.assert_array_equal(changed, [False, True, False])
+  good, _ = step(model, tokens.at[0].set(3).at[2].set(3), positions, cache)
+  np.testing.assert_array_equal(logits[1], np.asarray(good)[1])
+  with pytest.raises(ValueError, match=r"decode_step: tokens\[0\] = 40 is outside \[0, 40\)"):
+    jaxfuse.decode_step(model, np.asarray(tokens), positions, cache)
+
+
 def test_stop_tokens_per_row():
   model = random_model()
   prompts, lengths = prompts_for(model, 4, 6, seed=3)
@@ -168,6 +213,15 @@ def test_sampling_in_generate():
   c, _ = sample(key=jax.random.key(1))
   np.testing.assert_array_equal(a, b)  # reproducible with a key
   assert not np.array_equal(a, c)
+  # The kernel's own draws (no top-k / top-p) and XLA's (with them) are jax.random's, as the
+  # reference loop's: the same tokens (an fp32 model: logits within ~1e-6 of each other).
+  for kw in (dict(temperature=0.9), dict(temperature=1.3, top_k=20, top_p=0.95)):
+    for key in (jax.random.key(2), jax.random.PRNGKey(3)):
+      got, n = jaxfuse.generate(model, prompts, lengths, 6, key=key, **kw)
+      want, want_n = jaxfuse.generate(model, prompts, lengths, 6, key=key, decoder="reference",
+                                      **kw)
+      np.testing.assert_array_equal(got, want)
+      np.testing.assert_array_equal(n, want_n)
 
 
 _sample = jax.jit(generation._sample, static_argnames=("temperature", "top_k", "top_p"))
@@ -281,6 +335,12 @@ def test_bad_arguments():
                          r"is outside \[0, 8\) \(the cache length\)"):
         jaxfuse.decode_step(model, prompts[:, 0], np.array(positions, np.int32),
                             jaxfuse.init_cache(model, 2, 8), decoder=decoder)
+  # A dtype the kernel does not take: named before anything runs (the reference takes it).
+  with jax.enable_x64(True):
+    wide = jax.tree.map(lambda a: a.astype(jnp.float64), model)
+    with pytest.raises(TypeError, match="decode_step: the persistent decoder takes float32, "
+                       "bfloat16 or float16 models, got float64"):
+      jaxfuse.decode_step(wide, prompts[:, 0], lengths, jaxfuse.init_cache(wide, 2, 8))
 
 
 def test_generate_hf_example(tmp_path, monkeypatch, capsys):

@@ -189,6 +189,39 @@ def run_decoder(gpu, cpu):
     weights = f" {quantization} matrices" if quantization else ""
     compare(f"persistent_decoder {jnp.dtype(dt).name}{weights} batch {batch} context {seq}",
             res["gpu"], res["cpu"])
+  run_model_step(gpu, cpu)
+
+
+# (dtype, tied head, batch): bf16 at batch 10 (two passes of the head's 8 staged rows), fp32
+# untied at batch 3; the draws at temperature 0.8.
+MODEL_STEP_CASES = [(jnp.bfloat16, True, 10), (jnp.float32, False, 3)]
+
+
+def run_model_step(gpu, cpu):
+  """The whole-model step (embedding, layers, head, draw): logits against the CPU handler's, and
+  the GPU's tokens against jax.random.categorical of its own logits (they must be equal)."""
+  from jaxfuse import _generation as generation
+  for dt, tied, batch in MODEL_STEP_CASES:
+    cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
+                                head_dim=64, intermediate_size=640, max_seq_len=96)
+    _, w, cache = random_decoder_problem(cfg, batch, dt, seed=4)
+    rng = np.random.default_rng(5)
+    embed = jnp.asarray(rng.standard_normal((1000, 256)), dt)
+    head = None if tied else jnp.asarray(0.3 * rng.standard_normal((1000, 256)), dt)
+    model = jaxfuse.DecoderModel(cfg, w, embed, jnp.ones((256,), dt), head)
+    tokens = jnp.asarray(rng.integers(0, 1000, batch).astype(np.int32))
+    pos = jnp.asarray(np.linspace(0, 95, batch).astype(np.int32))
+    key = jax.random.key(6)
+    f = jax.jit(lambda m, t, p, c, k: generation._model_step(m, cfg, t, p, c, 0.8, k))
+    res = {name: f(*on(d, (model, tokens, pos, cache, jax.random.key_data(key))))
+           for name, d in (("gpu", gpu), ("cpu", cpu))}
+    name = f"whole-model step {jnp.dtype(dt).name} {'tied' if tied else 'untied'} batch {batch}"
+    compare(name, res["gpu"][0], res["cpu"][0])
+    drawn = jax.random.categorical(key, jnp.asarray(np.asarray(res["gpu"][0])) / 0.8)
+    wrong = int(np.sum(np.asarray(res["gpu"][1]) != np.asarray(drawn)))
+    print(f"{name + ' draws':52s} {wrong:7d} of {batch:7d} tokens differ from jax.random's")
+    if wrong:
+      FAR_APART_CASES.append(name + " draws")
 
 
 def main(ops):

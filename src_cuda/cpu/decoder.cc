@@ -81,7 +81,7 @@ void DecodeStep::mlp(int64_t l) {
 void DecodeStep::write_output() {
   for (int64_t b = 0; b < d.B; ++b) {
     const int64_t first = b * d.D;  // of out's row b
-    if (position_valid(io.positions[b], d.S)) {
+    if (position_valid(position(b), d.S)) {
       store_tile(io.out, dtype, first, d.D, ws.hidden.row(b));
     } else {
       for (int64_t i = 0; i < d.D; ++i) store_from_float(io.out, dtype, first + i, quiet_nan_f32());

@@ -62,7 +62,7 @@ void rmsnorm_head(float* v, int64_t hd, const void* w, DType dtype, float eps) {
 void DecodeStep::rope_append_kv(int64_t l) {
   const float* inv_freq = io.rope_inv_freq;
   for (int64_t b = 0; b < d.B; ++b) {
-    const int32_t p = io.positions[b];
+    const int32_t p = position(b);
     if (!position_valid(p, d.S)) continue;
     for (int64_t head = 0; head < d.H; ++head) {
       float* q = ws.qkv.q(b, head);
@@ -87,7 +87,7 @@ void DecodeStep::rope_append_kv(int64_t l) {
 void DecodeStep::attention(int64_t l) {
   int64_t work = 0;  // multiply-adds of this layer's attention
   for (int64_t b = 0; b < d.B; ++b) {
-    work += 2 * d.H * d.hd * (int64_t(std::max(io.positions[b], 0)) + 1);
+    work += 2 * d.H * d.hd * (int64_t(std::max(position(b), 0)) + 1);
   }
   const int64_t chunks = d.head_chunks();  // of <= kDecHeadChunk query heads per kv head
   parallel_for(pool_for(pool, work), d.B * d.KV * chunks, [&](int64_t item) {
@@ -100,7 +100,7 @@ void DecodeStep::attention(int64_t l) {
 void DecodeStep::attend_heads(int64_t l, int64_t b, int64_t kv_head, int64_t first,
                               int64_t heads) const {
   for (int64_t g = 0; g < heads; ++g) std::fill_n(ws.attn_out.head(b, first + g), d.hd, 0.0f);
-  const int32_t p = io.positions[b];
+  const int32_t p = position(b);
   if (!position_valid(p, d.S)) return;
   std::vector<float> kv_row(2 * d.hd);
   float m[kDecHeadChunk], lsum[kDecHeadChunk];

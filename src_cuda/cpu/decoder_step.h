@@ -36,7 +36,11 @@ struct DecodeStep {
   }
 
   void run() {
-    load_tile(io.x, dtype, 0, d.B * d.D, ws.hidden.data);  // h = float(x)
+    if (d.model_step) {
+      embed_tokens();
+    } else {
+      load_tile(io.x, dtype, 0, d.B * d.D, ws.hidden.data);  // h = float(x)
+    }
     for (int64_t l = 0; l < d.L; ++l) {
       rmsnorm_qkv(l);
       rope_append_kv(l);
@@ -45,7 +49,12 @@ struct DecodeStep {
       mlp(l);
     }
     write_output();
+    if (d.model_step) lm_head();
+    if (d.sample) sample_tokens();
   }
+
+  // Row b's cache position (-1 for a token outside the vocabulary: decoder.h).
+  int32_t position(int64_t b) const { return io.row_position(b, d.V); }
 
   // Layer l of stacked weight `stacked` ([L, layer_size]).
   const void* layer(const void* stacked, int64_t l, int64_t layer_size) const {
@@ -89,6 +98,12 @@ struct DecodeStep {
   void mlp(int64_t l);
   // out = h, or NaN for rows whose position is out of range.
   void write_output();
+  // The whole-model step (decoder_head.cc): h = embed[tokens[b]] (zero for a token outside the
+  // vocabulary); logits = (rmsnorm(h) * final_norm, rounded to the model's dtype) @ head^T;
+  // next_tokens = the argmax of each row's sampling scores (sampling_math.h).
+  void embed_tokens();
+  void lm_head();
+  void sample_tokens();
 };
 
 }  // namespace jaxfuse::cpu_decoder

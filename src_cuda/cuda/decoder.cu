@@ -14,6 +14,10 @@
 //   GateUpStage:     mlp_act = silu(m @ w_gate) * (m @ w_up), m = rmsnorm(h) * mlp_norm    | sync
 //   DownStage:       h += mlp_act @ w_down; sums of squares (last layer: out = h, NaN rows
 //                    for bad p)                                                            | sync
+// and in a whole-model step (decoder_head.cuh), after the last layer:
+//   HeadStage:       logits = (rmsnorm(h) * final_norm, as kT) @ head^T                   | sync
+//   SampleStage:     next_tokens = argmax of the sampling scores (sampling_math.h)
+// with EmbedStage then gathering h = embed[tokens[b]].
 //
 // Before each grid sync a block prefetches into L2 the first weight rows of its work in the next
 // GEMV stage (Attention's sync excepted: O's were asked for before it), so HBM streams while the
@@ -43,12 +47,26 @@
 #include <initializer_list>
 
 #include "decoder_attention.cuh"
+#include "decoder_head.cuh"
 #include "decoder_stages.cuh"
 
 namespace jaxfuse {
 namespace cuda_decoder {
 
 // ---- the kernel ---------------------------------------------------------------------------------
+
+// The whole-model step's stages after the last layer. (A call instead of inlining them changes
+// the layer loop's register allocation: it spilled the f16 instances.)
+template <DType kT>
+__device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
+  HeadStage<kT>{p, sm}.prefetch();
+  cg::this_grid().sync();
+  HeadStage<kT>{p, sm}.run();
+  if (p.dims.sample) {
+    cg::this_grid().sync();
+    SampleStage{p, sm}.run();
+  }
+}
 
 // kT: the dtype of x, the caches, norms and biases; kW: the matrices' (kT, or int8 / fp8 e4m3
 // when quantized). Min blocks per SM pinned: without it ptxas may use up to 168 registers (one
@@ -79,6 +97,7 @@ __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
       cg::this_grid().sync();
     }
   }
+  if (p.dims.model_step) run_head<kT>(p, sm);
 }
 
 // ---- host side ----------------------------------------------------------------------------------
@@ -97,11 +116,17 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
     return invalid_argument("the CUDA kernel needs head_dim <= ", max_head_dim, " for ",
                             dtype_name(d.dtype));
   }
+  // The LM head stages at least one batch row's inputs (hidden_size elements) in shared memory.
+  if (d.model_step && d.D * dtype_bytes(d.dtype) > kHeadStagingBytes) {
+    return invalid_argument("the CUDA kernel's LM head needs hidden_size <= ",
+                            kHeadStagingBytes / dtype_bytes(d.dtype), " for ",
+                            dtype_name(d.dtype));
+  }
   const int64_t big = std::max({d.L * d.D * std::max({d.q_dim(), d.I}), d.L * d.I * d.D,
-                                d.L * d.B * d.S * d.kv_dim()});
+                                d.L * d.B * d.S * d.kv_dim(), d.V * d.D, d.B * d.V});
   // Headroom below INT32_MAX: attention chunk bounds add up to one chunk to a position.
   if (big >= (int64_t(1) << 62) / 4 || d.B * std::max(d.D, d.I) >= INT32_MAX ||
-      d.S >= INT32_MAX / 2) {
+      std::max({d.D, d.I, d.q_dim()}) * kDecMaxGemvItems >= INT32_MAX || d.S >= INT32_MAX / 2) {
     return invalid_argument("sizes too large for the CUDA kernel");
   }
   return ffi::Error::Success();
@@ -116,7 +141,7 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
 #define JF_MATRIX_POINTER(name, flag, kind, ...) JF_IF_KIND_##kind(w.name)
 ffi::Error check_alignment(const DecoderBuffers& b) {
   const DecoderWeights& w = b.weights;
-  for (const void* p : {JAXFUSE_DECODER_WEIGHTS(JF_MATRIX_POINTER) b.x,
+  for (const void* p : {JAXFUSE_DECODER_WEIGHTS(JF_MATRIX_POINTER) b.x, b.head,
                         static_cast<const void*>(b.k_cache), static_cast<const void*>(b.v_cache)}) {
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) {
       return invalid_argument("the CUDA kernel needs 16-byte aligned operand buffers");
@@ -150,6 +175,10 @@ KernelDims kernel_dims(const DecoderDims& d) {
   k.attn_scale = 1.0f / std::sqrt(float(d.hd));
   k.qkv_bias = d.qkv_bias;
   k.qk_norm = d.qk_norm;
+  k.model_step = d.model_step;
+  k.sample = d.sample;
+  k.temperature = d.temperature;
+  k.vocab = int(d.V);
   return k;
 }
 
@@ -162,7 +191,7 @@ int gemv_splits(int blocks, int tiles, int k_rows) {
   return s;
 }
 
-LaunchPlan launch_plan(int blocks, const KernelDims& d) {
+LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
   LaunchPlan plan;
   plan.qkv_splits = gemv_splits(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden);
   plan.o_proj_splits = gemv_splits(blocks, d.hidden_tiles, d.q_dim);
@@ -173,15 +202,18 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d) {
   plan.attn_splits =
       int(std::clamp<int64_t>(blocks / std::max<int64_t>(1, items), 1, kDecMaxAttnSplits));
   plan.attn_splits = std::min<int>(plan.attn_splits, std::max(1, d.max_seq_len / 16));
+  plan.attn_items = int(items) * plan.attn_splits;
+  // LM head: as many batch rows per pass as the staging area holds (check_kernel_limits: >= 1).
+  plan.head_rows = std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
   return plan;
 }
 
 // Two blocks per SM (kMaxBlocksPerSm) cap the registers at 128, without spills. The 32 bytes of
 // local memory are sincosf's table for RoPE angles past 105615 (CUDA's full-range reduction).
 JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 32);
-JF_KERNEL_GAP("^decoder_kernel<bf16, f8e4m3>", 128, 25, 128,
-              "issue 40: fp8 widened to bf16 for the tensor cores spills a few stage-boundary "
-              "values at 128 registers");
+JF_KERNEL_GAP("^decoder_kernel<bf16, f8e4m3>", 128, 25, 160,
+              "issue 40: fp8 widened to bf16 for the tensor cores spills two loop-invariant "
+              "values (12 B) at 128 registers, reloaded at stage boundaries");
 
 template <DType kT, DType kW>
 ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
@@ -197,7 +229,7 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   constexpr auto kernel = decoder_kernel<kT, kW>;
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, &blocks));
   const KernelDims dims = kernel_dims(call.dims);
-  const LaunchPlan plan = launch_plan(blocks, dims);
+  const LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT));
   const DecoderParams params{dims, call.buffers,
                              DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
                              plan};

@@ -53,9 +53,7 @@ struct AttentionStage {
   int layer;
 
   __device__ void run() const {
-    const KernelDims& d = p.dims;
-    const int items = d.batch * d.kv_heads * d.head_chunks * p.plan.attn_splits;
-    for (int i = blockIdx.x; i < items; i += gridDim.x) {
+    for (int i = blockIdx.x; i < p.plan.attn_items; i += gridDim.x) {
       const AttnItem it = item(i);
       if (!it.valid) {
         zero_output(it);
@@ -87,7 +85,7 @@ struct AttentionStage {
     it.b = i / d.kv_heads;
     it.first_head = it.kv_head * d.group + it.chunk * kHeadChunk;
     it.heads = min(kHeadChunk, d.group - it.chunk * kHeadChunk);
-    it.position = p.io.positions[it.b];
+    it.position = p.io.row_position(it.b, d.vocab);
     it.valid = position_valid(it.position, d.max_seq_len);
     if (it.valid) {
       const int len = it.position + 1;

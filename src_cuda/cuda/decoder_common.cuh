@@ -52,12 +52,22 @@ struct KernelDims {
   float attn_scale;  // 1 / sqrt(head_dim)
   bool qkv_bias;     // q/k/v projections add a bias
   bool qk_norm;      // per-head RMSNorm of q and k before RoPE
+  // The whole-model step (decoder_head.cuh): tokens in, logits of `vocab` rows out (vocab 0
+  // otherwise), and with `sample` the next tokens at `temperature` (0: greedy).
+  bool model_step, sample;
+  float temperature;
+  int vocab;
 };
 
 // How this launch splits the work over its grid (launch_plan()).
 struct LaunchPlan {
   int qkv_splits, o_proj_splits, gate_up_splits, down_splits;  // K splits per GEMV stage
   int attn_splits;  // flash-decoding splits of the positions 0..p
+  // Attention work items: batch x kv heads x head chunks x splits. A parameter, not a product
+  // the kernel forms: ptxas hoisted that loop-invariant product out of the layer loop and
+  // spilled it.
+  int attn_items;
+  int head_rows;    // batch rows per pass of the LM head (its inputs staged in shared memory)
 };
 
 struct DecoderParams {

@@ -242,7 +242,7 @@ __device__ void add_residual(const DecoderParams& p, Smem& sm, const GemvMatrix&
       ws_store(h, hn);
       sq = hn * hn;
       if (last_layer) {
-        const bool valid = position_valid(p.io.positions[b], p.dims.max_seq_len);
+        const bool valid = position_valid(p.io.row_position(b, p.dims.vocab), p.dims.max_seq_len);
         store_from_float(p.io.out, kT, int64_t(b) * p.dims.hidden + col,
                          valid ? hn : quiet_nan_f32());
       }

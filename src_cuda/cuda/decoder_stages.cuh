@@ -7,7 +7,9 @@
 
 namespace jaxfuse::cuda_decoder {
 
-// h = float(x) and its sums of squares per column tile (the first RMSNorm's input).
+// h = float(x), or embed[tokens[b]] in a whole-model step (zero for a token outside the
+// vocabulary: its row is invalid, decoder.h's row_position), and its sums of squares per column
+// tile (the first RMSNorm's input).
 template <DType kT>
 struct EmbedStage {
   const DecoderParams& p;
@@ -21,12 +23,18 @@ struct EmbedStage {
       const int c = thread_index(), col = tile * kColumns + c;
       float sq = 0.0f;
       if (c < kColumns && col < p.dims.hidden) {
-        const float v = load_as_float(p.io.x, kT, int64_t(b) * p.dims.hidden + col);
+        const int64_t at = int64_t(b) * p.dims.hidden + col;
+        const float v = p.dims.model_step ? embedding(b, col) : load_as_float(p.io.x, kT, at);
         ws_store(p.ws.hidden.at(b, col), v);
         sq = v * v;
       }
       store_tile_sumsq(p, sm, b, tile, sq);
     }
+  }
+  __device__ float embedding(int b, int col) const {
+    const int32_t token = p.io.tokens[b];
+    if (token < 0 || token >= p.dims.vocab) return 0.0f;
+    return load_as_float(p.io.embed, kT, int64_t(token) * p.dims.hidden + col);
   }
 };
 

@@ -15,10 +15,18 @@
 //   f32[L, H*hd] ... w_down_scale f32[L, D] (attribute quantized; else each f32[L, 0]), then
 //   k_cache and v_cache T[L, B, S, KV, hd]. The matrices' dtype W is T, or with `quantized`
 //   int8 or float8_e4m3fn (weight-only quantization: y[n] = scale[n] * sum_k a[k] * W[k, n]).
+//   Then the whole-model step's operands (attribute model_step; else each empty): tokens s32[B]
+//   (x is then T[B, 0]: the step starts from embed[tokens[b]]), embed T[V, D], final_norm T[D],
+//   lm_head T[V, D] (T[0, D] when tied to embed), and sample_key u32[2] (attribute sample: the
+//   jax.random key data the next tokens are drawn with; else u32[0]).
 // Results, in kDecoderResults order: out T[B, D]; k_cache and v_cache, aliased to their operands
-//   (updated in place at [l, b, positions[b]]); workspace u8[decoder_layout(...).total]: fp32
-//   activations, partial sums and counters.
-// Attributes: the DecoderAttrs fields (the names of jaxfuse.DecoderConfig's fields).
+//   (updated in place at [l, b, positions[b]]); logits f32[B, V] (model_step; else f32[B, 0]):
+//   rmsnorm(out) * final_norm, rounded to T, times the head's rows; next_tokens s32[B] (sample;
+//   else s32[0]): argmax of the logits (temperature 0) or a draw from softmax(logits /
+//   temperature) (sampling_math.h); workspace u8[decoder_layout(...).total]: fp32 activations,
+//   partial sums and counters.
+// Attributes: the DecoderAttrs fields (the names of jaxfuse.DecoderConfig's fields, then the
+//   step's model_step, sample and temperature).
 // Python reads all of these names and the workspace size from DecoderOp::contract().
 #pragma once
 
@@ -33,6 +41,7 @@
 
 #include "jaxfuse/decoder_math.h"
 #include "jaxfuse/op.h"
+#include "jaxfuse/sampling_math.h"
 #include "jaxfuse/vector_layout.h"
 
 namespace jaxfuse {
@@ -40,6 +49,8 @@ namespace jaxfuse {
 using PositionsBuffer = ffi::Buffer<ffi::S32, 1>;
 using RopeTableBuffer = ffi::Buffer<ffi::F32, 1>;
 using WorkspaceBuffer = ffi::Buffer<ffi::U8, 1>;
+using TokensBuffer = ffi::Buffer<ffi::S32, 1>;
+using SampleKeyBuffer = ffi::Buffer<ffi::U32, 1>;
 
 // Constants of the workspace layout.
 inline constexpr int64_t kDecMaxGemvItems = 1024;  // partial-sum slots per GEMV stage
@@ -65,6 +76,12 @@ struct DecoderDims {
   bool qkv_bias = false;   // q/k/v projections add a bias
   bool qk_norm = false;    // per-head RMSNorm of q and k before RoPE
   bool quantized = false;  // the matrices are int8 or fp8 with per-column scales
+  // The whole-model step: tokens in, embedding gathered, final norm and LM head of V rows after
+  // the last layer (V = 0 otherwise); with `sample`, the next tokens drawn in the same call.
+  bool model_step = false;
+  bool sample = false;
+  float temperature = 0.f;  // 0: greedy
+  int64_t V = 0;
   DType dtype = DType::kF32;   // x, caches, norms, biases, out
   DType wdtype = DType::kF32;  // the matrices: dtype, or kI8 / kF8E4M3 when quantized
 
@@ -98,7 +115,9 @@ struct DecoderLayout {
   int64_t hidden, row_sumsq, qkv, attn_out, mlp_act, attn_partials, gemv_partials, counters;
   int64_t total;  // bytes
   int64_t qkv_counters, o_proj_counters, gate_up_counters, down_counters, attn_counters;
-  int64_t num_counters;
+  int64_t sample_counter;  // the blocks done with the sampling pass
+  int64_t sample_keys;     // counter index of [B] uint64 argmax keys (sampling_math.h)
+  int64_t num_counters;    // int32 words, all zeroed before each call
 };
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
@@ -127,7 +146,9 @@ inline DecoderLayout decoder_layout(const DecoderDims& d) {
   w.gate_up_counters = w.o_proj_counters + d.L * d.hidden_tiles();
   w.down_counters = w.gate_up_counters + d.L * d.mlp_tiles();
   w.attn_counters = w.down_counters + d.L * d.hidden_tiles();
-  w.num_counters = w.attn_counters + d.L * d.B * d.KV * d.head_chunks();
+  w.sample_counter = w.attn_counters + d.L * d.B * d.KV * d.head_chunks();
+  w.sample_keys = align_up(w.sample_counter + 1, 2);  // 8-byte aligned
+  w.num_counters = w.sample_keys + 2 * d.B;
   w.counters = region(w.num_counters * 4);
   w.total = off;
   return w;
@@ -181,6 +202,7 @@ struct StageCounters {
   int* data = nullptr;
   int64_t size = 0;  // all stages' counters
   int64_t qkv_first = 0, o_proj_first = 0, gate_up_first = 0, down_first = 0, attn_first = 0;
+  int64_t sample_counter = 0, sample_keys = 0;
   int64_t qkv_tiles = 0, hidden_tiles = 0, mlp_tiles = 0;
   int64_t batch = 0, kv_heads = 0, head_chunks = 0;
 };
@@ -237,6 +259,11 @@ struct DecoderWorkspace {
     const int64_t item = (layer * c.batch + b) * c.kv_heads + kv_head;
     return counter(c.attn_first, item, c.head_chunks, head_chunk);
   }
+  JF_HD int* sample_counter() const { return counters.data + counters.sample_counter; }
+  // Row b's best argmax key so far (zero: no candidate yet).
+  JF_HD unsigned long long* sample_key(int64_t b) const {
+    return reinterpret_cast<unsigned long long*>(counters.data + counters.sample_keys) + b;
+  }
 
  private:
   // Counter `index` of row `row` (rows of `width` counters) of the stage starting at `first`.
@@ -259,7 +286,7 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
                    d.tile()};
   counters = {reinterpret_cast<int*>(base + lay.counters), lay.num_counters,
               lay.qkv_counters, lay.o_proj_counters, lay.gate_up_counters, lay.down_counters,
-              lay.attn_counters,
+              lay.attn_counters, lay.sample_counter, lay.sample_keys,
               d.qkv_tiles(), d.hidden_tiles(), d.mlp_tiles(),
               d.B, d.KV, d.head_chunks()};
 }
@@ -299,8 +326,9 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
 // Operand and result names in call order; a name in both lists is updated in place.
 inline constexpr const char* kDecoderOperands[] = {
     "x", "positions", "rope_inv_freq", JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_NAME)
-    "k_cache", "v_cache"};
-inline constexpr const char* kDecoderResults[] = {"out", "k_cache", "v_cache", "workspace"};
+    "k_cache", "v_cache", "tokens", "embed", "final_norm", "lm_head", "sample_key"};
+inline constexpr const char* kDecoderResults[] = {"out",    "k_cache",     "v_cache",
+                                                  "logits", "next_tokens", "workspace"};
 inline constexpr const char* kDecoderWeightFlags[] = {
     JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_FLAG)};
 inline constexpr const char* kDecoderWeightKinds[] = {
@@ -323,6 +351,9 @@ struct DecoderAttrs {
   bool qkv_bias;
   bool qk_norm;
   bool quantized;
+  bool model_step;
+  bool sample;
+  float temperature;
 };
 inline constexpr const char* kDecoderSizeAttrs[] = {JAXFUSE_DECODER_SIZE_ATTRS(JF_VECTOR_NAME)};
 
@@ -367,10 +398,30 @@ struct DecoderBuffers {
   const int32_t* positions;
   const float* rope_inv_freq;  // [hd/2]
   DecoderWeights weights;
-  void* k_cache;  // the results (aliased to the operands)
+  // The whole-model step's (model_step; else null): tokens [B], embed [V, D], final_norm [D],
+  // the head [V, D] (lm_head, or embed when tied).
+  const int32_t* tokens;
+  const void* embed;
+  const void* final_norm;
+  const void* head;
+  const uint32_t* sample_key;  // [2] (sample)
+  void* k_cache;               // the results (aliased to the operands)
   void* v_cache;
   void* out;
+  float* logits;         // [B, V] (model_step)
+  int32_t* next_tokens;  // [B] (sample)
   char* workspace;
+
+  // Row b's cache position, or -1 (an invalid row: no cache access, NaN output) when its token
+  // is outside the vocabulary of a whole-model step.
+  JF_HD int32_t row_position(int64_t b, int64_t vocab) const {
+    if (tokens != nullptr && (tokens[b] < 0 || int64_t(tokens[b]) >= vocab)) return -1;
+    return positions[b];
+  }
+  // How the next tokens are drawn (device data: read where the sampling runs).
+  JF_HD SampleRule sample_rule(float temperature) const {
+    return {temperature == 0.0f, temperature, sample_key[0], sample_key[1]};
+  }
 };
 
 namespace decoder_detail {
@@ -398,6 +449,10 @@ inline ffi::Error check_attrs(const DecoderAttrs& a) {
   if (!(a.rms_norm_eps >= 0.0f) || !std::isfinite(a.rms_norm_eps)) {
     return invalid_argument("rms_norm_eps=", a.rms_norm_eps, " must be finite and >= 0");
   }
+  if (!(a.temperature >= 0.0f) || !std::isfinite(a.temperature)) {
+    return invalid_argument("temperature=", a.temperature, " must be finite and >= 0");
+  }
+  if (a.sample && !a.model_step) return invalid_argument("sample needs model_step");
   return ffi::Error::Success();
 }
 
@@ -415,6 +470,9 @@ inline DecoderDims dims_of(const DecoderAttrs& a, int64_t batch, DType dtype) {
   d.qkv_bias = a.qkv_bias;
   d.qk_norm = a.qk_norm;
   d.quantized = a.quantized;
+  d.model_step = a.model_step;
+  d.sample = a.sample;
+  d.temperature = a.temperature;
   d.dtype = dtype;
   d.wdtype = dtype;
   return d;
@@ -481,6 +539,39 @@ inline ffi::Error check_caches(const DecoderDims& d, const ffi::AnyBuffer& k_cac
   return ffi::Error::Success();
 }
 
+// The whole-model step's operands and results: with model_step, tokens [B], embed [V, D] (V >= 1
+// from its shape), final_norm [D], lm_head [V, D] or [0, D] (tied), logits [B, V]; with sample,
+// sample_key [2] and next_tokens [B]; the rest empty. Sets d->V.
+inline ffi::Error check_model_step(DecoderDims* d, const TokensBuffer& tokens,
+                                   const ffi::AnyBuffer& embed, const ffi::AnyBuffer& final_norm,
+                                   const ffi::AnyBuffer& lm_head,
+                                   const SampleKeyBuffer& sample_key,
+                                   const ffi::AnyBuffer& logits,
+                                   const ffi::AnyBuffer& next_tokens) {
+  const auto embed_dims = embed.dimensions();
+  d->V = d->model_step && embed_dims.size() == 2 ? embed_dims[0] : 0;
+  if (d->model_step && (d->V < 1 || d->V >= INT32_MAX)) {
+    return invalid_argument("embed must have shape [V, ", d->D, "] with 1 <= V < ", INT32_MAX);
+  }
+  const int64_t step = d->model_step ? 1 : 0, sampled = d->sample ? 1 : 0;
+  const bool tied = lm_head.dimensions().size() == 2 && lm_head.dimensions()[0] == 0;
+  if (tokens.dimensions().size() != 1 || tokens.dimensions()[0] != step * d->B) {
+    return invalid_argument("tokens must have shape [", step * d->B, "]");
+  }
+  JF_RETURN_IF_ERROR(check_buffer("embed", embed, d->dtype, {d->V, d->D}));
+  JF_RETURN_IF_ERROR(check_buffer("final_norm", final_norm, d->dtype, {step * d->D}));
+  JF_RETURN_IF_ERROR(check_buffer("lm_head", lm_head, d->dtype, {tied ? 0 : d->V, d->D}));
+  if (sample_key.dimensions().size() != 1 || sample_key.dimensions()[0] != 2 * sampled) {
+    return invalid_argument("sample_key must have shape [", 2 * sampled, "]");
+  }
+  JF_RETURN_IF_ERROR(check_buffer("logits", logits, DType::kF32, {d->B, d->V}));
+  if (next_tokens.element_type() != ffi::DataType::S32 ||
+      next_tokens.dimensions().size() != 1 || next_tokens.dimensions()[0] != sampled * d->B) {
+    return invalid_argument("next_tokens must be int32 of shape [", sampled * d->B, "]");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace decoder_detail
 
 struct DecoderOp {
@@ -502,9 +593,16 @@ struct DecoderOp {
         JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_ARG)
         .template Arg<ffi::AnyBuffer>()   // k_cache
         .template Arg<ffi::AnyBuffer>()   // v_cache
+        .template Arg<TokensBuffer>()     // tokens
+        .template Arg<ffi::AnyBuffer>()   // embed
+        .template Arg<ffi::AnyBuffer>()   // final_norm
+        .template Arg<ffi::AnyBuffer>()   // lm_head
+        .template Arg<SampleKeyBuffer>()  // sample_key
         .template Ret<ffi::AnyBuffer>()   // out
         .template Ret<ffi::AnyBuffer>()   // k_cache (aliased)
         .template Ret<ffi::AnyBuffer>()   // v_cache (aliased)
+        .template Ret<ffi::AnyBuffer>()   // logits
+        .template Ret<ffi::AnyBuffer>()   // next_tokens
         .template Ret<WorkspaceBuffer>()  // workspace
         .template Attrs<DecoderAttrs>();
 #undef JF_DECODER_WEIGHT_ARG
@@ -514,9 +612,12 @@ struct DecoderOp {
   static ffi::Error decode(ffi::AnyBuffer x, PositionsBuffer positions,
                            RopeTableBuffer rope_inv_freq,
                            JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_PARAM)
-                           ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+                           ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, TokensBuffer tokens,
+                           ffi::AnyBuffer embed, ffi::AnyBuffer final_norm,
+                           ffi::AnyBuffer lm_head, SampleKeyBuffer sample_key,
                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
-                           ffi::Result<ffi::AnyBuffer> v_out,
+                           ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> logits,
+                           ffi::Result<ffi::AnyBuffer> next_tokens,
                            ffi::Result<WorkspaceBuffer> workspace, DecoderAttrs attrs,
                            Call* call) {
 #undef JF_DECODER_WEIGHT_PARAM
@@ -525,8 +626,9 @@ struct DecoderOp {
     const auto dtype = to_dtype(x.element_type());
     if (!dtype) return invalid_argument("x must be float32, bfloat16 or float16");
     const auto x_dims = x.dimensions();
-    if (x_dims.size() != 2 || x_dims[1] != attrs.hidden_size) {
-      return invalid_argument("x must have shape [B, ", attrs.hidden_size, "]");
+    const int64_t x_width = attrs.model_step ? 0 : attrs.hidden_size;  // tokens replace x
+    if (x_dims.size() != 2 || x_dims[1] != x_width) {
+      return invalid_argument("x must have shape [B, ", x_width, "]");
     }
     DecoderDims d = dims_of(attrs, x_dims[0], *dtype);
     JF_RETURN_IF_ERROR(matrix_dtype(d, wq, &d.wdtype));
@@ -542,6 +644,8 @@ struct DecoderOp {
     JF_RETURN_IF_ERROR(check_weights(d, weights));
     JF_RETURN_IF_ERROR(check_caches(d, k_cache, v_cache, *k_out, *v_out));
     JF_RETURN_IF_ERROR(check_buffer("out", *out, d.dtype, {d.B, d.D}));
+    JF_RETURN_IF_ERROR(check_model_step(&d, tokens, embed, final_norm, lm_head, sample_key,
+                                        *logits, *next_tokens));
     // Exactly the layout's size (Python sizes it from the same decoder_layout()).
     const int64_t need = decoder_layout(d).total;
     if (workspace->dimensions().size() != 1 || workspace->dimensions()[0] != need) {
@@ -550,12 +654,24 @@ struct DecoderOp {
     }
     call->dims = d;
     DecoderBuffers& b = call->buffers;
+    b = DecoderBuffers{};
     b.x = x.untyped_data();
     b.positions = positions.typed_data();
     b.rope_inv_freq = rope_inv_freq.typed_data();
 #define JF_DECODER_WEIGHT_DATA(name, ...) name.untyped_data(),
     b.weights = {JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_DATA)};
 #undef JF_DECODER_WEIGHT_DATA
+    if (d.model_step) {
+      b.tokens = tokens.typed_data();
+      b.embed = embed.untyped_data();
+      b.final_norm = final_norm.untyped_data();
+      b.head = lm_head.element_count() ? lm_head.untyped_data() : embed.untyped_data();
+      b.logits = static_cast<float*>(logits->untyped_data());
+    }
+    if (d.sample) {
+      b.sample_key = sample_key.typed_data();
+      b.next_tokens = static_cast<int32_t*>(next_tokens->untyped_data());
+    }
     b.k_cache = k_out->untyped_data();
     b.v_cache = v_out->untyped_data();
     b.out = out->untyped_data();
@@ -578,6 +694,10 @@ struct DecoderOp {
     c.names["size_attrs"] = name_list(kDecoderSizeAttrs);
     c.names["f32_attrs"] = {"rms_norm_eps"};
     c.names["bool_attrs"] = {"qkv_bias", "qk_norm", "quantized"};
+    // The whole-model step's operands (after the caches) and attributes (not config fields).
+    c.names["model_operands"] = {"tokens", "embed", "final_norm", "lm_head", "sample_key"};
+    c.names["step_bool_attrs"] = {"model_step", "sample"};
+    c.names["step_f32_attrs"] = {"temperature"};
     // workspace(batch=, dtype_bytes=, <size attrs>=) -> numbers["bytes"]
     c.functions["workspace"] = [](const std::map<std::string, int64_t>& args) {
       // The layout depends on the dtype only through its width (f16 and bf16 lay out alike).
@@ -615,20 +735,24 @@ struct DecoderOp {
 
   // A memset of the stage counters and one cooperative kernel (cuda/decoder.cu); nothing for
   // an empty batch. Reads x, positions, every weight and the caches, counted as if attention
-  // read every cache position (at most: it reads positions 0..p of each row); writes out, one
-  // K and V row per layer and batch row, and the workspace (at most, its full size).
+  // read every cache position (at most: it reads positions 0..p of each row), and in a
+  // whole-model step the embedding (at most: B rows of it when the head is untied) and the head;
+  // writes out, one K and V row per layer and batch row, the logits and next tokens, and the
+  // workspace (at most, its full size).
   static CallCost cost(const CallShape& shape) {
     CallCost c;
-    const CallShape::Buffer& x = shape.operands.at(0);
-    if (x.elements() == 0) return c;
+    const int64_t batch = shape.operands.at(1).elements();  // positions
+    if (batch == 0) return c;
     c.cuda_kernels = 1;
     c.cuda_memsets = 1;
     c.bytes_upper_bound = true;
     c.bytes_read = CallShape::total_bytes(shape.operands);
-    const int64_t new_kv = 2 * contract_arg(shape.attrs, "num_layers") * x.dims.at(0) *
+    const int64_t new_kv = 2 * contract_arg(shape.attrs, "num_layers") * batch *
                            contract_arg(shape.attrs, "num_kv_heads") *
-                           contract_arg(shape.attrs, "head_dim") * x.element_bytes;
-    c.bytes_written = shape.results.at(0).bytes() + new_kv + shape.results.at(3).bytes();
+                           contract_arg(shape.attrs, "head_dim") *
+                           shape.operands.at(0).element_bytes;
+    c.bytes_written = new_kv;
+    for (size_t r : {0, 3, 4, 5}) c.bytes_written += shape.results.at(r).bytes();
     return c;
   }
 };
@@ -642,5 +766,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxfuse::DecoderAttrs,
                                       ::xla::ffi::StructMember<float>("rms_norm_eps"),
                                       ::xla::ffi::StructMember<bool>("qkv_bias"),
                                       ::xla::ffi::StructMember<bool>("qk_norm"),
-                                      ::xla::ffi::StructMember<bool>("quantized"));
+                                      ::xla::ffi::StructMember<bool>("quantized"),
+                                      ::xla::ffi::StructMember<bool>("model_step"),
+                                      ::xla::ffi::StructMember<bool>("sample"),
+                                      ::xla::ffi::StructMember<float>("temperature"));
 #undef JF_DECODER_I64_MEMBER

@@ -1,0 +1,144 @@
+// The CPU decoder's whole-model step around the layers (DecodeStep, decoder_step.h): the
+// embedding gather, the final RMSNorm and LM head, and the next token's draw, as the CUDA
+// kernel's EmbedStage, HeadStage and SampleStage (cuda/decoder_head.cuh).
+#include <algorithm>
+#include <vector>
+
+#include "decoder_step.h"
+
+namespace jaxfuse::cpu_decoder {
+namespace {
+
+// Vocabulary rows per work item of the head and of the sampling pass.
+constexpr int64_t kHeadRowsPerItem = 256;
+// A head row's dot products with the batch rows, kDotRows at a time (their sums are independent
+// chains: the FP adders stay busy); each product's partial sums in kDotLanes lanes: lane j adds
+// the products of k = j mod kDotLanes in ascending k, then the lanes are added in order (fixed
+// bits whatever the ISA; the lanes vectorize).
+constexpr int64_t kDotLanes = 16;
+constexpr int64_t kDotRows = 4;
+
+// out[r] = a[r, :] . w for r < kRows (a with row stride lda; w and each row n long). One
+// partial-sum array per row, not a [rows][lanes] one, which GCC vectorized across rows with
+// scalar gathers.
+template <int64_t kRows>
+__attribute__((always_inline)) inline void dots(const float* a, int64_t lda, const float* w,
+                                                int64_t n, float* out) {
+  const float* a0 = a;
+  const float* a1 = a + (kRows > 1 ? lda : 0);
+  const float* a2 = a + (kRows > 2 ? 2 * lda : 0);
+  const float* a3 = a + (kRows > 3 ? 3 * lda : 0);
+  float s0[kDotLanes] = {}, s1[kDotLanes] = {}, s2[kDotLanes] = {}, s3[kDotLanes] = {};
+  int64_t k = 0;
+  for (; k + kDotLanes <= n; k += kDotLanes) {
+    for (int64_t j = 0; j < kDotLanes; ++j) {
+      const float wj = w[k + j];
+      s0[j] += a0[k + j] * wj;
+      if constexpr (kRows > 1) s1[j] += a1[k + j] * wj;
+      if constexpr (kRows > 2) s2[j] += a2[k + j] * wj;
+      if constexpr (kRows > 3) s3[j] += a3[k + j] * wj;
+    }
+  }
+  for (int64_t j = 0; k < n; ++k, ++j) {
+    s0[j] += a0[k] * w[k];
+    if constexpr (kRows > 1) s1[j] += a1[k] * w[k];
+    if constexpr (kRows > 2) s2[j] += a2[k] * w[k];
+    if constexpr (kRows > 3) s3[j] += a3[k] * w[k];
+  }
+  const float* sums[4] = {s0, s1, s2, s3};
+  for (int64_t r = 0; r < kRows; ++r) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < kDotLanes; ++j) s += sums[r][j];
+    out[r] = s;
+  }
+}
+
+JF_CPU_MULTIVERSION void head_dots(const float* a, int64_t lda, int64_t rows, const float* w,
+                                   int64_t n, float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kDotRows) {
+    const float* ar = a + r0 * lda;
+    switch (std::min(kDotRows, rows - r0)) {
+      case 1: dots<1>(ar, lda, w, n, out + r0); break;
+      case 2: dots<2>(ar, lda, w, n, out + r0); break;
+      case 3: dots<3>(ar, lda, w, n, out + r0); break;
+      default: dots<4>(ar, lda, w, n, out + r0); break;
+    }
+  }
+}
+
+// Row b's sampling scores of its logits n0 .. n0 + n - 1 (SampleRule::score; the rule by value,
+// so its fields are not reloaded per element and the loop vectorizes, logs included).
+JF_CPU_MULTIVERSION void sample_scores(SampleRule rule, const float* logits, int64_t b,
+                                       int64_t n0, int64_t n, int64_t vocab, float* out) {
+  if (rule.greedy) {
+    std::copy_n(logits, n, out);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) out[j] = rule.score(logits[j], b, n0 + j, vocab);
+}
+
+}  // namespace
+
+void DecodeStep::embed_tokens() {
+  for (int64_t b = 0; b < d.B; ++b) {
+    float* h = ws.hidden.row(b);
+    const int32_t token = io.tokens[b];
+    if (token < 0 || token >= d.V) {
+      std::fill_n(h, d.D, 0.0f);  // an invalid row (position()): never read past the embedding
+    } else {
+      load_tile(io.embed, dtype, int64_t(token) * d.D, d.D, h);
+    }
+  }
+}
+
+void DecodeStep::lm_head() {
+  // The head's input: rmsnorm(h) * final_norm, rounded to the model's dtype as the head's
+  // matrix product takes it.
+  std::vector<float> norm(d.D);
+  load_tile(io.final_norm, dtype, 0, d.D, norm.data());
+  for (int64_t b = 0; b < d.B; ++b) {
+    const float* h = ws.hidden.row(b);
+    float ss = 0.0f;
+    for (int64_t i = 0; i < d.D; ++i) ss += h[i] * h[i];
+    const float r = rms_inv(ss, d.D, d.eps);
+    for (int64_t i = 0; i < d.D; ++i) {
+      *normed.at(b, i) = round_to(dtype, rms_apply(h[i], r, norm[i]));
+    }
+  }
+  const int64_t items = (d.V + kHeadRowsPerItem - 1) / kHeadRowsPerItem;
+  parallel_for(pool_for(pool, d.B * d.V * d.D), items, [&](int64_t item) {
+    std::vector<float> row(d.D), y(d.B);
+    const int64_t n1 = std::min(d.V, (item + 1) * kHeadRowsPerItem);
+    for (int64_t n = item * kHeadRowsPerItem; n < n1; ++n) {
+      load_tile(io.head, dtype, n * d.D, d.D, row.data());
+      head_dots(normed.data, normed.width, d.B, row.data(), d.D, y.data());
+      for (int64_t b = 0; b < d.B; ++b) {
+        const bool valid = position_valid(position(b), d.S);
+        io.logits[b * d.V + n] = valid ? y[b] : quiet_nan_f32();
+      }
+    }
+  }, helpers_beside_caller(pool));
+}
+
+void DecodeStep::sample_tokens() {
+  const SampleRule rule = io.sample_rule(d.temperature);
+  const int64_t chunks = (d.V + kHeadRowsPerItem - 1) / kHeadRowsPerItem;
+  std::vector<uint64_t> best(d.B * chunks);
+  // A draw costs about as much as 16 multiply-adds (threefry and two logs, vectorized).
+  const int64_t work = d.B * d.V * (rule.greedy ? 1 : 16);
+  parallel_for(pool_for(pool, work), d.B * chunks, [&](int64_t item) {
+    const int64_t b = item / chunks, chunk = item % chunks;
+    const int64_t n0 = chunk * kHeadRowsPerItem, n = std::min(d.V - n0, kHeadRowsPerItem);
+    float scores[kHeadRowsPerItem];
+    sample_scores(rule, io.logits + b * d.V + n0, b, n0, n, d.V, scores);
+    uint64_t key = 0;
+    for (int64_t j = 0; j < n; ++j) key = std::max(key, argmax_key(scores[j], uint32_t(n0 + j)));
+    best[item] = key;
+  }, helpers_beside_caller(pool));
+  for (int64_t b = 0; b < d.B; ++b) {
+    const uint64_t* row = best.data() + b * chunks;
+    io.next_tokens[b] = argmax_index(*std::max_element(row, row + chunks));
+  }
+}
+
+}  // namespace jaxfuse::cpu_decoder

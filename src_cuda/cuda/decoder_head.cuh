@@ -1,0 +1,156 @@
+// The CUDA decoder's whole-model step after the last layer (included by cuda/decoder.cu only):
+// the final RMSNorm and LM head (HeadStage) and the next token's draw (SampleStage). The
+// embedding gather is EmbedStage's (decoder_stages.cuh).
+#pragma once
+
+#include "decoder_common.cuh"
+#include "decoder_gemv_job.cuh"
+
+namespace jaxfuse::cuda_decoder {
+
+// Batch rows per pass of the LM head, at most: their inputs (kT, hidden wide) are staged in the
+// warp_sums area, which launch_plan() keeps them within.
+constexpr int kHeadMaxRows = 8;
+constexpr int kHeadStagingBytes = int(sizeof(Smem::warp_sums));
+
+// logits[b, n] = (rmsnorm(h[b]) * final_norm, rounded to kT) . head[n] for every vocabulary row
+// n: the head is [V, hidden] (Hugging Face's [out, in]; the embedding when tied), so one warp
+// takes one row at a time, its lanes reading 16-byte vectors across it, all of a group before
+// any is used (kGroup vectors: 128 bytes a lane, 4 KB a warp in flight), and sums it against
+// every staged batch row of the pass. Rows go round-robin over every warp of the grid. The
+// inputs are rounded to kT as the reference's head takes them (jaxfuse/_model.py's logits()).
+template <DType kT>
+struct HeadStage {
+  using Vector = WeightVector<kT, kT>;  // kVec elements of kT, 16 bytes
+  static constexpr int kVec = Vector::kVec;
+  static constexpr int kGroup = 8;
+  static constexpr int kBytes = GemvTile<kT>::kBytes;
+
+  const DecoderParams& p;
+  Smem& sm;
+
+  __device__ char* staged() const { return reinterpret_cast<char*>(sm.warp_sums); }
+
+  // The first vocabulary rows this block's warps take, asked of L2 before the grid sync that
+  // precedes the stage.
+  __device__ void prefetch() const {
+    const int64_t row_bytes = int64_t(p.dims.hidden) * kBytes;
+    const int64_t first = int64_t(blockIdx.x) * kWarps;
+    const int64_t rows = p.dims.vocab - first < kWarps ? p.dims.vocab - first : kWarps;
+    if (rows > 0) prefetch_l2(static_cast<const char*>(p.io.head) + first * row_bytes,
+                              int(rows * row_bytes));
+  }
+
+  __device__ void run() const {
+    const int batch = p.dims.batch, rows = p.plan.head_rows;
+    for (int b0 = 0; b0 < batch; b0 += rows) {
+      const int nb = min(rows, batch - b0);
+      stage_inputs(b0, nb);
+      uint32_t valid = 0;  // bit bb: row b0 + bb has a valid position
+      for (int bb = 0; bb < nb; ++bb) {
+        if (position_valid(p.io.row_position(b0 + bb, p.dims.vocab), p.dims.max_seq_len)) {
+          valid |= 1u << bb;
+        }
+      }
+      const int warps = gridDim.x * kWarps;
+      for (int n = blockIdx.x * kWarps + thread_index() / 32; n < p.dims.vocab; n += warps) {
+        row(n, b0, nb, valid);
+      }
+    }
+  }
+
+  // The pass's inputs rmsnorm(h[b0 + bb]) * final_norm as kT, [nb][hidden], in shared memory.
+  __device__ void stage_inputs(int b0, int nb) const {
+    const int D = p.dims.hidden;
+    stage_inv_rms(sm, NormedHidden<kT>{p, p.io.final_norm}, b0, nb);
+    __syncthreads();  // inv_rms written; the previous pass's readers of staged() are done
+    for (int i = thread_index(); i < nb * D; i += kThreads) {
+      const int bb = i / D, k = i % D;
+      store_from_float(staged(), kT, i,
+                       rms_apply(ws_load(p.ws.hidden.at(b0 + bb, k)), sm.inv_rms[bb],
+                                 load_as_float(p.io.final_norm, kT, k)));
+    }
+    __syncthreads();
+  }
+
+  // Vocabulary row n against the nb staged rows; lane 0 writes the logits (NaN for invalid rows).
+  __device__ void row(int n, int b0, int nb, uint32_t valid) const {
+    const int D = p.dims.hidden, lane = thread_index() % 32;
+    const char* weights = static_cast<const char*>(p.io.head) + int64_t(n) * D * kBytes;
+    float acc[kHeadMaxRows] = {};
+    for (int k0 = 0; k0 < D; k0 += kGroup * 32 * kVec) {
+      Vector v[kGroup];
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        const int k = k0 + (g * 32 + lane) * kVec;
+        v[g] = k < D ? Vector::load(weights, k) : Vector::zero();
+      }
+#pragma unroll
+      for (int g = 0; g < kGroup; ++g) {
+        const int k = k0 + (g * 32 + lane) * kVec;
+        if (k < D) accumulate(v[g], k, nb, acc);
+      }
+    }
+#pragma unroll
+    for (int bb = 0; bb < kHeadMaxRows; ++bb) {
+      if (bb < nb) {
+        const float y = warp_sum(acc[bb]);
+        if (lane == 0) {
+          const bool ok = (valid >> bb) & 1u;
+          ws_store(p.io.logits + int64_t(b0 + bb) * p.dims.vocab + n, ok ? y : quiet_nan_f32());
+        }
+      }
+    }
+  }
+
+  // acc[bb] += w . input[bb][k .. k + kVec) for the staged rows bb < nb.
+  __device__ void accumulate(const Vector& w, int k, int nb, float* acc) const {
+    float wf[kVec];
+    w.unpack(wf);
+#pragma unroll
+    for (int bb = 0; bb < kHeadMaxRows; ++bb) {
+      if (bb < nb) {
+        const Vector in{*reinterpret_cast<const typename Vector::Raw*>(
+            staged() + (int64_t(bb) * p.dims.hidden + k) * kBytes)};
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[bb] += wf[e] * in.at(e);
+      }
+    }
+  }
+};
+
+// next_tokens[b] = the argmax over n of row b's sampling scores (sampling_math.h): every thread
+// of the grid scores a strided share of each row's logits, a warp's best goes to the row's key
+// by atomicMax (the max of keys does not depend on the order), and the last block to finish
+// writes the winners' indices.
+struct SampleStage {
+  const DecoderParams& p;
+  Smem& sm;
+
+  __device__ void run() const {
+    const SampleRule rule = p.io.sample_rule(p.dims.temperature);
+    const int V = p.dims.vocab, lane = thread_index() % 32;
+    const int stride = gridDim.x * kThreads;
+    for (int b = 0; b < p.dims.batch; ++b) {
+      const float* logits = p.io.logits + int64_t(b) * V;
+      unsigned long long best = 0;
+      for (int n = blockIdx.x * kThreads + thread_index(); n < V; n += stride) {
+        const unsigned long long key = argmax_key(rule.score(ws_load(logits + n), b, n, V), n);
+        best = key > best ? key : best;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+      }
+      if (lane == 0 && best != 0) atomicMax(p.ws.sample_key(b), best);
+    }
+    if (arrive_last(p.ws.sample_counter(), gridDim.x, &sm.flag)) {
+      for (int b = thread_index(); b < p.dims.batch; b += kThreads) {
+        p.io.next_tokens[b] = argmax_index(__ldcg(p.ws.sample_key(b)));
+      }
+    }
+  }
+};
+
+}  // namespace jaxfuse::cuda_decoder
