@@ -1,5 +1,6 @@
 """Shared benchmark helpers."""
 
+import argparse
 import time
 
 import jax
@@ -46,6 +47,17 @@ def read_bandwidth(device, nbytes: int, reps: int = 5) -> float:
 
   run(1)
   return nbytes / _best_seconds(run, reps, 3) / 1e9
+
+
+def device_arguments(doc: str, quick_help: str) -> argparse.ArgumentParser:
+  """The arguments the decoder benchmarks share: --quick, --out (a markdown file for the
+  tables) and --device (cpu or gpu; default gpu when usable); add the script's own to it."""
+  ap = argparse.ArgumentParser(description=doc,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help=quick_help)
+  ap.add_argument("--out", help="also write the markdown tables to this file")
+  ap.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu when usable")
+  return ap
 
 
 def emit_table(table: str, out_path=None) -> None:

@@ -32,7 +32,6 @@ call is one XLA thunk; on a GPU the report counts the decoder's one cooperative 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
-from _common import copy_bandwidth, emit_table, read_bandwidth
+from _common import copy_bandwidth, device_arguments, emit_table, read_bandwidth
 from jaxfuse import DecoderConfig, DecoderWeights, KVCache, decoder_reference, persistent_decoder
 
 
@@ -280,10 +279,7 @@ def table(rows, title, device, copy_gbs, steps):
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--quick", action="store_true", help="fewer cases and steps (CPU < 1 min)")
-  ap.add_argument("--out", help="also write the markdown table to this file")
-  ap.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu when usable")
+  ap = device_arguments(__doc__, "fewer cases and steps (CPU < 1 min)")
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--quantized", action="store_true",
                   help="bf16 vs int8 vs fp8 matrices on weights larger than the caches")

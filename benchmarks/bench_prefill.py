@@ -14,14 +14,13 @@ prompt tokens per second. The cache is twice the prompt (room to generate as man
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 
 import jaxfuse
-from _common import emit_table
+from _common import device_arguments, emit_table
 from bench_decoder import log, make_weights, pick_device
 from jaxfuse._prefill import prefill_stack
 
@@ -111,11 +110,7 @@ def speed_table(p, dtype, device, repeats):
 
 
 def main():
-  ap = argparse.ArgumentParser(description=__doc__,
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--quick", action="store_true", help="fewer cases (CPU: about 2 minutes)")
-  ap.add_argument("--out", help="also write the markdown tables to this file")
-  ap.add_argument("--device", choices=["cpu", "gpu"], help="default: gpu when usable")
+  ap = device_arguments(__doc__, "fewer cases (CPU: about 2 minutes)")
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   ap.add_argument("--repeats", type=int, default=3)
   args = ap.parse_args()

@@ -7,6 +7,7 @@
 #   STAGE_LIMIT_S=200 bash tools/gpu_check.sh bench_train profile bench_leaves
 #   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_families             # never run on a GPU yet
 #   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_long bench_quantized # never run on a GPU yet
+#   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_generate             # never run on a GPU yet
 #   STAGE_LIMIT_S=400 bash tools/gpu_check.sh variants
 #   DEADLINE_S=3600 bash tools/gpu_check.sh all    # all, in that order, where no 10-minute limit is
 # (times measured on an H100 on 2026-11-24, from a carried build).
@@ -17,6 +18,7 @@
 # buffers on vs off, bitwise, training step and decode loop), sanitize (memcheck, racecheck,
 # synccheck over tools/gpu_ops.py, one op per process), report, bench_optim, bench_families
 # (every optimizer family against optax, and AdamW's precision modes), bench_decoder,
+# bench_generate (the whole-model step, head and draw included, and generate's tokens/s),
 # bench_long (long prompts and contexts: the scanned prefill against the one it replaced, and
 # the decoder's time per token at contexts 1k to 32k), bench_quantized (the decoder with int8
 # and fp8 matrices beside bf16, Llama-3.2-1B layers),
@@ -204,6 +206,11 @@ stage_bench_decoder() {
   step bench_decoder python3 benchmarks/bench_decoder.py $Q --out "$OUT/bench_decoder.md"
 }
 
+stage_bench_generate() {
+  use_extension
+  step bench_generate python3 benchmarks/bench_generate.py $Q --out "$OUT/bench_generate.md"
+}
+
 stage_bench_quantized() {
   use_extension
   step bench_quantized python3 benchmarks/bench_decoder.py --quantized $Q \
@@ -271,8 +278,8 @@ if [ "${1:-}" = _run ]; then shift; use_extension; "$@"; exit; fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && { echo "usage: $0 STAGE... | all (see the header)"; exit 2; }
 [ "${stages[0]}" = all ] && stages=(env build graphs tests bench_optim bench_families bench_decoder
-                                    bench_long bench_quantized sanitize report bench_train profile
-                                    bench_leaves variants)
+                                    bench_generate bench_long bench_quantized sanitize report
+                                    bench_train profile bench_leaves variants)
 for s in "${stages[@]}"; do
   if ! declare -F "stage_$s" > /dev/null; then echo "unknown stage: $s"; exit 2; fi
 done

@@ -1,0 +1,189 @@
+"""Whole-model decode benchmark: a step that takes tokens and returns the next tokens, and
+jaxfuse.generate's tokens per second, side by side with plain XLA.
+
+Step (one token per batch row, every row at position context - 1, cache donated, sampling at
+temperature 0.8 with the step's key):
+  jaxfuse:       one jaxfuse_decoder call for the whole model (jaxfuse.decode_step's path with the
+                 draw): embedding gather, every layer, final norm, LM head and the draw;
+  layers+XLA:    the layers in the kernel (jaxfuse.persistent_decoder), the embedding, final
+                 norm, head and draw in XLA: the path before the head moved into the kernel;
+  plain XLA:     jaxfuse.decoder_reference(activation_dtype=bf16) with the same XLA embedding,
+                 head and draw.
+Bytes per step = every weight (layers, and the head's V x D) + the K and V rows read; GB/s and %
+of a device copy measured here.
+
+generate: jaxfuse.generate (prefill and every decode step in one jitted call, one kernel launch
+per token) against decoder="reference" (the same loop in plain XLA), greedy, from 16-token
+prompts, N new tokens per row (no stop tokens), tokens/s = batch * N / wall time.
+
+On a GPU: Llama-3.2-1B (16 x D2048, 32/8 heads, hd 64, I 8192, vocab 128256 tied, bf16), batch
+1/4/16, context 1024. On the CPU: 4 x D512, 8/2 heads, hd 64, I 1536, vocab 32000 tied, batch
+1/4/16, context 128 (`--quick`: batch 1 and 16, fewer steps).
+
+  python benchmarks/bench_generate.py [--quick] [--out results.md] [--device cpu|gpu]
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxfuse
+from _common import copy_bandwidth, device_arguments, emit_table
+from bench_decoder import LLAMA_1B_LAYERS, log, make_weights, pick_device
+from jaxfuse import DecoderConfig, KVCache, decoder_reference, persistent_decoder
+from jaxfuse import _generation as generation
+
+TEMPERATURE = 0.8
+
+
+def plan(args, on_gpu):
+  if on_gpu:
+    p = dict(base=LLAMA_1B_LAYERS, vocab=128256, batches=[1, 4, 16], context=1024,
+             steps=args.steps or 50, warmup=5, new_tokens=128, gen_batches=[1, 16],
+             title="Llama-3.2-1B (16 x D2048, 32/8 heads, hd 64, I 8192, vocab 128256 tied), bf16",
+             copy_bytes=1 << 30)
+  else:
+    p = dict(base=dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
+                       intermediate_size=1536), vocab=32000, batches=[1, 4, 16], context=128,
+             steps=args.steps or 10, warmup=2, new_tokens=32, gen_batches=[1, 4],
+             title="4 x D512, 8/2 heads, hd 64, I 1536, vocab 32000 tied, bf16",
+             copy_bytes=1 << 28)
+  if args.quick:
+    p.update(batches=[1, 16], steps=args.steps or (20 if on_gpu else 3), gen_batches=[1],
+             new_tokens=p["new_tokens"] // 2)
+  return p
+
+
+def make_model(p, device):
+  cfg = DecoderConfig(**p["base"], max_seq_len=p["context"])
+  layers = make_weights(cfg, jnp.bfloat16, device)
+  D = cfg.hidden_size
+  with jax.default_device(device):
+    embed = jax.jit(lambda k: (jax.random.normal(k, (p["vocab"], D)) * 0.5).astype(
+        jnp.bfloat16))(jax.random.PRNGKey(7))
+    model = jaxfuse.DecoderModel(cfg, layers, embed, jnp.ones((D,), jnp.bfloat16))
+  return jax.block_until_ready(jax.device_put(model, device))
+
+
+def steps(model):
+  """The three step functions: (tokens, positions, cache, key) -> (next tokens, cache)."""
+  cfg = model.config
+
+  def jaxfuse_step(tokens, positions, cache, key):
+    data = jax.random.key_data(key)
+    _, nxt, k, v = generation._model_step(model, cfg, tokens, positions, cache, TEMPERATURE, data)
+    return nxt, KVCache(k, v)
+
+  def xla_head(h, key):
+    return jax.random.categorical(key, model.logits(h) / jnp.float32(TEMPERATURE))
+
+  def layers_xla(tokens, positions, cache, key):
+    h, cache = persistent_decoder(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
+    return xla_head(h, key), cache
+
+  def plain(tokens, positions, cache, key):
+    h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, cfg,
+                                 activation_dtype=jnp.bfloat16)
+    return xla_head(h, key), cache
+
+  return {name: jax.jit(fn, donate_argnums=(2,)) for name, fn in
+          (("jaxfuse", jaxfuse_step), ("layers+XLA", layers_xla), ("plain XLA", plain))}
+
+
+def time_step(fn, tokens, positions, cache, n, warmup):
+  key = jax.random.key(0)
+  for i in range(warmup):
+    tokens, cache = fn(tokens, positions, cache, jax.random.fold_in(key, i))
+  jax.block_until_ready((tokens, cache))
+  t0 = time.perf_counter()
+  for i in range(n):
+    tokens, cache = fn(tokens, positions, cache, jax.random.fold_in(key, i))
+  jax.block_until_ready((tokens, cache))
+  return (time.perf_counter() - t0) / n
+
+
+def measure_steps(model, p, device, copy_gbs):
+  cfg = model.config
+  weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model))
+  rows = []
+  for B in p["batches"]:
+    tokens = jax.device_put(jnp.arange(B, dtype=jnp.int32) * 7 % p["vocab"], device)
+    positions = jax.device_put(jnp.full((B,), p["context"] - 1, jnp.int32), device)
+    times = {}
+    for name, fn in steps(model).items():
+      with jax.default_device(device):
+        cache = jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
+                                         for v in (0.5, 1.0))), device)
+      times[name] = time_step(fn, tokens, positions, cache, p["steps"], p["warmup"])
+      log(f"  batch {B} {name:10s} {times[name] * 1e3:8.3f} ms/step")
+    kv_bytes = cfg.num_layers * B * p["context"] * cfg.kv_dim * 2 * 2
+    gbs = (weight_bytes + kv_bytes) / times["jaxfuse"] / 1e9
+    rows.append((B, times["jaxfuse"] * 1e3, times["layers+XLA"] * 1e3, times["plain XLA"] * 1e3,
+                 times["plain XLA"] / times["jaxfuse"], B / times["jaxfuse"],
+                 (weight_bytes + kv_bytes) / 1e9, gbs, 100 * gbs / copy_gbs))
+  return rows
+
+
+def measure_generate(model, p, device):
+  rows = []
+  N = p["new_tokens"]
+  for B in p["gen_batches"]:
+    rng = np.random.default_rng(B)
+    prompts = jax.device_put(rng.integers(0, p["vocab"], (B, 16)).astype(np.int32), device)
+    lengths = jax.device_put(np.full((B,), 16, np.int32), device)
+    rates = {}
+    for decoder in ("persistent", "reference"):
+      run = lambda: jaxfuse.generate(model, prompts, lengths, N, decoder=decoder)
+      jax.block_until_ready(run())
+      t0 = time.perf_counter()
+      out, count = jax.block_until_ready(run())
+      rates[decoder] = B * N / (time.perf_counter() - t0)
+      assert int(np.asarray(count).min()) == N
+      log(f"  generate batch {B} {decoder:10s} {rates[decoder]:8.1f} tokens/s")
+    rows.append((B, N, rates["persistent"], rates["reference"],
+                 rates["persistent"] / rates["reference"]))
+  return rows
+
+
+def table(step_rows, gen_rows, p, device, copy_gbs):
+  lines = [
+      f"### whole-model decode step and generate, {p['title']}",
+      f"device: {device.device_kind} ({device.platform}); copy bandwidth measured here "
+      f"{copy_gbs:.1f} GB/s; context {p['context']}; sampling at temperature {TEMPERATURE}; "
+      f"cache donated; {p['steps']} timed steps",
+      "",
+      "| batch | jaxfuse ms/step | layers+XLA ms/step | plain XLA ms/step | vs plain | tokens/s | "
+      "GB read | jaxfuse GB/s | % of copy BW |",
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in step_rows:
+    lines.append(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.2f}x | {r[5]:.0f} | "
+                 f"{r[6]:.3f} | {r[7]:.1f} | {r[8]:.0f}% |")
+  lines += ["", "| generate batch | new tokens | jaxfuse tokens/s | plain XLA tokens/s | speedup |",
+            "|---:|---:|---:|---:|---:|"]
+  for r in gen_rows:
+    lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.2f}x |")
+  return "\n".join(lines)
+
+
+def main():
+  ap = device_arguments(__doc__, "fewer cases and steps")
+  ap.add_argument("--steps", type=int, default=None)
+  args = ap.parse_args()
+  device = pick_device(args.device)
+  p = plan(args, device.platform == "gpu")
+  log(f"device: {device} ({device.device_kind}); {p['title']}")
+  copy_gbs = copy_bandwidth(device, p["copy_bytes"], 5)
+  log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s; initializing the model ...")
+  model = make_model(p, device)
+  step_rows = measure_steps(model, p, device, copy_gbs)
+  gen_rows = measure_generate(model, p, device)
+  emit_table(table(step_rows, gen_rows, p, device, copy_gbs), args.out)
+
+
+if __name__ == "__main__":
+  main()
