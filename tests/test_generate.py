@@ -164,6 +164,11 @@ def test_whole_step_draws_what_jax_draws(dtype, tied):
     expected = (jnp.argmax(got, -1) if temperature == 0.0
                 else jax.random.categorical(key, got / jnp.float32(temperature)))
     np.testing.assert_array_equal(drawn, expected)
+  # Which keys the kernel draws with: threefry ones, typed or raw; others sample in XLA.
+  data = generation._kernel_key_data
+  np.testing.assert_array_equal(data(jax.random.PRNGKey(3)),
+                                jax.random.key_data(jax.random.key(3)))
+  assert data(jax.random.key(3, impl="rbg")) is None
 
 
 def test_whole_step_bad_tokens():
@@ -215,13 +220,12 @@ def test_sampling_in_generate():
   assert not np.array_equal(a, c)
   # The kernel's own draws (no top-k / top-p) and XLA's (with them) are jax.random's, as the
   # reference loop's: the same tokens (an fp32 model: logits within ~1e-6 of each other).
-  for kw in (dict(temperature=0.9), dict(temperature=1.3, top_k=20, top_p=0.95)):
-    for key in (jax.random.key(2), jax.random.PRNGKey(3)):
-      got, n = jaxfuse.generate(model, prompts, lengths, 6, key=key, **kw)
-      want, want_n = jaxfuse.generate(model, prompts, lengths, 6, key=key, decoder="reference",
-                                      **kw)
-      np.testing.assert_array_equal(got, want)
-      np.testing.assert_array_equal(n, want_n)
+  for kw in (dict(temperature=0.9, key=jax.random.key(2)),  # a typed key, drawn in the kernel
+             dict(temperature=1.3, top_k=20, top_p=0.95, key=jax.random.PRNGKey(3))):  # raw, XLA
+    got, n = jaxfuse.generate(model, prompts, lengths, 6, **kw)
+    want, want_n = jaxfuse.generate(model, prompts, lengths, 6, decoder="reference", **kw)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(n, want_n)
 
 
 _sample = jax.jit(generation._sample, static_argnames=("temperature", "top_k", "top_p"))
