@@ -189,6 +189,27 @@ def test_whole_step_bad_tokens():
     jaxfuse.decode_step(model, np.asarray(tokens), positions, cache)
 
 
+def test_decode_step_under_vmap():
+  """vmap over tokens, positions and cache folds the mapped axis into the kernel's batch: each
+  mapped element's logits and cache are those of its own call; a mapped key is refused."""
+  model = random_model(seed=2)
+  cache = jaxfuse.init_cache(model, 2, 8)
+  caches = jax.tree.map(lambda a: jnp.stack([a, a + 0.1, a - 0.1]), cache)
+  tokens = jnp.array([[1, 2], [3, 4], [5, 6]], jnp.int32)
+  positions = jnp.array([[0, 1], [2, 3], [4, 5]], jnp.int32)
+  step = lambda t, p, c: jaxfuse.decode_step(model, t, p, c)
+  logits, new = jax.jit(jax.vmap(step))(tokens, positions, caches)
+  for i in range(3):
+    want, want_cache = step(tokens[i], positions[i], jax.tree.map(lambda a: a[i], caches))
+    np.testing.assert_array_equal(logits[i], want)
+    np.testing.assert_array_equal(new.k[i], want_cache.k)
+  cfg = generation._cache_config(model, cache)
+  keys = jnp.zeros((3, 2), jnp.uint32)
+  with pytest.raises(NotImplementedError, match=r"vmap over the weights \(sample_key\)"):
+    jax.vmap(lambda k: generation._model_step(model, cfg, tokens[0], positions[0], cache, 0.7,
+                                              k))(keys)
+
+
 def test_stop_tokens_per_row():
   model = random_model()
   prompts, lengths = prompts_for(model, 4, 6, seed=3)
