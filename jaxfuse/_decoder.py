@@ -282,9 +282,11 @@ def _check_contract(contract: _ffi.Contract) -> None:
 
   Operands and results are passed by name, in the contract's order, so what must agree is the
   names: the operands are x, positions, rope_inv_freq, the :class:`DecoderWeights` fields (in
-  field order) and the two caches; the results are out, the two caches (aliased in place) and the
-  workspace; the attributes are the :class:`DecoderConfig` fields but the RoPE ones (which define
-  the rope_inv_freq operand) and ``quantization`` (whose attribute is ``quantized``).
+  field order), the two caches and the whole-model step's (_MODEL_OPERANDS); the results are out,
+  the two caches (aliased in place), the logits, the next tokens and the workspace; the
+  attributes are the :class:`DecoderConfig` fields but the RoPE ones (which define the
+  rope_inv_freq operand) and ``quantization`` (whose attribute is ``quantized``), and the step's
+  (_STEP_ATTRIBUTES).
 
   Args:
     contract: the contract, from ``jaxfuse._ffi.contract("jaxfuse_decoder")``.
