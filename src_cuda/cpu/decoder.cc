@@ -14,9 +14,7 @@
 #include "decoder_step.h"
 
 namespace jaxfuse::cpu_decoder {
-namespace {
 
-// Normalized rows: out[b, :] = rmsnorm(h[b, :]) * w (fp32).
 void rmsnorm_rows(const DecoderDims& d, const WorkspaceRows& h, const void* w,
                   const WorkspaceRows& out) {
   std::vector<float> wf(d.D);
@@ -29,8 +27,6 @@ void rmsnorm_rows(const DecoderDims& d, const WorkspaceRows& h, const void* w,
     for (int64_t i = 0; i < d.D; ++i) *out.at(b, i) = rms_apply(hb[i], r, wf[i]);
   }
 }
-
-}  // namespace
 
 void DecodeStep::rmsnorm_qkv(int64_t l) {
   rmsnorm_rows(d, ws.hidden, layer(w.attn_norm, l, d.D), normed);

@@ -82,11 +82,10 @@ JF_CPU_MULTIVERSION void sample_scores(SampleRule rule, const float* logits, int
 void DecodeStep::embed_tokens() {
   for (int64_t b = 0; b < d.B; ++b) {
     float* h = ws.hidden.row(b);
-    const int32_t token = io.tokens[b];
-    if (token < 0 || token >= d.V) {
-      std::fill_n(h, d.D, 0.0f);  // an invalid row (position()): never read past the embedding
+    if (io.token_valid(b, d.V)) {
+      load_tile(io.embed, dtype, int64_t(io.tokens[b]) * d.D, d.D, h);
     } else {
-      load_tile(io.embed, dtype, int64_t(token) * d.D, d.D, h);
+      std::fill_n(h, d.D, 0.0f);  // an invalid row (position()): never read past the embedding
     }
   }
 }
@@ -94,17 +93,8 @@ void DecodeStep::embed_tokens() {
 void DecodeStep::lm_head() {
   // The head's input: rmsnorm(h) * final_norm, rounded to the model's dtype as the head's
   // matrix product takes it.
-  std::vector<float> norm(d.D);
-  load_tile(io.final_norm, dtype, 0, d.D, norm.data());
-  for (int64_t b = 0; b < d.B; ++b) {
-    const float* h = ws.hidden.row(b);
-    float ss = 0.0f;
-    for (int64_t i = 0; i < d.D; ++i) ss += h[i] * h[i];
-    const float r = rms_inv(ss, d.D, d.eps);
-    for (int64_t i = 0; i < d.D; ++i) {
-      *normed.at(b, i) = round_to(dtype, rms_apply(h[i], r, norm[i]));
-    }
-  }
+  rmsnorm_rows(d, ws.hidden, io.final_norm, normed);
+  for (int64_t i = 0; i < d.B * d.D; ++i) normed.data[i] = round_to(dtype, normed.data[i]);
   const int64_t items = (d.V + kHeadRowsPerItem - 1) / kHeadRowsPerItem;
   parallel_for(pool_for(pool, d.B * d.V * d.D), items, [&](int64_t item) {
     std::vector<float> row(d.D), y(d.B);

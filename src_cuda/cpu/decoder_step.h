@@ -12,6 +12,10 @@
 
 namespace jaxfuse::cpu_decoder {
 
+// Normalized rows: out[b, :] = rmsnorm(h[b, :]) * w (fp32), w [D] in d.dtype (decoder.cc).
+void rmsnorm_rows(const DecoderDims& d, const WorkspaceRows& h, const void* w,
+                  const WorkspaceRows& out);
+
 // One decode step: the stages below, layer by layer, each over all batch rows.
 struct DecodeStep {
   ffi::ThreadPool* pool;

@@ -32,9 +32,8 @@ struct EmbedStage {
     }
   }
   __device__ float embedding(int b, int col) const {
-    const int32_t token = p.io.tokens[b];
-    if (token < 0 || token >= p.dims.vocab) return 0.0f;
-    return load_as_float(p.io.embed, kT, int64_t(token) * p.dims.hidden + col);
+    if (!p.io.token_valid(b, p.dims.vocab)) return 0.0f;
+    return load_as_float(p.io.embed, kT, int64_t(p.io.tokens[b]) * p.dims.hidden + col);
   }
 };
 

@@ -412,10 +412,14 @@ struct DecoderBuffers {
   int32_t* next_tokens;  // [B] (sample)
   char* workspace;
 
+  // Whether row b's token is in the vocabulary (a whole-model step's; the others have none).
+  JF_HD bool token_valid(int64_t b, int64_t vocab) const {
+    return tokens[b] >= 0 && int64_t(tokens[b]) < vocab;
+  }
   // Row b's cache position, or -1 (an invalid row: no cache access, NaN output) when its token
   // is outside the vocabulary of a whole-model step.
   JF_HD int32_t row_position(int64_t b, int64_t vocab) const {
-    if (tokens != nullptr && (tokens[b] < 0 || int64_t(tokens[b]) >= vocab)) return -1;
+    if (tokens != nullptr && !token_valid(b, vocab)) return -1;
     return positions[b];
   }
   // How the next tokens are drawn (device data: read where the sampling runs).
