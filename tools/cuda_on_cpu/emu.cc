@@ -9,7 +9,8 @@
 //   JAXFUSE_EMU_WORKERS          OS threads for a non-cooperative launch (4)
 //   JAXFUSE_EMU_DRIVER_VERSION   the emulated driver's CUDA version (CUDART_VERSION; 0: none)
 //   JAXFUSE_EMU_FAIL_COOPERATIVE 1: cooperative launches fail as too large (tests error paths)
-//   JAXFUSE_EMU_GRID_SYNC_TIMEOUT seconds a grid sync waits before it reports a deadlock (60)
+//   JAXFUSE_EMU_GRID_SYNC_TIMEOUT seconds a grid sync waits, or a thread polls with __nanosleep,
+//                                before it reports a deadlock (60)
 #include <cuda_runtime.h>
 #include <sys/mman.h>
 #include <ucontext.h>
@@ -149,6 +150,9 @@ struct Fiber {
   const char* file = "";
   int line = 0;
   void* fake_stack = nullptr;
+  long barriers = 0;       // barriers passed (a poll that spans one is a new poll)
+  long poll_barriers = -1;  // `barriers` when the current poll began (-1: none)
+  std::chrono::steady_clock::time_point poll_start;
 };
 
 struct WarpState {
@@ -509,6 +513,7 @@ int blocks_per_sm() { return devices()[std::max(0, current_device())].blocks_per
 
 void sync_block(const char* file, int line) {
   Fiber& f = this_fiber();
+  ++f.barriers;
   f.wait = Wait::kBlockSync;
   f.file = file;
   f.line = line;
@@ -518,12 +523,40 @@ void sync_block(const char* file, int line) {
 void sync_grid(const char* file, int line) {
   Fiber& f = this_fiber();
   if (!this_block->launch->cooperative) fault("grid sync at " + where(file, line) + " in a non-cooperative launch");
+  ++f.barriers;
   std::atomic_thread_fence(std::memory_order_seq_cst);
   f.wait = Wait::kGridSync;
   f.file = file;
   f.line = line;
   yield_to_scheduler(f);
   std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+// A thread polling memory that another thread writes: it lets the block's other threads run
+// (the writer may be one of them, past a barrier this one has left) and the OS thread yield (or
+// another block, waiting for a core). Polls since the thread's last barrier count as one; one
+// that outlasts the launch's timeout is a deadlock (a counter that never reaches its target), and
+// a poll in an abandoned launch ends its fiber.
+void poll_sleep(const char* file, int line) {
+  Fiber& f = this_fiber();
+  Launch& L = *this_block->launch;
+  if (L.aborted) {
+    f.wait = Wait::kAborted;
+    yield_to_scheduler(f);
+    std::abort();  // unreachable: aborted fibers are not resumed
+  }
+  const auto now = std::chrono::steady_clock::now();
+  if (f.poll_barriers != f.barriers) {
+    f.poll_barriers = f.barriers;
+    f.poll_start = now;
+  } else if (now - f.poll_start > L.grid_timeout) {
+    fault("deadlock: polled at " + where(file, line) + " for " +
+          std::to_string(L.grid_timeout.count()) + " s (a counter that never reaches its target?)");
+  }
+  f.file = file;
+  f.line = line;
+  yield_to_scheduler(f);  // still runnable: the scheduler resumes it after the others
+  std::this_thread::yield();
 }
 
 // One collective exchange among the 32 lanes of a warp: every lane deposits `bits`, waits for
@@ -536,6 +569,7 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src_lane, const char* f
   WarpState& w = b.warps[f.linear / kWarpSize];
   const int lane = f.linear % kWarpSize;
   const long gen = w.gen;
+  ++f.barriers;
   w.slots[gen & 1][lane] = bits;
   f.file = file;
   f.line = line;

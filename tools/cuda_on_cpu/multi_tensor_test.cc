@@ -193,6 +193,51 @@ void test_sum(int repeat_tensors, bool small) {
   unsetenv("JAXFUSE_EMU_SEED");
 }
 
+// Polling (the decoder's counters): block b's thread 0 waits for block b - 1's flag, and for a
+// flag its own block's last thread sets after it (a poll that must let the block's other threads
+// run); `order` records the blocks' order, which must be 0, 1, 2, ...
+__global__ void poll_chain_kernel(int* flags, int* order) {
+  __shared__ int handoff;
+  const int b = int(blockIdx.x), last = int(blockDim.x) - 1;
+  if (threadIdx.x == 0) {
+    handoff = 0;
+    if (b > 0) {
+      while (atomicAdd(&flags[b - 1], 0) == 0) __nanosleep(32);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    while (atomicAdd(&handoff, 0) == 0) __nanosleep(32);
+    order[b] = atomicAdd(&order[gridDim.x], 1);
+    __threadfence();
+    atomicExch(&flags[b], 1);
+  } else if (int(threadIdx.x) == last) {
+    atomicExch(&handoff, 1);
+  }
+}
+
+void test_poll() {
+  constexpr int kBlocks = 4;
+  for (const char* seed : {"0", "3"}) {
+    setenv("JAXFUSE_EMU_SEED", seed, 1);
+    std::vector<int> flags(kBlocks, 0), order(kBlocks + 1, 0);
+    const ffi::Error err = launch_kernel("poll", poll_chain_kernel, dim3(kBlocks), dim3(64), nullptr,
+                                         true, flags.data(), order.data());
+    check(err.success(), "poll: " + err.message());
+    for (int b = 0; b < kBlocks; ++b) {
+      check(order[b] == b, "poll: block " + std::to_string(b) + " went " + std::to_string(order[b]));
+    }
+  }
+  unsetenv("JAXFUSE_EMU_SEED");
+}
+
+// A poll that never ends: block 1 waits for a flag no block sets.
+__global__ void poll_forever_kernel(int* flags) {
+  if (blockIdx.x == 1 && threadIdx.x == 0) {
+    while (atomicAdd(&flags[0], 0) == 0) __nanosleep(32);
+  }
+}
+
 // Planted synchronization bugs the emulator must report as kernel faults (each in its own
 // process: a fault is sticky, as on a GPU).
 __global__ void divergent_sync_kernel(float* out) {
@@ -223,6 +268,10 @@ int expect_fault(const char* which) {
   } else if (name == "grid_sync_after_exit") {
     err = launch_kernel(which, grid_sync_after_exit_kernel, dim3(4), dim3(64), nullptr, true,
                         out.data());
+  } else if (name == "poll_forever") {
+    setenv("JAXFUSE_EMU_GRID_SYNC_TIMEOUT", "1", 1);
+    std::vector<int> flags(1, 0);
+    err = launch_kernel(which, poll_forever_kernel, dim3(2), dim3(32), nullptr, true, flags.data());
   } else {
     std::fprintf(stderr, "unknown fault '%s'\n", which);
     return 2;
@@ -245,6 +294,7 @@ int main(int argc, char** argv) {
   test_affine(TensorTable<2>::kCap / per_rep + 2, true);  // more tensors than a table: several launches
   test_sum(1, false);
   test_sum(TensorTable<1>::kCap / per_rep + 2, true);
+  test_poll();
   std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
   return failures ? 1 : 0;
 }

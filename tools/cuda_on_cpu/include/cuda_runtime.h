@@ -8,7 +8,9 @@
 // is co-resident; other launches on a few worker threads); each CUDA thread is a ucontext fiber
 // of its block's OS thread. Fibers switch only at __syncthreads, warp shuffles and grid syncs,
 // which are barriers that detect deadlock (a thread that exited or waits elsewhere) and report it
-// as a kernel fault. __shared__ variables are thread_local, so one copy per block. Atomics and
+// as a kernel fault, and at __nanosleep, the pause of a thread polling memory that another thread
+// will write: it lets the block's other threads run, yields the OS thread, and reports a poll
+// that outlasts JAXFUSE_EMU_GRID_SYNC_TIMEOUT as a deadlock. __shared__ variables are thread_local, so one copy per block. Atomics and
 // fences are host atomics; the vector types keep CUDA's alignment, so UBSan flags a misaligned
 // vector access as the GPU would fault on it.
 //
@@ -119,6 +121,7 @@ EnqueuedWork enqueued_work();
 
 void sync_block(const char* file, int line);
 void sync_grid(const char* file, int line);
+void poll_sleep(const char* file, int line);
 uint64_t warp_exchange(unsigned mask, uint64_t bits, int src_lane, const char* file, int line);
 
 // Kernel parameters as CUDA lays them out: each aligned to its type, packed in order.
@@ -198,6 +201,11 @@ T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32,
   (void)width;
   const int src = int(threadIdx.x % 32 + delta);
   return cuemu::shuffle(mask, v, src < 32 ? src : -1, file, line);  // -1: keep own value
+}
+
+inline void __nanosleep(unsigned, const char* file = __builtin_FILE(),
+                        int line = __builtin_LINE()) {
+  cuemu::poll_sleep(file, line);
 }
 
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
