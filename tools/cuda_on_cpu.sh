@@ -6,14 +6,16 @@
 # "driver emu"; STAGES=all adds "suite", about 10 more minutes on 2 cores, and "controls", about
 # 8: run the controls after changing tools/cuda_on_cpu or tests/test_cuda_on_cpu.py):
 #   driver    the multi-tensor driver on hand-made tensor lists (exact-size buffers, misaligned
-#             bases), plus three planted synchronization faults the emulator must report
+#             bases) and polling across blocks, plus four planted synchronization faults the
+#             emulator must report
 #   emu       tests/test_cuda_on_cpu.py: every op and mode against the CPU handlers (bitwise where
 #             the math is element-wise), several emulated grid sizes, in-order and shuffled
 #             schedules; with the default constants and with tables, chunks and slices shrunk
 #             so that the multi-launch and tensor-slicing paths run on small buffers
 #   suite     the whole test suite with the emulated CUDA handlers in place of the CPU ones
 #   controls  planted bugs in the real sources (a tail overrun, a wrong last-block counter, a
-#             missing __syncthreads) must each make a check fail
+#             decoder wait that ends at a group's first arrival instead of its finish, a missing
+#             __syncthreads) must each make a check fail
 # Exit status 0 when every check passes and (with controls) every planted bug is caught.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -50,7 +52,7 @@ if has_stage driver; then
   for dir in "$BUILD" "$SMALL"; do
     stamp "driver ($dir)"
     with_dev_build "$dir" "$dir/cuda_on_cpu_multi_tensor_test"
-    for fault in divergent_sync grid_sync grid_sync_after_exit; do
+    for fault in divergent_sync grid_sync grid_sync_after_exit poll_forever; do
       with_dev_build "$dir" "$dir/cuda_on_cpu_multi_tensor_test" "$fault" 2>/dev/null
     done
   done
@@ -115,11 +117,15 @@ PY
     "*flag = atomicAdd(counter, 1) == expected - 1;" "*flag = atomicAdd(counter, 1) == 0;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
+  control early_wait cuda/decoder_common.cuh \
+    "const int* finished = counter(i) + 1;" "const int* finished = counter(i);" \
+    env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
   control missing_syncthreads cuda/cuda_common.cuh \
     "  if (lane == 0) scratch[warp] = v;
   __syncthreads();" "  if (lane == 0) scratch[warp] = v;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_global_norm"
-  [ "$caught" -eq 3 ] || { echo "== cuda_on_cpu: only $caught of 3 planted bugs caught"; exit 1; }
+  [ "$caught" -eq 4 ] || { echo "== cuda_on_cpu: only $caught of 4 planted bugs caught"; exit 1; }
 fi
 stamp "all passed"

@@ -3,25 +3,34 @@
 //
 // Launch: cooperative (launch_kernel), kThreads threads per block, grid = co-resident blocks
 // (occupancy x SMs, at most kMaxBlocksPerSm per SM; cached per device). The kernel is a sequence
-// of stages, one struct each, separated by cooperative-groups grid syncs (acquire/release at grid
-// scope):
+// of stages, one struct each, whose work items wait for the items that write their inputs
+// (what each waits for, after the bar):
 //
-//   EmbedStage:      h = float(x), per-tile sums of squares of h                          | sync
+//   EmbedStage:      h = float(x), per-tile sums of squares of h
 //   per layer l:
-//   QkvStage:        [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv]                         | sync
-//   AttentionStage:  RoPE on q, k; append k, v at [l, b, p]; flash-decoding over 0..p      | sync
-//   OProjStage:      h += attn_out @ wo; sums of squares of h                              | sync
-//   GateUpStage:     mlp_act = silu(m @ w_gate) * (m @ w_up), m = rmsnorm(h) * mlp_norm    | sync
-//   DownStage:       h += mlp_act @ w_down; sums of squares (last layer: out = h, NaN rows
-//                    for bad p)                                                            | sync
+//   QkvStage:        [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv]        | all of h (l-1's down)
+//   AttentionStage:  RoPE on q, k; append k, v at [l, b, p];            | its q, k, v tiles
+//                    flash-decoding over 0..p
+//   OProjStage:      h += attn_out @ wo; sums of squares of h            | l's attention groups
+//   GateUpStage:     mlp_act = silu(m @ w_gate) * (m @ w_up),            | all of h (l's O)
+//                    m = rmsnorm(h) * mlp_norm
+//   DownStage:       h += mlp_act @ w_down; sums of squares (last        | its K split's gate/up
+//                    layer: out = h, NaN rows for bad p)                   tiles
 // and in a whole-model step (decoder_head.cuh), after the last layer:
-//   HeadStage:       logits = (rmsnorm(h) * final_norm, as kT) @ head^T                   | sync
-//   SampleStage:     next_tokens = argmax of the sampling scores (sampling_math.h)
-// with EmbedStage then gathering h = embed[tokens[b]].
+//   HeadStage:       logits = (rmsnorm(h) * final_norm, as kT) @ head^T | all of h (last down)
+//   SampleStage:     next_tokens = argmax of the sampling scores         | a grid sync (all logits)
+// with EmbedStage then gathering h = embed[tokens[b]] (layer 0 waits for the embedding's h).
 //
-// Before each grid sync a block prefetches into L2 the first weight rows of its work in the next
-// GEMV stage (Attention's sync excepted: O's were asked for before it), so HBM streams while the
-// grid waits.
+// A wait is on a counter per tile group (decoder.h's StageCounters): its split items' arrivals
+// and a flag set once the last to arrive has finished the group (release / acquire, gpu scope). A
+// block goes from its last item of one stage straight to its first of the next: the item asks L2
+// for its first weight rows (attention: its cache rows) before it waits, so HBM streams while
+// the previous stage's last groups finish. Every block takes its items in stage order and waits
+// only for earlier stages, on a co-resident (cooperative) grid, so every wait ends. No stage's
+// writes can overtake a reader of the previous layer: every group of a stage needs all of K,
+// which needs every item of the stage before; the GEMV stages' partial sums alternate between
+// two regions, so a stage's items may write theirs while the last groups of the stage before
+// still read their own.
 //
 // Weight-only quantized models (int8 or fp8 e4m3 matrices with per-column scales, decoder.h) run
 // the same stages in their own kernel instance: the GEMV engine widens the 8-bit weights, each
@@ -60,7 +69,6 @@ namespace cuda_decoder {
 template <DType kT>
 __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
   HeadStage<kT>{p, sm}.prefetch();
-  cg::this_grid().sync();
   HeadStage<kT>{p, sm}.run();
   if (p.dims.sample) {
     cg::this_grid().sync();
@@ -70,32 +78,21 @@ __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
 
 // kT: the dtype of x, the caches, norms and biases; kW: the matrices' (kT, or int8 / fp8 e4m3
 // when quantized). Min blocks per SM pinned: without it ptxas may use up to 168 registers (one
-// block per SM). The grid handle is taken at each sync: held across the stages, its barrier
-// address was one more value ptxas kept live (and spilled).
+// block per SM). The grid handle is taken at the sync: held across the stages, its barrier
+// address was one more value ptxas kept live (and spilled). The O projection's first rows are
+// asked of L2 before attention, whose items are short.
 template <DType kT, DType kW>
 __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
     decoder_kernel(const __grid_constant__ DecoderParams p) {
   __shared__ Smem sm;
   EmbedStage<kT>{p, sm}.run();
-  QkvStage<kT, kW>{p, sm, 0}.prefetch();
-  cg::this_grid().sync();
   for (int layer = 0; layer < p.dims.layers; ++layer) {
     QkvStage<kT, kW>{p, sm, layer}.run();
     OProjStage<kT, kW>{p, sm, layer}.prefetch();
-    cg::this_grid().sync();
     AttentionStage<kT>{p, sm, layer}.run();
-    cg::this_grid().sync();
     OProjStage<kT, kW>{p, sm, layer}.run();
-    GateUpStage<kT, kW>{p, sm, layer}.prefetch();
-    cg::this_grid().sync();
     GateUpStage<kT, kW>{p, sm, layer}.run();
-    DownStage<kT, kW>{p, sm, layer}.prefetch();
-    cg::this_grid().sync();
     DownStage<kT, kW>{p, sm, layer}.run();
-    if (layer + 1 < p.dims.layers) {
-      QkvStage<kT, kW>{p, sm, layer + 1}.prefetch();
-      cg::this_grid().sync();
-    }
   }
   if (p.dims.model_step) run_head<kT>(p, sm);
 }
@@ -203,6 +200,7 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
       int(std::clamp<int64_t>(blocks / std::max<int64_t>(1, items), 1, kDecMaxAttnSplits));
   plan.attn_splits = std::min<int>(plan.attn_splits, std::max(1, d.max_seq_len / 16));
   plan.attn_items = int(items) * plan.attn_splits;
+  plan.attn_groups = int(items);
   // LM head: as many batch rows per pass as the staging area holds (check_kernel_limits: >= 1).
   plan.head_rows = std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
   return plan;
@@ -211,9 +209,10 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
 // Two blocks per SM (kMaxBlocksPerSm) cap the registers at 128, without spills. The 32 bytes of
 // local memory are sincosf's table for RoPE angles past 105615 (CUDA's full-range reduction).
 JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 32);
-JF_KERNEL_GAP("^decoder_kernel<bf16, f8e4m3>", 128, 25, 160,
-              "issue 40: fp8 widened to bf16 for the tensor cores spills two loop-invariant "
-              "values (12 B) at 128 registers, reloaded at stage boundaries");
+JF_KERNEL_GAP("^decoder_kernel<f16, ", 128, 25, 160,
+              "issue 40: the fp16 instances (fp32-FMA GEMVs) keep a few layer-loop invariants "
+              "(a stacked weight's layer offset) in local memory at 128 registers since the "
+              "stages wait on counters: stored once, reloaded at item starts");
 
 template <DType kT, DType kW>
 ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {

@@ -6,7 +6,9 @@
 // them per lane group with every load issued before any is used; each lane group keeps its own
 // online softmax, merged within the warp by shuffles and across warps in shared memory, one
 // partial (m, l, o) per split; the last split to finish (counter) merges all splits in a fixed
-// order. The current token's k/v are used from shared memory (rounded to
+// order and counts the chunk done for the O projection. An item asks L2 for its positions' k and
+// v rows (written by earlier calls) before it waits for its q, k and v tiles of the [q|k|v]
+// stage. The current token's k/v are used from shared memory (rounded to
 // the cache dtype, exactly what the cache will hold), and written to the cache by one item per
 // (b, kv head); no block reads [l, b, p] from memory.
 #pragma once
@@ -55,21 +57,53 @@ struct AttentionStage {
   __device__ void run() const {
     for (int i = blockIdx.x; i < p.plan.attn_items; i += gridDim.x) {
       const AttnItem it = item(i);
-      if (!it.valid) {
-        zero_output(it);
-        continue;
+      if (it.valid) {
+        prefetch_cache(it);
+        await_qkv(it);
+        const NewToken<kT> token{p, sm, layer};
+        token.load_query_and_new_kv(it);
+        if (it.split == 0 && it.chunk == 0) token.append_new_kv(it);
+        const AttnLanes<kT> lanes(p.dims.head_dim);
+        WarpSoftmax<kT> state;
+        attend(it, lanes, state);
+        merge_slots(lanes, state);
+        write_split_partial(it, lanes, state);
       }
-      const NewToken<kT> token{p, sm, layer};
-      token.load_query_and_new_kv(it);
-      if (it.split == 0 && it.chunk == 0) token.append_new_kv(it);
-      const AttnLanes<kT> lanes(p.dims.head_dim);
-      WarpSoftmax<kT> state;
-      attend(it, lanes, state);
-      merge_slots(lanes, state);
-      write_split_partial(it, lanes, state);
       int* counter = p.ws.attn_counter(layer, it.b, it.kv_head, it.chunk);
-      if (arrive_last(counter, p.plan.attn_splits, &sm.flag)) merge_splits(it);
+      if (arrive_last(counter, p.plan.attn_splits, &sm.flag)) {
+        if (it.valid) merge_splits(it);
+        else zero_output(it);
+        mark_finished(counter);
+      }
     }
+  }
+
+  // Asks L2 for the k and v rows of the item's positions before the cache (but the new token's
+  // slot) is read: one row of each per thread and position.
+  __device__ void prefetch_cache(const AttnItem& it) const {
+    const int bytes = p.dims.head_dim * GemvTile<kT>::kBytes;
+    for (int t = it.t0 + thread_index(); t < it.t1; t += kThreads) {
+      const int64_t at = it.cache_index(t, p.dims.kv_dim) * GemvTile<kT>::kBytes;
+      prefetch_l2(static_cast<const char*>(p.io.k_cache) + at, bytes);
+      prefetch_l2(static_cast<const char*>(p.io.v_cache) + at, bytes);
+    }
+  }
+
+  // Waits for the [q|k|v] tiles that hold the chunk's query heads and its kv head's k and v
+  // (stage tiles: q's, then k's, then v's).
+  __device__ void await_qkv(const AttnItem& it) const {
+    constexpr int kColumns = GemvTile<kT>::kColumns;
+    const KernelDims& d = p.dims;
+    const int q0 = it.first_head * d.head_dim / kColumns;
+    const int qn = ((it.first_head + it.heads) * d.head_dim - 1) / kColumns - q0 + 1;
+    const int k0 = it.kv_head * d.head_dim / kColumns;
+    const int kn = ((it.kv_head + 1) * d.head_dim - 1) / kColumns - k0 + 1;
+    await_finished(qn + 2 * kn, [&](int i) {
+      const int tile = i < qn        ? q0 + i
+                       : i < qn + kn ? d.q_tiles + k0 + (i - qn)
+                                     : d.q_tiles + d.kv_tiles + k0 + (i - qn - kn);
+      return p.ws.qkv_counter(layer, tile);
+    });
   }
 
   // Work item i: split fastest, then head chunk, kv head, batch row.
@@ -101,9 +135,9 @@ struct AttentionStage {
     return it;
   }
 
-  // Out-of-range position: attention output 0 (the row's output becomes NaN).
+  // Out-of-range position (the last split item to arrive): attention output 0 (the row's output
+  // becomes NaN).
   __device__ void zero_output(const AttnItem& it) const {
-    if (it.split != 0) return;
     float* out = p.ws.attn_out.head(it.b, it.first_head);
     for (int i = thread_index(); i < it.heads * p.dims.head_dim; i += kThreads) {
       ws_store(out + i, 0.0f);

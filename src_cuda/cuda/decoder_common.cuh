@@ -67,6 +67,7 @@ struct LaunchPlan {
   // the kernel forms: ptxas hoisted that loop-invariant product out of the layer loop and
   // spilled it.
   int attn_items;
+  int attn_groups;  // batch x kv heads x head chunks: the split items' counters, one per group
   int head_rows;    // batch rows per pass of the LM head (its inputs staged in shared memory)
 };
 
@@ -221,9 +222,43 @@ __device__ __forceinline__ bool arrive_last(int* counter, int expected, int* fla
   return last;
 }
 
+// Marks a work group's counter (decoder.h's StageCounters) finished once every thread's writes
+// are visible device-wide (release): the signal to the work items that wait for the group.
+__device__ __forceinline__ void mark_finished(int* counter) {
+  __threadfence();
+  __syncthreads();
+  if (thread_index() == 0) atomicExch(counter + 1, 1);
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+#if defined(__CUDA_ARCH__)
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+
+// Waits until the groups of counters counter(0) .. counter(n - 1) are marked finished: their
+// writes are then visible to the whole block (read them from L2: ws_load). One thread polls each
+// (an acquire load, a short sleep between polls), then the block syncs. The kernel's blocks are
+// co-resident (a cooperative launch) and take their work in stage order, waiting only for
+// earlier stages' groups, so every wait ends.
+constexpr unsigned kPollNanoseconds = 64;
+template <typename CounterAt>
+__device__ __forceinline__ void await_finished(int n, const CounterAt& counter) {
+  for (int i = thread_index(); i < n; i += kThreads) {
+    const int* finished = counter(i) + 1;
+    while (load_acquire(finished) == 0) __nanosleep(kPollNanoseconds);
+  }
+  __syncthreads();
+}
+
 // ---- shared memory -----------------------------------------------------------------------------
 
-// A block's shared memory; the stages reuse the arrays (a grid sync separates them).
+// A block's shared memory; the stages reuse the arrays (each work item syncs the block before it
+// writes them).
 struct Smem {
   float warp_sums[kWarps * kBatchPass * kMaxTile];  // per-warp GEMV column sums / attention o
   alignas(16) float staged[kStaged];                 // GEMV inputs / attention q, k_new, v_new

@@ -122,7 +122,8 @@ __device__ __forceinline__ void accumulate_rows(const Smem& sm, const LaneColumn
 // Sums acc over the warps (fixed order) and writes one partial per (work item, batch row).
 template <DType kT>
 __device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
-                                               const GemvAcc<kT>& acc, int item, int b0, int nb) {
+                                               const GemvJob& job, const GemvAcc<kT>& acc,
+                                               int item, int b0, int nb) {
   constexpr int kVec = GemvTile<kT>::kVec;
   constexpr int kColumns = GemvTile<kT>::kColumns;
   const int t = thread_index(), warp = t / 32, lane = t % 32;
@@ -139,17 +140,17 @@ __device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += sm.gemv_warp_sums(w, bb, kColumns)[c];
-    ws_store(p.ws.gemv_partial(item, b0 + bb, c), sum);
+    ws_store(p.ws.gemv_partial(job.region, item, b0 + bb, c), sum);
   }
 }
 
 // Work item `item` of a GEMV job: one column tile's partial sums over one split of K, for every
 // batch row (kBatchPass rows per pass over the weight slice).
-template <DType kT, DType kW, typename Input>
+template <DType kT, DType kW, typename Input, typename Await>
 __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, const GemvJob& job,
-                                          const Input& in, int item) {
+                                          const Input& in, int item, const Await& await_inputs) {
   if constexpr (kT == DType::kBF16) {
-    mma_gemv_item<kW>(p, sm, job, in, item);
+    mma_gemv_item<kW>(p, sm, job, in, item, await_inputs);
     return;
   }
   constexpr int kVec = GemvTile<kT>::kVec;
@@ -159,6 +160,10 @@ __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, cons
   const int column = mt.tile * GemvTile<kT>::kColumns + thread_index() % 32 * kVec;
   const LaneColumns lc{static_cast<const char*>(m.weights), m.columns, column, column < m.columns};
   const int k0 = job.split_row(split), k1 = job.split_row(split + 1);
+  // The item's first rows are asked of L2 before it waits for its inputs. (The tensor-core item
+  // also loads its first row group before the wait; here that raised the fp16 instances' spills.)
+  prefetch_rows<kT, kW>(mt, k0, k1);
+  await_inputs();
   for (int b0 = 0; b0 < p.dims.batch; b0 += kBatchPass) {
     const int nb = min(kBatchPass, p.dims.batch - b0);
     GemvAcc<kT> acc;
@@ -175,62 +180,57 @@ __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, cons
       stage_inputs(sm, in, b0, nb, r0, rows);
       accumulate_rows<kT, kW>(sm, lc, r0, rows, nb, first, acc);
     }
-    write_partials<kT>(p, sm, acc, item, b0, nb);
+    write_partials<kT>(p, sm, job, acc, item, b0, nb);
   }
 }
 
-// Runs a GEMV stage: its work items over the grid; the last block to finish a tile group (all
-// its splits) calls stage.finish(job, group), which reads the partials with split_sum().
+// This block's first work item of a GEMV stage, asked of L2 ahead of the stages before it.
+template <DType kT, DType kW, typename Stage>
+__device__ __forceinline__ void prefetch_gemv(const Stage& stage) {
+  const GemvJob job = stage.job();
+  const int item = blockIdx.x;
+  if (item >= job.total_tiles() * job.splits) return;
+  const int split = item % job.splits;
+  prefetch_rows<kT, kW>(locate_tile(job, item / job.splits), job.split_row(split),
+                        job.split_row(split + 1));
+}
+
+// Runs a GEMV stage: its work items over the grid, each waiting for its inputs
+// (stage.await_inputs: the counters of the items that write them) once its first weights are
+// asked for; the last block to finish a tile group (all its splits) calls stage.finish(job,
+// group), which reads the partials with split_sum(), then marks the group finished for the
+// stages that wait for it.
 template <DType kT, DType kW, typename Stage>
 __device__ __forceinline__ void run_gemv(const Stage& stage) {
   const GemvJob job = stage.job();
   const auto input = stage.input();
   const int items = job.total_tiles() * job.splits;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    gemv_item<kT, kW>(stage.p, stage.sm, job, input, item);
+    gemv_item<kT, kW>(stage.p, stage.sm, job, input, item,
+                      [&] { stage.await_inputs(job, item); });
     const int group = job.group(item / job.splits);
-    if (arrive_last(stage.counter(group), job.arrivals(), &stage.sm.flag)) {
+    int* counter = stage.counter(group);
+    if (arrive_last(counter, job.arrivals(), &stage.sm.flag)) {
       stage.finish(job, group);
+      mark_finished(counter);
     }
   }
 }
 
-// Asks L2 for the first kPrefetchRows rows of this block's first work item of a GEMV stage
-// (each warp's first two row groups of 16-bit weights: 64 KB per block, 17 MB over an H100's
-// 264 blocks, a third of its L2), issued before the grid sync that precedes the stage.
-constexpr int kPrefetchRows = 128;
-static_assert(kPrefetchRows <= kThreads, "one row per thread");
-
-template <DType kT, DType kW, typename Stage>
-__device__ __forceinline__ void prefetch_gemv(const Stage& stage) {
-  constexpr int kBytes = WeightVector<kT, kW>::kElementBytes;
-  const GemvJob job = stage.job();
-  const int item = blockIdx.x;
-  if (item >= job.total_tiles() * job.splits) return;
-  const int split = item % job.splits;
-  const MatrixTile mt = locate_tile(job, item / job.splits);
-  const int row = job.split_row(split) + thread_index();
-  const int end = min(job.split_row(split + 1), job.split_row(split) + kPrefetchRows);
-  const int column = mt.tile * GemvTile<kT>::kColumns;
-  if (row < end) {
-    const int width = min(GemvTile<kT>::kColumns, mt.matrix.columns - column);
-    const int64_t at = int64_t(row) * mt.matrix.columns + column;
-    prefetch_l2(static_cast<const char*>(mt.matrix.weights) + at * kBytes, width * kBytes);
-  }
-}
-
 // Sum over the splits (fixed order: deterministic) of stage tile `tile`'s partials at (b, c).
-__device__ __forceinline__ float split_sum(const DecoderParams& p, int tile, int splits, int b,
-                                           int c) {
-  return ordered_sum(splits,
-                     [&](int s) { return ws_load(p.ws.gemv_partial(tile * splits + s, b, c)); });
+__device__ __forceinline__ float split_sum(const DecoderParams& p, const GemvJob& job, int tile,
+                                           int b, int c) {
+  return ordered_sum(job.splits, [&](int s) {
+    return ws_load(job.partial(p, tile * job.splits + s, b) + c);
+  });
 }
 
 // Finishes a residual GEMV tile of matrix m (O and down projections): h += y, the tile's sums
 // of squares for the next RMSNorm, and after the last layer the output rows.
 template <DType kT, DType kW>
-__device__ void add_residual(const DecoderParams& p, Smem& sm, const GemvMatrix& m, int tile,
-                             int splits, bool last_layer) {
+__device__ void add_residual(const DecoderParams& p, Smem& sm, const GemvJob& job, int tile,
+                             bool last_layer) {
+  const GemvMatrix& m = job.matrix[0];
   constexpr int kColumns = GemvTile<kT>::kColumns;
   const int c = thread_index();
   const int col = tile * kColumns + c;
@@ -238,7 +238,7 @@ __device__ void add_residual(const DecoderParams& p, Smem& sm, const GemvMatrix&
     float sq = 0.0f;
     if (c < kColumns && col < p.dims.hidden) {
       float* h = p.ws.hidden.at(b, col);
-      const float hn = ws_load(h) + apply_scale<kT, kW>(m, col, split_sum(p, tile, splits, b, c));
+      const float hn = ws_load(h) + apply_scale<kT, kW>(m, col, split_sum(p, job, tile, b, c));
       ws_store(h, hn);
       sq = hn * hn;
       if (last_layer) {

@@ -41,6 +41,7 @@ struct GemvJob {
   int matrices;
   int k_rows;
   int splits;   // K splits per tile
+  int region;   // its partial sums' region (decoder.h's GemvPartials): consecutive stages alternate
   bool paired;  // matrices 0 and 1 (gate, up): tile t of both is finished by one block
 
   __device__ int total_tiles() const {
@@ -52,6 +53,10 @@ struct GemvJob {
   __device__ int arrivals() const { return paired ? 2 * splits : splits; }
   // The first row of K split s (s == splits: k_rows).
   __device__ int split_row(int s) const { return int(int64_t(k_rows) * s / splits); }
+  // Where work item `item` writes its partial sums for batch row b.
+  __device__ float* partial(const DecoderParams& p, int item, int b) const {
+    return p.ws.gemv_partial(region, item, b, 0);
+  }
 };
 
 // Stage tile `tile` as (matrix, its index in the job, tile of that matrix). Constant indices
@@ -91,6 +96,24 @@ struct WorkspaceInput {
 
   __device__ float value(int b, int k, float) const { return ws_load(rows.at(b, k)); }
 };
+
+// Asks L2 for the first kPrefetchRows rows k0 .. of a work item's column tile (each warp's first
+// two row groups of 16-bit weights: 64 KB per block, 17 MB over an H100's 264 blocks, a third
+// of its L2), before the item waits for its inputs.
+constexpr int kPrefetchRows = 128;
+static_assert(kPrefetchRows <= kThreads, "one row per thread");
+
+template <DType kT, DType kW>
+__device__ __forceinline__ void prefetch_rows(const MatrixTile& mt, int k0, int k1) {
+  constexpr int kBytes = WeightVector<kT, kW>::kElementBytes;
+  const int row = k0 + thread_index();
+  const int column = mt.tile * GemvTile<kT>::kColumns;
+  if (row < min(k1, k0 + kPrefetchRows)) {
+    const int width = min(GemvTile<kT>::kColumns, mt.matrix.columns - column);
+    const int64_t at = int64_t(row) * mt.matrix.columns + column;
+    prefetch_l2(static_cast<const char*>(mt.matrix.weights) + at * kBytes, width * kBytes);
+  }
+}
 
 // 1 / rms of batch rows b0 .. b0 + nb - 1 into shared memory (normalized inputs only), once per
 // pass over a work item's rows.

@@ -212,11 +212,11 @@ __device__ __forceinline__ void mma_rows(const Smem& sm, const MmaLane& lane, in
   }
 }
 
-// Sums the two phases' columns (fixed order) and writes one partial per (work item, batch row).
+// Sums the two phases' columns (fixed order) and writes one partial per (work item, batch row):
+// `partials` is the item's first row's (GemvJob::partial).
 template <int kTiles>
-__device__ __forceinline__ void write_mma_partials(const DecoderParams& p, Smem& sm,
-                                                   const MmaAcc<kTiles>& acc, int item, int b0,
-                                                   int nb) {
+__device__ __forceinline__ void write_mma_partials(Smem& sm, const MmaAcc<kTiles>& acc,
+                                                   float* partials, int nb) {
   constexpr int kColumns = GemvTile<DType::kBF16>::kColumns;
   const int t = thread_index(), warp = t / 32, lane = t % 32, g = lane / 4, q = lane % 4;
   const int phase = warp / kMmaSubTiles, base = warp % kMmaSubTiles * 64 + 8 * g;
@@ -234,7 +234,6 @@ __device__ __forceinline__ void write_mma_partials(const DecoderParams& p, Smem&
   }
   __syncthreads();
   // The item's partials of rows b0 .. b0 + nb - 1 are contiguous (decoder.h: tile() columns a row).
-  float* partials = p.ws.gemv_partial(item, b0, 0);
   for (int i = t; i < nb * kColumns; i += kThreads) {
     const int b = i / kColumns, c = i % kColumns;
     float sum = 0.0f;
@@ -245,10 +244,10 @@ __device__ __forceinline__ void write_mma_partials(const DecoderParams& p, Smem&
 }
 
 // One pass of a work item (rows k0 .. k1 of the lane's columns) for batch rows b0 .. b0 + nb - 1.
-template <DType kW, int kTiles, typename Input>
-__device__ __forceinline__ void mma_pass(const DecoderParams& p, Smem& sm, const MmaLane& lane,
-                                         const Input& in, int item, int k0, int k1, int b0,
-                                         int nb) {
+template <DType kW, int kTiles, typename Input, typename Await>
+__device__ __forceinline__ void mma_pass(Smem& sm, const MmaLane& lane, const Input& in,
+                                         const Await& await_inputs, float* partials, int k0,
+                                         int k1, int b0, int nb) {
   const int phase = thread_index() / 32 / kMmaSubTiles;
   MmaAcc<kTiles> acc;
 #pragma unroll
@@ -257,22 +256,27 @@ __device__ __forceinline__ void mma_pass(const DecoderParams& p, Smem& sm, const
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
-  // Each chunk's first weight loads are issued before its inputs are staged.
+  // Each chunk's first weight loads are issued before its inputs are staged (the first pass's
+  // before the item waits for them).
   for (int r0 = k0; r0 < k1; r0 += kMmaChunk) {
     const int rows = min(kMmaChunk, k1 - r0);
     const auto first = lane.load<kW, kTiles>(r0, phase, rows);
-    if (r0 == k0) stage_inv_rms(sm, in, b0, nb);
+    if (r0 == k0) {
+      if (b0 == 0) await_inputs();  // the first weights in flight, wait for the inputs
+      stage_inv_rms(sm, in, b0, nb);
+    }
     stage_mma_inputs(sm, in, b0, nb, r0, rows);
     mma_rows<kW, kTiles>(sm, lane, r0, rows, phase, first, acc);
   }
-  write_mma_partials<kTiles>(p, sm, acc, item, b0, nb);
+  write_mma_partials<kTiles>(sm, acc, partials, nb);
 }
 
 // Work item `item` of a GEMV job (bf16 activations): one column tile's partial sums over one
 // split of K for every batch row, kMmaBatch rows per pass (8 when no more are left).
-template <DType kW, typename Input>
+template <DType kW, typename Input, typename Await>
 __device__ __forceinline__ void mma_gemv_item(const DecoderParams& p, Smem& sm,
-                                              const GemvJob& job, const Input& in, int item) {
+                                              const GemvJob& job, const Input& in, int item,
+                                              const Await& await_inputs) {
   const int split = item % job.splits;
   const MatrixTile mt = locate_tile(job, item / job.splits);
   const int lane_id = thread_index() % 32;
@@ -281,10 +285,12 @@ __device__ __forceinline__ void mma_gemv_item(const DecoderParams& p, Smem& sm,
   const MmaLane lane{static_cast<const char*>(mt.matrix.weights), mt.matrix.columns, column,
                      column < mt.matrix.columns, lane_id % 4};
   const int k0 = job.split_row(split), k1 = job.split_row(split + 1);
+  prefetch_rows<DType::kBF16, kW>(mt, k0, k1);
   for (int b0 = 0; b0 < p.dims.batch; b0 += kMmaBatch) {
     const int nb = min(kMmaBatch, p.dims.batch - b0);
-    if (nb > 8) mma_pass<kW, 2>(p, sm, lane, in, item, k0, k1, b0, nb);
-    else mma_pass<kW, 1>(p, sm, lane, in, item, k0, k1, b0, nb);
+    float* partials = job.partial(p, item, b0);
+    if (nb > 8) mma_pass<kW, 2>(sm, lane, in, await_inputs, partials, k0, k1, b0, nb);
+    else mma_pass<kW, 1>(sm, lane, in, await_inputs, partials, k0, k1, b0, nb);
   }
 }
 

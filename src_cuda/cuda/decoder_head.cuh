@@ -3,8 +3,7 @@
 // embedding gather is EmbedStage's (decoder_stages.cuh).
 #pragma once
 
-#include "decoder_common.cuh"
-#include "decoder_gemv_job.cuh"
+#include "decoder_stages.cuh"
 
 namespace jaxfuse::cuda_decoder {
 
@@ -31,8 +30,8 @@ struct HeadStage {
 
   __device__ char* staged() const { return reinterpret_cast<char*>(sm.warp_sums); }
 
-  // The first vocabulary rows this block's warps take, asked of L2 before the grid sync that
-  // precedes the stage.
+  // The first vocabulary rows this block's warps take, asked of L2 before the stage waits for
+  // the last layer.
   __device__ void prefetch() const {
     const int64_t row_bytes = int64_t(p.dims.hidden) * kBytes;
     const int64_t first = int64_t(blockIdx.x) * kWarps;
@@ -43,6 +42,7 @@ struct HeadStage {
 
   __device__ void run() const {
     const int batch = p.dims.batch, rows = p.plan.head_rows;
+    await_hidden(p, blockIdx.x, p.dims.layers - 1, false);
     for (int b0 = 0; b0 < batch; b0 += rows) {
       const int nb = min(rows, batch - b0);
       stage_inputs(b0, nb);

@@ -1,11 +1,27 @@
 // The CUDA decoder's GEMV stages (included by cuda/decoder.cu only): the embedding, [q|k|v],
 // the O and down projections (residual adds) and gate/up (SwiGLU), each one struct whose job(),
-// input(), counter() and finish() the GEMV engine runs.
+// input(), await_inputs(), counter() and finish() the GEMV engine runs. A work item waits for the
+// counters of the groups that write its inputs: all of h for a normalized input (its RMSNorm
+// needs every column), every attention group of the layer (O), the gate/up tiles of its K split
+// (down).
 #pragma once
 
 #include "decoder_gemv.cuh"
 
 namespace jaxfuse::cuda_decoder {
+
+// Waits until h and its sums of squares are written over every hidden tile by the embedding
+// (layer < 0) or by layer's down projection (for [q|k|v] and the LM head), or by layer's O
+// projection (after_o_proj, for gate/up). h does not change within a stage, so a block waits on
+// its first item of the stage only.
+__device__ __forceinline__ void await_hidden(const DecoderParams& p, int item, int layer,
+                                             bool after_o_proj) {
+  if (item != int(blockIdx.x)) return;
+  await_finished(p.dims.hidden_tiles, [&](int tile) {
+    return after_o_proj ? p.ws.o_proj_counter(layer, tile)
+                        : (layer < 0 ? p.ws.embed_counter(tile) : p.ws.down_counter(layer, tile));
+  });
+}
 
 // h = float(x), or embed[tokens[b]] in a whole-model step (zero for a token outside the
 // vocabulary: its row is invalid, decoder.h's row_position), and its sums of squares per column
@@ -29,6 +45,8 @@ struct EmbedStage {
         sq = v * v;
       }
       store_tile_sumsq(p, sm, b, tile, sq);
+      int* counter = p.ws.embed_counter(tile);  // the tile's batch rows
+      if (arrive_last(counter, p.dims.batch, &sm.flag)) mark_finished(counter);
     }
   }
   __device__ float embedding(int b, int col) const {
@@ -56,10 +74,14 @@ struct QkvStage {
     job.matrices = 3;
     job.k_rows = d.hidden;
     job.splits = p.plan.qkv_splits;
+    job.region = 0;
     return job;
   }
   __device__ NormedHidden<kT> input() const {
     return {p, layer_slice(p.io.weights.attn_norm, kT, layer, p.dims.hidden)};
+  }
+  __device__ void await_inputs(const GemvJob&, int item) const {
+    await_hidden(p, item, layer - 1, false);
   }
   __device__ int* counter(int tile) const { return p.ws.qkv_counter(layer, tile); }
   __device__ void finish(const GemvJob& job, int tile) const {
@@ -71,7 +93,7 @@ struct QkvStage {
       const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.index, m.columns), kT, col)
                                          : 0.0f;
       for (int b = 0; b < p.dims.batch; ++b) {
-        const float y = apply_scale<kT, kW>(m, col, split_sum(p, tile, job.splits, b, c));
+        const float y = apply_scale<kT, kW>(m, col, split_sum(p, job, tile, b, c));
         ws_store(p.ws.qkv.column(b, mt.index, col), p.dims.qkv_bias ? y + bias : y);
       }
     }
@@ -106,18 +128,33 @@ struct ResidualStage {
     job.matrices = 1;
     job.k_rows = k_rows;
     job.splits = kDown ? p.plan.down_splits : p.plan.o_proj_splits;
+    job.region = 1;
     return job;
   }
   __device__ WorkspaceInput input() const {
     if constexpr (kDown) return {p.ws.mlp_act};
     else return {p.ws.attn_out};
   }
+  // Down: the gate/up tiles that write the rows of the item's K split. O: every attention group
+  // of the layer (its counters are contiguous), on the block's first item: a K split spans a
+  // head or two of every batch row, whose groups finish at about the same time as the others.
+  __device__ void await_inputs(const GemvJob& job, int item) const {
+    if constexpr (kDown) {
+      constexpr int kColumns = GemvTile<kT>::kColumns;
+      const int split = item % job.splits;
+      const int t0 = job.split_row(split) / kColumns;
+      const int tiles = (job.split_row(split + 1) - 1) / kColumns - t0 + 1;
+      await_finished(tiles, [&](int i) { return p.ws.gate_up_counter(layer, t0 + i); });
+    } else {
+      if (item != int(blockIdx.x)) return;
+      await_finished(p.plan.attn_groups, [&](int i) { return p.ws.attn_counter(layer, 0, 0, i); });
+    }
+  }
   __device__ int* counter(int tile) const {
     return kDown ? p.ws.down_counter(layer, tile) : p.ws.o_proj_counter(layer, tile);
   }
   __device__ void finish(const GemvJob& job, int tile) const {
-    add_residual<kT, kW>(p, sm, job.matrix[0], tile, job.splits,
-                         kDown && layer == p.dims.layers - 1);
+    add_residual<kT, kW>(p, sm, job, tile, kDown && layer == p.dims.layers - 1);
   }
   __device__ void run() const { run_gemv<kT, kW>(*this); }
   __device__ void prefetch() const { prefetch_gemv<kT, kW>(*this); }
@@ -145,11 +182,15 @@ struct GateUpStage {
     job.matrices = 2;
     job.k_rows = d.hidden;
     job.splits = p.plan.gate_up_splits;
+    job.region = 0;
     job.paired = true;
     return job;
   }
   __device__ NormedHidden<kT> input() const {
     return {p, layer_slice(p.io.weights.mlp_norm, kT, layer, p.dims.hidden)};
+  }
+  __device__ void await_inputs(const GemvJob&, int item) const {
+    await_hidden(p, item, layer, true);
   }
   __device__ int* counter(int tile) const { return p.ws.gate_up_counter(layer, tile); }
   // Gate tile `tile` and its up tile (mlp_tiles further).
@@ -157,8 +198,8 @@ struct GateUpStage {
     const int c = thread_index(), col = tile * GemvTile<kT>::kColumns + c;
     if (c < GemvTile<kT>::kColumns && col < p.dims.intermediate) {
       for (int b = 0; b < p.dims.batch; ++b) {
-        const float gate = split_sum(p, tile, job.splits, b, c);
-        const float up = split_sum(p, p.dims.mlp_tiles + tile, job.splits, b, c);
+        const float gate = split_sum(p, job, tile, b, c);
+        const float up = split_sum(p, job, p.dims.mlp_tiles + tile, b, c);
         ws_store(p.ws.mlp_act.at(b, col), swiglu(apply_scale<kT, kW>(job.matrix[0], col, gate),
                                                  apply_scale<kT, kW>(job.matrix[1], col, up)));
       }

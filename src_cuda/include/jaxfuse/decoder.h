@@ -53,7 +53,10 @@ using TokensBuffer = ffi::Buffer<ffi::S32, 1>;
 using SampleKeyBuffer = ffi::Buffer<ffi::U32, 1>;
 
 // Constants of the workspace layout.
-inline constexpr int64_t kDecMaxGemvItems = 1024;  // partial-sum slots per GEMV stage
+// Partial-sum slots per GEMV stage, in each of two regions: consecutive GEMV stages alternate
+// between them, so a stage's items write their partials while the previous stage's last tiles
+// still read theirs (the CUDA kernel has no grid sync between them).
+inline constexpr int64_t kDecMaxGemvItems = 512;
 inline constexpr int64_t kDecMaxAttnSplits = 64;   // flash-decoding splits of the cache length
 inline constexpr int64_t kDecHeadChunk = 4;        // query heads per attention work item
 inline constexpr int64_t kDecAlign = 256;          // byte alignment of workspace regions
@@ -109,18 +112,25 @@ struct DecoderDims {
   }
 };
 
-// Byte offsets of the workspace regions (in this order, each aligned to kDecAlign) and the
-// first counter of each stage (int32 index from `counters`).
+// Byte offsets of the workspace regions (in this order, each aligned to kDecAlign), the first
+// group of each stage's counters (StageCounters: two int32 words a group) and the int32 index
+// (from `counters`) of the others.
 struct DecoderLayout {
   int64_t hidden, row_sumsq, qkv, attn_out, mlp_act, attn_partials, gemv_partials, counters;
   int64_t total;  // bytes
-  int64_t qkv_counters, o_proj_counters, gate_up_counters, down_counters, attn_counters;
+  int64_t embed_counters, qkv_counters, o_proj_counters, gate_up_counters, down_counters;
+  int64_t attn_counters;
   int64_t sample_counter;  // the blocks done with the sampling pass
   int64_t sample_keys;     // counter index of [B] uint64 argmax keys (sampling_math.h)
   int64_t num_counters;    // int32 words, all zeroed before each call
 };
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// Work items of one GEMV partial-sum region: kDecMaxGemvItems, or one per tile of the widest stage.
+inline int64_t gemv_region_items(const DecoderDims& d) {
+  return std::max({kDecMaxGemvItems, d.qkv_tiles(), d.hidden_tiles(), 2 * d.mlp_tiles()});
+}
 
 inline DecoderLayout decoder_layout(const DecoderDims& d) {
   DecoderLayout w{};
@@ -131,7 +141,6 @@ inline DecoderLayout decoder_layout(const DecoderDims& d) {
     return at;
   };
   const int64_t f = 4;
-  const int64_t max_tiles = std::max({d.qkv_tiles(), d.hidden_tiles(), 2 * d.mlp_tiles()});
   w.hidden = region(d.B * d.D * f);
   w.row_sumsq = region(d.B * d.hidden_tiles() * f);
   w.qkv = region(d.B * d.qkv_dim() * f);
@@ -140,13 +149,14 @@ inline DecoderLayout decoder_layout(const DecoderDims& d) {
   w.attn_partials = region(d.B * d.H * kDecMaxAttnSplits * (d.hd + 2) * f);
   // The CUDA kernel's split-K partials, or the CPU's GEMV scratch, whichever is larger.
   w.gemv_partials = region(
-      std::max(std::max(kDecMaxGemvItems, max_tiles) * d.B * d.tile(), d.cpu_gemv_floats()) * f);
-  w.qkv_counters = 0;
+      std::max(2 * gemv_region_items(d) * d.B * d.tile(), d.cpu_gemv_floats()) * f);
+  w.embed_counters = 0;
+  w.qkv_counters = w.embed_counters + d.hidden_tiles();
   w.o_proj_counters = w.qkv_counters + d.L * d.qkv_tiles();
   w.gate_up_counters = w.o_proj_counters + d.L * d.hidden_tiles();
   w.down_counters = w.gate_up_counters + d.L * d.mlp_tiles();
   w.attn_counters = w.down_counters + d.L * d.hidden_tiles();
-  w.sample_counter = w.attn_counters + d.L * d.B * d.KV * d.head_chunks();
+  w.sample_counter = 2 * (w.attn_counters + d.L * d.B * d.KV * d.head_chunks());
   w.sample_keys = align_up(w.sample_counter + 1, 2);  // 8-byte aligned
   w.num_counters = w.sample_keys + 2 * d.B;
   w.counters = region(w.num_counters * 4);
@@ -196,12 +206,15 @@ struct AttnPartial {
   JF_HD float* o(int64_t j) const { return record + 2 + j; }
 };
 
-// Arrival counters of the split work items, zero at the start of each call: per GEMV stage
-// [L][tile groups], for attention [L][B][KV][head chunks].
+// Counters of the CUDA kernel's work groups, zero at the start of each call: per GEMV stage
+// [L][tile groups], for attention [L][B][KV][head chunks], for the embedding [hidden tiles]. A
+// group's counter is two int32 words: [0] its split items' arrivals, [1] set to 1 once the last
+// to arrive has finished the group (what the items of later stages wait for).
 struct StageCounters {
   int* data = nullptr;
   int64_t size = 0;  // all stages' counters
-  int64_t qkv_first = 0, o_proj_first = 0, gate_up_first = 0, down_first = 0, attn_first = 0;
+  int64_t embed_first = 0, qkv_first = 0, o_proj_first = 0, gate_up_first = 0, down_first = 0;
+  int64_t attn_first = 0;
   int64_t sample_counter = 0, sample_keys = 0;
   int64_t qkv_tiles = 0, hidden_tiles = 0, mlp_tiles = 0;
   int64_t batch = 0, kv_heads = 0, head_chunks = 0;
@@ -213,10 +226,10 @@ struct AttnPartials {
   int64_t heads = 0, head_dim = 0, splits = 0;
 };
 
-// Split-K GEMV partial sums, [work item][B][tile].
+// Split-K GEMV partial sums, [region][work item][B][tile] (two regions of region_items items).
 struct GemvPartials {
   float* data = nullptr;
-  int64_t capacity = 0;  // floats
+  int64_t region_items = 0;
   int64_t batch = 0, tile = 0;
 };
 
@@ -238,10 +251,11 @@ struct DecoderWorkspace {
     const AttnPartials& a = attn_partials;
     return {a.data + ((b * a.heads + head) * a.splits + split) * (a.head_dim + 2)};
   }
-  JF_HD float* gemv_partial(int64_t item, int64_t b, int64_t column) const {
+  JF_HD float* gemv_partial(int region, int64_t item, int64_t b, int64_t column) const {
     const GemvPartials& g = gemv_partials;
-    return g.data + (item * g.batch + b) * g.tile + column;
+    return g.data + ((region * g.region_items + item) * g.batch + b) * g.tile + column;
   }
+  JF_HD int* embed_counter(int64_t tile) const { return counter(counters.embed_first, 0, 0, tile); }
   JF_HD int* qkv_counter(int64_t layer, int64_t tile) const {
     return counter(counters.qkv_first, layer, counters.qkv_tiles, tile);
   }
@@ -266,9 +280,9 @@ struct DecoderWorkspace {
   }
 
  private:
-  // Counter `index` of row `row` (rows of `width` counters) of the stage starting at `first`.
+  // Group `index` of row `row` (rows of `width` groups) of the stage starting at group `first`.
   JF_HD int* counter(int64_t first, int64_t row, int64_t width, int64_t index) const {
-    return counters.data + first + row * width + index;
+    return counters.data + 2 * (first + row * width + index);
   }
 };
 
@@ -282,11 +296,10 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
   attn_out = {{floats(lay.attn_out), d.q_dim()}, d.hd};
   mlp_act = {floats(lay.mlp_act), d.I};
   attn_partials = {floats(lay.attn_partials), d.H, d.hd, attn_splits};
-  gemv_partials = {floats(lay.gemv_partials), (lay.counters - lay.gemv_partials) / 4, d.B,
-                   d.tile()};
+  gemv_partials = {floats(lay.gemv_partials), gemv_region_items(d), d.B, d.tile()};
   counters = {reinterpret_cast<int*>(base + lay.counters), lay.num_counters,
-              lay.qkv_counters, lay.o_proj_counters, lay.gate_up_counters, lay.down_counters,
-              lay.attn_counters, lay.sample_counter, lay.sample_keys,
+              lay.embed_counters, lay.qkv_counters, lay.o_proj_counters, lay.gate_up_counters,
+              lay.down_counters, lay.attn_counters, lay.sample_counter, lay.sample_keys,
               d.qkv_tiles(), d.hidden_tiles(), d.mlp_tiles(),
               d.B, d.KV, d.head_chunks()};
 }
