@@ -78,12 +78,14 @@ struct AttentionStage {
     }
   }
 
-  // Asks L2 for the k and v rows of the item's positions before the cache (but the new token's
-  // slot) is read: one row of each per thread and position.
+  // Asks L2 for the k and v rows of the item's first kThreads positions, one of each per thread
+  // (64 KB a block for head_dim 64 in bf16, as a GEMV item's prefetch; all of a long split's
+  // rows, from every block at once, would overflow L2).
   __device__ void prefetch_cache(const AttnItem& it) const {
-    const int bytes = p.dims.head_dim * GemvTile<kT>::kBytes;
-    for (int t = it.t0 + thread_index(); t < it.t1; t += kThreads) {
+    const int t = it.t0 + thread_index();
+    if (t < it.t1) {
       const int64_t at = it.cache_index(t, p.dims.kv_dim) * GemvTile<kT>::kBytes;
+      const int bytes = p.dims.head_dim * GemvTile<kT>::kBytes;
       prefetch_l2(static_cast<const char*>(p.io.k_cache) + at, bytes);
       prefetch_l2(static_cast<const char*>(p.io.v_cache) + at, bytes);
     }
