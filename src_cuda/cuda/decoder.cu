@@ -78,9 +78,8 @@ __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
 
 // kT: the dtype of x, the caches, norms and biases; kW: the matrices' (kT, or int8 / fp8 e4m3
 // when quantized). Min blocks per SM pinned: without it ptxas may use up to 168 registers (one
-// block per SM). The grid handle is taken at the sync: held across the stages, its barrier
-// address was one more value ptxas kept live (and spilled). The O projection's first rows are
-// asked of L2 before attention, whose items are short.
+// block per SM). The O projection's first rows are asked of L2 before attention, whose items are
+// short.
 template <DType kT, DType kW>
 __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
     decoder_kernel(const __grid_constant__ DecoderParams p) {

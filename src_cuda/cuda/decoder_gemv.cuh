@@ -11,13 +11,14 @@
 // slice), reduce across warps in shared memory and write one partial per (item, batch row) to
 // the workspace. The last block to finish a tile (an atomic counter, release/acquire by
 // __threadfence) sums the partials of all splits in a fixed order, so results are
-// deterministic, and runs the stage's finish() (scales, residual add, SwiGLU, sums of squares
-// for the next RMSNorm). No extra grid sync is needed for the split-K reduction.
+// deterministic, runs the stage's finish() (scales, residual add, SwiGLU, sums of squares for
+// the next RMSNorm) and marks the tile finished for the items of later stages that wait for it.
 //
-// Weights never wait for activations: a chunk's first row group is loaded before its inputs are
-// staged (the 1 / rms and input reads from L2 overlap it), and before each grid sync every block
-// asks L2 for the first rows of its first item of the next GEMV stage (prefetch_gemv). Sums over
-// workspace values (1 / rms, the splits) keep kLoadsInFlight loads in flight (ordered_sum).
+// Weights never wait for activations: every item asks L2 for its first rows before it waits for
+// its inputs (prefetch_rows), a chunk's first row group is loaded before its inputs are staged
+// (the 1 / rms and input reads from L2 overlap it; on the tensor-core path the first chunk's also
+// before the wait). Sums over workspace values (1 / rms, the splits) keep kLoadsInFlight loads
+// in flight (ordered_sum).
 #pragma once
 
 #include "decoder_gemv_job.cuh"
