@@ -141,7 +141,7 @@ __device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += sm.gemv_warp_sums(w, bb, kColumns)[c];
-    ws_store(p.ws.gemv_partial(job.region, item, b0 + bb, c), sum);
+    ws_store(job.partial(p, item, b0 + bb) + c, sum);
   }
 }
 
