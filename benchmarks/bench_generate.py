@@ -12,6 +12,10 @@ temperature 0.8 with the step's key):
 Bytes per step = every weight (layers, and the head's V x D) + the K and V rows read; GB/s and %
 of a device copy measured here.
 
+`--quantize int8|fp8`: the same model with its matrices and its LM head quantized
+(jaxfuse.quantize; the tied head becomes its own 8-bit rows), every step on those weights, plus
+one more column: the kernel's step with the head kept in bf16 (quantize(..., head=False)).
+
 generate: jaxfuse.generate (prefill and every decode step in one jitted call, one kernel launch
 per token) against decoder="reference" (the same loop in plain XLA), greedy, from 16-token
 prompts, N new tokens per row (no stop tokens), tokens/s = batch * N / wall time.
@@ -25,6 +29,7 @@ On a GPU: Llama-3.2-1B (16 x D2048, 32/8 heads, hd 64, I 8192, vocab 128256 tied
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -59,6 +64,8 @@ def plan(args, on_gpu):
 
 
 def make_model(p, device):
+  """The benchmark's model, and with p["quantize"] the same model with its head in bf16 (else
+  None)."""
   cfg = DecoderConfig(**p["base"], max_seq_len=p["context"])
   layers = make_weights(cfg, jnp.bfloat16, device)
   D = cfg.hidden_size
@@ -66,7 +73,20 @@ def make_model(p, device):
     embed = jax.jit(lambda k: (jax.random.normal(k, (p["vocab"], D)) * 0.5).astype(
         jnp.bfloat16))(jax.random.PRNGKey(7))
     model = jaxfuse.DecoderModel(cfg, layers, embed, jnp.ones((D,), jnp.bfloat16))
-  return jax.block_until_ready(jax.device_put(model, device))
+  model = jax.block_until_ready(jax.device_put(model, device))
+  if p["quantize"] is None:
+    return model, None
+  log(f"quantizing the matrices and the head to {p['quantize']} ...")
+  quantized = jax.block_until_ready(jaxfuse.quantize(model, p["quantize"]))
+  return quantized, dataclasses.replace(quantized, lm_head=None, lm_head_scale=None)
+
+
+def step_bytes(model):
+  """The bytes a step reads of the model: the layers, the final norm and the head (its scales
+  included); the embedding only when it is the head (the gather reads B rows of it)."""
+  head = (model.embed,) if model.tied else (model.lm_head, model.lm_head_scale)
+  leaves = jax.tree.leaves((model.layers, model.final_norm, head))
+  return sum(a.size * a.dtype.itemsize for a in leaves)
 
 
 def steps(model):
@@ -106,25 +126,29 @@ def time_step(fn, tokens, positions, cache, n, warmup):
   return (time.perf_counter() - t0) / n
 
 
-def measure_steps(model, p, device, copy_gbs):
+def measure_steps(model, bf16_head, p, device, copy_gbs):
   cfg = model.config
-  weight_bytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(model))
+  weight_bytes = step_bytes(model)
   rows = []
   for B in p["batches"]:
     tokens = jax.device_put(jnp.arange(B, dtype=jnp.int32) * 7 % p["vocab"], device)
     positions = jax.device_put(jnp.full((B,), p["context"] - 1, jnp.int32), device)
     times = {}
-    for name, fn in steps(model).items():
+    fns = steps(model)
+    if bf16_head is not None:
+      fns["jaxfuse, bf16 head"] = steps(bf16_head)["jaxfuse"]
+    for name, fn in fns.items():
       with jax.default_device(device):
         cache = jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
                                          for v in (0.5, 1.0))), device)
       times[name] = time_step(fn, tokens, positions, cache, p["steps"], p["warmup"])
-      log(f"  batch {B} {name:10s} {times[name] * 1e3:8.3f} ms/step")
+      log(f"  batch {B} {name:18s} {times[name] * 1e3:8.3f} ms/step")
     kv_bytes = cfg.num_layers * B * p["context"] * cfg.kv_dim * 2 * 2
     gbs = (weight_bytes + kv_bytes) / times["jaxfuse"] / 1e9
+    bf16_head_ms = times.get("jaxfuse, bf16 head", float("nan")) * 1e3
     rows.append((B, times["jaxfuse"] * 1e3, times["layers+XLA"] * 1e3, times["plain XLA"] * 1e3,
                  times["plain XLA"] / times["jaxfuse"], B / times["jaxfuse"],
-                 (weight_bytes + kv_bytes) / 1e9, gbs, 100 * gbs / copy_gbs))
+                 (weight_bytes + kv_bytes) / 1e9, gbs, 100 * gbs / copy_gbs, bf16_head_ms))
   return rows
 
 
@@ -150,19 +174,22 @@ def measure_generate(model, p, device):
 
 
 def table(step_rows, gen_rows, p, device, copy_gbs):
+  quantized = p["quantize"] is not None
+  weights = (f"; {p['quantize']} matrices and LM head (jaxfuse.quantize), every column on them"
+             if quantized else "")
   lines = [
-      f"### whole-model decode step and generate, {p['title']}",
+      f"### whole-model decode step and generate, {p['title']}{weights}",
       f"device: {device.device_kind} ({device.platform}); copy bandwidth measured here "
       f"{copy_gbs:.1f} GB/s; context {p['context']}; sampling at temperature {TEMPERATURE}; "
       f"cache donated; {p['steps']} timed steps",
       "",
       "| batch | jaxfuse ms/step | layers+XLA ms/step | plain XLA ms/step | vs plain | tokens/s | "
-      "GB read | jaxfuse GB/s | % of copy BW |",
-      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+      "GB read | jaxfuse GB/s | % of copy BW |" + (" jaxfuse, bf16 head ms/step |" if quantized else ""),
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if quantized else ""),
   ]
   for r in step_rows:
     lines.append(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.2f}x | {r[5]:.0f} | "
-                 f"{r[6]:.3f} | {r[7]:.1f} | {r[8]:.0f}% |")
+                 f"{r[6]:.3f} | {r[7]:.1f} | {r[8]:.0f}% |" + (f" {r[9]:.3f} |" if quantized else ""))
   lines += ["", "| generate batch | new tokens | jaxfuse tokens/s | plain XLA tokens/s | speedup |",
             "|---:|---:|---:|---:|---:|"]
   for r in gen_rows:
@@ -173,14 +200,16 @@ def table(step_rows, gen_rows, p, device, copy_gbs):
 def main():
   ap = device_arguments(__doc__, "fewer cases and steps")
   ap.add_argument("--steps", type=int, default=None)
+  ap.add_argument("--quantize", choices=("int8", "fp8"), default=None,
+                  help="the matrices and the LM head in int8 or fp8 (jaxfuse.quantize)")
   args = ap.parse_args()
   device = pick_device(args.device)
-  p = plan(args, device.platform == "gpu")
+  p = dict(plan(args, device.platform == "gpu"), quantize=args.quantize)
   log(f"device: {device} ({device.device_kind}); {p['title']}")
   copy_gbs = copy_bandwidth(device, p["copy_bytes"], 5)
   log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s; initializing the model ...")
-  model = make_model(p, device)
-  step_rows = measure_steps(model, p, device, copy_gbs)
+  model, bf16_head = make_model(p, device)
+  step_rows = measure_steps(model, bf16_head, p, device, copy_gbs)
   gen_rows = measure_generate(model, p, device)
   emit_table(table(step_rows, gen_rows, p, device, copy_gbs), args.out)
 

@@ -267,7 +267,7 @@ _CONTRACT = _ffi.contract("jaxfuse_decoder")
 _OPERANDS_BEFORE = ("x", "positions", "rope_inv_freq")  # then the weights, then _CACHES
 _CACHES = ("k_cache", "v_cache")
 # The whole-model step's operands (empty in a layers-only call), after the caches.
-_MODEL_OPERANDS = ("tokens", "embed", "final_norm", "lm_head", "sample_key")
+_MODEL_OPERANDS = ("tokens", "embed", "final_norm", "lm_head", "lm_head_scale", "sample_key")
 _RESULTS = ("out", "k_cache", "v_cache", "logits", "next_tokens", "workspace")
 _STEP_ATTRIBUTES = ("model_step", "sample", "temperature")
 # Config fields that are not attributes: they define the rope_inv_freq operand, and the
@@ -370,15 +370,22 @@ def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Head:
   """What a whole-model step computes after the layers (static): the final norm and the LM head
-  (``tied``: the embedding's rows), and with a ``temperature`` the next tokens (0: greedy; None:
-  logits only)."""
+  (``tied``: the embedding's rows; ``quantized``: int8 or fp8 rows, the layers' format, with a
+  scale each), and with a ``temperature`` the next tokens (0: greedy; None: logits only)."""
 
   tied: bool
   temperature: float | None = None
+  quantized: bool = False
 
   @property
   def sample(self) -> bool:
     return self.temperature is not None
+
+  def operands(self) -> tuple[str, ...]:
+    """The names of the step's ``model`` operands, in call order (see :func:`_call_kernel`)."""
+    return (("embed", "final_norm") + (() if self.tied else ("lm_head",))
+            + (("lm_head_scale",) if self.quantized else ())
+            + (("sample_key",) if self.sample else ()))
 
 
 def _attributes(cfg: DecoderConfig, head: _Head | None = None) -> dict[str, np.generic]:
@@ -523,8 +530,9 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
   results of ``head``.
 
   ``first`` is x [B, D] (``head`` None: the layers alone), or the tokens [B] of a whole-model
-  step, whose ``model`` holds embed and final_norm, then lm_head unless the head is tied, then
-  the sample key's data u32[2] when it samples. ``w`` holds None for the optional weights ``cfg``
+  step, whose ``model`` holds the operands ``head.operands()`` names: embed and final_norm, then
+  lm_head unless the head is tied, its row scales when it is quantized, and the sample key's data
+  u32[2] when it samples. ``w`` holds None for the optional weights ``cfg``
   does not use; ``inv_freq`` is cfg.rope_inv_freq(). Operands and results are matched to the
   call's slots by name, in the contract's order; the cache operands alias the cache results, and
   the workspace result is dropped. Sharded operands split over the batch (the rows, the caches'
@@ -546,15 +554,11 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
                 **weights._asdict(), "k_cache": k_cache, "v_cache": v_cache,
                 "tokens": jnp.zeros((0,), jnp.int32), "embed": jnp.zeros((0, D), dtype),
                 "final_norm": jnp.zeros((0,), dtype), "lm_head": jnp.zeros((0, D), dtype),
+                "lm_head_scale": jnp.zeros((0,), jnp.float32),
                 "sample_key": jnp.zeros((0,), jnp.uint32)}
     if head is not None:
-      given = iter(rest[n_weights + 2:])
-      operands.update(x=jnp.zeros((B, 0), dtype), tokens=first, embed=next(given),
-                      final_norm=next(given))
-      if not head.tied:
-        operands["lm_head"] = next(given)
-      if head.sample:
-        operands["sample_key"] = next(given)
+      operands.update(x=jnp.zeros((B, 0), dtype), tokens=first,
+                      **dict(zip(head.operands(), rest[n_weights + 2:], strict=True)))
     vocab = operands["embed"].shape[0]
     sampled = B if head is not None and head.sample else 0
     workspace = (_workspace_bytes(cfg, B, dtype),)
@@ -578,20 +582,18 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
 # Batch-sharded decode: the batch axis ("b") may be split over devices; everything else (the
 # weights, the model and cache-length axes) must be whole on each device.
 _CACHE_DIMS = (None, "b", None, None, None)  # [L, B, S, KV, hd]
+_MODEL_DIMS = {"embed": (None, None), "final_norm": (None,), "lm_head": (None, None),
+               "lm_head_scale": (None,), "sample_key": (None,)}
 
 
 def _partition_layout(cfg: DecoderConfig, head: _Head | None) -> _partition.Layout:
   """x (or a whole-model step's tokens), positions, rope_inv_freq, the weights ``cfg`` uses (in
   field order), the two caches, and a whole-model step's embedding, final norm, untied head and
-  sample key; the :func:`_returned` results."""
+  sample key (:meth:`_Head.operands`); the :func:`_returned` results."""
   shapes = cfg.weight_shapes()
   used = tuple(name for name in DecoderWeights._fields if name in shapes)
   first = ("x", ("b", None)) if head is None else ("tokens", ("b",))
-  model = ()
-  if head is not None:
-    model = (("embed", (None, None)), ("final_norm", (None,)))
-    model += () if head.tied else (("lm_head", (None, None)),)
-    model += (("sample_key", (None,)),) if head.sample else ()
+  model = tuple((name, _MODEL_DIMS[name]) for name in _model_names(head))
   operands = ((first, ("positions", ("b",)), ("rope_inv_freq", (None,)))
               + tuple((n, (None,) * len(shapes[n])) for n in used)
               + (("cache.k", _CACHE_DIMS), ("cache.v", _CACHE_DIMS)) + model)
@@ -648,11 +650,8 @@ def _vmap_rule(cfg: DecoderConfig, head: _Head | None, step, axis_size: int, in_
 
 
 def _model_names(head: _Head | None) -> tuple[str, ...]:
-  """The names of a whole-model step's ``model`` operands (see :func:`_call_kernel`)."""
-  if head is None:
-    return ()
-  return (("embed", "final_norm") + (() if head.tied else ("lm_head",))
-          + (("sample_key",) if head.sample else ()))
+  """The names of a whole-model step's ``model`` operands (none for the layers alone)."""
+  return () if head is None else head.operands()
 
 
 def _not_differentiable(primals, tangents):

@@ -62,9 +62,34 @@ def _check_model(fn: str, model) -> None:
   if model.final_norm.shape != (D,):
     raise ValueError(f"{fn}: model.final_norm has shape {tuple(model.final_norm.shape)}, "
                      f"expected ({D},)")
-  for name, a in (("final_norm", model.final_norm), ("lm_head", model.lm_head)):
-    if a is not None and jnp.dtype(a.dtype) != dtype:
-      raise TypeError(f"{fn}: model.{name} has dtype {a.dtype}, expected the embedding's {dtype}")
+  if jnp.dtype(model.final_norm.dtype) != dtype:
+    raise TypeError(f"{fn}: model.final_norm has dtype {model.final_norm.dtype}, expected the "
+                    f"embedding's {dtype}")
+  if model.head_quantized:
+    _check_quantized_head(fn, model)
+  elif model.lm_head is not None and jnp.dtype(model.lm_head.dtype) != dtype:
+    raise TypeError(f"{fn}: model.lm_head has dtype {model.lm_head.dtype}, expected the "
+                    f"embedding's {dtype}")
+
+
+def _check_quantized_head(fn: str, model: DecoderModel) -> None:
+  """A quantized head (lm_head_scale set): its own rows in the layer matrices' format, float32
+  scales [vocab]."""
+  cfg, scale = model.config, model.lm_head_scale
+  if model.lm_head is None:
+    raise ValueError(f"{fn}: model.lm_head_scale is given but model.lm_head is None (a quantized "
+                     "head has its own rows: see jaxfuse.quantize)")
+  if not cfg.quantized:
+    raise ValueError(f"{fn}: model.lm_head_scale is given but the layers are not quantized (a "
+                     "quantized head takes the layer matrices' format: see jaxfuse.quantize)")
+  want = cfg.matrix_dtype(model.dtype)
+  if jnp.dtype(model.lm_head.dtype) != want:
+    raise TypeError(f"{fn}: model.lm_head has dtype {model.lm_head.dtype}, expected {want} "
+                    f"(the quantized head takes the layers' format, "
+                    f"cfg.quantization={cfg.quantization!r})")
+  if scale.shape != (model.vocab_size,) or jnp.dtype(scale.dtype) != jnp.float32:
+    raise ValueError(f"{fn}: model.lm_head_scale is {scale.dtype}{list(scale.shape)}, expected "
+                     f"float32[{model.vocab_size}] (a scale per vocabulary row)")
 
 
 def _check_cache(fn: str, model: DecoderModel, cache, batch: int) -> None:
@@ -224,9 +249,10 @@ def _model_step(model: DecoderModel, cfg, tokens, positions, cache: KVCache,
   every layer, the final norm and the LM head; with a ``temperature``, the next tokens drawn in
   the same call with the key data ``key_data`` (0: greedy). Returns (logits, [next_tokens,]
   k_cache, v_cache)."""
-  head = _Head(tied=model.tied, temperature=temperature)
-  operands = (model.embed, model.final_norm) + (() if model.tied else (model.lm_head,))
-  operands += (key_data,) if head.sample else ()
+  head = _Head(tied=model.tied, temperature=temperature, quantized=model.head_quantized)
+  given = {"embed": model.embed, "final_norm": model.final_norm, "lm_head": model.lm_head,
+           "lm_head_scale": model.lm_head_scale, "sample_key": key_data}
+  operands = tuple(given[name] for name in head.operands())
   return _decoder_step(cfg, head)(tokens, positions, jnp.asarray(cfg.rope_inv_freq()),
                                   model.layers, cache.k, cache.v, operands)
 

@@ -146,7 +146,7 @@ class _Tensor:
 
 
 def load_hf(path, dtype=None, *, max_seq_len: int | None = None,
-            quantize: str | None = None) -> DecoderModel:
+            quantize: str | None = None, quantize_head: bool = True) -> DecoderModel:
   """Loads a Hugging Face Llama, Mistral, Qwen2 or Qwen3 checkpoint folder.
 
   Args:
@@ -159,11 +159,13 @@ def load_hf(path, dtype=None, *, max_seq_len: int | None = None,
       sliding-window checkpoint loads only when this is at most the window (within it, attention
       is full attention).
     quantize: None, or "int8" / "fp8": the layer stack's matrices quantized per output column
-      (:func:`jaxfuse.quantize`; the embedding, norms and LM head stay in ``dtype``).
+      and the LM head per vocabulary row (:func:`jaxfuse.quantize`; the embedding and the norms
+      stay in ``dtype``).
+    quantize_head: with ``quantize``, False keeps the LM head in ``dtype``.
 
   Returns:
     The :class:`~jaxfuse.DecoderModel`, weights on the default device; ``lm_head`` is None when
-    config.json ties it to the embedding; ``stop_tokens`` are the ``eos_token_id`` of
+    config.json ties it to the embedding (unless the head is quantized); ``stop_tokens`` are the ``eos_token_id`` of
     generation_config.json, else of config.json.
 
   Raises:
@@ -195,7 +197,7 @@ def load_hf(path, dtype=None, *, max_seq_len: int | None = None,
         final_norm=_load_tensor(stored[_FINAL_NORM], model_dtype),
         lm_head=None if tied else _load_tensor(stored[_LM_HEAD], model_dtype),
         stop_tokens=_stop_tokens(directory, settings))
-  return model if quantize is None else quantize_model(model, quantize)
+  return model if quantize is None else quantize_model(model, quantize, head=quantize_head)
 
 
 # ---- config.json ---------------------------------------------------------------------------------

@@ -289,16 +289,21 @@ def test_greedy_generation_follows_the_reference():
 
 # The whole-model step: embedding gather, final norm, LM head and the draw in the launch. bf16
 # with a tied head at batch 10 (two passes of the head's 8 staged rows) on the 1-block grid, fp32
-# untied at batch 3 on 16 blocks; a token outside the vocabulary and a bad position make two
-# rows invalid.
-@pytest.mark.parametrize("dtype,tied,batch,device", [(jnp.bfloat16, True, 10, "1"),
-                                                     (jnp.float32, False, 3, "3")],
-                         ids=["bf16-tied-batch10-grid1x1", "f32-untied-batch3-grid16x1"])
-def test_decoder_whole_model_step(dtype, tied, batch, device, monkeypatch):
+# untied at batch 3 on 16 blocks, and an int8 model with its int8 head (8-byte vectors of 8
+# weights, 16 a lane in flight) under fp16; a token outside the vocabulary and a bad position
+# make two rows invalid.
+@pytest.mark.parametrize("dtype,tied,batch,device,quantization", [
+    (jnp.bfloat16, True, 10, "1", None), (jnp.float32, False, 3, "3", None),
+    (jnp.float16, True, 3, "3", "int8")],
+    ids=["bf16-tied-batch10-grid1x1", "f32-untied-batch3-grid16x1",
+         "quantized-int8-head-f16-batch3-grid16x1"])
+def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, monkeypatch):
   """Logits within fp32 summation-order rounding of the CPU handler's (NaN in the same rows),
   and next tokens that are exactly jnp.argmax / jax.random.categorical of the emulated logits."""
   monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
   model = random_model(dtype, vocab=300, tied=tied, seed=4)
+  if quantization is not None:
+    model = jaxfuse.quantize(model, quantization)
   cache = jaxfuse.init_cache(model, batch, 12)
   cfg = generation._cache_config(model, cache)
   rng = np.random.default_rng(5)

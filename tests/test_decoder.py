@@ -444,8 +444,9 @@ def test_handler_validates_buffers(device):
   from jaxfuse._decoder import _workspace_bytes
   caches = 3 + len(w)  # the operand index of k_cache
   D, B = 64, x.shape[0]
+  no_scale = jnp.zeros((0,), jnp.float32)
   layers_only = (jnp.zeros((0,), jnp.int32), jnp.zeros((0, D), x.dtype), jnp.zeros((0,), x.dtype),
-                 jnp.zeros((0, D), x.dtype), jnp.zeros((0,), jnp.uint32))
+                 jnp.zeros((0, D), x.dtype), no_scale, jnp.zeros((0,), jnp.uint32))
 
   def call(ws_bytes, first=x, model=layers_only, logits=(B, 0), sampled=0, **over):
     a = dict(attrs, **over)
@@ -477,7 +478,7 @@ def test_handler_validates_buffers(device):
   embed = jnp.ones((V, D), x.dtype)
   step = dict(first=jnp.zeros((B, 0), x.dtype), logits=(B, V), sampled=B,
               model_step=np.bool_(True), sample=np.bool_(True), temperature=np.float32(0.5))
-  model = (tokens, embed, jnp.ones((D,), x.dtype), jnp.zeros((0, D), x.dtype),
+  model = (tokens, embed, jnp.ones((D,), x.dtype), jnp.zeros((0, D), x.dtype), no_scale,
            jnp.array([0, 7], jnp.uint32))
   jax.block_until_ready(call(good, model=model, **step))
   with pytest.raises(Exception, match=r"x must have shape \[B, 0\]"):
@@ -488,10 +489,20 @@ def test_handler_validates_buffers(device):
     jax.block_until_ready(call(good, model=model[:3] + (jnp.ones((4, D), x.dtype),) + model[4:],
                                **step))
   with pytest.raises(Exception, match=r"sample_key must have shape \[2\]"):
-    jax.block_until_ready(call(good, model=model[:4] + (jnp.zeros((0,), jnp.uint32),), **step))
+    jax.block_until_ready(call(good, model=model[:5] + (jnp.zeros((0,), jnp.uint32),), **step))
   with pytest.raises(Exception, match=r"logits does not have shape \[2,5\]"):
     jax.block_until_ready(call(good, model=model, **dict(step, logits=(B, 4))))
   with pytest.raises(Exception, match="temperature=-1 must be finite and >= 0"):
     jax.block_until_ready(call(good, model=model, **dict(step, temperature=np.float32(-1))))
   with pytest.raises(Exception, match="sample needs model_step"):
     jax.block_until_ready(call(good, model=model, **dict(step, model_step=np.bool_(False))))
+  # A quantized head: rows in the matrices' int8, a float32 scale per row, quantized layers only.
+  head = (jnp.ones((V, D), jnp.int8), jnp.ones((V,), jnp.float32))
+  jax.block_until_ready(call(good, model=model[:3] + head + model[5:], **step))
+  with pytest.raises(Exception, match="lm_head must have dtype int8"):
+    jax.block_until_ready(call(good, model=model[:3] + (embed, head[1]) + model[5:], **step))
+  with pytest.raises(Exception, match=r"lm_head_scale does not have shape \[5\]"):
+    jax.block_until_ready(call(good, model=model[:3] + (head[0], head[1][:4]) + model[5:],
+                               **step))
+  with pytest.raises(Exception, match=r"lm_head_scale does not have shape \[0\]"):
+    jax.block_until_ready(call(good, model=model[:4] + (jnp.ones((2, 5)),) + model[5:], **step))

@@ -130,8 +130,8 @@ def test_vector_layouts_are_pinned():
   assert dec.names["operands"] == _OPERANDS
   assert dec.names["results"] == ("out", "k_cache", "v_cache", "logits", "next_tokens",
                                   "workspace")
-  assert dec.names["weights"] == _OPERANDS[3:-7]
-  assert dec.names["model_operands"] == _OPERANDS[-5:]
+  assert dec.names["weights"] == _OPERANDS[3:-8]
+  assert dec.names["model_operands"] == _OPERANDS[-6:]
   assert dec.names["weight_flags"] == (("always",) * 9 + ("qkv_bias",) * 3 + ("qk_norm",) * 2
                                       + ("quantized",) * 7)
   assert dec.names["weight_kinds"] == (("model",) + ("matrix",) * 4 + ("model",)
@@ -580,7 +580,7 @@ _CFG = DecoderConfig(num_layers=1, hidden_size=16, num_heads=2, num_kv_heads=1, 
 _B = 4
 _WEIGHTS = DecoderWeights._fields
 _OPERANDS = ("x", "positions", "rope_inv_freq", *_WEIGHTS, "k_cache", "v_cache", "tokens", "embed",
-             "final_norm", "lm_head", "sample_key")
+             "final_norm", "lm_head", "lm_head_scale", "sample_key")
 _CACHE_ALIASES = {_OPERANDS.index("k_cache"): 1, _OPERANDS.index("v_cache"): 2}
 
 
@@ -613,7 +613,7 @@ def _dec_operands(device, seed=3):
   D = _CFG.hidden_size
   ops.update(tokens=np.zeros((0,), np.int32), embed=np.zeros((0, D), np.float32),
              final_norm=np.zeros((0,), np.float32), lm_head=np.zeros((0, D), np.float32),
-             sample_key=np.zeros((0,), np.uint32))
+             lm_head_scale=np.zeros((0,), np.float32), sample_key=np.zeros((0,), np.uint32))
   return ops
 
 

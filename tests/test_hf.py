@@ -467,6 +467,10 @@ def test_hf_model_logits_close_to_unquantized(tmp_path, arch, dtype, quantizatio
   direct = jaxfuse.quantize(model, quantization)
   for a, b in zip(jax.tree.leaves(quantized), jax.tree.leaves(direct)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert quantized.head_quantized
+  if quantization == "fp8":  # (the option, once: it only forwards head=)
+    kept = jaxfuse.load_hf(tmp_path, quantize=quantization, quantize_head=False)
+    assert not kept.head_quantized and kept.lm_head.dtype == model.lm_head.dtype
   tokens = np.random.default_rng(2).integers(0, model.vocab_size, (4, 24))
   want, got = teacher_forced_logits(model, tokens), teacher_forced_logits(quantized, tokens)
   err = np.abs(got - want).max() / np.abs(want).max()

@@ -64,11 +64,22 @@ def test_error_within_the_format_bound(quantization, dtype):
   assert amax[0, 3] == 0 and f32(scale)[0, 3] == 1.0
 
 
+@pytest.mark.parametrize("quantization", FORMATS)
+def test_head_scales_are_per_row(quantization):
+  """The LM head [V, D] gets a scale per row: the codes and scales of its transpose's columns."""
+  w = jnp.asarray(heavy_tailed(np.random.default_rng(4), (30, 48)), jnp.bfloat16)
+  q, scale = quantize_matrix(w, quantization, -1)
+  q_t, scale_t = quantize_matrix(w.T[None], quantization)
+  assert q.shape == w.shape and scale.shape == (30,)
+  np.testing.assert_array_equal(f32(q), f32(q_t[0]).T)
+  np.testing.assert_array_equal(f32(scale), f32(scale_t[0]))
+
+
 def test_quantize_model_keeps_the_rest():
   cfg = DecoderConfig(2, 64, 4, 2, 16, 96, 16, qkv_bias=True, qk_norm=True)
   _, w, _ = random_decoder_problem(cfg, 1, jnp.bfloat16, seed=3)
-  model = jaxfuse.DecoderModel(cfg, w, jnp.ones((50, 64), jnp.bfloat16),
-                               jnp.ones(64, jnp.bfloat16))
+  embed = jnp.asarray(np.random.default_rng(3).standard_normal((50, 64)), jnp.bfloat16)
+  model = jaxfuse.DecoderModel(cfg, w, embed, jnp.ones(64, jnp.bfloat16))
   q = jaxfuse.quantize(model, "fp8")
   assert q.config == dataclasses.replace(cfg, quantization="fp8") and q.config.quantized
   for name in MATRICES:
@@ -77,6 +88,37 @@ def test_quantize_model_keeps_the_rest():
   for name in ("attn_norm", "mlp_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"):
     assert getattr(q.layers, name) is getattr(w, name)
   assert q.embed is model.embed and q.final_norm is model.final_norm
+  # The tied head becomes its own fp8 rows; head=False keeps it tied, in bf16.
+  rows, scale = quantize_matrix(embed, "fp8", -1)
+  assert q.head_quantized and not q.tied
+  np.testing.assert_array_equal(f32(q.lm_head), f32(rows))
+  np.testing.assert_array_equal(f32(q.lm_head_scale), f32(scale))
+  kept = jaxfuse.quantize(model, "fp8", head=False)
+  assert kept.tied and not kept.head_quantized and kept.layers.wq.dtype == jnp.float8_e4m3fn
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+def test_head_error_within_the_format_bound(quantization):
+  """Each logit of the quantized head is within the sum over d of |input[d]| times its weight's
+  bound (test_error_within_the_format_bound's), plus fp32 summation rounding."""
+  cfg = DecoderConfig(1, 64, 4, 2, 16, 96, 16)
+  _, w, _ = random_decoder_problem(cfg, 1, jnp.float32, seed=5)
+  rng = np.random.default_rng(6)
+  model = jaxfuse.DecoderModel(cfg, w, jnp.asarray(rng.standard_normal((40, 64)), jnp.float32),
+                               jnp.asarray(1 + 0.1 * rng.standard_normal(64), jnp.float32),
+                               jnp.asarray(heavy_tailed(rng, (40, 64)), jnp.float32))
+  q = jaxfuse.quantize(model, quantization)
+  h = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+  a = np.abs(f32(jaxfuse._decoder._ref_rmsnorm(h, model.final_norm, cfg.rms_norm_eps)))
+  head, s = f32(model.lm_head), f32(q.lm_head_scale)[:, None]
+  if quantization == "int8":
+    bound = np.broadcast_to(s / 2, head.shape)
+  else:
+    bound = np.maximum(np.abs(head) * 2.0**-4, s * 2.0**-10)
+  err = np.abs(f32(q.logits(h)) - f32(model.logits(h)))
+  rounding = 1e-5 * (a @ np.abs(head).T)
+  assert np.all(err <= a @ bound.T * (1 + 2.0**-20) + rounding)
+  assert np.max(err) > 0  # (the head did change)
 
 
 # ---- the kernel against the reference, on the same quantized weights ---------------------------
@@ -140,6 +182,31 @@ def test_every_fp8_code(device):
   assert rel_err(fused(x, pos, w, cache, cfg)[0], reference(x, pos, w, cache, cfg)[0]) < 1e-4
 
 
+# The whole-model step with the head quantized too (a tied head quantized into its own rows): the
+# kernel's logits and draws against the reference's on the same weights.
+@pytest.mark.parametrize("quantization,dtype,tied", [("int8", jnp.float32, True),
+                                                     ("fp8", jnp.bfloat16, False)],
+                         ids=["int8-f32-tied", "fp8-bf16-untied"])
+def test_whole_model_step_with_quantized_head(device, quantization, dtype, tied):
+  cfg = DecoderConfig(2, 64, 4, 2, 16, 96, 16)
+  _, w, _ = random_decoder_problem(cfg, 1, dtype, seed=7)
+  rng = np.random.default_rng(8)
+  rows = lambda: jnp.asarray(rng.standard_normal((70, 64)), dtype)
+  model = jaxfuse.DecoderModel(cfg, w, rows(), jnp.ones(64, dtype), None if tied else rows())
+  model = jax.device_put(jaxfuse.quantize(model, quantization), device)
+  assert model.lm_head.dtype == model.layers.wq.dtype and model.lm_head_scale.shape == (70,)
+  cache = jaxfuse.init_cache(model, 3, 16)
+  tokens = jnp.asarray([3, 69, 40], jnp.int32)
+  positions = jnp.asarray([0, 7, 15], jnp.int32)
+  got, _ = jax.jit(jaxfuse.decode_step)(model, tokens, positions, cache)
+  want, _ = jaxfuse.decode_step(model, tokens, positions, cache, decoder="reference")
+  assert rel_err(got, want) < DECODER_TOL[dtype]
+  cfg = jaxfuse._generation._cache_config(model, cache)
+  _, drawn, _, _ = jax.jit(jaxfuse._generation._model_step, static_argnums=(1, 5))(
+      model, cfg, tokens, positions, cache, 0.0, jnp.zeros(2, jnp.uint32))
+  np.testing.assert_array_equal(drawn, jnp.argmax(got, -1))
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 def _quantized_problem():
@@ -188,6 +255,32 @@ def test_bad_quantize_calls():
     jaxfuse.quantize(w, "int8")
   with pytest.raises(ValueError, match="load_hf: quantize must be None, 'int8' or 'fp8'"):
     jaxfuse.load_hf("/nonexistent", quantize="int4")
+
+
+def test_bad_quantized_heads():
+  cfg = DecoderConfig(1, 64, 4, 2, 16, 96, 16)
+  _, w, _ = random_decoder_problem(cfg, 1, jnp.bfloat16, seed=2)
+  embed = jnp.asarray(np.random.default_rng(2).standard_normal((30, 64)), jnp.bfloat16)
+  model = jaxfuse.DecoderModel(cfg, w, embed, jnp.ones(64, jnp.bfloat16))
+  q = jaxfuse.quantize(model, "int8")
+  step = lambda m: jaxfuse.decode_step(m, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                                       jaxfuse.init_cache(m, 1, 4))
+  with pytest.raises(ValueError, match="model.lm_head_scale is given but the layers are not "
+                                       "quantized"):
+    step(dataclasses.replace(q, config=cfg, layers=w))
+  with pytest.raises(ValueError, match="model.lm_head_scale is given but model.lm_head is None"):
+    step(dataclasses.replace(q, lm_head=None))
+  with pytest.raises(TypeError, match=r"model.lm_head has dtype bfloat16, expected int8 \(the "
+                                      r"quantized head takes the layers' format"):
+    step(dataclasses.replace(q, lm_head=embed))
+  with pytest.raises(ValueError, match=r"model.lm_head_scale is float32\[29\], expected "
+                                       r"float32\[30\]"):
+    step(dataclasses.replace(q, lm_head_scale=q.lm_head_scale[1:]))
+  with pytest.raises(ValueError, match="quantize: the model's LM head is already quantized"):
+    jaxfuse.quantize(q, "fp8")
+  with pytest.raises(ValueError, match=r"quantize: model.embed \(the tied LM head\) has "
+                                       r"non-finite values$"):
+    jaxfuse.quantize(dataclasses.replace(model, embed=embed.at[4, 2].set(jnp.inf)), "int8")
 
 
 def test_subnormal_fp8_codes_are_not_flushed(device):

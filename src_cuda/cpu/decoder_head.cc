@@ -66,6 +66,22 @@ JF_CPU_MULTIVERSION void head_dots(const float* a, int64_t lda, int64_t rows, co
   }
 }
 
+// n elements from `start` of the head [V, D] as fp32: load_tile's dtypes, or the int8 / fp8 codes
+// of a quantized head widened exactly (visit_dtype does not take them).
+template <DType kT>
+[[gnu::always_inline]] inline void widen(const void* head, int64_t start, int64_t n, float* out) {
+  using S = Storage<kT>;
+  const typename S::Bits* p = static_cast<const typename S::Bits*>(head) + start;
+  for (int64_t i = 0; i < n; ++i) out[i] = S::template load<float>(p[i]);
+}
+
+JF_CPU_MULTIVERSION void head_row(const void* head, DType t, int64_t start, int64_t n,
+                                  float* out) {
+  if (t == DType::kI8) return widen<DType::kI8>(head, start, n, out);
+  if (t == DType::kF8E4M3) return widen<DType::kF8E4M3>(head, start, n, out);
+  load_tile(head, t, start, n, out);
+}
+
 // Row b's sampling scores of its logits n0 .. n0 + n - 1 (SampleRule::score; the rule by value,
 // so its fields are not reloaded per element and the loop vectorizes, logs included).
 JF_CPU_MULTIVERSION void sample_scores(SampleRule rule, const float* logits, int64_t b,
@@ -95,16 +111,19 @@ void DecodeStep::lm_head() {
   // matrix product takes it.
   rmsnorm_rows(d, ws.hidden, io.final_norm, normed);
   for (int64_t i = 0; i < d.B * d.D; ++i) normed.data[i] = round_to(dtype, normed.data[i]);
+  // A quantized head's rows are widened exactly and their scales applied to the sums.
+  const DType head_dtype = io.head_scale != nullptr ? d.wdtype : dtype;
   const int64_t items = (d.V + kHeadRowsPerItem - 1) / kHeadRowsPerItem;
   parallel_for(pool_for(pool, d.B * d.V * d.D), items, [&](int64_t item) {
     std::vector<float> row(d.D), y(d.B);
     const int64_t n1 = std::min(d.V, (item + 1) * kHeadRowsPerItem);
     for (int64_t n = item * kHeadRowsPerItem; n < n1; ++n) {
-      load_tile(io.head, dtype, n * d.D, d.D, row.data());
+      head_row(io.head, head_dtype, n * d.D, d.D, row.data());
       head_dots(normed.data, normed.width, d.B, row.data(), d.D, y.data());
+      const float scale = io.head_scale != nullptr ? io.head_scale[n] : 1.0f;
       for (int64_t b = 0; b < d.B; ++b) {
         const bool valid = position_valid(position(b), d.S);
-        io.logits[b * d.V + n] = valid ? y[b] : quiet_nan_f32();
+        io.logits[b * d.V + n] = valid ? y[b] * scale : quiet_nan_f32();
       }
     }
   }, helpers_beside_caller(pool));

@@ -103,7 +103,8 @@ struct DecodeStep {
   // out = h, or NaN for rows whose position is out of range.
   void write_output();
   // The whole-model step (decoder_head.cc): h = embed[tokens[b]] (zero for a token outside the
-  // vocabulary); logits = (rmsnorm(h) * final_norm, rounded to the model's dtype) @ head^T;
+  // vocabulary); logits = (rmsnorm(h) * final_norm, rounded to the model's dtype) @ head^T,
+  // times a quantized head's row scales;
   // next_tokens = the argmax of each row's sampling scores (sampling_math.h).
   void embed_tokens();
   void lm_head();

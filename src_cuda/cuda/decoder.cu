@@ -18,6 +18,7 @@
 //                    layer: out = h, NaN rows for bad p)                   tiles
 // and in a whole-model step (decoder_head.cuh), after the last layer:
 //   HeadStage:       logits = (rmsnorm(h) * final_norm, as kT) @ head^T | all of h (last down)
+//                    (times the rows' scales when quantized)
 //   SampleStage:     next_tokens = argmax of the sampling scores         | a grid sync (all logits)
 // with EmbedStage then gathering h = embed[tokens[b]] (layer 0 waits for the embedding's h).
 //
@@ -64,12 +65,23 @@ namespace cuda_decoder {
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
-// The whole-model step's stages after the last layer. (A call instead of inlining them changes
-// the layer loop's register allocation: it spilled the f16 instances.)
-template <DType kT>
+// The LM head with weights of kH.
+template <DType kT, DType kH>
+__device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm) {
+  HeadStage<kT, kH>{p, sm}.prefetch();
+  HeadStage<kT, kH>{p, sm}.run();
+}
+
+// The whole-model step's stages after the last layer: the head in kW when it comes quantized
+// (with a quantized layer stack, whose format it shares), else in kT. (A call instead of inlining
+// them changes the layer loop's register allocation: it spilled the f16 instances.)
+template <DType kT, DType kW>
 __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
-  HeadStage<kT>{p, sm}.prefetch();
-  HeadStage<kT>{p, sm}.run();
+  if (kW != kT && p.io.head_scale != nullptr) {
+    run_head_stage<kT, kW>(p, sm);
+  } else {
+    run_head_stage<kT, kT>(p, sm);
+  }
   if (p.dims.sample) {
     cg::this_grid().sync();
     SampleStage{p, sm}.run();
@@ -93,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
     GateUpStage<kT, kW>{p, sm, layer}.run();
     DownStage<kT, kW>{p, sm, layer}.run();
   }
-  if (p.dims.model_step) run_head<kT>(p, sm);
+  if (p.dims.model_step) run_head<kT, kW>(p, sm);
 }
 
 // ---- host side ----------------------------------------------------------------------------------

@@ -13,16 +13,19 @@ constexpr int kHeadMaxRows = 8;
 constexpr int kHeadStagingBytes = int(sizeof(Smem::warp_sums));
 
 // logits[b, n] = (rmsnorm(h[b]) * final_norm, rounded to kT) . head[n] for every vocabulary row
-// n: the head is [V, hidden] (Hugging Face's [out, in]; the embedding when tied), so one warp
-// takes one row at a time, its lanes reading 16-byte vectors across it, all of a group before
-// any is used (kGroup vectors: 128 bytes a lane, 4 KB a warp in flight), and sums it against
-// every staged batch row of the pass. Rows go round-robin over every warp of the grid. The
-// inputs are rounded to kT as the reference's head takes them (jaxfuse/_model.py's logits()).
-template <DType kT>
+// n, times the row's scale when the head is quantized (kH int8 or fp8 e4m3; else kH = kT). The
+// head is [V, hidden] (Hugging Face's [out, in]; the embedding when tied), so one warp takes one
+// row at a time, its lanes reading vectors of kVec weights across it, all of a group before any
+// is used (kGroup vectors: kInFlight = 128 bytes a lane, 4 KB a warp; at most 16 vectors, so 64
+// bytes of an 8-bit head under fp32), and sums it against every staged batch row of the pass.
+// Rows go round-robin over every warp of the grid. The inputs are rounded to kT as the
+// reference's head takes them (jaxfuse/_model.py's logits()).
+template <DType kT, DType kH>
 struct HeadStage {
-  using Vector = WeightVector<kT, kT>;  // kVec elements of kT, 16 bytes
+  using Vector = WeightVector<kT, kH>;  // kVec weights of kH
+  using Inputs = WeightVector<kT, kT>;  // kVec staged inputs of kT, 16 bytes
   static constexpr int kVec = Vector::kVec;
-  static constexpr int kGroup = 8;
+  static constexpr int kGroup = kInFlight / Vector::kBytes < 16 ? kInFlight / Vector::kBytes : 16;
   static constexpr int kBytes = GemvTile<kT>::kBytes;
 
   const DecoderParams& p;
@@ -33,7 +36,7 @@ struct HeadStage {
   // The first vocabulary rows this block's warps take, asked of L2 before the stage waits for
   // the last layer.
   __device__ void prefetch() const {
-    const int64_t row_bytes = int64_t(p.dims.hidden) * kBytes;
+    const int64_t row_bytes = int64_t(p.dims.hidden) * Vector::kElementBytes;
     const int64_t first = int64_t(blockIdx.x) * kWarps;
     const int64_t rows = p.dims.vocab - first < kWarps ? p.dims.vocab - first : kWarps;
     if (rows > 0) prefetch_l2(static_cast<const char*>(p.io.head) + first * row_bytes,
@@ -76,7 +79,8 @@ struct HeadStage {
   // Vocabulary row n against the nb staged rows; lane 0 writes the logits (NaN for invalid rows).
   __device__ void row(int n, int b0, int nb, uint32_t valid) const {
     const int D = p.dims.hidden, lane = thread_index() % 32;
-    const char* weights = static_cast<const char*>(p.io.head) + int64_t(n) * D * kBytes;
+    const char* weights =
+        static_cast<const char*>(p.io.head) + int64_t(n) * D * Vector::kElementBytes;
     float acc[kHeadMaxRows] = {};
     for (int k0 = 0; k0 < D; k0 += kGroup * 32 * kVec) {
       Vector v[kGroup];
@@ -91,10 +95,11 @@ struct HeadStage {
         if (k < D) accumulate(v[g], k, nb, acc);
       }
     }
+    const float scale = kH == kT ? 1.0f : __ldg(p.io.head_scale + n);
 #pragma unroll
     for (int bb = 0; bb < kHeadMaxRows; ++bb) {
       if (bb < nb) {
-        const float y = warp_sum(acc[bb]);
+        const float y = warp_sum(acc[bb]) * scale;
         if (lane == 0) {
           const bool ok = (valid >> bb) & 1u;
           ws_store(p.io.logits + int64_t(b0 + bb) * p.dims.vocab + n, ok ? y : quiet_nan_f32());
@@ -110,7 +115,7 @@ struct HeadStage {
 #pragma unroll
     for (int bb = 0; bb < kHeadMaxRows; ++bb) {
       if (bb < nb) {
-        const Vector in{*reinterpret_cast<const typename Vector::Raw*>(
+        const Inputs in{*reinterpret_cast<const typename Inputs::Raw*>(
             staged() + (int64_t(bb) * p.dims.hidden + k) * kBytes)};
 #pragma unroll
         for (int e = 0; e < kVec; ++e) acc[bb] += wf[e] * in.at(e);

@@ -17,11 +17,13 @@
 //   int8 or float8_e4m3fn (weight-only quantization: y[n] = scale[n] * sum_k a[k] * W[k, n]).
 //   Then the whole-model step's operands (attribute model_step; else each empty): tokens s32[B]
 //   (x is then T[B, 0]: the step starts from embed[tokens[b]]), embed T[V, D], final_norm T[D],
-//   lm_head T[V, D] (T[0, D] when tied to embed), and sample_key u32[2] (attribute sample: the
-//   jax.random key data the next tokens are drawn with; else u32[0]).
+//   lm_head T[V, D] (T[0, D] when tied to embed) or, quantized, W[V, D] with lm_head_scale
+//   f32[V] (only with `quantized`: the matrices' format, a scale per vocabulary row; else
+//   f32[0]), and sample_key u32[2] (attribute sample: the jax.random key data the next tokens
+//   are drawn with; else u32[0]).
 // Results, in kDecoderResults order: out T[B, D]; k_cache and v_cache, aliased to their operands
 //   (updated in place at [l, b, positions[b]]); logits f32[B, V] (model_step; else f32[B, 0]):
-//   rmsnorm(out) * final_norm, rounded to T, times the head's rows; next_tokens s32[B] (sample;
+//   rmsnorm(out) * final_norm, rounded to T, times the head's rows (and their scales); next_tokens s32[B] (sample;
 //   else s32[0]): argmax of the logits (temperature 0) or a draw from softmax(logits /
 //   temperature) (sampling_math.h); workspace u8[decoder_layout(...).total]: fp32 activations,
 //   partial sums and counters.
@@ -339,7 +341,8 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
 // Operand and result names in call order; a name in both lists is updated in place.
 inline constexpr const char* kDecoderOperands[] = {
     "x", "positions", "rope_inv_freq", JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_NAME)
-    "k_cache", "v_cache", "tokens", "embed", "final_norm", "lm_head", "sample_key"};
+    "k_cache", "v_cache", "tokens", "embed", "final_norm", "lm_head", "lm_head_scale",
+    "sample_key"};
 inline constexpr const char* kDecoderResults[] = {"out",    "k_cache",     "v_cache",
                                                   "logits", "next_tokens", "workspace"};
 inline constexpr const char* kDecoderWeightFlags[] = {
@@ -412,11 +415,13 @@ struct DecoderBuffers {
   const float* rope_inv_freq;  // [hd/2]
   DecoderWeights weights;
   // The whole-model step's (model_step; else null): tokens [B], embed [V, D], final_norm [D],
-  // the head [V, D] (lm_head, or embed when tied).
+  // the head [V, D] (lm_head, or embed when tied), and a quantized head's row scales [V] (null
+  // when the head is in the model's dtype).
   const int32_t* tokens;
   const void* embed;
   const void* final_norm;
   const void* head;
+  const float* head_scale;
   const uint32_t* sample_key;  // [2] (sample)
   void* k_cache;               // the results (aliased to the operands)
   void* v_cache;
@@ -556,28 +561,48 @@ inline ffi::Error check_caches(const DecoderDims& d, const ffi::AnyBuffer& k_cac
   return ffi::Error::Success();
 }
 
+// The LM head's operands: lm_head [V, D] or [0, D] (tied) in the model's dtype and
+// lm_head_scale [0]; or, quantized (lm_head_scale [V], only with quantized layers: their
+// kernels' format), lm_head [V, D] in the matrices' dtype. Sets *quantized.
+inline ffi::Error check_head(const DecoderDims& d, const ffi::AnyBuffer& lm_head,
+                             const ffi::AnyBuffer& lm_head_scale, bool* quantized) {
+  const auto scale_dims = lm_head_scale.dimensions();
+  *quantized = scale_dims.size() == 1 && scale_dims[0] != 0;
+  if (*quantized && !d.quantized) {
+    return invalid_argument("lm_head_scale is given but the layers are not quantized (a "
+                            "quantized LM head takes the layer matrices' int8 or fp8 format)");
+  }
+  if (*quantized) {
+    JF_RETURN_IF_ERROR(check_buffer("lm_head", lm_head, d.wdtype, {d.V, d.D}));
+    return check_buffer("lm_head_scale", lm_head_scale, DType::kF32, {d.V});
+  }
+  const bool tied = lm_head.dimensions().size() == 2 && lm_head.dimensions()[0] == 0;
+  JF_RETURN_IF_ERROR(check_buffer("lm_head", lm_head, d.dtype, {tied ? 0 : d.V, d.D}));
+  return check_buffer("lm_head_scale", lm_head_scale, DType::kF32, {0});
+}
+
 // The whole-model step's operands and results: with model_step, tokens [B], embed [V, D] (V >= 1
-// from its shape), final_norm [D], lm_head [V, D] or [0, D] (tied), logits [B, V]; with sample,
-// sample_key [2] and next_tokens [B]; the rest empty. Sets d->V.
+// from its shape), final_norm [D], the head (check_head), logits [B, V]; with sample,
+// sample_key [2] and next_tokens [B]; the rest empty. Sets d->V and *head_quantized.
 inline ffi::Error check_model_step(DecoderDims* d, const TokensBuffer& tokens,
                                    const ffi::AnyBuffer& embed, const ffi::AnyBuffer& final_norm,
                                    const ffi::AnyBuffer& lm_head,
+                                   const ffi::AnyBuffer& lm_head_scale,
                                    const SampleKeyBuffer& sample_key,
                                    const ffi::AnyBuffer& logits,
-                                   const ffi::AnyBuffer& next_tokens) {
+                                   const ffi::AnyBuffer& next_tokens, bool* head_quantized) {
   const auto embed_dims = embed.dimensions();
   d->V = d->model_step && embed_dims.size() == 2 ? embed_dims[0] : 0;
   if (d->model_step && (d->V < 1 || d->V >= INT32_MAX)) {
     return invalid_argument("embed must have shape [V, ", d->D, "] with 1 <= V < ", INT32_MAX);
   }
   const int64_t step = d->model_step ? 1 : 0, sampled = d->sample ? 1 : 0;
-  const bool tied = lm_head.dimensions().size() == 2 && lm_head.dimensions()[0] == 0;
   if (tokens.dimensions().size() != 1 || tokens.dimensions()[0] != step * d->B) {
     return invalid_argument("tokens must have shape [", step * d->B, "]");
   }
   JF_RETURN_IF_ERROR(check_buffer("embed", embed, d->dtype, {d->V, d->D}));
   JF_RETURN_IF_ERROR(check_buffer("final_norm", final_norm, d->dtype, {step * d->D}));
-  JF_RETURN_IF_ERROR(check_buffer("lm_head", lm_head, d->dtype, {tied ? 0 : d->V, d->D}));
+  JF_RETURN_IF_ERROR(check_head(*d, lm_head, lm_head_scale, head_quantized));
   if (sample_key.dimensions().size() != 1 || sample_key.dimensions()[0] != 2 * sampled) {
     return invalid_argument("sample_key must have shape [", 2 * sampled, "]");
   }
@@ -614,6 +639,7 @@ struct DecoderOp {
         .template Arg<ffi::AnyBuffer>()   // embed
         .template Arg<ffi::AnyBuffer>()   // final_norm
         .template Arg<ffi::AnyBuffer>()   // lm_head
+        .template Arg<ffi::AnyBuffer>()   // lm_head_scale
         .template Arg<SampleKeyBuffer>()  // sample_key
         .template Ret<ffi::AnyBuffer>()   // out
         .template Ret<ffi::AnyBuffer>()   // k_cache (aliased)
@@ -631,7 +657,8 @@ struct DecoderOp {
                            JAXFUSE_DECODER_WEIGHTS(JF_DECODER_WEIGHT_PARAM)
                            ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, TokensBuffer tokens,
                            ffi::AnyBuffer embed, ffi::AnyBuffer final_norm,
-                           ffi::AnyBuffer lm_head, SampleKeyBuffer sample_key,
+                           ffi::AnyBuffer lm_head, ffi::AnyBuffer lm_head_scale,
+                           SampleKeyBuffer sample_key,
                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> k_out,
                            ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer> logits,
                            ffi::Result<ffi::AnyBuffer> next_tokens,
@@ -661,8 +688,9 @@ struct DecoderOp {
     JF_RETURN_IF_ERROR(check_weights(d, weights));
     JF_RETURN_IF_ERROR(check_caches(d, k_cache, v_cache, *k_out, *v_out));
     JF_RETURN_IF_ERROR(check_buffer("out", *out, d.dtype, {d.B, d.D}));
-    JF_RETURN_IF_ERROR(check_model_step(&d, tokens, embed, final_norm, lm_head, sample_key,
-                                        *logits, *next_tokens));
+    bool head_quantized = false;
+    JF_RETURN_IF_ERROR(check_model_step(&d, tokens, embed, final_norm, lm_head, lm_head_scale,
+                                        sample_key, *logits, *next_tokens, &head_quantized));
     // Exactly the layout's size (Python sizes it from the same decoder_layout()).
     const int64_t need = decoder_layout(d).total;
     if (workspace->dimensions().size() != 1 || workspace->dimensions()[0] != need) {
@@ -683,6 +711,7 @@ struct DecoderOp {
       b.embed = embed.untyped_data();
       b.final_norm = final_norm.untyped_data();
       b.head = lm_head.element_count() ? lm_head.untyped_data() : embed.untyped_data();
+      if (head_quantized) b.head_scale = static_cast<const float*>(lm_head_scale.untyped_data());
       b.logits = static_cast<float*>(logits->untyped_data());
     }
     if (d.sample) {
@@ -712,7 +741,8 @@ struct DecoderOp {
     c.names["f32_attrs"] = {"rms_norm_eps"};
     c.names["bool_attrs"] = {"qkv_bias", "qk_norm", "quantized"};
     // The whole-model step's operands (after the caches) and attributes (not config fields).
-    c.names["model_operands"] = {"tokens", "embed", "final_norm", "lm_head", "sample_key"};
+    c.names["model_operands"] = {"tokens",  "embed",         "final_norm",
+                                 "lm_head", "lm_head_scale", "sample_key"};
     c.names["step_bool_attrs"] = {"model_step", "sample"};
     c.names["step_f32_attrs"] = {"temperature"};
     // workspace(batch=, dtype_bytes=, <size attrs>=) -> numbers["bytes"]
