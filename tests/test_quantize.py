@@ -207,6 +207,32 @@ def test_whole_model_step_with_quantized_head(device, quantization, dtype, tied)
   np.testing.assert_array_equal(drawn, jnp.argmax(got, -1))
 
 
+def test_every_fp8_code_of_a_head(device):
+  """A head whose row v holds fp8 code v at one column (all 254 finite codes, subnormals and both
+  zeros included; scales 1): each logit is one input times one code's value, in the kernel's
+  widening as in XLA's. A widening that flushes subnormal floats (the CPU's denormals-are-zero
+  mode) would write zeros for the 14 subnormal codes."""
+  cfg = DecoderConfig(1, 64, 4, 2, 16, 64, 8)
+  _, w, _ = random_decoder_problem(cfg, 1, jnp.float32, seed=9)
+  rng = np.random.default_rng(9)
+  codes = np.setdiff1d(np.arange(256, dtype=np.uint8), [0x7f, 0xff])
+  rows = np.zeros((codes.size, 64), np.uint8)
+  rows[np.arange(codes.size), np.arange(codes.size) % 64] = codes
+  model = jaxfuse.DecoderModel(cfg, w, jnp.asarray(rng.standard_normal((codes.size, 64)),
+                                                   jnp.float32), jnp.ones(64, jnp.float32))
+  model = jaxfuse.quantize(model, "fp8", head=False)
+  model = dataclasses.replace(model, lm_head=jnp.asarray(rows.view(jnp.float8_e4m3fn)),
+                              lm_head_scale=jnp.ones(codes.size, jnp.float32))
+  model = jax.device_put(model, device)
+  cache = jaxfuse.init_cache(model, 2, 8)
+  tokens, positions = jnp.asarray([5, 200], jnp.int32), jnp.asarray([0, 3], jnp.int32)
+  got, _ = jax.jit(jaxfuse.decode_step)(model, tokens, positions, cache)
+  want, _ = jaxfuse.decode_step(model, tokens, positions, cache, decoder="reference")
+  subnormal = (codes & 0x78) == 0
+  assert np.all(f32(want)[:, subnormal & (codes & 7 != 0)] != 0)
+  np.testing.assert_allclose(f32(got), f32(want), rtol=1e-4, atol=0)
+
+
 # ---- errors -------------------------------------------------------------------------------------
 
 def _quantized_problem():

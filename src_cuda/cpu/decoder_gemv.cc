@@ -144,24 +144,6 @@ struct F8Strip : InterleavedStrip<V, 4> {
   }
 };
 
-#if defined(__x86_64__)
-// Float subnormal inputs read as such in this scope: XLA's CPU threads run with MXCSR's
-// denormals-are-zero bit set, which would read F8Strip's subnormal codes as 0. Restored on exit.
-class SubnormalInputs {
- public:
-  static constexpr unsigned kDenormalsAreZero = 1u << 6;
-  SubnormalInputs() : saved_(__builtin_ia32_stmxcsr()) {
-    __builtin_ia32_ldmxcsr(saved_ & ~kDenormalsAreZero);
-  }
-  ~SubnormalInputs() { __builtin_ia32_ldmxcsr(saved_); }
-  SubnormalInputs(const SubnormalInputs&) = delete;
-  SubnormalInputs& operator=(const SubnormalInputs&) = delete;
-
- private:
-  unsigned saved_;
-};
-#endif
-
 // The first `cols` columns widened one at a time, the rest zero, in kVectors vectors: float16
 // (rare as decoder weights; its widening has no cheap vector form below F16C) and the last,
 // partial strip of every dtype when N is not a multiple of the strip (so no load reads past a

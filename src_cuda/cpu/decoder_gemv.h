@@ -36,6 +36,25 @@ constexpr int64_t kPassRows = 16;
 // costs more than it saves for small models.
 constexpr int64_t kMinParallelWork = int64_t(1) << 17;
 
+#if defined(__x86_64__)
+// Float subnormal inputs read as such in this scope: XLA's CPU threads run with MXCSR's
+// denormals-are-zero bit set, which would read the fp8 widenings' subnormal codes (F8Strip's in
+// decoder_gemv.cc, the LM head's in decoder_head.cc) as 0. Restored on exit.
+class SubnormalInputs {
+ public:
+  static constexpr unsigned kDenormalsAreZero = 1u << 6;
+  SubnormalInputs() : saved_(__builtin_ia32_stmxcsr()) {
+    __builtin_ia32_ldmxcsr(saved_ & ~kDenormalsAreZero);
+  }
+  ~SubnormalInputs() { __builtin_ia32_ldmxcsr(saved_); }
+  SubnormalInputs(const SubnormalInputs&) = delete;
+  SubnormalInputs& operator=(const SubnormalInputs&) = delete;
+
+ private:
+  unsigned saved_;
+};
+#endif
+
 inline ffi::ThreadPool* pool_for(ffi::ThreadPool* pool, int64_t work) {
   return work >= kMinParallelWork ? pool : nullptr;
 }
