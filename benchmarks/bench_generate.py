@@ -2,7 +2,8 @@
 jaxfuse.generate's tokens per second, side by side with plain XLA.
 
 Step (one token per batch row, every row at position context - 1, cache donated, sampling at
-temperature 0.8 with the step's key):
+temperature 0.8 with the step's key; each function timed in interleaved rounds, the median
+reported):
   jaxfuse:       one jaxfuse_decoder call for the whole model (jaxfuse.decode_step's path with the
                  draw): embedding gather, every layer, final norm, LM head and the draw;
   layers+XLA:    the layers in the kernel (jaxfuse.persistent_decoder), the embedding, final
@@ -48,18 +49,18 @@ TEMPERATURE = 0.8
 def plan(args, on_gpu):
   if on_gpu:
     p = dict(base=LLAMA_1B_LAYERS, vocab=128256, batches=[1, 4, 16], context=1024,
-             steps=args.steps or 50, warmup=5, new_tokens=128, gen_batches=[1, 16],
+             steps=args.steps or 20, warmup=3, rounds=3, new_tokens=128, gen_batches=[1, 16],
              title="Llama-3.2-1B (16 x D2048, 32/8 heads, hd 64, I 8192, vocab 128256 tied), bf16",
              copy_bytes=1 << 30)
   else:
     p = dict(base=dict(num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, head_dim=64,
                        intermediate_size=1536), vocab=32000, batches=[1, 4, 16], context=128,
-             steps=args.steps or 10, warmup=2, new_tokens=32, gen_batches=[1, 4],
+             steps=args.steps or 10, warmup=2, rounds=5, new_tokens=32, gen_batches=[1, 4],
              title="4 x D512, 8/2 heads, hd 64, I 1536, vocab 32000 tied, bf16",
              copy_bytes=1 << 28)
   if args.quick:
-    p.update(batches=[1, 16], steps=args.steps or (20 if on_gpu else 3), gen_batches=[1],
-             new_tokens=p["new_tokens"] // 2)
+    p.update(batches=[1, 16], steps=args.steps or (10 if on_gpu else 3), rounds=2,
+             gen_batches=[1], new_tokens=p["new_tokens"] // 2)
   return p
 
 
@@ -115,6 +116,7 @@ def steps(model):
 
 
 def time_step(fn, tokens, positions, cache, n, warmup):
+  """Seconds per step of n steps after warmup ones, and the cache to go on with (donated)."""
   key = jax.random.key(0)
   for i in range(warmup):
     tokens, cache = fn(tokens, positions, cache, jax.random.fold_in(key, i))
@@ -123,7 +125,7 @@ def time_step(fn, tokens, positions, cache, n, warmup):
   for i in range(n):
     tokens, cache = fn(tokens, positions, cache, jax.random.fold_in(key, i))
   jax.block_until_ready((tokens, cache))
-  return (time.perf_counter() - t0) / n
+  return (time.perf_counter() - t0) / n, cache
 
 
 def measure_steps(model, bf16_head, p, device, copy_gbs):
@@ -133,16 +135,20 @@ def measure_steps(model, bf16_head, p, device, copy_gbs):
   for B in p["batches"]:
     tokens = jax.device_put(jnp.arange(B, dtype=jnp.int32) * 7 % p["vocab"], device)
     positions = jax.device_put(jnp.full((B,), p["context"] - 1, jnp.int32), device)
-    times = {}
     fns = steps(model)
     if bf16_head is not None:
       fns["jaxfuse, bf16 head"] = steps(bf16_head)["jaxfuse"]
-    for name, fn in fns.items():
-      with jax.default_device(device):
-        cache = jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
-                                         for v in (0.5, 1.0))), device)
-      times[name] = time_step(fn, tokens, positions, cache, p["steps"], p["warmup"])
-      log(f"  batch {B} {name:18s} {times[name] * 1e3:8.3f} ms/step")
+    caches = {name: jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
+                                             for v in (0.5, 1.0))), device) for name in fns}
+    rounds = {name: [] for name in fns}
+    for _ in range(p["rounds"]):  # interleaved: the machine's speed drifts between rounds
+      for name, fn in fns.items():
+        t, caches[name] = time_step(fn, tokens, positions, caches[name], p["steps"],
+                                    p["warmup"])
+        rounds[name].append(t)
+    times = {name: float(np.median(r)) for name, r in rounds.items()}
+    for name, t in times.items():
+      log(f"  batch {B} {name:18s} {t * 1e3:8.3f} ms/step")
     kv_bytes = cfg.num_layers * B * p["context"] * cfg.kv_dim * 2 * 2
     gbs = (weight_bytes + kv_bytes) / times["jaxfuse"] / 1e9
     bf16_head_ms = times.get("jaxfuse, bf16 head", float("nan")) * 1e3
@@ -181,15 +187,17 @@ def table(step_rows, gen_rows, p, device, copy_gbs):
       f"### whole-model decode step and generate, {p['title']}{weights}",
       f"device: {device.device_kind} ({device.platform}); copy bandwidth measured here "
       f"{copy_gbs:.1f} GB/s; context {p['context']}; sampling at temperature {TEMPERATURE}; "
-      f"cache donated; {p['steps']} timed steps",
+      f"cache donated; medians of {p['rounds']} interleaved rounds of {p['steps']} steps",
       "",
       "| batch | jaxfuse ms/step | layers+XLA ms/step | plain XLA ms/step | vs plain | tokens/s | "
-      "GB read | jaxfuse GB/s | % of copy BW |" + (" jaxfuse, bf16 head ms/step |" if quantized else ""),
+      "GB read | jaxfuse GB/s | % of copy BW |"
+      + (" jaxfuse, bf16 head ms/step |" if quantized else ""),
       "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if quantized else ""),
   ]
   for r in step_rows:
     lines.append(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.2f}x | {r[5]:.0f} | "
-                 f"{r[6]:.3f} | {r[7]:.1f} | {r[8]:.0f}% |" + (f" {r[9]:.3f} |" if quantized else ""))
+                 f"{r[6]:.3f} | {r[7]:.1f} | {r[8]:.0f}% |"
+                 + (f" {r[9]:.3f} |" if quantized else ""))
   lines += ["", "| generate batch | new tokens | jaxfuse tokens/s | plain XLA tokens/s | speedup |",
             "|---:|---:|---:|---:|---:|"]
   for r in gen_rows:

@@ -83,10 +83,10 @@ def check_decoders(params: Params, cfg: ModelConfig, tokens) -> dict[str, float]
 
 
 def quantized_accuracy(params: Params, cfg: ModelConfig, tokens) -> dict[str, dict[str, float]]:
-  """The trained model in bf16 and with its layers' matrices in int8 and fp8 (jaxfuse.quantize),
-  each teacher-forced through the persistent decoder (one `jaxfuse.decode_step` per position)
-  over `tokens` [B, T]. Returns per mode the next-byte loss (nats), its perplexity and the
-  fraction of positions whose argmax equals bf16's."""
+  """The trained model in bf16 and with its matrices and LM head in int8 and fp8
+  (jaxfuse.quantize), each teacher-forced through the persistent decoder (one
+  `jaxfuse.decode_step` per position) over `tokens` [B, T]. Returns per mode the next-byte loss
+  (nats), its perplexity and the fraction of positions whose argmax equals bf16's."""
   tokens = jnp.asarray(tokens, jnp.int32)
   B, T = tokens.shape
   bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), decoder_model(params, cfg, T))

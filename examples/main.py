@@ -10,9 +10,9 @@ plain-JAX reference decoder.
   3. decode  a batch of prompts with jaxfuse.generate: prefill and a jitted while_loop of
              decoder steps in one call (generate.py), timed: tokens/s with the persistent decoder
              and with decoder_reference, texts compared.
-  4. quantize the model in bf16 and with int8 / fp8 matrices (jaxfuse.quantize) through the
-             persistent decoder on validation text: perplexity, and how often each picks bf16's
-             next byte.
+  4. quantize the model in bf16 and with int8 / fp8 matrices and LM head (jaxfuse.quantize)
+             through the persistent decoder on validation text: perplexity, and how often each
+             picks bf16's next byte.
 
     python3 examples/main.py            # ~4 minutes on a 2-core CPU (default device: GPU if any)
     python3 examples/main.py --quick    # under a minute
@@ -85,7 +85,8 @@ def check_model(params, cfg, corpus) -> None:
 
 
 def check_quantized(params, cfg, corpus) -> dict[str, dict[str, float]]:
-  """4. The model with quantized matrices on 16 validation windows, against itself in bf16."""
+  """4. The model with quantized matrices and LM head on 16 validation windows, against itself in
+  bf16."""
   windows = np.frombuffer(corpus[-16 * cfg.max_seq_len:], np.uint8).reshape(16, cfg.max_seq_len)
   quantized = quantized_accuracy(params, cfg, windows)
   base = quantized["bf16"]["perplexity"]

@@ -532,8 +532,8 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
   ``first`` is x [B, D] (``head`` None: the layers alone), or the tokens [B] of a whole-model
   step, whose ``model`` holds the operands ``head.operands()`` names: embed and final_norm, then
   lm_head unless the head is tied, its row scales when it is quantized, and the sample key's data
-  u32[2] when it samples. ``w`` holds None for the optional weights ``cfg``
-  does not use; ``inv_freq`` is cfg.rope_inv_freq(). Operands and results are matched to the
+  u32[2] when it samples. ``w`` holds None for the optional weights ``cfg`` does not use;
+  ``inv_freq`` is cfg.rope_inv_freq(). Operands and results are matched to the
   call's slots by name, in the contract's order; the cache operands alias the cache results, and
   the workspace result is dropped. Sharded operands split over the batch (the rows, the caches'
   batch axis; weights replicated): each device decodes its own rows into its own part of the

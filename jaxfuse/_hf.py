@@ -165,8 +165,8 @@ def load_hf(path, dtype=None, *, max_seq_len: int | None = None,
 
   Returns:
     The :class:`~jaxfuse.DecoderModel`, weights on the default device; ``lm_head`` is None when
-    config.json ties it to the embedding (unless the head is quantized); ``stop_tokens`` are the ``eos_token_id`` of
-    generation_config.json, else of config.json.
+    config.json ties it to the embedding (unless the head is quantized); ``stop_tokens`` are the
+    ``eos_token_id`` of generation_config.json, else of config.json.
 
   Raises:
     FileNotFoundError: the folder, config.json, the weights or a listed shard is missing.

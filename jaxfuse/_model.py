@@ -5,10 +5,10 @@ final RMSNorm and LM head.
 (:class:`~jaxfuse.DecoderWeights`): the token embedding ``embed`` [V, D], the final norm weight
 ``final_norm`` [D] and the LM head ``lm_head`` [V, D] (Hugging Face's ``[out, in]`` layout), or
 None when the head is tied to the embedding; a quantized model's head may be int8 or fp8 with a
-scale per vocabulary row (``lm_head_scale``, :func:`jaxfuse.quantize`). It is a pytree (the config and the stop tokens are
-static metadata), so it passes through ``jax.jit`` as one argument. ``config.max_seq_len`` is the
-longest sequence the model supports (its ``max_position_embeddings``); the KV cache of a
-generation may be shorter.
+scale per vocabulary row (``lm_head_scale``, :func:`jaxfuse.quantize`). It is a pytree (the
+config and the stop tokens are static metadata), so it passes through ``jax.jit`` as one
+argument. ``config.max_seq_len`` is the longest sequence the model supports (its
+``max_position_embeddings``); the KV cache of a generation may be shorter.
 
 :func:`jaxfuse.load_hf` builds one from a Hugging Face checkpoint; :func:`jaxfuse.generate` and
 :func:`jaxfuse.decode_step` run it.

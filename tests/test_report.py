@@ -185,6 +185,13 @@ def test_decoder_step():
   new_rows = 2 * cfg.num_layers * 3 * cfg.num_kv_heads * cfg.head_dim * 4
   assert row.bytes_written >= x.nbytes + new_rows
   assert not r.exact
+  # A whole-model step with a head of its own (here quantized) reads B rows of the embedding.
+  model = jaxfuse.quantize(jaxfuse.DecoderModel(cfg, w, jnp.ones((500, 64)), jnp.ones(64)), "int8")
+  r = jaxfuse.report(jaxfuse.decode_step, model, positions, positions, cache)
+  row = next(row for row in r.rows if row.jaxfuse)
+  head_bytes = model.lm_head.nbytes + model.lm_head_scale.nbytes
+  floor = sum(a.nbytes for a in jax.tree.leaves(model.layers)) + cache_bytes + head_bytes
+  assert floor < row.bytes_read < floor + model.embed.nbytes / 2
 
 
 def test_abstract_arguments_and_plain_functions():

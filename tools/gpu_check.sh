@@ -21,7 +21,7 @@
 # bench_generate (the whole-model step, head and draw included, and generate's tokens/s),
 # bench_long (long prompts and contexts: the scanned prefill against the one it replaced, and
 # the decoder's time per token at contexts 1k to 32k), bench_quantized (the decoder with int8
-# and fp8 matrices beside bf16, Llama-3.2-1B layers),
+# and fp8 matrices beside bf16, Llama-3.2-1B layers; the whole int8 step, head included),
 # bench_train, profile (ncu over tools/profile_kernels.py), bench_leaves (the 1000-leaf tree with
 # XLA's command buffers off, beside bench_optim's run with them on), variants (tuning switches,
 # timed beside the default build).
@@ -215,6 +215,8 @@ stage_bench_quantized() {
   use_extension
   step bench_quantized python3 benchmarks/bench_decoder.py --quantized $Q \
     --out "$OUT/bench_quantized.md"
+  step bench_generate_int8 python3 benchmarks/bench_generate.py --quantize int8 $Q \
+    --out "$OUT/bench_generate_int8.md"
 }
 
 stage_bench_long() {

@@ -23,10 +23,10 @@
 //   are drawn with; else u32[0]).
 // Results, in kDecoderResults order: out T[B, D]; k_cache and v_cache, aliased to their operands
 //   (updated in place at [l, b, positions[b]]); logits f32[B, V] (model_step; else f32[B, 0]):
-//   rmsnorm(out) * final_norm, rounded to T, times the head's rows (and their scales); next_tokens s32[B] (sample;
-//   else s32[0]): argmax of the logits (temperature 0) or a draw from softmax(logits /
-//   temperature) (sampling_math.h); workspace u8[decoder_layout(...).total]: fp32 activations,
-//   partial sums and counters.
+//   rmsnorm(out) * final_norm, rounded to T, times the head's rows (and their scales);
+//   next_tokens s32[B] (sample; else s32[0]): argmax of the logits (temperature 0) or a draw
+//   from softmax(logits / temperature) (sampling_math.h); workspace
+//   u8[decoder_layout(...).total]: fp32 activations, partial sums and counters.
 // Attributes: the DecoderAttrs fields (the names of jaxfuse.DecoderConfig's fields, then the
 //   step's model_step, sample and temperature).
 // Python reads all of these names and the workspace size from DecoderOp::contract().
@@ -38,6 +38,7 @@
 #include <iterator>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -771,6 +772,14 @@ struct DecoderOp {
     return c;
   }
 
+  // The position of operand `name` in kDecoderOperands.
+  static size_t operand_index(std::string_view name) {
+    for (size_t i = 0; i < std::size(kDecoderOperands); ++i) {
+      if (name == kDecoderOperands[i]) return i;
+    }
+    throw std::invalid_argument(str_cat("jaxfuse_decoder has no operand ", name));
+  }
+
   // The size attributes among a contract function's arguments (the others zero).
   static DecoderAttrs contract_attrs(const std::map<std::string, int64_t>& args) {
     DecoderAttrs a{};
@@ -783,9 +792,9 @@ struct DecoderOp {
   // A memset of the stage counters and one cooperative kernel (cuda/decoder.cu); nothing for
   // an empty batch. Reads x, positions, every weight and the caches, counted as if attention
   // read every cache position (at most: it reads positions 0..p of each row), and in a
-  // whole-model step the embedding (at most: B rows of it when the head is untied) and the head;
-  // writes out, one K and V row per layer and batch row, the logits and next tokens, and the
-  // workspace (at most, its full size).
+  // whole-model step the head (lm_head and its scales, or the tied embedding) and B rows of the
+  // embedding; writes out, one K and V row per layer and batch row, the logits and next tokens,
+  // and the workspace (at most, its full size).
   static CallCost cost(const CallShape& shape) {
     CallCost c;
     const int64_t batch = shape.operands.at(1).elements();  // positions
@@ -794,6 +803,11 @@ struct DecoderOp {
     c.cuda_memsets = 1;
     c.bytes_upper_bound = true;
     c.bytes_read = CallShape::total_bytes(shape.operands);
+    const CallShape::Buffer& embed = shape.operands.at(operand_index("embed"));
+    if (shape.operands.at(operand_index("lm_head")).elements() > 0 && embed.dims.size() == 2) {
+      const int64_t gathered = std::min(embed.dims[0], batch) * embed.dims[1];
+      c.bytes_read -= (embed.elements() - gathered) * embed.element_bytes;
+    }
     const int64_t new_kv = 2 * contract_arg(shape.attrs, "num_layers") * batch *
                            contract_arg(shape.attrs, "num_kv_heads") *
                            contract_arg(shape.attrs, "head_dim") *
