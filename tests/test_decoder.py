@@ -496,7 +496,7 @@ def test_handler_validates_buffers(device):
     jax.block_until_ready(call(good, model=model, **dict(step, temperature=np.float32(-1))))
   with pytest.raises(Exception, match="sample needs model_step"):
     jax.block_until_ready(call(good, model=model, **dict(step, model_step=np.bool_(False))))
-  # A quantized head: rows in the matrices' int8, a float32 scale per row, quantized layers only.
+  # A quantized head: rows in the matrices' int8 and a float32 scale per row.
   head = (jnp.ones((V, D), jnp.int8), jnp.ones((V,), jnp.float32))
   jax.block_until_ready(call(good, model=model[:3] + head + model[5:], **step))
   with pytest.raises(Exception, match="lm_head must have dtype int8"):
