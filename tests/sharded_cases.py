@@ -287,19 +287,22 @@ def test_batch_sharded_decoder(kind):
   unsharded result, the cache keeps its sharding, nothing is gathered; heads split over
   devices is refused with an error that says what is supported. Also with int8 matrices (their
   scales replicated like every weight), and the whole-model step (jaxfuse.decode_step: tokens,
-  embedding and head in the kernel)."""
+  embedding and head in the kernel; with int8, the head's own int8 rows and scales too)."""
   for quantization in (None, "int8"):
     _check_batch_sharded_decoder(kind, quantization)
-  _check_batch_sharded_model_step(kind)
+    _check_batch_sharded_model_step(kind, quantization)
 
 
-def _check_batch_sharded_model_step(kind):
+def _check_batch_sharded_model_step(kind, quantization):
+  """A tied head; quantized (jaxfuse.quantize), its own int8 rows and their scales."""
   cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                               head_dim=16, intermediate_size=96, max_seq_len=24)
   _, w, cache = random_decoder_problem(cfg, 16, jnp.float32, 15)
   rng = np.random.default_rng(16)
   model = jaxfuse.DecoderModel(cfg, w, jnp.asarray(rng.standard_normal((40, 64)), jnp.float32),
                                jnp.ones((64,), jnp.float32))
+  if quantization is not None:
+    model = jaxfuse.quantize(model, quantization)
   tokens = jnp.asarray(rng.integers(0, 40, 16), jnp.int32)
   positions = jnp.arange(16, dtype=jnp.int32) % cfg.max_seq_len
   want, want_cache = jax.jit(jaxfuse.decode_step)(
