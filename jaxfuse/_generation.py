@@ -87,6 +87,9 @@ def _check_quantized_head(fn: str, model: DecoderModel) -> None:
     raise TypeError(f"{fn}: model.lm_head has dtype {model.lm_head.dtype}, expected {want} "
                     f"(the quantized head takes the layers' format, "
                     f"cfg.quantization={cfg.quantization!r})")
+  if not hasattr(scale, "dtype") or not hasattr(scale, "shape"):
+    raise TypeError(f"{fn}: model.lm_head_scale must be a float32 array [{model.vocab_size}], got "
+                    f"{type(scale).__name__}")
   if scale.shape != (model.vocab_size,) or jnp.dtype(scale.dtype) != jnp.float32:
     raise ValueError(f"{fn}: model.lm_head_scale is {scale.dtype}{list(scale.shape)}, expected "
                      f"float32[{model.vocab_size}] (a scale per vocabulary row)")

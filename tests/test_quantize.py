@@ -302,6 +302,9 @@ def test_bad_quantized_heads():
   with pytest.raises(ValueError, match=r"model.lm_head_scale is float32\[29\], expected "
                                        r"float32\[30\]"):
     step(dataclasses.replace(q, lm_head_scale=q.lm_head_scale[1:]))
+  with pytest.raises(TypeError, match=r"model.lm_head_scale must be a float32 array \[30\], got "
+                                      r"list"):
+    step(dataclasses.replace(q, lm_head_scale=[1.0] * 30))
   with pytest.raises(ValueError, match="quantize: the model's LM head is already quantized"):
     jaxfuse.quantize(q, "fp8")
   with pytest.raises(ValueError, match=r"quantize: model.embed \(the tied LM head\) has "
