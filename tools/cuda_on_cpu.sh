@@ -14,7 +14,8 @@
 #             so that the multi-launch and tensor-slicing paths run on small buffers
 #   suite     the whole test suite with the emulated CUDA handlers in place of the CPU ones
 #   controls  planted bugs in the real sources (a tail overrun, a wrong last-block counter, a
-#             decoder wait that ends at a group's first arrival instead of its finish, a missing
+#             decoder wait that ends at a group's first arrival instead of its finish, a GEMV
+#             group marked finished after its first batch row instead of all, a missing
 #             __syncthreads) must each make a check fail
 # Exit status 0 when every check passes and (with controls) every planted bug is caught.
 set -euo pipefail
@@ -121,11 +122,16 @@ PY
     "const int* finished = counter(i) + 1;" "const int* finished = counter(i);" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
+  control finished_at_first_row cuda/decoder_gemv.cuh \
+    "arrive_last(counter, arrivals + p.dims.batch, &sm.flag)" \
+    "arrive_last(counter, arrivals + 1, &sm.flag)" \
+    env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
   control missing_syncthreads cuda/cuda_common.cuh \
     "  if (lane == 0) scratch[warp] = v;
   __syncthreads();" "  if (lane == 0) scratch[warp] = v;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_global_norm"
-  [ "$caught" -eq 4 ] || { echo "== cuda_on_cpu: only $caught of 4 planted bugs caught"; exit 1; }
+  [ "$caught" -eq 5 ] || { echo "== cuda_on_cpu: only $caught of 5 planted bugs caught"; exit 1; }
 fi
 stamp "all passed"

@@ -91,19 +91,20 @@ __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
 // kT: the dtype of x, the caches, norms and biases; kW: the matrices' (kT, or int8 / fp8 e4m3
 // when quantized). Min blocks per SM pinned: without it ptxas may use up to 168 registers (one
 // block per SM). The O projection's first rows are asked of L2 before attention, whose items are
-// short.
+// short. Each GEMV stage gets the layer as an opaque() value: the offsets derived from it are
+// then formed in the stage, not at the layer loop's head and kept (spilled) across the others.
 template <DType kT, DType kW>
 __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
     decoder_kernel(const __grid_constant__ DecoderParams p) {
   __shared__ Smem sm;
   EmbedStage<kT>{p, sm}.run();
   for (int layer = 0; layer < p.dims.layers; ++layer) {
-    QkvStage<kT, kW>{p, sm, layer}.run();
-    OProjStage<kT, kW>{p, sm, layer}.prefetch();
+    QkvStage<kT, kW>{p, sm, opaque(layer)}.run();
+    OProjStage<kT, kW>{p, sm, opaque(layer)}.prefetch();
     AttentionStage<kT>{p, sm, layer}.run();
-    OProjStage<kT, kW>{p, sm, layer}.run();
-    GateUpStage<kT, kW>{p, sm, layer}.run();
-    DownStage<kT, kW>{p, sm, layer}.run();
+    OProjStage<kT, kW>{p, sm, opaque(layer)}.run();
+    GateUpStage<kT, kW>{p, sm, opaque(layer)}.run();
+    DownStage<kT, kW>{p, sm, opaque(layer)}.run();
   }
   if (p.dims.model_step) run_head<kT, kW>(p, sm);
 }
@@ -199,12 +200,24 @@ int gemv_splits(int blocks, int tiles, int k_rows) {
   return s;
 }
 
+// A GEMV stage of `tiles` column tiles over k_rows inputs; `paired`: tile t of its two matrices
+// is one group (gate/up).
+GemvPlan gemv_plan(int blocks, int tiles, int k_rows, int batch, bool paired) {
+  GemvPlan g;
+  g.splits = gemv_splits(blocks, tiles, k_rows);
+  g.items = tiles * g.splits;
+  g.groups = paired ? tiles / 2 : tiles;
+  g.arrivals = paired ? 2 * g.splits : g.splits;
+  g.all_items = g.items + g.groups * (batch - 1);
+  return g;
+}
+
 LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
   LaunchPlan plan;
-  plan.qkv_splits = gemv_splits(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden);
-  plan.o_proj_splits = gemv_splits(blocks, d.hidden_tiles, d.q_dim);
-  plan.gate_up_splits = gemv_splits(blocks, 2 * d.mlp_tiles, d.hidden);
-  plan.down_splits = gemv_splits(blocks, d.hidden_tiles, d.intermediate);
+  plan.qkv = gemv_plan(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden, d.batch, false);
+  plan.o_proj = gemv_plan(blocks, d.hidden_tiles, d.q_dim, d.batch, false);
+  plan.gate_up = gemv_plan(blocks, 2 * d.mlp_tiles, d.hidden, d.batch, true);
+  plan.down = gemv_plan(blocks, d.hidden_tiles, d.intermediate, d.batch, false);
   // Attention: enough splits to cover the grid, at most kDecMaxAttnSplits, >= 16 positions each.
   const int64_t items = int64_t(d.batch) * d.kv_heads * d.head_chunks;
   plan.attn_splits =
@@ -220,10 +233,6 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
 // Two blocks per SM (kMaxBlocksPerSm) cap the registers at 128, without spills. The 32 bytes of
 // local memory are sincosf's table for RoPE angles past 105615 (CUDA's full-range reduction).
 JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 32);
-JF_KERNEL_GAP("^decoder_kernel<f16, ", 128, 25, 160,
-              "issue 40: the fp16 instances (fp32-FMA GEMVs) keep a few layer-loop invariants "
-              "(a stacked weight's layer offset) in local memory at 128 registers since the "
-              "stages wait on counters: stored once, reloaded at item starts");
 
 template <DType kT, DType kW>
 ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {

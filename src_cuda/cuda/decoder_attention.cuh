@@ -63,7 +63,7 @@ struct AttentionStage {
         const NewToken<kT> token{p, sm, layer};
         token.load_query_and_new_kv(it);
         if (it.split == 0 && it.chunk == 0) token.append_new_kv(it);
-        const AttnLanes<kT> lanes(p.dims.head_dim);
+        const AttnLanes<kT> lanes(head_dim_of(p.dims));
         WarpSoftmax<kT> state;
         attend(it, lanes, state);
         merge_slots(lanes, state);
@@ -85,7 +85,7 @@ struct AttentionStage {
     const int t = it.t0 + thread_index();
     if (t < it.t1) {
       const int64_t at = it.cache_index(t, p.dims.kv_dim) * GemvTile<kT>::kBytes;
-      const int bytes = p.dims.head_dim * GemvTile<kT>::kBytes;
+      const int bytes = head_dim_of(p.dims) * GemvTile<kT>::kBytes;
       prefetch_l2(static_cast<const char*>(p.io.k_cache) + at, bytes);
       prefetch_l2(static_cast<const char*>(p.io.v_cache) + at, bytes);
     }
@@ -96,10 +96,10 @@ struct AttentionStage {
   __device__ void await_qkv(const AttnItem& it) const {
     constexpr int kColumns = GemvTile<kT>::kColumns;
     const KernelDims& d = p.dims;
-    const int q0 = it.first_head * d.head_dim / kColumns;
-    const int qn = ((it.first_head + it.heads) * d.head_dim - 1) / kColumns - q0 + 1;
-    const int k0 = it.kv_head * d.head_dim / kColumns;
-    const int kn = ((it.kv_head + 1) * d.head_dim - 1) / kColumns - k0 + 1;
+    const int q0 = it.first_head * head_dim_of(d) / kColumns;
+    const int qn = ((it.first_head + it.heads) * head_dim_of(d) - 1) / kColumns - q0 + 1;
+    const int k0 = it.kv_head * head_dim_of(d) / kColumns;
+    const int kn = ((it.kv_head + 1) * head_dim_of(d) - 1) / kColumns - k0 + 1;
     await_finished(qn + 2 * kn, [&](int i) {
       const int tile = i < qn        ? q0 + i
                        : i < qn + kn ? d.q_tiles + k0 + (i - qn)
@@ -129,7 +129,7 @@ struct AttentionStage {
       it.t0 = min(len, it.split * per_split);
       it.t1 = min(len, it.t0 + per_split);
       it.cache_head = (int64_t(layer) * d.batch + it.b) * d.max_seq_len * d.kv_dim +
-                      int64_t(it.kv_head) * d.head_dim;
+                      int64_t(it.kv_head) * head_dim_of(d);
     } else {
       it.t0 = it.t1 = 0;
       it.cache_head = 0;
@@ -141,7 +141,7 @@ struct AttentionStage {
   // becomes NaN).
   __device__ void zero_output(const AttnItem& it) const {
     float* out = p.ws.attn_out.head(it.b, it.first_head);
-    for (int i = thread_index(); i < it.heads * p.dims.head_dim; i += kThreads) {
+    for (int i = thread_index(); i < it.heads * head_dim_of(p.dims); i += kThreads) {
       ws_store(out + i, 0.0f);
     }
   }
@@ -190,7 +190,7 @@ struct AttentionStage {
                                 const uint4& k_raw, const uint4& v_raw,
                                 WarpSoftmax<kT>& s) const {
     constexpr int kVec = AttnLanes<kT>::kVec;
-    const int hd = p.dims.head_dim, j0 = ln.vec * kVec;
+    const int hd = head_dim_of(p.dims), j0 = ln.vec * kVec;
     const bool mine = t < it.t1;
     float k[kVec], v[kVec];
     if (t == it.position && ln.valid) {
@@ -255,7 +255,7 @@ struct AttentionStage {
   __device__ void write_split_partial(const AttnItem& it, const AttnLanes<kT>& ln,
                                      const WarpSoftmax<kT>& s) const {
     constexpr int kVec = AttnLanes<kT>::kVec;
-    const int t = thread_index(), warp = t / 32, lane = t % 32, hd = p.dims.head_dim;
+    const int t = thread_index(), warp = t / 32, lane = t % 32, hd = head_dim_of(p.dims);
     __syncthreads();
 #pragma unroll
     for (int g = 0; g < kHeadChunk; ++g) {
@@ -289,7 +289,7 @@ struct AttentionStage {
 
   // The last split to finish: merges all splits' partials (fixed order) into attn_out.
   __device__ void merge_splits(const AttnItem& it) const {
-    const int hd = p.dims.head_dim;
+    const int hd = head_dim_of(p.dims);
     for (int i = thread_index(); i < it.heads * hd; i += kThreads) {
       const int g = i / hd, j = i % hd;
       float m = neg_inf_f32(), l = 0.0f, o = 0.0f;

@@ -59,9 +59,20 @@ struct KernelDims {
   int vocab;
 };
 
+// A GEMV stage's work over the grid (launch_plan()). Counts the kernel reads from its parameters
+// where it uses them (constant operands): products of them formed in the kernel are hoisted out
+// of the layer loop and spill.
+struct GemvPlan {
+  int splits;    // K splits per column tile
+  int items;     // split items: column tiles x splits
+  int groups;    // tile groups, one counter each (gate/up: tile t of both matrices is one group)
+  int arrivals;  // split items per group
+  int all_items;  // items + finish items (groups x (batch rows - 1): run_gemv)
+};
+
 // How this launch splits the work over its grid (launch_plan()).
 struct LaunchPlan {
-  int qkv_splits, o_proj_splits, gate_up_splits, down_splits;  // K splits per GEMV stage
+  GemvPlan qkv, o_proj, gate_up, down;
   int attn_splits;  // flash-decoding splits of the positions 0..p
   // Attention work items: batch x kv heads x head chunks x splits. A parameter, not a product
   // the kernel forms: ptxas hoisted that loop-invariant product out of the layer loop and
@@ -92,6 +103,20 @@ __device__ __forceinline__ int thread_index() {
   return int(threadIdx.x);
 #endif
 }
+
+// x, as a value the compiler cannot see through, so what is derived from it is formed where it
+// is used: values derived from the layer, the item or the sizes would otherwise be hoisted out of
+// the work-item loops (or the layer loop) and kept, spilled at 128 registers, across them.
+__device__ __forceinline__ int opaque(int x) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.b32 %0, %0;" : "+r"(x));
+#endif
+  return x;
+}
+
+// The attention stages' head_dim (their float, vector counts and offsets formed per use: see
+// opaque()).
+__device__ __forceinline__ int head_dim_of(const KernelDims& d) { return opaque(d.head_dim); }
 
 // The GEMV column tile of activation dtype kT: 32 lanes x kVec columns, kVec the elements of kT
 // in 16 bytes. The tile does not depend on the weights' dtype, so neither do the workspace's
@@ -251,6 +276,15 @@ __device__ __forceinline__ void await_finished(int n, const CounterAt& counter) 
   for (int i = thread_index(); i < n; i += kThreads) {
     const int* finished = counter(i) + 1;
     while (load_acquire(finished) == 0) __nanosleep(kPollNanoseconds);
+  }
+  __syncthreads();
+}
+
+// Waits until `counter` (a group's arrivals, decoder.h's StageCounters word 0) reaches
+// `expected`: the arrived items' writes are then visible to the whole block (ws_load).
+__device__ __forceinline__ void await_arrivals(const int* counter, int expected) {
+  if (thread_index() == 0) {
+    while (load_acquire(counter) < expected) __nanosleep(kPollNanoseconds);
   }
   __syncthreads();
 }

@@ -10,9 +10,11 @@
 // kBatchPass batch rows (more rows: another pass over the same, now L1/L2-resident, weight
 // slice), reduce across warps in shared memory and write one partial per (item, batch row) to
 // the workspace. The last block to finish a tile (an atomic counter, release/acquire by
-// __threadfence) sums the partials of all splits in a fixed order, so results are
-// deterministic, runs the stage's finish() (scales, residual add, SwiGLU, sums of squares for
-// the next RMSNorm) and marks the tile finished for the items of later stages that wait for it.
+// __threadfence) sums batch row 0's partials of all splits in a fixed order, so results are
+// deterministic, and runs the stage's finish() on it (scales, residual add, SwiGLU, sums of
+// squares for the next RMSNorm); finish items after the split items do the same for the other
+// batch rows, one block each, and the last marks the tile finished for the items of later
+// stages that wait for it.
 //
 // Weights never wait for activations: every item asks L2 for its first rows before it waits for
 // its inputs (prefetch_rows), a chunk's first row group is loaded before its inputs are staged
@@ -190,31 +192,50 @@ template <DType kT, DType kW, typename Stage>
 __device__ __forceinline__ void prefetch_gemv(const Stage& stage) {
   const GemvJob job = stage.job();
   const int item = blockIdx.x;
-  if (item >= job.total_tiles() * job.splits) return;
+  if (item >= stage.plan().items) return;
   const int split = item % job.splits;
   prefetch_rows<kT, kW>(locate_tile(job, item / job.splits), job.split_row(split),
                         job.split_row(split + 1));
 }
 
+// Counts one finished batch row of a group whose split items have all arrived (`arrivals`); the
+// last of its rows marks the group finished for the stages that wait for it.
+__device__ __forceinline__ void finish_row_done(const DecoderParams& p, Smem& sm, int* counter,
+                                                int arrivals) {
+  if (p.dims.batch == 1 || arrive_last(counter, arrivals + p.dims.batch, &sm.flag)) {
+    mark_finished(counter);
+  }
+}
+
 // Runs a GEMV stage: its work items over the grid, each waiting for its inputs
 // (stage.await_inputs: the counters of the items that write them) once its first weights are
-// asked for; the last block to finish a tile group (all its splits) calls stage.finish(job,
-// group), which reads the partials with split_sum(), then marks the group finished for the
-// stages that wait for it.
+// asked for, then its finish items. A tile group's finish (stage.finish(job, group, b): the sum
+// over its splits' partials with split_sum(), then scales, residual add or SwiGLU) is spread
+// over blocks by batch row: the last split item to arrive finishes row 0, a finish item (group,
+// row) each of the others, so a stage's finish chain does not grow with the batch. Finish items
+// follow the stage's split items in every block's order and wait only for them, so every wait
+// ends; the group is finished when all its rows are. (One loop, one finish() call site and the
+// job formed per item from an opaque() layer: a second inlined finish, or a job kept across the
+// items, spilled the kernel at 128 registers.)
 template <DType kT, DType kW, typename Stage>
 __device__ __forceinline__ void run_gemv(const Stage& stage) {
-  const GemvJob job = stage.job();
   const auto input = stage.input();
-  const int items = job.total_tiles() * job.splits;
-  for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    gemv_item<kT, kW>(stage.p, stage.sm, job, input, item,
-                      [&] { stage.await_inputs(job, item); });
-    const int group = job.group(item / job.splits);
-    int* counter = stage.counter(group);
-    if (arrive_last(counter, job.arrivals(), &stage.sm.flag)) {
-      stage.finish(job, group);
-      mark_finished(counter);
+  const GemvPlan& plan = stage.plan();
+  for (int item = blockIdx.x; item < plan.all_items; item += gridDim.x) {
+    const GemvJob job = stage.job();
+    int group, b = 0;
+    if (item < plan.items) {
+      gemv_item<kT, kW>(stage.p, stage.sm, job, input, item,
+                        [&] { stage.await_inputs(job, item); });
+      group = job.group(opaque(item) / job.splits);  // not kept across the item
+      if (!arrive_last(stage.counter(group), plan.arrivals, &stage.sm.flag)) continue;
+    } else {
+      group = (item - plan.items) % plan.groups;
+      b = 1 + (item - plan.items) / plan.groups;
+      await_arrivals(stage.counter(group), plan.arrivals);
     }
+    stage.finish(job, group, b);
+    finish_row_done(stage.p, stage.sm, stage.counter(group), plan.arrivals);
   }
 }
 
@@ -226,30 +247,28 @@ __device__ __forceinline__ float split_sum(const DecoderParams& p, const GemvJob
   });
 }
 
-// Finishes a residual GEMV tile of matrix m (O and down projections): h += y, the tile's sums
-// of squares for the next RMSNorm, and after the last layer the output rows.
+// Finishes batch row b of a residual GEMV tile of matrix m (O and down projections): h += y,
+// the tile's sum of squares for the next RMSNorm, and after the last layer the output row.
 template <DType kT, DType kW>
 __device__ void add_residual(const DecoderParams& p, Smem& sm, const GemvJob& job, int tile,
-                             bool last_layer) {
+                             int b, bool last_layer) {
   const GemvMatrix& m = job.matrix[0];
   constexpr int kColumns = GemvTile<kT>::kColumns;
   const int c = thread_index();
   const int col = tile * kColumns + c;
-  for (int b = 0; b < p.dims.batch; ++b) {
-    float sq = 0.0f;
-    if (c < kColumns && col < p.dims.hidden) {
-      float* h = p.ws.hidden.at(b, col);
-      const float hn = ws_load(h) + apply_scale<kT, kW>(m, col, split_sum(p, job, tile, b, c));
-      ws_store(h, hn);
-      sq = hn * hn;
-      if (last_layer) {
-        const bool valid = position_valid(p.io.row_position(b, p.dims.vocab), p.dims.max_seq_len);
-        store_from_float(p.io.out, kT, int64_t(b) * p.dims.hidden + col,
-                         valid ? hn : quiet_nan_f32());
-      }
+  float sq = 0.0f;
+  if (c < kColumns && col < p.dims.hidden) {
+    float* h = p.ws.hidden.at(b, col);
+    const float hn = ws_load(h) + apply_scale<kT, kW>(m, col, split_sum(p, job, tile, b, c));
+    ws_store(h, hn);
+    sq = hn * hn;
+    if (last_layer) {
+      const bool valid = position_valid(p.io.row_position(b, p.dims.vocab), p.dims.max_seq_len);
+      store_from_float(p.io.out, kT, int64_t(b) * p.dims.hidden + col,
+                       valid ? hn : quiet_nan_f32());
     }
-    store_tile_sumsq(p, sm, b, tile, sq);
   }
+  store_tile_sumsq(p, sm, b, tile, sq);
 }
 
 }  // namespace jaxfuse::cuda_decoder

@@ -44,15 +44,11 @@ struct GemvJob {
   int region;   // its partial sums' region (decoder.h's GemvPartials): consecutive stages alternate
   bool paired;  // matrices 0 and 1 (gate, up): tile t of both is finished by one block
 
-  __device__ int total_tiles() const {
-    return matrix[0].tiles + (matrices > 1 ? matrix[1].tiles : 0) +
-           (matrices > 2 ? matrix[2].tiles : 0);
-  }
-  // The tile group that one counter (and one finishing block) covers.
+  // The tile group that one counter covers (and one block finishes per batch row).
   __device__ int group(int tile) const { return paired ? tile % matrix[0].tiles : tile; }
-  __device__ int arrivals() const { return paired ? 2 * splits : splits; }
-  // The first row of K split s (s == splits: k_rows).
-  __device__ int split_row(int s) const { return int(int64_t(k_rows) * s / splits); }
+  // The first row of K split s (s == splits: k_rows). 32-bit: splits <= kDecMaxGemvItems, and
+  // check_kernel_limits keeps k_rows * kDecMaxGemvItems below 2^31.
+  __device__ int split_row(int s) const { return k_rows * s / splits; }
   // Where work item `item` writes its partial sums for batch row b.
   __device__ float* partial(const DecoderParams& p, int item, int b) const {
     return p.ws.gemv_partial(region, item, b, 0);

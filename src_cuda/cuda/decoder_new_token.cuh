@@ -33,7 +33,7 @@ struct NewToken {
   // qk_norm, then RoPE), and the new v; k and v rounded to the cache dtype (exactly what the
   // cache will hold). Staged head g < it.heads is query head first_head + g; g == it.heads is k.
   __device__ void load_query_and_new_kv(const AttnItem& it) const {
-    const int hd = p.dims.head_dim, half = hd / 2;
+    const int hd = head_dim_of(p.dims), half = hd / 2;
     __syncthreads();  // the staging area may still be read by the previous item
     for (int i = thread_index(); i < (it.heads + 1) * hd; i += kThreads) {
       const int g = i / hd, j = i % hd;
@@ -64,12 +64,12 @@ struct NewToken {
 
   // Staged head g of the item (see load_query_and_new_kv) in shared memory.
   __device__ float* staged_head(const AttnItem& it, int g) const {
-    return g < it.heads ? sm.attn_q(g, p.dims.head_dim) : sm.attn_k_new();
+    return g < it.heads ? sm.attn_q(g, head_dim_of(p.dims)) : sm.attn_k_new();
   }
 
   // Per-head RMSNorm of the staged heads in place (Qwen3's q_norm, k_norm): warp g takes head g.
   __device__ void normalize_heads(const AttnItem& it) const {
-    const int t = thread_index(), hd = p.dims.head_dim, warp = t / 32, lane = t % 32;
+    const int t = thread_index(), hd = head_dim_of(p.dims), warp = t / 32, lane = t % 32;
     if (warp <= it.heads) {
       float* x = staged_head(it, warp);
       float sum_sq = 0.0f;
@@ -85,7 +85,7 @@ struct NewToken {
   // The new k and v into the caches at [layer, b, p] (one item per (b, kv head) does it).
   __device__ void append_new_kv(const AttnItem& it) const {
     const int64_t at = it.cache_index(it.position, p.dims.kv_dim);
-    for (int j = thread_index(); j < p.dims.head_dim; j += kThreads) {
+    for (int j = thread_index(); j < head_dim_of(p.dims); j += kThreads) {
       store_from_float(p.io.k_cache, kT, at + j, sm.attn_k_new()[j]);
       store_from_float(p.io.v_cache, kT, at + j, sm.attn_v_new()[j]);
     }

@@ -63,6 +63,7 @@ struct QkvStage {
   int layer;
 
   __device__ GemvJob job() const {
+    const int layer = opaque(this->layer);  // formed per work item (run_gemv)
     const KernelDims& d = p.dims;
     const DecoderWeights& w = p.io.weights;
     GemvJob job{};
@@ -73,7 +74,7 @@ struct QkvStage {
         layer_matrix<kT, kW>(w.wv, w.wv_scale, layer, d.hidden, d.kv_dim, d.kv_tiles);
     job.matrices = 3;
     job.k_rows = d.hidden;
-    job.splits = p.plan.qkv_splits;
+    job.splits = plan().splits;
     job.region = 0;
     return job;
   }
@@ -83,19 +84,19 @@ struct QkvStage {
   __device__ void await_inputs(const GemvJob&, int item) const {
     await_hidden(p, item, layer - 1, false);
   }
-  __device__ int* counter(int tile) const { return p.ws.qkv_counter(layer, tile); }
-  __device__ void finish(const GemvJob& job, int tile) const {
+  __device__ const GemvPlan& plan() const { return p.plan.qkv; }
+  __device__ int* counter(int tile) const { return p.ws.qkv_counter(opaque(layer), tile); }
+  // Batch row b of tile `tile`.
+  __device__ void finish(const GemvJob& job, int tile, int b) const {
     constexpr int kColumns = GemvTile<kT>::kColumns;
     const MatrixTile mt = locate_tile(job, tile);
     const GemvMatrix& m = mt.matrix;
     const int c = thread_index(), col = mt.tile * kColumns + c;
     if (c < kColumns && col < m.columns) {
+      const float y = apply_scale<kT, kW>(m, col, split_sum(p, job, tile, b, c));
       const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.index, m.columns), kT, col)
                                          : 0.0f;
-      for (int b = 0; b < p.dims.batch; ++b) {
-        const float y = apply_scale<kT, kW>(m, col, split_sum(p, job, tile, b, c));
-        ws_store(p.ws.qkv.column(b, mt.index, col), p.dims.qkv_bias ? y + bias : y);
-      }
+      ws_store(p.ws.qkv.column(b, mt.index, col), p.dims.qkv_bias ? y + bias : y);
     }
   }
   // This layer's bias of matrix m (0: q, 1: k, 2: v), `columns` wide (only with qkv_bias).
@@ -117,6 +118,7 @@ struct ResidualStage {
   int layer;
 
   __device__ GemvJob job() const {
+    const int layer = opaque(this->layer);  // formed per work item (run_gemv)
     const KernelDims& d = p.dims;
     const int k_rows = kDown ? d.intermediate : d.q_dim;
     const DecoderWeights& w = p.io.weights;
@@ -127,7 +129,7 @@ struct ResidualStage {
         layer_matrix<kT, kW>(matrix, scales, layer, k_rows, d.hidden, d.hidden_tiles);
     job.matrices = 1;
     job.k_rows = k_rows;
-    job.splits = kDown ? p.plan.down_splits : p.plan.o_proj_splits;
+    job.splits = plan().splits;
     job.region = 1;
     return job;
   }
@@ -150,11 +152,13 @@ struct ResidualStage {
       await_finished(p.plan.attn_groups, [&](int i) { return p.ws.attn_counter(layer, 0, 0, i); });
     }
   }
+  __device__ const GemvPlan& plan() const { return kDown ? p.plan.down : p.plan.o_proj; }
   __device__ int* counter(int tile) const {
-    return kDown ? p.ws.down_counter(layer, tile) : p.ws.o_proj_counter(layer, tile);
+    const int l = opaque(layer);
+    return kDown ? p.ws.down_counter(l, tile) : p.ws.o_proj_counter(l, tile);
   }
-  __device__ void finish(const GemvJob& job, int tile) const {
-    add_residual<kT, kW>(p, sm, job, tile, kDown && layer == p.dims.layers - 1);
+  __device__ void finish(const GemvJob& job, int tile, int b) const {
+    add_residual<kT, kW>(p, sm, job, tile, b, kDown && layer == p.dims.layers - 1);
   }
   __device__ void run() const { run_gemv<kT, kW>(*this); }
   __device__ void prefetch() const { prefetch_gemv<kT, kW>(*this); }
@@ -172,6 +176,7 @@ struct GateUpStage {
   int layer;
 
   __device__ GemvJob job() const {
+    const int layer = opaque(this->layer);  // formed per work item (run_gemv)
     const KernelDims& d = p.dims;
     const DecoderWeights& w = p.io.weights;
     GemvJob job{};
@@ -181,7 +186,7 @@ struct GateUpStage {
                                          d.mlp_tiles);
     job.matrices = 2;
     job.k_rows = d.hidden;
-    job.splits = p.plan.gate_up_splits;
+    job.splits = plan().splits;
     job.region = 0;
     job.paired = true;
     return job;
@@ -192,17 +197,16 @@ struct GateUpStage {
   __device__ void await_inputs(const GemvJob&, int item) const {
     await_hidden(p, item, layer, true);
   }
-  __device__ int* counter(int tile) const { return p.ws.gate_up_counter(layer, tile); }
-  // Gate tile `tile` and its up tile (mlp_tiles further).
-  __device__ void finish(const GemvJob& job, int tile) const {
+  __device__ const GemvPlan& plan() const { return p.plan.gate_up; }
+  __device__ int* counter(int tile) const { return p.ws.gate_up_counter(opaque(layer), tile); }
+  // Batch row b of gate tile `tile` and its up tile (mlp_tiles further).
+  __device__ void finish(const GemvJob& job, int tile, int b) const {
     const int c = thread_index(), col = tile * GemvTile<kT>::kColumns + c;
     if (c < GemvTile<kT>::kColumns && col < p.dims.intermediate) {
-      for (int b = 0; b < p.dims.batch; ++b) {
-        const float gate = split_sum(p, job, tile, b, c);
-        const float up = split_sum(p, job, p.dims.mlp_tiles + tile, b, c);
-        ws_store(p.ws.mlp_act.at(b, col), swiglu(apply_scale<kT, kW>(job.matrix[0], col, gate),
-                                                 apply_scale<kT, kW>(job.matrix[1], col, up)));
-      }
+      const float gate = split_sum(p, job, tile, b, c);
+      const float up = split_sum(p, job, p.dims.mlp_tiles + tile, b, c);
+      ws_store(p.ws.mlp_act.at(b, col), swiglu(apply_scale<kT, kW>(job.matrix[0], col, gate),
+                                               apply_scale<kT, kW>(job.matrix[1], col, up)));
     }
   }
   __device__ void run() const { run_gemv<kT, kW>(*this); }

@@ -211,8 +211,9 @@ struct AttnPartial {
 
 // Counters of the CUDA kernel's work groups, zero at the start of each call: per GEMV stage
 // [L][tile groups], for attention [L][B][KV][head chunks], for the embedding [hidden tiles]. A
-// group's counter is two int32 words: [0] its split items' arrivals, [1] set to 1 once the last
-// to arrive has finished the group (what the items of later stages wait for).
+// group's counter is two int32 words: [0] its split items' arrivals, then (GEMV stages at batch
+// > 1) its batch rows' finishes, [1] set to 1 once the group is finished (what the items of later
+// stages wait for).
 struct StageCounters {
   int* data = nullptr;
   int64_t size = 0;  // all stages' counters
