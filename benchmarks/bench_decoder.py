@@ -102,8 +102,8 @@ def plan(args, on_gpu):
              batches=[1, 4, 16], contexts=[1024, 4096, 16384], steps=args.steps or 50, warmup=5,
              title="Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192), bf16",
              copy_bytes=1 << 30, copy_reps=10)
-    if args.quick:
-      p.update(batches=[1, 16], contexts=[1024], steps=args.steps or 20)
+    if args.quick:  # tools/gpu_check.sh quick: issue 40's batch rows at context 1k
+      p.update(batches=[1, 4, 16], contexts=[1024], steps=args.steps or 20)
     if args.long_context:
       p.update(batches=[1], contexts=[1024, 4096, 16384, 32768])
     return p
@@ -155,8 +155,9 @@ def measure_case(cfg, w, B, ctx, dtype, device, steps, warmup, copy_gbs):
 def quantized_plan(args, on_gpu):
   if on_gpu:
     title = "Llama-3.2-1B layer shapes (16 x D2048, 32/8 heads, hd 64, I 8192)"
-    return dict(base=LLAMA_1B_LAYERS, title=title, context=1024, steps=args.steps or 50, warmup=5,
-                rounds=5, bandwidth_bytes=1 << 30)
+    return dict(base=LLAMA_1B_LAYERS, title=title, context=1024,
+                steps=args.steps or (20 if args.quick else 50), warmup=5,
+                rounds=2 if args.quick else 5, bandwidth_bytes=1 << 30)
   base = dict(num_layers=8, hidden_size=2048, num_heads=16, num_kv_heads=4, head_dim=128,
               intermediate_size=6144)
   title = "8 x D2048, 16/4 heads, hd 128, I 6144 (0.77 GB of bf16 weights)"

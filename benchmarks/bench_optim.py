@@ -28,6 +28,7 @@ same memory footprint. Usage:
 
   python3 benchmarks/bench_optim.py                 # default device, default set of trees
   python3 benchmarks/bench_optim.py --quick         # small trees only (smoke test)
+  python3 benchmarks/bench_optim.py --trees "GPT-2 small,1000 leaves"   # some of the trees
   python3 benchmarks/bench_optim.py --out results.md --plot bandwidth.png
 """
 
@@ -183,6 +184,9 @@ def main(argv=None):
   ap.add_argument("--skip-gpt2", action="store_true")
   ap.add_argument("--tensors-only", action="store_true",
                   help="only the single-tensor trees of --sizes (no GPT-2, no 1000 leaves)")
+  ap.add_argument("--trees", type=str, default=None,
+                  help="comma-separated beginnings of tree labels to keep, e.g. 'GPT-2 small,256M' "
+                       "(GPT-2 small fp32 and bf16, the 256M tensor: tools/gpu_check.sh quick)")
   ap.add_argument("--compile-times", action="store_true",
                   help="only time compiling the clipped step for 1000 and 3000 leaves")
   ap.add_argument("--out", type=str, default=None, help="also write the markdown table here")
@@ -218,6 +222,11 @@ def main(argv=None):
     sizes = args.sizes or ("0.0625,0.25,1,4,16,64,256" if on_gpu else "0.0625,0.25,1,4,16,64")
     for m in sizes.split(","):
       trees.append((f"{m}M tensor", [(int(float(m) * (1 << 20)),)]))
+  if args.trees:
+    keep = [name.strip() for name in args.trees.split(",")]
+    trees = [t for t in trees if any(t[0].startswith(name) for name in keep)]
+    if not trees:
+      sys.exit(f"bench_optim: no tree label begins with any of {keep}")
   rows = []
   for label, shapes, *dtype in trees:
     progress(f"{label}: {len(shapes)} leaves")

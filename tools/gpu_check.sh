@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# What a GPU lease runs, in stages that each fit one 10-minute device command:
+# What a GPU lease runs, in stages that each fit one 10-minute device command. First, always:
+#
+#   bash tools/gpu_check.sh quick                                        # <= 9 min, see stage_quick
+#
+# then, with device time left, stages of the full check:
 #
 #   STAGE_LIMIT_S=420 bash tools/gpu_check.sh env build graphs tests      # ~4 min
 #   STAGE_LIMIT_S=285 bash tools/gpu_check.sh bench_optim bench_decoder   # ~6.5 min
@@ -12,7 +16,7 @@
 #   DEADLINE_S=3600 bash tools/gpu_check.sh all    # all, in that order, where no 10-minute limit is
 # (times measured on an H100 on 2026-11-24, from a carried build).
 #
-# Stages: env (driver, toolkit, jax), build (use a carried build/gpu-carry of these sources whose
+# Stages: quick (below), env (driver, toolkit, jax), build (use a carried build/gpu-carry of these sources whose
 # CUDA module loads there, else build with the machine's nvcc into build/gpu-device), build_pip (the user's editable
 # install, with --no-build-isolation), tests (the suite, CUDA backend included), graphs (command
 # buffers on vs off, bitwise, training step and decode loop), sanitize (memcheck, racecheck,
@@ -70,6 +74,7 @@ step() {  # step NAME COMMAND...: runs under the time limit, logs, records a sum
   [ $rc -eq 124 ] && result="TIMED OUT (${limit}s)"
   [ $rc -ne 0 ] && [ $rc -ne 124 ] && result="FAILED ($rc)"
   echo "| $name | $result | ${dt}s | $(date -u +%H:%M) |" >> "$SUMMARY"
+  cp "$SUMMARY" "$OUT/summary.md"  # a command cut off later still returns the rows so far
   return $rc
 }
 
@@ -270,6 +275,46 @@ stage_variants() {
   step variants python3 tools/bench_variants.py "${specs[@]}"
 }
 
+# quick: the first command of every lease, ONE device command of at most 9 minutes (DEADLINE_S,
+# 530 s by default here) on the carried build (stage carry, before the lease): env and the build
+# check, then, most important first, each step capped (LIMIT) so that a stuck one leaves the
+# others their time, and its log and the summary in $OUT as soon as it ends:
+#   ops                   every op and mode against the CPU handlers (tools/gpu_ops.py)
+#   bench_decoder         the 16 layers, batch 1/4/16 at context 1k, beside plain XLA
+#   bench_generate        the whole step (embedding, layers, head, draw), batch 1/4/16, and
+#                         generate's tokens/s, beside plain XLA
+#   bench_generate_int8   the same with int8 matrices and head (beside the bf16-head step)
+#   bench_quantized       int8 / fp8 layers beside bf16, batch 1 and 4; the head alone in XLA
+#   bench_optim           AdamW on GPT-2 small (fp32; bf16 with master weights), with and
+#                         without the clip, 8-bit moments, and the 256M tensor, beside optax,
+#                         device time apart from wall time
+#   memcheck_decoder      compute-sanitizer memcheck over the decoder's and whole step's cases
+#   tests                 the op tests (not the slow ones) with what is left
+# A step that does not fit what is left of the deadline is SKIPPED in the summary.
+stage_quick() {
+  DEADLINE=${DEADLINE_S:-530}
+  stage_env
+  echo "| env | $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1) | - | $(date -u +%H:%M) |" >> "$SUMMARY"
+  stage_build
+  [ -f "$EXT_FILE" ] || { cp "$SUMMARY" "$OUT/summary.md"; return 1; }
+  use_extension
+  LIMIT=90 step ops python3 tools/gpu_ops.py
+  LIMIT=75 step bench_decoder python3 benchmarks/bench_decoder.py --quick \
+    --out "$OUT/bench_decoder.md"
+  LIMIT=75 step bench_generate python3 benchmarks/bench_generate.py --quick \
+    --out "$OUT/bench_generate.md"
+  LIMIT=60 step bench_generate_int8 python3 benchmarks/bench_generate.py --quick --quantize int8 \
+    --out "$OUT/bench_generate_int8.md"
+  LIMIT=60 step bench_quantized python3 benchmarks/bench_decoder.py --quantized --quick \
+    --out "$OUT/bench_quantized.md"
+  LIMIT=90 step bench_optim python3 benchmarks/bench_optim.py --trees "GPT-2 small,256M" \
+    --out "$OUT/bench_optim.md" --plot "$OUT/optim_bandwidth_gpu.png"
+  LIMIT=60 step memcheck_decoder compute-sanitizer --tool memcheck --error-exitcode 99 \
+    --print-limit 20 python3 tools/gpu_ops.py decoder
+  step tests python3 -m pytest -q -n 8 -m "not slow" -rfEsx -p no:cacheprovider tests \
+    -W ignore::DeprecationWarning
+}
+
 stage_report() {
   use_extension
   step report python3 benchmarks/report_gpt2.py
@@ -297,7 +342,7 @@ echo "|---|---|---|---|"
 cat "$SUMMARY"
 cp "$SUMMARY" "$OUT/summary.md"
 for s in "${stages[@]}"; do
-  case $s in bench_*|all)
+  case $s in bench_*|all|quick)
     for f in "$OUT"/bench_*.md; do [ -f "$f" ] && { echo; cat "$f"; }; done; break;;
   esac
 done
