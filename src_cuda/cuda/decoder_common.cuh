@@ -63,10 +63,10 @@ struct KernelDims {
 // where it uses them (constant operands): products of them formed in the kernel are hoisted out
 // of the layer loop and spill.
 struct GemvPlan {
-  int splits;    // K splits per column tile
-  int items;     // split items: column tiles x splits
-  int groups;    // tile groups, one counter each (gate/up: tile t of both matrices is one group)
-  int arrivals;  // split items per group
+  int splits;     // K splits per column tile
+  int items;      // split items: column tiles x splits
+  int groups;     // tile groups, one counter each (gate/up: tile t of both matrices is one group)
+  int arrivals;   // split items per group
   int all_items;  // items + finish items (groups x (batch rows - 1): run_gemv)
 };
 

@@ -42,7 +42,7 @@ struct GemvJob {
   int k_rows;
   int splits;   // K splits per tile
   int region;   // its partial sums' region (decoder.h's GemvPartials): consecutive stages alternate
-  bool paired;  // matrices 0 and 1 (gate, up): tile t of both is finished by one block
+  bool paired;  // matrices 0 and 1 (gate, up): tile t of both is one group (one counter)
 
   // The tile group that one counter covers (and one block finishes per batch row).
   __device__ int group(int tile) const { return paired ? tile % matrix[0].tiles : tile; }
