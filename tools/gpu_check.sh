@@ -175,6 +175,8 @@ stage_sanitize() {
   done
 }
 
+SANITIZER_FLAGS=(--error-exitcode 99 --print-limit 20)  # exit non-zero on findings
+
 _sanitize_one() {  # _sanitize_one TOOL: a plain jax program, then each op in its own process
   # The plain program tells a problem of the sanitizer with jax from one in jaxfuse. Every
   # kernel is checked, XLA's too: judge findings by the kernel they name.
@@ -186,7 +188,7 @@ _sanitize_one() {  # _sanitize_one TOOL: a plain jax program, then each op in it
     else
       set -- python3 tools/gpu_ops.py "$op"
     fi
-    timeout $((LIMIT / 4)) compute-sanitizer --tool "$tool" --error-exitcode 99 --print-limit 20 "$@"
+    timeout $((LIMIT / 4)) compute-sanitizer --tool "$tool" "${SANITIZER_FLAGS[@]}" "$@"
     r=$?
     echo "--- $tool: $op: exit $r"
     [ $r -ne 0 ] && rc=$r
@@ -309,8 +311,8 @@ stage_quick() {
     --out "$OUT/bench_quantized.md"
   LIMIT=90 step bench_optim python3 benchmarks/bench_optim.py --trees "GPT-2 small,256M" \
     --out "$OUT/bench_optim.md" --plot "$OUT/optim_bandwidth_gpu.png"
-  LIMIT=60 step memcheck_decoder compute-sanitizer --tool memcheck --error-exitcode 99 \
-    --print-limit 20 python3 tools/gpu_ops.py decoder
+  LIMIT=60 step memcheck_decoder compute-sanitizer --tool memcheck "${SANITIZER_FLAGS[@]}" \
+    python3 tools/gpu_ops.py decoder
   step tests python3 -m pytest -q -n 8 -m "not slow" -rfEsx -p no:cacheprovider tests \
     -W ignore::DeprecationWarning
 }
