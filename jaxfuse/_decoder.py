@@ -269,7 +269,7 @@ _CACHES = ("k_cache", "v_cache")
 # The whole-model step's operands (empty in a layers-only call), after the caches.
 _MODEL_OPERANDS = ("tokens", "embed", "final_norm", "lm_head", "lm_head_scale", "sample_key")
 _RESULTS = ("out", "k_cache", "v_cache", "logits", "next_tokens", "workspace")
-_STEP_ATTRIBUTES = ("model_step", "sample", "temperature")
+_STEP_ATTRIBUTES = ("model_step", "sample", "temperature", "top_k", "top_p")
 # Config fields that are not attributes: they define the rope_inv_freq operand, and the
 # matrices' dtype (the attribute is the property ``quantized``).
 _NOT_ATTRIBUTES = ("rope_theta", "rope_scaling", "quantization")
@@ -315,7 +315,7 @@ def _check_contract(contract: _ffi.Contract) -> None:
     problems.append(f"results {results} are not {_RESULTS} in some order")
   if sorted(attrs) != sorted(fields):
     problems.append(f"attributes {attrs} are not the DecoderConfig fields {fields}")
-  step_attrs = names["step_bool_attrs"] + names["step_f32_attrs"]
+  step_attrs = names["step_bool_attrs"] + names["step_i64_attrs"] + names["step_f32_attrs"]
   if sorted(step_attrs) != sorted(_STEP_ATTRIBUTES):
     problems.append(f"step attributes {step_attrs} are not {_STEP_ATTRIBUTES}")
   if problems:
@@ -351,19 +351,22 @@ def _weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
           if flag == "always" or getattr(cfg, flag)}
 
 
-def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype) -> int:
+def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype, sample_filter: bool = False) -> int:
   """The size of the kernel's scratch buffer, from the C++ layout (``decoder_layout()``).
 
   Args:
     cfg: the decoder configuration.
     batch: the number of rows of one call.
     dtype: the dtype of ``x``, the weights and the cache.
+    sample_filter: whether the call's draw is filtered (top-k or top-p): the CUDA kernel's
+      search for each row's threshold then lives in the workspace.
 
   Returns:
     The workspace size in bytes.
   """
   sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
-  layout = _CONTRACT.call("workspace", batch=batch, dtype_bytes=jnp.dtype(dtype).itemsize, **sizes)
+  layout = _CONTRACT.call("workspace", batch=batch, dtype_bytes=jnp.dtype(dtype).itemsize,
+                          sample_filter=int(sample_filter), **sizes)
   return layout.numbers["bytes"]
 
 
@@ -371,15 +374,22 @@ def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype) -> int:
 class _Head:
   """What a whole-model step computes after the layers (static): the final norm and the LM head
   (``tied``: the embedding's rows; ``quantized``: int8 or fp8 rows, the layers' format, with a
-  scale each), and with a ``temperature`` the next tokens (0: greedy; None: logits only)."""
+  scale each), and with a ``temperature`` the next tokens (0: greedy; None: logits only), drawn
+  from the scores ``top_k`` and ``top_p`` keep (None: every score)."""
 
   tied: bool
   temperature: float | None = None
   quantized: bool = False
+  top_k: int | None = None
+  top_p: float | None = None
 
   @property
   def sample(self) -> bool:
     return self.temperature is not None
+
+  @property
+  def sample_filter(self) -> bool:
+    return self.top_k is not None or self.top_p is not None
 
   def operands(self) -> tuple[str, ...]:
     """The names of the step's ``model`` operands, in call order (see :func:`_call_kernel`)."""
@@ -392,12 +402,16 @@ def _attributes(cfg: DecoderConfig, head: _Head | None = None) -> dict[str, np.g
   """The custom call's attributes: the config fields the contract names, in the contract's types,
   and the whole-model step's."""
   names = _CONTRACT.names
-  step = {"model_step": head is not None, "sample": head is not None and head.sample,
-          "temperature": head.temperature if head is not None and head.sample else 0.0}
+  sample = head is not None and head.sample
+  step = {"model_step": head is not None, "sample": sample,
+          "temperature": head.temperature if sample else 0.0,
+          "top_k": head.top_k or 0 if sample else 0,
+          "top_p": 1.0 if not sample or head.top_p is None else head.top_p}
   return {**{name: np.int64(getattr(cfg, name)) for name in names["size_attrs"]},
           **{name: np.float32(getattr(cfg, name)) for name in names["f32_attrs"]},
           **{name: np.bool_(getattr(cfg, name)) for name in names["bool_attrs"]},
           **{name: np.bool_(step[name]) for name in names["step_bool_attrs"]},
+          **{name: np.int64(step[name]) for name in names["step_i64_attrs"]},
           **{name: np.float32(step[name]) for name in names["step_f32_attrs"]}}
 
 
@@ -561,7 +575,7 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
                       **dict(zip(head.operands(), rest[n_weights + 2:], strict=True)))
     vocab = operands["embed"].shape[0]
     sampled = B if head is not None and head.sample else 0
-    workspace = (_workspace_bytes(cfg, B, dtype),)
+    workspace = (_workspace_bytes(cfg, B, dtype, head is not None and head.sample_filter),)
     results = {"out": jax.ShapeDtypeStruct((B, D), dtype),
                "k_cache": jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                "v_cache": jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),

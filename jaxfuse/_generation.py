@@ -11,8 +11,10 @@ every decode step inside one ``lax.while_loop`` in one ``jax.jit``: per step, re
 token, stop the rows that emitted a stop token, and run one kernel call for the whole model: the
 embedding gather, every layer (the KV cache updated in place: it is a loop carry), the final norm,
 the LM head and the next token's draw (greedy when ``temperature == 0``, else from
-softmax(logits / temperature), the draw of :func:`jax.random.categorical` with the step's key).
-With ``top_k`` or ``top_p`` the kernel returns the logits and XLA filters and draws. The loop ends
+softmax(logits / temperature) restricted by ``top_k`` and ``top_p``: the draw of
+:func:`jax.random.categorical` with the step's key, after the filters of :func:`_sample`). A key
+the kernel cannot draw with (not threefry2x32) has the kernel return the logits and XLA draw.
+The loop ends
 when every row has stopped or ``max_new_tokens`` are out. Stopped rows decode at position -1: the
 kernel neither reads nor writes their cache.
 
@@ -247,12 +249,16 @@ def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
 
 
 def _model_step(model: DecoderModel, cfg, tokens, positions, cache: KVCache,
-                temperature: float | None = None, key_data=None):
+                temperature: float | None = None, key_data=None, top_k: int | None = None,
+                top_p: float | None = None):
   """One whole-model step in one kernel call (validated operands): the embedding of ``tokens``,
   every layer, the final norm and the LM head; with a ``temperature``, the next tokens drawn in
-  the same call with the key data ``key_data`` (0: greedy). Returns (logits, [next_tokens,]
-  k_cache, v_cache)."""
-  head = _Head(tied=model.tied, temperature=temperature, quantized=model.head_quantized)
+  the same call with the key data ``key_data`` (0: greedy), from the scores ``top_k`` and
+  ``top_p`` keep (None: all; as :func:`_sample`). Returns (logits, [next_tokens,] k_cache,
+  v_cache)."""
+  top_k, top_p = _active_filters(model, top_k, top_p)
+  head = _Head(tied=model.tied, temperature=temperature, quantized=model.head_quantized,
+               top_k=top_k, top_p=top_p)
   given = {"embed": model.embed, "final_norm": model.final_norm, "lm_head": model.lm_head,
            "lm_head_scale": model.lm_head_scale, "sample_key": key_data}
   operands = tuple(given[name] for name in head.operands())
@@ -321,12 +327,10 @@ def _kernel_key_data(key) -> jax.Array | None:
   return key.astype(jnp.uint32) if ok else None  # a raw key, jax.random.PRNGKey's
 
 
-def _draws_in_kernel(model: DecoderModel, temperature: float, top_k, top_p) -> bool:
-  """Whether the kernel draws the tokens itself: greedy, or plain temperature sampling (top-k
-  and top-p filters run in XLA on the kernel's logits)."""
-  if temperature == 0.0:
-    return True
-  return (top_k is None or top_k >= model.vocab_size) and (top_p is None or top_p >= 1.0)
+def _active_filters(model: DecoderModel, top_k, top_p) -> tuple[int | None, float | None]:
+  """``top_k`` and ``top_p``, None where they keep every score (as in :func:`_sample`)."""
+  return (None if top_k is None or top_k >= model.vocab_size else int(top_k),
+          None if top_p is None or top_p >= 1.0 else float(top_p))
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p",
@@ -339,9 +343,9 @@ def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens
   logits, cache = prefill(model, tokens, lengths, cache)
   cfg = _cache_config(model, cache)
   sample = functools.partial(_sample, temperature=temperature, top_k=top_k, top_p=top_p)
-  in_kernel = decoder == "persistent" and _draws_in_kernel(model, temperature, top_k, top_p)
-  if in_kernel and temperature > 0.0 and _kernel_key_data(key) is None:
-    in_kernel = False  # a key the kernel cannot draw with: sample in XLA
+  # The kernel draws unless its key is one it cannot draw with: then XLA samples its logits.
+  in_kernel = decoder == "persistent" and (temperature == 0.0
+                                           or _kernel_key_data(key) is not None)
 
   # The loop carries what decides token i: its logits, or the token itself when the kernel drew
   # it (token i draws with fold_in(key, i) either way, so both give jax.random's tokens).
@@ -357,7 +361,8 @@ def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens
     if in_kernel:
       key_data = (jnp.zeros((2,), jnp.uint32) if temperature == 0.0  # greedy: unused
                   else _kernel_key_data(jax.random.fold_in(key, i + 1)))
-      _, nxt, k, v = _model_step(model, cfg, token, positions, cache, temperature, key_data)
+      _, nxt, k, v = _model_step(model, cfg, token, positions, cache, temperature, key_data,
+                                 top_k, top_p)
       return nxt, KVCache(k, v)
     logits, k, v = _model_step(model, cfg, token, positions, cache)
     return logits, KVCache(k, v)
@@ -407,7 +412,8 @@ def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens:
     prompt_lengths: int [B], the length of each prompt, in [1, prompt_len].
     max_new_tokens: tokens to generate per row (>= 1).
     temperature: 0 for greedy (argmax) decoding; > 0 samples from softmax(logits / temperature).
-    top_k: with sampling, keep only the ``top_k`` most likely tokens.
+    top_k: with sampling, keep only the ``top_k`` most likely tokens (and those tied with the
+      ``top_k``-th).
     top_p: with sampling, keep the smallest set of most likely tokens whose probability reaches
       ``top_p`` (in (0, 1]).
     key: a PRNG key, required when sampling (token i of the generation draws with

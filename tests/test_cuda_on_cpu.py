@@ -288,18 +288,22 @@ def test_greedy_generation_follows_the_reference():
 
 
 # The whole-model step: embedding gather, final norm, LM head and the draw in the launch. bf16
-# with a tied head at batch 10 (two passes of the head's 8 staged rows) on the 1-block grid, fp32
-# untied at batch 3 on 16 blocks, and an int8 model with its int8 head (8-byte vectors of 8
-# weights, 16 a lane in flight) under fp16; a token outside the vocabulary and a bad position
-# make two rows invalid.
-@pytest.mark.parametrize("dtype,tied,batch,device,quantization", [
-    (jnp.bfloat16, True, 10, "1", None), (jnp.float32, False, 3, "3", None),
-    (jnp.float16, True, 3, "3", "int8")],
+# with a tied head at batch 10 (two passes of the head's 8 staged rows; one block walks every
+# row's top-k / top-p histograms) on the 1-block grid, fp32 untied at batch 3 on 16 blocks, and an
+# int8 model with its int8 head (8-byte vectors of 8 weights, 16 a lane in flight) under fp16; a
+# token outside the vocabulary and a bad position make two rows invalid. The draws: greedy (the
+# small cases), plain sampling, and filtered by top-k and top-p together, top-k alone (its first
+# pass also finds the largest score) or top-p alone (a pass for it).
+@pytest.mark.parametrize("dtype,tied,batch,device,quantization,draws", [
+    (jnp.bfloat16, True, 10, "1", None, ((0.8, None, None), (0.8, 20, 0.9))),
+    (jnp.float32, False, 3, "3", None, ((0.0, None, None), (1.2, 20, None), (0.7, None, 0.5))),
+    (jnp.float16, True, 3, "3", "int8", ((0.0, None, None), (0.8, None, None), (1.1, 7, 0.8)))],
     ids=["bf16-tied-batch10-grid1x1", "f32-untied-batch3-grid16x1",
          "quantized-int8-head-f16-batch3-grid16x1"])
-def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, monkeypatch):
+def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, draws, monkeypatch):
   """Logits within fp32 summation-order rounding of the CPU handler's (NaN in the same rows),
-  and next tokens that are exactly jnp.argmax / jax.random.categorical of the emulated logits."""
+  and next tokens that are exactly jnp.argmax / jax.random.categorical of the emulated logits
+  (after _sample's top-k and top-p filters; filtered, in the valid rows)."""
   monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
   model = random_model(dtype, vocab=300, tied=tied, seed=4)
   if quantization is not None:
@@ -310,8 +314,9 @@ def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, monk
   tokens = jnp.asarray(rng.integers(0, 300, batch).astype(np.int32)).at[1].set(300)
   positions = jnp.asarray(np.arange(batch, dtype=np.int32) % 12).at[2].set(-1)
   key = jax.random.key(8)
-  for temperature in (0.8,) if batch > 8 else (0.0, 0.8):  # greedy: the small case only
-    step = lambda t, p, c, k: generation._model_step(model, cfg, t, p, c, temperature, k)
+  for temperature, top_k, top_p in draws:
+    step = lambda t, p, c, k: generation._model_step(model, cfg, t, p, c, temperature, k, top_k,
+                                                     top_p)
     native, emu = on_both(step, tokens, positions, cache, jax.random.key_data(key))
     logits_n, logits_e = np.asarray(native[0]), np.asarray(emu[0])
     invalid = np.isnan(logits_e).all(axis=1)
@@ -319,9 +324,9 @@ def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, monk
     np.testing.assert_array_equal(np.flatnonzero(invalid), [1, 2])
     tol = 1e-5 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(logits_e, logits_n, rtol=tol, atol=tol)
-    want = (jnp.argmax(logits_e, -1) if temperature == 0.0
-            else jax.random.categorical(key, logits_e / jnp.float32(temperature)))
-    np.testing.assert_array_equal(emu[1], want)
+    want = generation._sample(jnp.asarray(logits_e), key, temperature, top_k, top_p)
+    rows = ~invalid if top_k or top_p else slice(None)  # (XLA's top-k of NaN rows differs)
+    np.testing.assert_array_equal(np.asarray(emu[1])[rows], np.asarray(want)[rows])
 
 
 # Weight-only quantized matrices: each kernel instance (int8, fp8 under fp32 activations, with

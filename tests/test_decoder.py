@@ -440,7 +440,8 @@ def test_handler_validates_buffers(device):
                num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
                max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), qkv_bias=np.bool_(True),
                qk_norm=np.bool_(True), quantized=np.bool_(True), model_step=np.bool_(False),
-               sample=np.bool_(False), temperature=np.float32(0.0))
+               sample=np.bool_(False), temperature=np.float32(0.0), top_k=np.int64(0),
+               top_p=np.float32(1.0))
   from jaxfuse._decoder import _workspace_bytes
   caches = 3 + len(w)  # the operand index of k_cache
   D, B = 64, x.shape[0]
@@ -496,6 +497,19 @@ def test_handler_validates_buffers(device):
     jax.block_until_ready(call(good, model=model, **dict(step, temperature=np.float32(-1))))
   with pytest.raises(Exception, match="sample needs model_step"):
     jax.block_until_ready(call(good, model=model, **dict(step, model_step=np.bool_(False))))
+  # A filtered draw: its workspace holds each row's search; bad filters are named.
+  filtered = _workspace_bytes(cfg, 2, jnp.float32, sample_filter=True)
+  assert filtered > good
+  jax.block_until_ready(call(filtered, model=model, **dict(step, top_k=np.int64(2))))
+  with pytest.raises(Exception, match=f"workspace has {good} bytes, expected {filtered}"):
+    jax.block_until_ready(call(good, model=model, **dict(step, top_p=np.float32(0.5))))
+  for bad, message in ((dict(top_k=np.int64(-1)), r"top_k=-1 must be in \[0, "),
+                       (dict(top_p=np.float32(0)), r"top_p=0 must be in \(0, 1\]"),
+                       (dict(top_p=np.float32(np.nan)), r"top_p=nan must be in \(0, 1\]"),
+                       (dict(top_k=np.int64(3), temperature=np.float32(0)),
+                        "top_k and top_p filter a draw: they need sample and temperature > 0")):
+    with pytest.raises(Exception, match=message):
+      jax.block_until_ready(call(filtered, model=model, **dict(step, **bad)))
   # A quantized head: rows in the matrices' int8 and a float32 scale per row.
   head = (jnp.ones((V, D), jnp.int8), jnp.ones((V,), jnp.float32))
   jax.block_until_ready(call(good, model=model[:3] + head + model[5:], **step))

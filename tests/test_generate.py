@@ -139,7 +139,7 @@ def test_decode_step_logits():
   np.testing.assert_array_equal(logits, bad)
 
 
-_model_step = jax.jit(generation._model_step, static_argnums=(1, 5))
+_model_step = jax.jit(generation._model_step, static_argnums=(1, 5, 7, 8))
 
 
 @pytest.mark.parametrize("dtype,tied", [(jnp.float32, False), (jnp.bfloat16, True)])
@@ -169,6 +169,33 @@ def test_whole_step_draws_what_jax_draws(dtype, tied):
   np.testing.assert_array_equal(data(jax.random.PRNGKey(3)),
                                 jax.random.key_data(jax.random.key(3)))
   assert data(jax.random.key(3, impl="rbg")) is None
+
+
+def test_filtered_draws_in_the_kernel():
+  """top-k and top-p in the kernel's draw: its tokens are _sample's (XLA's top_k, sort and cumsum
+  on the kernel's logits, then jax.random.categorical) for 24 keys, four rows and each filter
+  alone and together. Ten vocabulary rows of the head are one row scaled up, so every batch row
+  has ten tied logits at its top or bottom: top_k=4 must keep all ten where they are at the top
+  (as _sample's ``logits < kth`` does), and a nucleus cutoff among them keeps all ten too."""
+  model = random_model(vocab=2500, seed=11)
+  head = np.asarray(model.lm_head).copy()
+  head[100:110] = 4.0 * head[100]
+  model = dataclasses.replace(model, lm_head=jnp.asarray(head))
+  cache = jaxfuse.init_cache(model, 4, 8)
+  cfg = generation._cache_config(model, cache)
+  tokens, positions = jnp.asarray([3, 77, 1200, 2499], jnp.int32), jnp.asarray([0, 3, 5, 7])
+  sample = jax.jit(generation._sample, static_argnames=("temperature", "top_k", "top_p"))
+  tied_draws = 0
+  for temperature, top_k, top_p in ((1.0, 4, None), (0.7, None, 0.8), (1.5, 50, 0.95),
+                                    (1.0, 2400, 0.05)):
+    for seed in range(24):
+      key = jax.random.key(seed)
+      logits, drawn, _, _ = _model_step(model, cfg, tokens, positions, cache, temperature,
+                                        jax.random.key_data(key), top_k, top_p)
+      want = sample(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+      np.testing.assert_array_equal(drawn, want, err_msg=f"{temperature, top_k, top_p, seed}")
+      tied_draws += int(np.isin(np.asarray(drawn), np.arange(101, 110)).sum())
+  assert tied_draws > 20  # the ties at the top were kept, and drawn
 
 
 def test_whole_step_bad_tokens():
@@ -239,10 +266,12 @@ def test_sampling_in_generate():
   c, _ = sample(key=jax.random.key(1))
   np.testing.assert_array_equal(a, b)  # reproducible with a key
   assert not np.array_equal(a, c)
-  # The kernel's own draws (no top-k / top-p) and XLA's (with them) are jax.random's, as the
-  # reference loop's: the same tokens (an fp32 model: logits within ~1e-6 of each other).
-  for kw in (dict(temperature=0.9, key=jax.random.key(2)),  # a typed key, drawn in the kernel
-             dict(temperature=1.3, top_k=20, top_p=0.95, key=jax.random.PRNGKey(3))):  # raw, XLA
+  # The kernel's draws (a typed or a raw threefry key) and XLA's (an rbg key, which the kernel
+  # cannot draw with) are jax.random's, as the reference loop's: the same tokens (an fp32 model:
+  # logits within ~1e-6 of each other).
+  for kw in (dict(temperature=0.9, key=jax.random.key(2)),
+             dict(temperature=1.3, top_k=20, top_p=0.95, key=jax.random.PRNGKey(3)),
+             dict(temperature=1.3, top_k=20, top_p=0.95, key=jax.random.key(3, impl="rbg"))):
     got, n = jaxfuse.generate(model, prompts, lengths, 6, **kw)
     want, want_n = jaxfuse.generate(model, prompts, lengths, 6, decoder="reference", **kw)
     np.testing.assert_array_equal(got, want)

@@ -115,6 +115,79 @@ JF_CPU_MULTIVERSION void sample_scores(SampleRule rule, const float* logits, int
   for (int64_t j = 0; j < n; ++j) out[j] = rule.score(logits[j], b, n0 + j, vocab);
 }
 
+// Radix pass `pass` over the candidates: their count (and mass) by digit, bins [select_bins].
+void count_digits(const std::vector<uint32_t>& keys, const std::vector<uint64_t>& masses,
+                  int pass, uint32_t* counts, uint64_t* bin_masses) {
+  std::fill_n(counts, kSelectBins, 0u);
+  std::fill_n(bin_masses, kSelectBins, uint64_t(0));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const uint32_t digit = select_digit(keys[i], pass);
+    ++counts[digit];
+    if (!masses.empty()) bin_masses[digit] += masses[i];
+  }
+}
+
+// Keeps the candidates whose digit of `pass` is `bin` (the next pass's bucket).
+void keep_bin(std::vector<uint32_t>& keys, std::vector<uint64_t>& masses, int pass, int bin) {
+  size_t kept = 0;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (select_digit(keys[i], pass) != uint32_t(bin)) continue;
+    keys[kept] = keys[i];
+    if (!masses.empty()) masses[kept] = masses[i];
+    ++kept;
+  }
+  keys.resize(kept);
+  if (!masses.empty()) masses.resize(kept);
+}
+
+// The smallest order key of row `logits` [V] that top-k and top-p keep (0: every key): the CUDA
+// kernel's radix passes and walks (sampling_math.h), each pass over the candidates of the bucket
+// found so far only.
+uint32_t sample_floor(const SampleRule& rule, const float* logits, int64_t V) {
+  std::vector<uint32_t> all(V);
+  for (int64_t n = 0; n < V; ++n) all[n] = order_key(rule.scaled(logits[n]));
+  uint32_t counts[kSelectBins];
+  uint64_t bin_masses[kSelectBins];
+  uint32_t floor = 0;
+  if (rule.top_k_filters(V)) {
+    std::vector<uint32_t> keys = all;
+    std::vector<uint64_t> none;
+    uint32_t need = uint32_t(rule.top_k), prefix = 0;
+    for (int pass = 0; pass < kSelectPasses; ++pass) {
+      count_digits(keys, none, pass, counts, bin_masses);
+      const int bin = walk_count(counts, select_bins(pass), need);
+      if (bin < 0) break;  // (not reached: the bucket holds the need-th largest)
+      prefix |= uint32_t(bin) << select_shift(pass);
+      keep_bin(keys, none, pass, bin);
+    }
+    floor = prefix;
+  }
+  if (rule.top_p_filters()) {
+    const float max_s = order_value(*std::max_element(all.begin(), all.end()));
+    const int shift = mass_shift(V);
+    std::vector<uint32_t> keys;
+    std::vector<uint64_t> masses;
+    for (int64_t n = 0; n < V; ++n) {
+      if (all[n] < floor) continue;
+      keys.push_back(all[n]);
+      masses.push_back(fixed_mass(rule.scaled(logits[n]), max_s, shift));
+    }
+    uint64_t total = 0, above = 0;
+    for (const uint64_t m : masses) total += m;
+    const NucleusLimit limit{double(rule.top_p) * double(total)};
+    uint32_t prefix = 0;
+    for (int pass = 0; pass < kSelectPasses; ++pass) {
+      count_digits(keys, masses, pass, counts, bin_masses);
+      const int bin = walk_mass(counts, bin_masses, select_bins(pass), above, limit);
+      if (bin < 0) break;  // (not reached: the bucket's largest candidate is kept)
+      prefix |= uint32_t(bin) << select_shift(pass);
+      keep_bin(keys, masses, pass, bin);
+    }
+    floor = prefix;
+  }
+  return floor;
+}
+
 }  // namespace
 
 void DecodeStep::embed_tokens() {
@@ -156,7 +229,13 @@ void DecodeStep::lm_head() {
 }
 
 void DecodeStep::sample_tokens() {
-  const SampleRule rule = io.sample_rule(d.temperature);
+  const SampleRule rule = io.sample_rule(d.temperature, d.top_k, d.top_p);
+  std::vector<uint32_t> floors(d.B, 0);
+  if (rule.top_k_filters(d.V) || rule.top_p_filters()) {
+    parallel_for(pool_for(pool, d.B * d.V * 16), d.B, [&](int64_t b) {
+      floors[b] = sample_floor(rule, io.logits + b * d.V, d.V);
+    }, helpers_beside_caller(pool));
+  }
   const int64_t chunks = (d.V + kHeadRowsPerItem - 1) / kHeadRowsPerItem;
   std::vector<uint64_t> best(d.B * chunks);
   // A draw costs about as much as 16 multiply-adds (threefry and two logs, vectorized).
@@ -164,10 +243,15 @@ void DecodeStep::sample_tokens() {
   parallel_for(pool_for(pool, work), d.B * chunks, [&](int64_t item) {
     const int64_t b = item / chunks, chunk = item % chunks;
     const int64_t n0 = chunk * kHeadRowsPerItem, n = std::min(d.V - n0, kHeadRowsPerItem);
+    const float* logits = io.logits + b * d.V + n0;
     float scores[kHeadRowsPerItem];
-    sample_scores(rule, io.logits + b * d.V + n0, b, n0, n, d.V, scores);
+    sample_scores(rule, logits, b, n0, n, d.V, scores);
     uint64_t key = 0;
-    for (int64_t j = 0; j < n; ++j) key = std::max(key, argmax_key(scores[j], uint32_t(n0 + j)));
+    for (int64_t j = 0; j < n; ++j) {
+      if (sample_keeps(rule, logits[j], floors[b])) {
+        key = std::max(key, argmax_key(scores[j], uint32_t(n0 + j)));
+      }
+    }
     best[item] = key;
   }, helpers_beside_caller(pool));
   for (int64_t b = 0; b < d.B; ++b) {

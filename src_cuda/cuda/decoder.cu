@@ -19,7 +19,9 @@
 // and in a whole-model step (decoder_head.cuh), after the last layer:
 //   HeadStage:       logits = (rmsnorm(h) * final_norm, as kT) @ head^T | all of h (last down)
 //                    (times the rows' scales when quantized)
-//   SampleStage:     next_tokens = argmax of the sampling scores         | a grid sync (all logits)
+//   SampleStage:     next_tokens = argmax of the sampling scores kept by | a grid sync (all logits)
+//                    top-k / top-p (their thresholds: radix passes over    then its own passes'
+//                    the logits)                                           counters
 // with EmbedStage then gathering h = embed[tokens[b]] (layer 0 waits for the embedding's h).
 //
 // A wait is on a counter per tile group (decoder.h's StageCounters): its split items' arrivals
@@ -188,6 +190,8 @@ KernelDims kernel_dims(const DecoderDims& d) {
   k.sample = d.sample;
   k.temperature = d.temperature;
   k.vocab = int(d.V);
+  k.top_k = int(d.top_k);
+  k.top_p = d.top_p;
   return k;
 }
 

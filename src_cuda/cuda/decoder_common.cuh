@@ -53,10 +53,13 @@ struct KernelDims {
   bool qkv_bias;     // q/k/v projections add a bias
   bool qk_norm;      // per-head RMSNorm of q and k before RoPE
   // The whole-model step (decoder_head.cuh): tokens in, logits of `vocab` rows out (vocab 0
-  // otherwise), and with `sample` the next tokens at `temperature` (0: greedy).
+  // otherwise), and with `sample` the next tokens at `temperature` (0: greedy), from the scores
+  // top_k (0: all) and top_p (1: all) keep.
   bool model_step, sample;
   float temperature;
   int vocab;
+  int top_k;
+  float top_p;
 };
 
 // A GEMV stage's work over the grid (launch_plan()). Counts the kernel reads from its parameters
@@ -101,6 +104,18 @@ __device__ __forceinline__ int thread_index() {
   return t;
 #else
   return int(threadIdx.x);
+#endif
+}
+
+// blockIdx.x, read where it is used (as thread_index()), in code after the layer loop: a use
+// there of the value the loop keeps made ptxas spill it for the whole kernel.
+__device__ __forceinline__ int block_index() {
+#if defined(__CUDA_ARCH__)
+  int b;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(b));
+  return b;
+#else
+  return int(blockIdx.x);
 #endif
 }
 

@@ -25,10 +25,10 @@
 //   (updated in place at [l, b, positions[b]]); logits f32[B, V] (model_step; else f32[B, 0]):
 //   rmsnorm(out) * final_norm, rounded to T, times the head's rows (and their scales);
 //   next_tokens s32[B] (sample; else s32[0]): argmax of the logits (temperature 0) or a draw
-//   from softmax(logits / temperature) (sampling_math.h); workspace
-//   u8[decoder_layout(...).total]: fp32 activations, partial sums and counters.
+//   from softmax(logits / temperature) restricted by top_k and top_p (sampling_math.h);
+//   workspace u8[decoder_layout(...).total]: fp32 activations, partial sums and counters.
 // Attributes: the DecoderAttrs fields (the names of jaxfuse.DecoderConfig's fields, then the
-//   step's model_step, sample and temperature).
+//   step's model_step, sample, temperature, top_k (0: off) and top_p (1: off)).
 // Python reads all of these names and the workspace size from DecoderOp::contract().
 #pragma once
 
@@ -63,6 +63,9 @@ inline constexpr int64_t kDecMaxGemvItems = 512;
 inline constexpr int64_t kDecMaxAttnSplits = 64;   // flash-decoding splits of the cache length
 inline constexpr int64_t kDecHeadChunk = 4;        // query heads per attention work item
 inline constexpr int64_t kDecAlign = 256;          // byte alignment of workspace regions
+// The CUDA kernel's passes over the logits before a filtered draw: top-k's radix passes, a pass
+// for the largest score (when top-k does not find it), top-p's radix passes.
+inline constexpr int64_t kDecSamplePasses = 2 * kSelectPasses + 1;
 // The CPU GEMV's split of K: each split of this many rows is one contiguous stretch of the
 // weights (what a core's prefetchers stream fastest), and the splits' partial sums are added in
 // order. A constant, so that results do not depend on the thread count.
@@ -87,6 +90,8 @@ struct DecoderDims {
   bool model_step = false;
   bool sample = false;
   float temperature = 0.f;  // 0: greedy
+  int64_t top_k = 0;        // 0: no top-k filter
+  float top_p = 1.f;        // 1: no top-p filter
   int64_t V = 0;
   DType dtype = DType::kF32;   // x, caches, norms, biases, out
   DType wdtype = DType::kF32;  // the matrices: dtype, or kI8 / kF8E4M3 when quantized
@@ -100,6 +105,9 @@ struct DecoderDims {
   int64_t vec() const { return 16 / dtype_bytes(dtype); }
   int64_t tile() const { return 32 * vec(); }
   int64_t tiles(int64_t n) const { return (n + tile() - 1) / tile(); }
+  // Whether a draw may be filtered (top-k at or above V filters nothing, found at run time):
+  // the workspace then holds the CUDA kernel's search for each row's threshold.
+  bool sample_filter() const { return top_k > 0 || top_p < 1.0f; }
   int64_t hidden_tiles() const { return tiles(D); }
   int64_t qkv_tiles() const { return tiles(q_dim()) + 2 * tiles(kv_dim()); }
   int64_t mlp_tiles() const { return tiles(I); }
@@ -125,8 +133,24 @@ struct DecoderLayout {
   int64_t attn_counters;
   int64_t sample_counter;  // the blocks done with the sampling pass
   int64_t sample_keys;     // counter index of [B] uint64 argmax keys (sampling_math.h)
+  // A filtered draw's (DecoderDims::sample_filter; else empty), counter indices: the arrivals of
+  // each pass [kDecSamplePasses], each row's pass flags [B][kDecSamplePasses], its SampleSearch
+  // [B], and the histograms' counts [B][kSelectBins] and masses (uint64) [B][kSelectBins].
+  int64_t select_arrivals, select_flags, select_states, select_counts, select_masses;
   int64_t num_counters;    // int32 words, all zeroed before each call
 };
+
+// One row's top-k / top-p search in the CUDA kernel's workspace (sampling_math.h), written by the
+// block that walks the row's histograms after each pass.
+struct SampleSearch {
+  uint32_t prefix;           // the key digits found so far
+  uint32_t need;             // top-k: the rank of the k-th largest score in the prefix's bucket
+  uint32_t max_key;          // the order key of the row's largest score (the masses' reference)
+  uint32_t floor;            // the smallest key kept so far (0: every key)
+  unsigned long long above;  // top-p: the mass of the candidates above the prefix's bucket
+  unsigned long long total;  // top-p: the mass of every candidate
+};
+static_assert(sizeof(SampleSearch) == 32, "8 counter words a row");
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -161,7 +185,12 @@ inline DecoderLayout decoder_layout(const DecoderDims& d) {
   w.attn_counters = w.down_counters + d.L * d.hidden_tiles();
   w.sample_counter = 2 * (w.attn_counters + d.L * d.B * d.KV * d.head_chunks());
   w.sample_keys = align_up(w.sample_counter + 1, 2);  // 8-byte aligned
-  w.num_counters = w.sample_keys + 2 * d.B;
+  w.select_arrivals = w.sample_keys + 2 * d.B;
+  w.select_flags = w.select_arrivals + kDecSamplePasses;
+  w.select_states = align_up(w.select_flags + d.B * kDecSamplePasses, 2);
+  w.select_counts = w.select_states + d.B * int64_t(sizeof(SampleSearch) / 4);
+  w.select_masses = w.select_counts + d.B * kSelectBins;  // even: 8-byte aligned
+  w.num_counters = d.sample_filter() ? w.select_masses + 2 * d.B * kSelectBins : w.select_arrivals;
   w.counters = region(w.num_counters * 4);
   w.total = off;
   return w;
@@ -220,6 +249,8 @@ struct StageCounters {
   int64_t embed_first = 0, qkv_first = 0, o_proj_first = 0, gate_up_first = 0, down_first = 0;
   int64_t attn_first = 0;
   int64_t sample_counter = 0, sample_keys = 0;
+  int64_t select_arrivals = 0, select_flags = 0, select_states = 0, select_counts = 0;
+  int64_t select_masses = 0;
   int64_t qkv_tiles = 0, hidden_tiles = 0, mlp_tiles = 0;
   int64_t batch = 0, kv_heads = 0, head_chunks = 0;
 };
@@ -282,6 +313,24 @@ struct DecoderWorkspace {
   JF_HD unsigned long long* sample_key(int64_t b) const {
     return reinterpret_cast<unsigned long long*>(counters.data + counters.sample_keys) + b;
   }
+  // A filtered draw's: the blocks done with pass `pass`; row b's flag of that pass (set once its
+  // search state holds the pass's result); its search; its histograms.
+  JF_HD int* select_arrivals(int pass) const {
+    return counters.data + counters.select_arrivals + pass;
+  }
+  JF_HD int* select_flag(int64_t b, int pass) const {
+    return counters.data + counters.select_flags + b * kDecSamplePasses + pass;
+  }
+  JF_HD SampleSearch* select_search(int64_t b) const {
+    return reinterpret_cast<SampleSearch*>(counters.data + counters.select_states) + b;
+  }
+  JF_HD unsigned* select_counts(int64_t b) const {
+    return reinterpret_cast<unsigned*>(counters.data + counters.select_counts) + b * kSelectBins;
+  }
+  JF_HD unsigned long long* select_masses(int64_t b) const {
+    return reinterpret_cast<unsigned long long*>(counters.data + counters.select_masses) +
+           b * kSelectBins;
+  }
 
  private:
   // Group `index` of row `row` (rows of `width` groups) of the stage starting at group `first`.
@@ -304,6 +353,8 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
   counters = {reinterpret_cast<int*>(base + lay.counters), lay.num_counters,
               lay.embed_counters, lay.qkv_counters, lay.o_proj_counters, lay.gate_up_counters,
               lay.down_counters, lay.attn_counters, lay.sample_counter, lay.sample_keys,
+              lay.select_arrivals, lay.select_flags, lay.select_states, lay.select_counts,
+              lay.select_masses,
               d.qkv_tiles(), d.hidden_tiles(), d.mlp_tiles(),
               d.B, d.KV, d.head_chunks()};
 }
@@ -372,6 +423,8 @@ struct DecoderAttrs {
   bool model_step;
   bool sample;
   float temperature;
+  int64_t top_k;
+  float top_p;
 };
 inline constexpr const char* kDecoderSizeAttrs[] = {JAXFUSE_DECODER_SIZE_ATTRS(JF_VECTOR_NAME)};
 
@@ -442,9 +495,9 @@ struct DecoderBuffers {
     if (tokens != nullptr && !token_valid(b, vocab)) return -1;
     return positions[b];
   }
-  // How the next tokens are drawn (device data: read where the sampling runs).
-  JF_HD SampleRule sample_rule(float temperature) const {
-    return {temperature == 0.0f, temperature, sample_key[0], sample_key[1]};
+  // How the next tokens are drawn (the key is device data: read where the sampling runs).
+  JF_HD SampleRule sample_rule(float temperature, int64_t top_k, float top_p) const {
+    return {temperature == 0.0f, temperature, sample_key[0], sample_key[1], top_k, top_p};
   }
 };
 
@@ -477,6 +530,15 @@ inline ffi::Error check_attrs(const DecoderAttrs& a) {
     return invalid_argument("temperature=", a.temperature, " must be finite and >= 0");
   }
   if (a.sample && !a.model_step) return invalid_argument("sample needs model_step");
+  if (a.top_k < 0 || a.top_k >= INT32_MAX) {
+    return invalid_argument("top_k=", a.top_k, " must be in [0, ", INT32_MAX, ") (0: off)");
+  }
+  if (!(a.top_p > 0.0f && a.top_p <= 1.0f)) {
+    return invalid_argument("top_p=", a.top_p, " must be in (0, 1] (1: off)");
+  }
+  if ((a.top_k > 0 || a.top_p < 1.0f) && !(a.sample && a.temperature > 0.0f)) {
+    return invalid_argument("top_k and top_p filter a draw: they need sample and temperature > 0");
+  }
   return ffi::Error::Success();
 }
 
@@ -497,6 +559,8 @@ inline DecoderDims dims_of(const DecoderAttrs& a, int64_t batch, DType dtype) {
   d.model_step = a.model_step;
   d.sample = a.sample;
   d.temperature = a.temperature;
+  d.top_k = a.top_k;
+  d.top_p = a.top_p;
   d.dtype = dtype;
   d.wdtype = dtype;
   return d;
@@ -746,13 +810,16 @@ struct DecoderOp {
     c.names["model_operands"] = {"tokens",  "embed",         "final_norm",
                                  "lm_head", "lm_head_scale", "sample_key"};
     c.names["step_bool_attrs"] = {"model_step", "sample"};
-    c.names["step_f32_attrs"] = {"temperature"};
-    // workspace(batch=, dtype_bytes=, <size attrs>=) -> numbers["bytes"]
+    c.names["step_i64_attrs"] = {"top_k"};
+    c.names["step_f32_attrs"] = {"temperature", "top_p"};
+    // workspace(batch=, dtype_bytes=, sample_filter=, <size attrs>=) -> numbers["bytes"]
     c.functions["workspace"] = [](const std::map<std::string, int64_t>& args) {
-      // The layout depends on the dtype only through its width (f16 and bf16 lay out alike).
+      // The layout depends on the dtype only through its width (f16 and bf16 lay out alike),
+      // and on the draw only through whether it is filtered.
       const DType dtype = contract_arg(args, "dtype_bytes") == 4 ? DType::kF32 : DType::kBF16;
-      const DecoderDims d = decoder_detail::dims_of(contract_attrs(args),
-                                                    contract_arg(args, "batch"), dtype);
+      DecoderDims d = decoder_detail::dims_of(contract_attrs(args),
+                                              contract_arg(args, "batch"), dtype);
+      d.top_k = contract_arg(args, "sample_filter") != 0 ? 1 : 0;  // any filter lays out alike
       ContractValues v;
       v.numbers["bytes"] = decoder_layout(d).total;
       return v;
@@ -784,6 +851,7 @@ struct DecoderOp {
   // The size attributes among a contract function's arguments (the others zero).
   static DecoderAttrs contract_attrs(const std::map<std::string, int64_t>& args) {
     DecoderAttrs a{};
+    a.top_p = 1.0f;
 #define JF_DECODER_READ_ARG(name) a.name = contract_arg(args, #name);
     JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_READ_ARG)
 #undef JF_DECODER_READ_ARG
@@ -831,5 +899,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxfuse::DecoderAttrs,
                                       ::xla::ffi::StructMember<bool>("quantized"),
                                       ::xla::ffi::StructMember<bool>("model_step"),
                                       ::xla::ffi::StructMember<bool>("sample"),
-                                      ::xla::ffi::StructMember<float>("temperature"));
+                                      ::xla::ffi::StructMember<float>("temperature"),
+                                      ::xla::ffi::StructMember<int64_t>("top_k"),
+                                      ::xla::ffi::StructMember<float>("top_p"));
 #undef JF_DECODER_I64_MEMBER

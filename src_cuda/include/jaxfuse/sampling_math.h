@@ -85,36 +85,138 @@ JF_HD float gumbel_from_bits(uint32_t bits) {
   return -log_positive(-log_positive(u));
 }
 
-// The score row b's candidate n competes with: greedy takes the logit itself, sampling the
-// logit over the temperature plus the Gumbel noise of element b * vocab + n.
+// How row b's next token is drawn: greedy takes the argmax of the logits; sampling the argmax
+// of the scores s = logit / temperature plus the Gumbel noise of element b * vocab + n, over the
+// scores top-k and top-p keep (top_k 0 or >= vocab, top_p 1: every score).
 struct SampleRule {
   bool greedy;
   float temperature;
   uint32_t k0, k1;  // the key's data (jax.random.key_data)
+  int64_t top_k;
+  float top_p;
 
+  JF_HD bool top_k_filters(int64_t vocab) const { return !greedy && top_k > 0 && top_k < vocab; }
+  JF_HD bool top_p_filters() const { return !greedy && top_p < 1.0f; }
+  JF_HD float scaled(float logit) const { return logit / temperature; }
   JF_HD float score(float logit, int64_t b, int64_t n, int64_t vocab) const {
     if (greedy) return logit;
     const float g = gumbel_from_bits(threefry_bits(k0, k1, uint64_t(b * vocab + n)));
-    return g + logit / temperature;
+    return g + scaled(logit);
   }
 };
 
 // ---- argmax as a max of 64-bit keys ----------------------------------------------------------
 
+// A float's 32-bit key whose unsigned order is the float's: -0 ties +0, a NaN is above every
+// number (the all-ones key).
+JF_HD uint32_t order_key(float v) {
+  if (v != v) return 0xffffffffu;
+  const uint32_t bits = float_bits(v == 0.0f ? 0.0f : v);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// The float a key stands for (a NaN for the NaN key).
+JF_HD float order_value(uint32_t key) {
+  return bits_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
 // Candidate n with score v: larger keys win; equal scores go to the lower index; a NaN beats
 // every number (the first NaN wins, as in jnp.argmax).
 JF_HD uint64_t argmax_key(float v, uint32_t n) {
-  uint32_t order;
-  if (v != v) {
-    order = 0xffffffffu;
-  } else {
-    const uint32_t bits = float_bits(v == 0.0f ? 0.0f : v);  // -0 ties +0
-    order = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-  }
-  return (uint64_t(order) << 32) | uint64_t(0xffffffffu - n);
+  return (uint64_t(order_key(v)) << 32) | uint64_t(0xffffffffu - n);
 }
 
 // The index a winning key names.
 JF_HD int32_t argmax_index(uint64_t key) { return int32_t(0xffffffffu - uint32_t(key)); }
+
+// ---- top-k and top-p: the smallest key a row keeps ---------------------------------------------
+//
+// The reference (jaxfuse/_generation.py's _sample) keeps, of a row's scores s = logits /
+// temperature, those >= the k-th largest (top-k; ties at it kept), then of those the ones >= the
+// nucleus cutoff: the smallest kept value v whose mass above, M(>v) = the sum of softmax(s) over
+// the kept scores > v, is below top_p (the largest is always kept). Both are thresholds on
+// order_key(s), and the draw is categorical's over the scores whose key is >= the row's `floor`.
+//
+// A threshold is found digit by digit from the keys' top bits (kSelectPasses passes of a radix
+// select): each pass counts the candidates of the bucket found so far by their next digit (a
+// histogram of kSelectBins bins at most), then walks the bins from the top (walk_count,
+// walk_mass). The CUDA kernel builds each histogram over the whole grid and walks it in parallel
+// ranges; the CPU handler row by row over one range; both take the same bins. Masses are fixed-
+// point integers, exp(s - max s) * 2^mass_shift(V) (fixed_mass), so their sums are exact in any
+// order and both keep the same scores, up to the last bit of exp. The reference sums float
+// probabilities, so it may keep one score more or fewer where M(>v) is within a rounding of top_p.
+
+inline constexpr int kSelectPasses = 3;
+inline constexpr int kSelectBins = 2048;
+
+// Pass `pass`'s digit: the key's bits [select_shift, select_shift + select_bits), 11, 11 and 10
+// bits from the top.
+JF_HD int select_shift(int pass) { return pass == 0 ? 21 : (pass == 1 ? 10 : 0); }
+JF_HD int select_bits(int pass) { return pass == 2 ? 10 : 11; }
+JF_HD int select_bins(int pass) { return 1 << select_bits(pass); }
+JF_HD uint32_t select_digit(uint32_t key, int pass) {
+  return (key >> select_shift(pass)) & uint32_t(select_bins(pass) - 1);
+}
+// Whether `key` has the digits of `prefix` found by the passes before `pass`.
+JF_HD bool select_in_bucket(uint32_t key, uint32_t prefix, int pass) {
+  if (pass == 0) return true;
+  const int found = select_shift(pass) + select_bits(pass);
+  return (key >> found) == (prefix >> found);
+}
+
+// The fixed-point scale of masses: a vocabulary of masses of at most 2^shift sums below 2^63.
+JF_HD int mass_shift(int64_t vocab) {
+  int bits = 0;
+  while ((int64_t(1) << bits) <= vocab) ++bits;
+  return 63 - bits;
+}
+
+// exp(s - max_s) * 2^shift, truncated (0 for a NaN: a row whose largest score is a NaN or an
+// infinity has no masses, and keeps all its top-k scores).
+JF_HD uint64_t fixed_mass(float s, float max_s, int shift) {
+  const float e = expf(s - max_s);
+  return e > 0.0f ? uint64_t(e * float(uint64_t(1) << shift)) : 0;
+}
+
+// Top-p's rule for the candidates of a value whose mass above is `above`: kept while above <
+// top_p * (the mass of every candidate); the largest value (nothing above) always.
+struct NucleusLimit {
+  double limit;  // top_p * total mass
+
+  JF_HD bool keeps(uint64_t above) const { return above == 0 || double(above) < limit; }
+};
+
+// Top-k: of bins n - 1 down to 0 (counts[j]: the candidates with digit j), the one that holds the
+// need-th largest candidate; `need` becomes its rank in that bin. -1 if the bins hold fewer.
+JF_HD int walk_count(const uint32_t* counts, int n, uint32_t& need) {
+  for (int j = n - 1; j >= 0; --j) {
+    if (need <= counts[j]) return j;
+    need -= counts[j];
+  }
+  return -1;
+}
+
+// Top-p: of bins n - 1 down to 0 (counts and masses of the candidates by digit), the lowest
+// nonempty one whose largest candidate is kept, `above` being the mass of the candidates above
+// bin n - 1; `above` becomes the mass above the bin found. -1 (above unchanged) if none is.
+JF_HD int walk_mass(const uint32_t* counts, const uint64_t* masses, int n, uint64_t& above,
+                    NucleusLimit rule) {
+  int found = -1;
+  uint64_t at = above, m = above;
+  for (int j = n - 1; j >= 0; --j) {
+    if (counts[j] == 0) continue;
+    if (!rule.keeps(m)) break;
+    found = j;
+    at = m;
+    m += masses[j];
+  }
+  above = at;
+  return found;
+}
+
+// Whether a row whose smallest kept key is `floor` (0: no filter) draws from `logit`.
+JF_HD bool sample_keeps(const SampleRule& rule, float logit, uint32_t floor) {
+  return floor == 0 || order_key(rule.scaled(logit)) >= floor;
+}
 
 }  // namespace jaxfuse

@@ -233,6 +233,15 @@ T atomicMax(T* address, T value) {
   return old;
 }
 template <typename T>
+T atomicMin(T* address, T value) {
+  static_assert(std::is_integral_v<T>, "atomicMin of integers");
+  T old = __atomic_load_n(address, __ATOMIC_RELAXED);
+  while (value < old && !__atomic_compare_exchange_n(address, &old, value, true, __ATOMIC_RELAXED,
+                                                     __ATOMIC_RELAXED)) {
+  }
+  return old;
+}
+template <typename T>
 T atomicExch(T* address, T value) {
   return __atomic_exchange_n(address, value, __ATOMIC_RELAXED);
 }
