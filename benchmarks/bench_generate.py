@@ -2,8 +2,8 @@
 jaxfuse.generate's tokens per second, side by side with plain XLA.
 
 Step (one token per batch row, every row at position context - 1, cache donated, sampling at
-temperature 0.8 with the step's key; each function timed in interleaved rounds, the median
-reported):
+temperature 0.8 with the step's key, with `--filter` from the top-k 50 and then top-p 0.9
+scores; each function timed in interleaved rounds, the median reported):
   jaxfuse:       one jaxfuse_decoder call for the whole model (jaxfuse.decode_step's path with the
                  draw): embedding gather, every layer, final norm, LM head and the draw;
   layers+XLA:    the layers in the kernel (jaxfuse.persistent_decoder), the embedding, final
@@ -16,16 +16,20 @@ of a device copy measured here.
 `--quantize int8|fp8`: the same model with its matrices and its LM head quantized
 (jaxfuse.quantize; the tied head becomes its own 8-bit rows), every step on those weights, plus
 one more column: the kernel's step with the head kept in bf16 (quantize(..., head=False)).
+`--filter`: two more columns, the kernel's step returning its logits and XLA filtering and
+drawing (jaxfuse._generation._sample, as every XLA column does: the path before the filters moved
+into the kernel), and the kernel's step drawing without the filters (what they cost in it).
 
 generate: jaxfuse.generate (prefill and every decode step in one jitted call, one kernel launch
-per token) against decoder="reference" (the same loop in plain XLA), greedy, from 16-token
-prompts, N new tokens per row (no stop tokens), tokens/s = batch * N / wall time.
+per token) against decoder="reference" (the same loop in plain XLA), from 16-token prompts, N
+new tokens per row (no stop tokens), tokens/s = batch * N / wall time: greedy, or with
+`--filter` sampled and filtered as the steps.
 
 On a GPU: Llama-3.2-1B (16 x D2048, 32/8 heads, hd 64, I 8192, vocab 128256 tied, bf16), batch
 1/4/16, context 1024. On the CPU: 4 x D512, 8/2 heads, hd 64, I 1536, vocab 32000 tied, batch
 1/4/16, context 128 (`--quick`: fewer steps; batch 1 and 16 on the CPU).
 
-  python benchmarks/bench_generate.py [--quick] [--out results.md] [--device cpu|gpu]
+  python benchmarks/bench_generate.py [--quick] [--filter] [--out results.md] [--device cpu|gpu]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from jaxfuse import DecoderConfig, KVCache, decoder_reference, persistent_decode
 from jaxfuse import _generation as generation
 
 TEMPERATURE = 0.8
+FILTER = dict(top_k=50, top_p=0.9)  # --filter: Hugging Face's default top-k with a nucleus
 
 
 def plan(args, on_gpu):
@@ -90,17 +95,27 @@ def step_bytes(model):
   return sum(a.size * a.dtype.itemsize for a in leaves)
 
 
-def steps(model):
-  """The three step functions: (tokens, positions, cache, key) -> (next tokens, cache)."""
+def steps(model, filtered: bool):
+  """The step functions: (tokens, positions, cache, key) -> (next tokens, cache); with
+  `filtered`, drawn from the FILTER scores, and one more: the kernel's logits drawn in XLA."""
   cfg = model.config
+  top_k, top_p = (FILTER["top_k"], FILTER["top_p"]) if filtered else (None, None)
 
   def jaxfuse_step(tokens, positions, cache, key):
     data = jax.random.key_data(key)
-    _, nxt, k, v = generation._model_step(model, cfg, tokens, positions, cache, TEMPERATURE, data)
+    _, nxt, k, v = generation._model_step(model, cfg, tokens, positions, cache, TEMPERATURE, data,
+                                          top_k, top_p)
     return nxt, KVCache(k, v)
 
+  def draw(logits, key):
+    return generation._sample(logits, key, TEMPERATURE, top_k, top_p)
+
   def xla_head(h, key):
-    return jax.random.categorical(key, model.logits(h) / jnp.float32(TEMPERATURE))
+    return draw(model.logits(h), key)
+
+  def kernel_logits(tokens, positions, cache, key):
+    logits, k, v = generation._model_step(model, cfg, tokens, positions, cache)
+    return draw(logits, key), KVCache(k, v)
 
   def layers_xla(tokens, positions, cache, key):
     h, cache = persistent_decoder(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
@@ -111,8 +126,17 @@ def steps(model):
                                  activation_dtype=jnp.bfloat16)
     return xla_head(h, key), cache
 
-  return {name: jax.jit(fn, donate_argnums=(2,)) for name, fn in
-          (("jaxfuse", jaxfuse_step), ("layers+XLA", layers_xla), ("plain XLA", plain))}
+  fns = [("jaxfuse", jaxfuse_step), ("layers+XLA", layers_xla), ("plain XLA", plain)]
+  if filtered:
+    fns.append((FILTERED_IN_XLA, kernel_logits))
+  fns = {name: jax.jit(fn, donate_argnums=(2,)) for name, fn in fns}
+  if filtered:
+    fns[UNFILTERED] = steps(model, False)["jaxfuse"]
+  return fns
+
+
+FILTERED_IN_XLA = "jaxfuse, filter in XLA"
+UNFILTERED = "jaxfuse, no filter"
 
 
 def time_step(fn, tokens, positions, cache, n, warmup):
@@ -135,9 +159,9 @@ def measure_steps(model, bf16_head, p, device, copy_gbs):
   for B in p["batches"]:
     tokens = jax.device_put(jnp.arange(B, dtype=jnp.int32) * 7 % p["vocab"], device)
     positions = jax.device_put(jnp.full((B,), p["context"] - 1, jnp.int32), device)
-    fns = steps(model)
+    fns = steps(model, p["filter"])
     if bf16_head is not None:
-      fns["jaxfuse, bf16 head"] = steps(bf16_head)["jaxfuse"]
+      fns["jaxfuse, bf16 head"] = steps(bf16_head, p["filter"])["jaxfuse"]
     caches = {name: jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
                                              for v in (0.5, 1.0))), device) for name in fns}
     rounds = {name: [] for name in fns}
@@ -151,11 +175,17 @@ def measure_steps(model, bf16_head, p, device, copy_gbs):
       log(f"  batch {B} {name:18s} {t * 1e3:8.3f} ms/step")
     kv_bytes = cfg.num_layers * B * p["context"] * cfg.kv_dim * 2 * 2
     gbs = (weight_bytes + kv_bytes) / times["jaxfuse"] / 1e9
-    bf16_head_ms = times.get("jaxfuse, bf16 head", float("nan")) * 1e3
+    extra = [times[name] * 1e3 for name in extra_columns(p)]
     rows.append((B, times["jaxfuse"] * 1e3, times["layers+XLA"] * 1e3, times["plain XLA"] * 1e3,
                  times["plain XLA"] / times["jaxfuse"], B / times["jaxfuse"],
-                 (weight_bytes + kv_bytes) / 1e9, gbs, 100 * gbs / copy_gbs, bf16_head_ms))
+                 (weight_bytes + kv_bytes) / 1e9, gbs, 100 * gbs / copy_gbs, extra))
   return rows
+
+
+def extra_columns(p):
+  """The step columns after the common ones: the bf16 head's (--quantize), the XLA filter's."""
+  return ((["jaxfuse, bf16 head"] if p["quantize"] is not None else [])
+          + ([FILTERED_IN_XLA, UNFILTERED] if p["filter"] else []))
 
 
 def measure_generate(model, p, device):
@@ -167,7 +197,9 @@ def measure_generate(model, p, device):
     lengths = jax.device_put(np.full((B,), 16, np.int32), device)
     rates = {}
     for decoder in ("persistent", "reference"):
-      run = lambda: jaxfuse.generate(model, prompts, lengths, N, decoder=decoder)
+      sampling = (dict(temperature=TEMPERATURE, key=jax.random.key(1), **FILTER) if p["filter"]
+                  else {})
+      run = lambda: jaxfuse.generate(model, prompts, lengths, N, decoder=decoder, **sampling)
       jax.block_until_ready(run())
       t0 = time.perf_counter()
       out, count = jax.block_until_ready(run())
@@ -180,24 +212,24 @@ def measure_generate(model, p, device):
 
 
 def table(step_rows, gen_rows, p, device, copy_gbs):
-  quantized = p["quantize"] is not None
   weights = (f"; {p['quantize']} matrices and LM head (jaxfuse.quantize), every column on them"
-             if quantized else "")
+             if p["quantize"] is not None else "")
+  draw = (f"temperature {TEMPERATURE}, top-k {FILTER['top_k']}, top-p {FILTER['top_p']}"
+          if p["filter"] else f"temperature {TEMPERATURE}")
+  extra = extra_columns(p)
   lines = [
       f"### whole-model decode step and generate, {p['title']}{weights}",
       f"device: {device.device_kind} ({device.platform}); copy bandwidth measured here "
-      f"{copy_gbs:.1f} GB/s; context {p['context']}; sampling at temperature {TEMPERATURE}; "
+      f"{copy_gbs:.1f} GB/s; context {p['context']}; sampling at {draw}; "
       f"cache donated; medians of {p['rounds']} interleaved rounds of {p['steps']} steps",
       "",
       "| batch | jaxfuse ms/step | layers+XLA ms/step | plain XLA ms/step | vs plain | tokens/s | "
-      "GB read | jaxfuse GB/s | % of copy BW |"
-      + (" jaxfuse, bf16 head ms/step |" if quantized else ""),
-      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if quantized else ""),
+      "GB read | jaxfuse GB/s | % of copy BW |" + "".join(f" {c} ms/step |" for c in extra),
+      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra),
   ]
   for r in step_rows:
     lines.append(f"| {r[0]} | {r[1]:.3f} | {r[2]:.3f} | {r[3]:.3f} | {r[4]:.2f}x | {r[5]:.0f} | "
-                 f"{r[6]:.3f} | {r[7]:.1f} | {r[8]:.0f}% |"
-                 + (f" {r[9]:.3f} |" if quantized else ""))
+                 f"{r[6]:.3f} | {r[7]:.1f} | {r[8]:.0f}% |" + "".join(f" {ms:.3f} |" for ms in r[9]))
   lines += ["", "| generate batch | new tokens | jaxfuse tokens/s | plain XLA tokens/s | speedup |",
             "|---:|---:|---:|---:|---:|"]
   for r in gen_rows:
@@ -210,9 +242,11 @@ def main():
   ap.add_argument("--steps", type=int, default=None)
   ap.add_argument("--quantize", choices=("int8", "fp8"), default=None,
                   help="the matrices and the LM head in int8 or fp8 (jaxfuse.quantize)")
+  ap.add_argument("--filter", action="store_true",
+                  help=f"draw from the top-k {FILTER['top_k']}, top-p {FILTER['top_p']} scores")
   args = ap.parse_args()
   device = pick_device(args.device)
-  p = dict(plan(args, device.platform == "gpu"), quantize=args.quantize)
+  p = dict(plan(args, device.platform == "gpu"), quantize=args.quantize, filter=args.filter)
   log(f"device: {device} ({device.device_kind}); {p['title']}")
   copy_gbs = copy_bandwidth(device, p["copy_bytes"], 5)
   log(f"measured copy bandwidth: {copy_gbs:.1f} GB/s; initializing the model ...")

@@ -216,6 +216,8 @@ stage_bench_decoder() {
 stage_bench_generate() {
   use_extension
   step bench_generate python3 benchmarks/bench_generate.py $Q --out "$OUT/bench_generate.md"
+  step bench_generate_filter python3 benchmarks/bench_generate.py --filter $Q \
+    --out "$OUT/bench_generate_filter.md"
 }
 
 stage_bench_quantized() {
@@ -285,6 +287,8 @@ stage_variants() {
 #   bench_decoder         the 16 layers, batch 1/4/16 at context 1k, beside plain XLA
 #   bench_generate        the whole step (embedding, layers, head, draw), batch 1/4/16, and
 #                         generate's tokens/s, beside plain XLA
+#   bench_generate_filter the same drawing from the top-k 50, top-p 0.9 scores, in the kernel
+#                         beside the kernel's logits filtered and drawn in XLA
 #   bench_generate_int8   the same with int8 matrices and head (beside the bf16-head step)
 #   bench_quantized       int8 / fp8 layers beside bf16, batch 1 and 4; the head alone in XLA
 #   bench_optim           AdamW on GPT-2 small (fp32; bf16 with master weights), with and
@@ -305,6 +309,8 @@ stage_quick() {
     --out "$OUT/bench_decoder.md"
   LIMIT=75 step bench_generate python3 benchmarks/bench_generate.py --quick \
     --out "$OUT/bench_generate.md"
+  LIMIT=60 step bench_generate_filter python3 benchmarks/bench_generate.py --quick --filter \
+    --out "$OUT/bench_generate_filter.md"
   LIMIT=60 step bench_generate_int8 python3 benchmarks/bench_generate.py --quick --quantize int8 \
     --out "$OUT/bench_generate_int8.md"
   LIMIT=60 step bench_quantized python3 benchmarks/bench_decoder.py --quantized --quick \

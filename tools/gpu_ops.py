@@ -194,16 +194,20 @@ def run_decoder(gpu, cpu):
 
 # (dtype, tied head, batch, quantization): bf16 at batch 10 (two passes of the head's 8 staged
 # rows), fp32 untied at batch 3, and bf16 with int8 and fp8 matrices and head (jaxfuse.quantize:
-# the tied head's own 8-bit rows); the draws at temperature 0.8.
-MODEL_STEP_CASES = [(jnp.bfloat16, True, 10, None), (jnp.float32, False, 3, None),
-                    (jnp.bfloat16, True, 5, "int8"), (jnp.float16, False, 3, "fp8")]
+# the tied head's own 8-bit rows); the draws at temperature 0.8, plain or filtered in the kernel
+# (top_k, top_p): both, top-k alone (its first pass finds the largest score), top-p alone.
+MODEL_STEP_CASES = [(jnp.bfloat16, True, 10, None, (None, None)),
+                    (jnp.float32, False, 3, None, (50, 0.9)),
+                    (jnp.bfloat16, True, 5, "int8", (20, None)),
+                    (jnp.float16, False, 3, "fp8", (None, 0.6))]
 
 
 def run_model_step(gpu, cpu):
   """The whole-model step (embedding, layers, head, draw): logits against the CPU handler's, and
-  the GPU's tokens against jax.random.categorical of its own logits (they must be equal)."""
+  the GPU's tokens against jax.random.categorical of its own logits after the top-k and top-p
+  filters (_sample; they must be equal)."""
   from jaxfuse import _generation as generation
-  for dt, tied, batch, quantization in MODEL_STEP_CASES:
+  for dt, tied, batch, quantization, (top_k, top_p) in MODEL_STEP_CASES:
     cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                                 head_dim=64, intermediate_size=640, max_seq_len=96)
     _, w, cache = random_decoder_problem(cfg, batch, dt, seed=4)
@@ -217,13 +221,15 @@ def run_model_step(gpu, cpu):
     tokens = jnp.asarray(rng.integers(0, 1000, batch).astype(np.int32))
     pos = jnp.asarray(np.linspace(0, 95, batch).astype(np.int32))
     key = jax.random.key(6)
-    f = jax.jit(lambda m, t, p, c, k: generation._model_step(m, cfg, t, p, c, 0.8, k))
+    f = jax.jit(lambda m, t, p, c, k: generation._model_step(m, cfg, t, p, c, 0.8, k, top_k,
+                                                             top_p))
     res = {name: f(*on(d, (model, tokens, pos, cache, jax.random.key_data(key))))
            for name, d in (("gpu", gpu), ("cpu", cpu))}
     name = (f"whole-model step {jnp.dtype(dt).name} {'tied' if tied else 'untied'} batch {batch}"
-            + (f" {quantization}" if quantization else ""))
+            + (f" {quantization}" if quantization else "")
+            + (f" top-k {top_k}" if top_k else "") + (f" top-p {top_p}" if top_p else ""))
     compare(name, res["gpu"][0], res["cpu"][0])
-    drawn = jax.random.categorical(key, jnp.asarray(np.asarray(res["gpu"][0])) / 0.8)
+    drawn = generation._sample(jnp.asarray(np.asarray(res["gpu"][0])), key, 0.8, top_k, top_p)
     wrong = int(np.sum(np.asarray(res["gpu"][1]) != np.asarray(drawn)))
     print(f"{name + ' draws':52s} {wrong:7d} of {batch:7d} tokens differ from jax.random's")
     if wrong:
