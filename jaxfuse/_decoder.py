@@ -405,7 +405,7 @@ def _attributes(cfg: DecoderConfig, head: _Head | None = None) -> dict[str, np.g
   sample = head is not None and head.sample
   step = {"model_step": head is not None, "sample": sample,
           "temperature": head.temperature if sample else 0.0,
-          "top_k": head.top_k or 0 if sample else 0,
+          "top_k": (head.top_k or 0) if sample else 0,
           "top_p": 1.0 if not sample or head.top_p is None else head.top_p}
   return {**{name: np.int64(getattr(cfg, name)) for name in names["size_attrs"]},
           **{name: np.float32(getattr(cfg, name)) for name in names["f32_attrs"]},

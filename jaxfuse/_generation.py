@@ -14,9 +14,8 @@ the LM head and the next token's draw (greedy when ``temperature == 0``, else fr
 softmax(logits / temperature) restricted by ``top_k`` and ``top_p``: the draw of
 :func:`jax.random.categorical` with the step's key, after the filters of :func:`_sample`). A key
 the kernel cannot draw with (not threefry2x32) has the kernel return the logits and XLA draw.
-The loop ends
-when every row has stopped or ``max_new_tokens`` are out. Stopped rows decode at position -1: the
-kernel neither reads nor writes their cache.
+The loop ends when every row has stopped or ``max_new_tokens`` are out. Stopped rows decode at
+position -1: the kernel neither reads nor writes their cache.
 
 ``decoder="reference"`` runs the same loop with :func:`jaxfuse.decoder_reference` (plain XLA) in
 place of the kernel: the baseline the kernel is compared with.

@@ -133,7 +133,7 @@ PY
   __syncthreads();" "  if (lane == 0) scratch[warp] = v;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_global_norm"
-  control stale_sample_bins cuda/decoder_head.cuh \
+  control stale_sample_bins cuda/decoder_sample.cuh \
     "        counts[first + u] = 0;" "" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "whole_model_step and not quantized"

@@ -16,7 +16,7 @@
 //                    m = rmsnorm(h) * mlp_norm
 //   DownStage:       h += mlp_act @ w_down; sums of squares (last        | its K split's gate/up
 //                    layer: out = h, NaN rows for bad p)                   tiles
-// and in a whole-model step (decoder_head.cuh), after the last layer:
+// and in a whole-model step (decoder_head.cuh, decoder_sample.cuh), after the last layer:
 //   HeadStage:       logits = (rmsnorm(h) * final_norm, as kT) @ head^T | all of h (last down)
 //                    (times the rows' scales when quantized)
 //   SampleStage:     next_tokens = argmax of the sampling scores kept by | a grid sync (all logits)
@@ -43,8 +43,9 @@
 // and inputs (decoder_gemv_job.cuh), the GEMV engines (decoder_gemv.cuh: fp32 FMA for fp32 and
 // fp16 activations; decoder_gemv_mma.cuh: tensor cores for bf16), the GEMV stages
 // (decoder_stages.cuh), the new token's RoPE and cache append
-// (decoder_new_token.cuh), attention: split partials and their merge (decoder_attention.cuh);
-// here the kernel and its launch.
+// (decoder_new_token.cuh), attention: split partials and their merge (decoder_attention.cuh),
+// the LM head (decoder_head.cuh) and the draw (decoder_sample.cuh); here the kernel and its
+// launch.
 //
 // Workspace: the workspace result (decoder.h: DecoderWorkspace) holds every fp32 activation, the
 // partial sums and the counters. The counters are reset with cudaMemsetAsync on the stream each
@@ -60,6 +61,7 @@
 
 #include "decoder_attention.cuh"
 #include "decoder_head.cuh"
+#include "decoder_sample.cuh"
 #include "decoder_stages.cuh"
 
 namespace jaxfuse {
