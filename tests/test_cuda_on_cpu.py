@@ -293,11 +293,12 @@ def test_greedy_generation_follows_the_reference():
 # int8 model with its int8 head (8-byte vectors of 8 weights, 16 a lane in flight) under fp16; a
 # token outside the vocabulary and a bad position make two rows invalid. The draws: greedy (the
 # small cases), plain sampling, and filtered by top-k and top-p together, top-k alone (its first
-# pass also finds the largest score) or top-p alone (a pass for it).
+# pass also finds the largest score) or top-p alone (a pass for it), at temperatures high enough
+# that a draw lands anywhere in the kept set (so a wrong threshold shows in the tokens).
 @pytest.mark.parametrize("dtype,tied,batch,device,quantization,draws", [
-    (jnp.bfloat16, True, 10, "1", None, ((0.8, None, None), (0.8, 20, 0.9))),
-    (jnp.float32, False, 3, "3", None, ((0.0, None, None), (1.2, 20, None), (0.7, None, 0.5))),
-    (jnp.float16, True, 3, "3", "int8", ((0.0, None, None), (0.8, None, None), (1.1, 7, 0.8)))],
+    (jnp.bfloat16, True, 10, "1", None, ((0.8, None, None), (4.0, 20, 0.9))),
+    (jnp.float32, False, 3, "3", None, ((0.0, None, None), (4.0, 20, None), (3.0, None, 0.5))),
+    (jnp.float16, True, 3, "3", "int8", ((0.0, None, None), (0.8, None, None), (4.0, 7, 0.8)))],
     ids=["bf16-tied-batch10-grid1x1", "f32-untied-batch3-grid16x1",
          "quantized-int8-head-f16-batch3-grid16x1"])
 def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, draws, monkeypatch):

@@ -16,8 +16,8 @@
 #   controls  planted bugs in the real sources (a tail overrun, a wrong last-block counter, a
 #             decoder wait that ends at a group's first arrival instead of its finish, a GEMV
 #             group marked finished after its first batch row instead of all, a missing
-#             __syncthreads, a top-k / top-p histogram left uncleared between passes) must each
-#             make a check fail
+#             __syncthreads, a top-k / top-p walk that reads the row's search after one thread
+#             may have rewritten it) must each make a check fail
 # Exit status 0 when every check passes and (with controls) every planted bug is caught.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -133,8 +133,15 @@ PY
   __syncthreads();" "  if (lane == 0) scratch[warp] = v;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_global_norm"
-  control stale_sample_bins cuda/decoder_sample.cuh \
-    "        counts[first + u] = 0;" "" \
+  control search_read_after_walk cuda/decoder_sample.cuh \
+    "    const SampleSearch st = load_search(b);
+    uint32_t count_above;
+    uint64_t mass_above, mass_total;
+    suffix_sums(h, count, mass, &count_above, &mass_above, &mass_total);" \
+    "    uint32_t count_above;
+    uint64_t mass_above, mass_total;
+    suffix_sums(h, count, mass, &count_above, &mass_above, &mass_total);
+    const SampleSearch st = load_search(b);" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "whole_model_step and not quantized"
   [ "$caught" -eq 6 ] || { echo "== cuda_on_cpu: only $caught of 6 planted bugs caught"; exit 1; }

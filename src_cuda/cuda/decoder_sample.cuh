@@ -208,10 +208,12 @@ struct SampleStage {
       count += c[u];
       mass += m[u];
     }
+    // Every thread reads the row's search before suffix_sums' barriers, after which one thread
+    // rewrites it.
+    const SampleSearch st = load_search(b);
     uint32_t count_above;
     uint64_t mass_above, mass_total;
     suffix_sums(h, count, mass, &count_above, &mass_above, &mass_total);
-    const SampleSearch st = load_search(b);
     SampleSearch* out = p.ws.select_search(b);
     const uint32_t base = pass == 0 ? 0u : st.prefix;
     const bool last_pass = pass == kSelectPasses - 1;
