@@ -223,23 +223,26 @@ T atomicAdd(T* address, T value) {
     return old;
   }
 }
-template <typename T>
-T atomicMax(T* address, T value) {
-  static_assert(std::is_integral_v<T>, "atomicMax of integers");
+namespace cuemu {
+// Stores `value` at `address` while it beats the value there (beats(value, old)); returns the
+// value it found: atomicMax's and atomicMin's compare-and-swap loop.
+template <typename T, typename Beats>
+T atomic_replace_if(T* address, T value, Beats beats) {
+  static_assert(std::is_integral_v<T>, "atomicMax / atomicMin of integers");
   T old = __atomic_load_n(address, __ATOMIC_RELAXED);
-  while (old < value && !__atomic_compare_exchange_n(address, &old, value, true, __ATOMIC_RELAXED,
-                                                     __ATOMIC_RELAXED)) {
+  while (beats(value, old) && !__atomic_compare_exchange_n(address, &old, value, true,
+                                                           __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
   }
   return old;
 }
+}  // namespace cuemu
+template <typename T>
+T atomicMax(T* address, T value) {
+  return cuemu::atomic_replace_if(address, value, [](T v, T old) { return old < v; });
+}
 template <typename T>
 T atomicMin(T* address, T value) {
-  static_assert(std::is_integral_v<T>, "atomicMin of integers");
-  T old = __atomic_load_n(address, __ATOMIC_RELAXED);
-  while (value < old && !__atomic_compare_exchange_n(address, &old, value, true, __ATOMIC_RELAXED,
-                                                     __ATOMIC_RELAXED)) {
-  }
-  return old;
+  return cuemu::atomic_replace_if(address, value, [](T v, T old) { return v < old; });
 }
 template <typename T>
 T atomicExch(T* address, T value) {
