@@ -87,7 +87,7 @@ ffi::Error GlobalNormOp::run<Cuda>(cudaStream_t stream, const Call& call) {
                                              static_cast<int>(kNormSlots / launches), &blocks));
   }
   return launch_kernel("the norm finishing kernel", norm_finish_kernel, dim3(1),
-                       dim3(kFinishThreads), stream, /*cooperative=*/false, call.partials, blocks,
+                       dim3(kFinishThreads), stream, LaunchOptions{}, call.partials, blocks,
                        call.peer_sums, call.num_peers, call.own_sum, call.norm_params, call.clip,
                        call.skip_nonfinite,
                        call.clip_apply_loss_scale, call.norm, call.grad_ctrl);

@@ -9,6 +9,7 @@
 // CPU implementation of the runtime API.
 #pragma once
 
+#include <cuda_pipeline_primitives.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -73,50 +74,68 @@ inline ffi::Error cuda_failure(const char* what, cudaError_t err) {
     if (jf_cuda_err_ != cudaSuccess) return ::jaxfuse::cuda_failure(#expr, jf_cuda_err_);   \
   } while (0)
 
-// Launches kernel<<<grid, block, 0, stream>>>(args...), as a cooperative launch (all blocks
-// co-resident, grid sync allowed) when `cooperative`. A launch error names the kernel `name`.
+// How a kernel is launched beyond its grid and block: cooperatively (all blocks co-resident,
+// grid sync allowed), with dynamic shared memory (over 48 KB: the kernel must have opted in,
+// cudaFuncSetAttribute).
+struct LaunchOptions {
+  bool cooperative = false;
+  size_t dynamic_shared = 0;
+};
+
+// Launches kernel<<<grid, block, options.dynamic_shared, stream>>>(args...). A launch error names
+// the kernel `name`.
 template <typename... Params, typename... Args>
 ffi::Error launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block,
-                         cudaStream_t stream, bool cooperative, Args&&... args) {
+                         cudaStream_t stream, LaunchOptions options, Args&&... args) {
   cudaLaunchAttribute attr[1] = {};
   attr[0].id = cudaLaunchAttributeCooperative;
   attr[0].val.cooperative = 1;
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
-  config.dynamicSmemBytes = 0;
+  config.dynamicSmemBytes = options.dynamic_shared;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = cooperative ? 1 : 0;
+  config.numAttrs = options.cooperative ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) return cuda_failure(str_cat("launch of ", name).c_str(), err);
   return ffi::Error::Success();
 }
 
-// Blocks of `kernel` (launched with `threads` threads, no dynamic shared memory) that fit on the
-// current device at once, at most `max_per_sm` per SM (0: no limit); cached per kernel and
-// device (the template parameter makes one cache per kernel).
-template <auto kKernel>
-cudaError_t resident_blocks(int threads, int max_per_sm, int* blocks) {
-  static std::atomic<int> cached[64];
+// A value per device, computed once per (cache, device) by compute(device, &value) (> 0).
+template <typename Compute>
+cudaError_t cached_per_device(std::atomic<int> (&cache)[64], const Compute& compute, int* value) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
   const bool cacheable = device >= 0 && device < 64;
-  if (cacheable && cached[device].load(std::memory_order_relaxed) > 0) {
-    *blocks = cached[device].load(std::memory_order_relaxed);
+  if (cacheable && cache[device].load(std::memory_order_relaxed) > 0) {
+    *value = cache[device].load(std::memory_order_relaxed);
     return cudaSuccess;
   }
-  int sms = 0, per_sm = 0;
-  err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return err;
-  err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, 0);
-  if (err != cudaSuccess) return err;
-  if (per_sm < 1) return cudaErrorInvalidConfiguration;
-  if (max_per_sm > 0) per_sm = std::min(per_sm, max_per_sm);
-  *blocks = sms * per_sm;
-  if (cacheable) cached[device].store(*blocks, std::memory_order_relaxed);
-  return cudaSuccess;
+  err = compute(device, value);
+  if (err == cudaSuccess && cacheable) cache[device].store(*value, std::memory_order_relaxed);
+  return err;
+}
+
+// Blocks of `kernel` (launched with `threads` threads and `dynamic_shared` bytes of dynamic
+// shared memory, the same on every call) that fit on the current device at once, at most
+// `max_per_sm` per SM (0: no limit); cached per kernel and device (the template parameter makes
+// one cache per kernel).
+template <auto kKernel>
+cudaError_t resident_blocks(int threads, int max_per_sm, size_t dynamic_shared, int* blocks) {
+  static std::atomic<int> cached[64];
+  return cached_per_device(cached, [&](int device, int* out) {
+    int sms = 0, per_sm = 0;
+    cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kKernel, threads, dynamic_shared);
+    if (err != cudaSuccess) return err;
+    if (per_sm < 1) return cudaErrorInvalidConfiguration;
+    if (max_per_sm > 0) per_sm = std::min(per_sm, max_per_sm);
+    *out = sms * per_sm;
+    return cudaSuccess;
+  }, blocks);
 }
 
 // ---- device helpers ---------------------------------------------------------------------------
@@ -144,6 +163,48 @@ __device__ __forceinline__ T block_sum(T v, T* scratch) {
     for (int w = 0; w < kThreads / 32; ++w) r += scratch[w];
   }
   return r;
+}
+
+// The block's dynamic shared memory (the launch's dynamicSmemBytes, 16-byte aligned).
+__device__ __forceinline__ char* dynamic_shared_memory() {
+#if defined(CUDA_ON_CPU)
+  return cuemu::dynamic_shared_memory();
+#else
+  extern __shared__ __align__(16) char dynamic_shared[];
+  return dynamic_shared;
+#endif
+}
+
+// Asynchronous copies global -> shared (cp.async, sm_80+), in commit groups: a thread's copies
+// land when it has waited for their group (then a __syncthreads() shows them to the block).
+// copy_async_16 copies `bytes` (0-16) of 16 at `src` to 16 at `dst` and zero-fills the rest; L1
+// is bypassed (.cg: the bytes are used once, from shared memory). Both 16-byte aligned.
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src, int bytes) {
+#if defined(__CUDA_ARCH__)
+  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(bytes)
+               : "memory");
+#else
+  __pipeline_memcpy_async(dst, src, 16, size_t(16 - bytes));
+#endif
+}
+
+__device__ __forceinline__ void commit_async_copies() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#else
+  __pipeline_commit();
+#endif
+}
+
+// Waits until at most kPending of this thread's latest commit groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_async_copies() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory");
+#else
+  __pipeline_wait_prior(kPending);
+#endif
 }
 
 }  // namespace jaxfuse

@@ -119,7 +119,7 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
   using Table = TensorTable<kLists>;
   constexpr auto kernel = multi_tensor_kernel<kLists, Op>;
   int max_grid = 0;
-  JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kMultiTensorThreads, 0, &max_grid));
+  JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kMultiTensorThreads, 0, 0, &max_grid));
   if (max_blocks_per_launch > 0) max_grid = std::min(max_grid, max_blocks_per_launch);
   int block_offset = 0;
   int chunk_offset = 0;
@@ -135,7 +135,7 @@ ffi::Error multi_tensor_apply(cudaStream_t stream, const TensorLists& lists, con
     const int grid = std::max(1, std::min(chunks, max_grid));
     JF_RETURN_IF_ERROR(launch_kernel("the multi-tensor kernel", kernel, dim3(grid),
                                      dim3(kMultiTensorThreads), stream,
-                                     /*cooperative=*/false, table, op, block_offset,
+                                     LaunchOptions{}, table, op, block_offset,
                                      chunk_offset));
     block_offset += grid;
     chunk_offset += chunks;

@@ -28,7 +28,7 @@ ffi::Error launch_finish(cudaStream_t stream, const TrustSum* partials, const Ch
                          int64_t num_tensors, uint32_t* sums) {
   return launch_kernel("the trust-sums finishing kernel", trust_finish_kernel,
                        dim3(static_cast<unsigned>(num_tensors)), dim3(kMultiTensorThreads), stream,
-                       /*cooperative=*/false, partials, starts, sums);
+                       LaunchOptions{}, partials, starts, sums);
 }
 
 }  // namespace cuda_trust_sums

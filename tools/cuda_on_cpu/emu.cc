@@ -1,11 +1,17 @@
 // CUDA on the CPU: the runtime behind include/cuda_runtime.h (read its comment first).
 //
 // Settings, read from the environment at each call so one process can try several:
-//   JAXFUSE_EMU_DEVICES          emulated devices as SMSxBLOCKS_PER_SM, comma separated ("4x2")
+//   JAXFUSE_EMU_DEVICES          emulated devices as SMSxBLOCKS_PER_SM[xSHARED_KB_PER_SM], comma
+//                                separated ("4x2"; shared memory: 228 KB an SM, an H100's)
 //   JAXFUSE_EMU_DEVICE           the current device's index (0)
 //   JAXFUSE_EMU_SEED             0: threads and blocks run in index order; else a seed for
 //                                shuffled schedules (the order fibers resume after each barrier
 //                                and the order blocks are taken)
+//   JAXFUSE_EMU_WARP_AHEAD       1: the lowest-numbered runnable thread runs first, so one warp
+//                                runs ahead of the others until it waits at a block barrier (or
+//                                polls: then every runnable thread gets a turn): a thread that
+//                                overwrites shared memory the block's other warps have yet to
+//                                read is then seen (with the seed's order otherwise)
 //   JAXFUSE_EMU_WORKERS          OS threads for a non-cooperative launch (4)
 //   JAXFUSE_EMU_DRIVER_VERSION   the emulated driver's CUDA version (CUDART_VERSION; 0: none)
 //   JAXFUSE_EMU_FAIL_COOPERATIVE 1: cooperative launches fail as too large (tests error paths)
@@ -17,6 +23,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -49,6 +56,8 @@ constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr size_t kMaxParamBytes = 32764;  // CUDA 12.1+ on sm_70+
 constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kDefaultDynamicShared = 48 * 1024;  // without cudaFuncSetAttribute
+constexpr size_t kReservedSharedPerBlock = 1024;     // the driver's, as on sm_80+
 constexpr size_t kGuardBytes = 4096;
 
 // ---- settings -------------------------------------------------------------------------------------
@@ -61,6 +70,7 @@ long env_long(const char* name, long fallback) {
 struct Device {
   int sms = 4;
   int blocks_per_sm = 2;
+  int shared_kb = 228;  // per SM
 };
 
 std::vector<Device> devices() {
@@ -70,8 +80,8 @@ std::vector<Device> devices() {
   std::string item;
   while (std::getline(ss, item, ',')) {
     Device d;
-    if (std::sscanf(item.c_str(), "%dx%d", &d.sms, &d.blocks_per_sm) == 2 && d.sms > 0 &&
-        d.blocks_per_sm > 0) {
+    if (std::sscanf(item.c_str(), "%dx%dx%d", &d.sms, &d.blocks_per_sm, &d.shared_kb) >= 2 &&
+        d.sms > 0 && d.blocks_per_sm > 0 && d.shared_kb > 0) {
       out.push_back(d);
     }
   }
@@ -151,8 +161,18 @@ struct Fiber {
   int line = 0;
   void* fake_stack = nullptr;
   long barriers = 0;       // barriers passed (a poll that spans one is a new poll)
+  bool polled = false;     // its last pause was a poll (__nanosleep)
   long poll_barriers = -1;  // `barriers` when the current poll began (-1: none)
   std::chrono::steady_clock::time_point poll_start;
+  // cp.async: the copies issued and not yet waited for, and the commit groups closed so far.
+  struct AsyncCopy {
+    void* dst;
+    const void* src;
+    size_t bytes, zfill;
+    long group;
+  };
+  std::vector<AsyncCopy> async_copies;
+  long async_groups = 0;
 };
 
 struct WarpState {
@@ -167,7 +187,9 @@ struct Launch {
   dim3 grid, block;
   bool cooperative;
   long seed;
+  bool warp_ahead;
   int total_blocks;
+  size_t dynamic_shared = 0;
   std::chrono::seconds grid_timeout{60};
 
   std::mutex mu;
@@ -195,6 +217,7 @@ struct Block {
   Fiber* current = nullptr;
   const void* scheduler_stack = nullptr;
   size_t scheduler_stack_size = 0;
+  std::vector<unsigned char> dynamic_shared;  // malloc's alignment: 16 bytes
 };
 
 thread_local Block* this_block = nullptr;
@@ -376,6 +399,14 @@ std::string schedule_block(Launch& L, Block& b) {
   std::vector<int> order(b.fibers.size());
   std::iota(order.begin(), order.end(), 0);
   while (!L.aborted) {
+    if (L.warp_ahead) {
+      const auto first = std::find_if(b.fibers.begin(), b.fibers.end(),
+                                      [](const Fiber& f) { return f.wait == Wait::kRunnable; });
+      if (first != b.fibers.end()) {
+        resume(b, *first);
+        if (!first->polled) continue;  // a poller: a pass over every thread, below
+      }
+    }
     if (L.seed != 0) std::shuffle(order.begin(), order.end(), rng);
     bool ran = false;
     for (int i : order) {
@@ -396,6 +427,7 @@ void run_block(Launch& L, uint3 bid) {
   Block b;
   b.launch = &L;
   b.bid = bid;
+  b.dynamic_shared.assign(L.dynamic_shared, 0xff);
   make_fibers(b, L.block);
   this_block = &b;
   blockIdx = bid;
@@ -427,13 +459,29 @@ std::string kernel_name(const char* pretty) {
   return at == std::string::npos ? s : s.substr(at, std::min<size_t>(160, s.size() - at));
 }
 
+long shared_per_sm() { return long(devices()[std::max(0, current_device())].shared_kb) * 1024; }
+long shared_per_block_optin() { return shared_per_sm() - long(kReservedSharedPerBlock); }
+
+std::mutex dynamic_shared_mu;
+std::map<const void*, size_t> dynamic_shared_limits;  // cudaFuncSetAttribute's, per kernel
+
+size_t max_dynamic_shared(const void* entry) {
+  std::lock_guard<std::mutex> lock(dynamic_shared_mu);
+  const auto it = dynamic_shared_limits.find(entry);
+  return it == dynamic_shared_limits.end() ? kDefaultDynamicShared : it->second;
+}
+
 // Why a launch configuration cannot run (as the CUDA runtime would refuse it), or cudaSuccess.
-cudaError_t check_launch(const cudaLaunchConfig_t& config, size_t param_bytes, bool cooperative) {
+cudaError_t check_launch(const cudaLaunchConfig_t& config, size_t param_bytes, const void* entry,
+                         bool cooperative) {
   const dim3 g = config.gridDim, t = config.blockDim;
   const long total_blocks = long(g.x) * g.y * g.z;
   const long threads = long(t.x) * t.y * t.z;
-  if (total_blocks < 1 || threads < 1 || threads > 1024 || config.dynamicSmemBytes > 0) {
-    return cudaErrorInvalidConfiguration;
+  if (total_blocks < 1 || threads < 1 || threads > 1024) return cudaErrorInvalidConfiguration;
+  if (config.dynamicSmemBytes > max_dynamic_shared(entry)) {
+    std::fprintf(stderr, "cuda_on_cpu: %zu bytes of dynamic shared memory (the kernel's limit: %zu)\n",
+                 config.dynamicSmemBytes, max_dynamic_shared(entry));
+    return cudaErrorInvalidValue;
   }
   if (threads % kWarpSize != 0) {
     std::fprintf(stderr, "cuda_on_cpu: blocks of %ld threads: only whole warps are emulated\n", threads);
@@ -479,14 +527,14 @@ void run_blocks(Launch& L) {
 
 // ---- the runtime API ---------------------------------------------------------------------------------
 
-cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const char* kernel,
-                   const std::function<void()>& body) {
+cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const void* entry,
+                   const char* kernel, const std::function<void()>& body) {
   if (const cudaError_t err = api_entry()) return err;
   bool cooperative = false;
   for (unsigned i = 0; i < config.numAttrs; ++i) {
     if (config.attrs[i].id == cudaLaunchAttributeCooperative) cooperative = config.attrs[i].val.cooperative != 0;
   }
-  if (const cudaError_t err = check_launch(config, param_bytes, cooperative)) return fail(err);
+  if (const cudaError_t err = check_launch(config, param_bytes, entry, cooperative)) return fail(err);
   Launch L;
   L.body = &body;
   L.kernel = kernel_name(kernel);
@@ -494,7 +542,9 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const c
   L.block = config.blockDim;
   L.cooperative = cooperative;
   L.seed = env_long("JAXFUSE_EMU_SEED", 0);
+  L.warp_ahead = env_long("JAXFUSE_EMU_WARP_AHEAD", 0) != 0;
   L.total_blocks = int(long(L.grid.x) * L.grid.y * L.grid.z);
+  L.dynamic_shared = config.dynamicSmemBytes;
   L.grid_timeout = std::chrono::seconds(env_long("JAXFUSE_EMU_GRID_SYNC_TIMEOUT", 60));
   run_blocks(L);
   if (!L.fault.empty()) {
@@ -507,6 +557,49 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const c
 }
 
 EnqueuedWork enqueued_work() { return {kernels_enqueued.load(), memsets_enqueued.load()}; }
+
+cudaError_t set_max_dynamic_shared(const void* entry, int bytes) {
+  if (const cudaError_t err = api_entry()) return err;
+  if (bytes < 0 || bytes > shared_per_block_optin()) return fail(cudaErrorInvalidValue);
+  std::lock_guard<std::mutex> lock(dynamic_shared_mu);
+  dynamic_shared_limits[entry] = size_t(bytes);
+  return cudaSuccess;
+}
+
+char* dynamic_shared_memory() {
+  this_fiber();  // inside a kernel
+  return reinterpret_cast<char*>(this_block->dynamic_shared.data());
+}
+
+void async_copy(void* dst, const void* src, size_t bytes, size_t zfill) {
+  Fiber& f = this_fiber();
+  const auto misaligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % bytes != 0; };
+  if ((bytes != 4 && bytes != 8 && bytes != 16) || zfill > bytes || misaligned(dst) ||
+      (zfill < bytes && misaligned(src))) {
+    fault("cp.async of " + std::to_string(bytes) + " bytes (zfill " + std::to_string(zfill) +
+          "): a size of 4, 8 or 16 bytes, both addresses aligned to it");
+  }
+  std::memset(dst, 0xff, bytes);
+  f.async_copies.push_back({dst, src, bytes, zfill, f.async_groups});
+}
+
+void async_commit() { ++this_fiber().async_groups; }
+
+void async_wait_prior(size_t groups) {
+  Fiber& f = this_fiber();
+  const long done = f.async_groups - long(groups);  // groups before this one have landed
+  auto& copies = f.async_copies;
+  auto keep = copies.begin();
+  for (Fiber::AsyncCopy& c : copies) {
+    if (c.group < done) {
+      std::memcpy(c.dst, c.src, c.bytes - c.zfill);
+      std::memset(static_cast<char*>(c.dst) + (c.bytes - c.zfill), 0, c.zfill);
+    } else {
+      *keep++ = c;
+    }
+  }
+  copies.erase(keep, copies.end());
+}
 
 int blocks_per_sm() { return devices()[std::max(0, current_device())].blocks_per_sm; }
 
@@ -555,7 +648,9 @@ void poll_sleep(const char* file, int line) {
   }
   f.file = file;
   f.line = line;
+  f.polled = true;
   yield_to_scheduler(f);  // still runnable: the scheduler resumes it after the others
+  f.polled = false;
   std::this_thread::yield();
 }
 
@@ -605,6 +700,10 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
     case cudaDevAttrMultiProcessorCount: *value = devs[device].sms; return cudaSuccess;
     case cudaDevAttrCooperativeLaunch: *value = 1; return cudaSuccess;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = int(cuemu::shared_per_sm()); return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin:
+      *value = int(cuemu::shared_per_block_optin());
+      return cudaSuccess;
   }
   return cuemu::fail(cudaErrorInvalidValue);
 }

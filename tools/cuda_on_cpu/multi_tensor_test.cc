@@ -222,13 +222,57 @@ void test_poll() {
     setenv("JAXFUSE_EMU_SEED", seed, 1);
     std::vector<int> flags(kBlocks, 0), order(kBlocks + 1, 0);
     const ffi::Error err = launch_kernel("poll", poll_chain_kernel, dim3(kBlocks), dim3(64), nullptr,
-                                         true, flags.data(), order.data());
+                                         LaunchOptions{true}, flags.data(), order.data());
     check(err.success(), "poll: " + err.message());
     for (int b = 0; b < kBlocks; ++b) {
       check(order[b] == b, "poll: block " + std::to_string(b) + " went " + std::to_string(order[b]));
     }
   }
   unsetenv("JAXFUSE_EMU_SEED");
+}
+
+// cp.async into dynamic shared memory (the decoder's weight ring): thread t copies in[t] (16
+// bytes) as one commit group and its first 8 bytes, zero-filled to 16, as the next; between the
+// waits the second copy must not have landed (its destination still holds the 0xff
+// fill), after them both have.
+__global__ void async_copy_kernel(const uint4* in, uint4* out) {
+  uint4* ring = reinterpret_cast<uint4*>(dynamic_shared_memory());
+  const int t = int(threadIdx.x), n = int(blockDim.x);
+  copy_async_16(ring + t, in + t, 16);
+  commit_async_copies();
+  copy_async_16(ring + n + t, in + t, 8);
+  commit_async_copies();
+  wait_async_copies<1>();
+  out[t] = ring[t];
+  out[2 * n + t] = ring[n + t];  // in flight
+  wait_async_copies<0>();
+  out[n + t] = ring[n + t];
+}
+
+void test_async_copy() {
+  constexpr int kThreads = 64;
+  std::vector<uint4> in(kThreads), out(3 * kThreads);
+  for (int t = 0; t < kThreads; ++t) in[t] = uint4{unsigned(4 * t), unsigned(4 * t + 1), 7u, 9u};
+  const size_t shared = 2 * kThreads * sizeof(uint4);
+  ffi::Error err = launch_kernel("async copy", async_copy_kernel, dim3(2), dim3(kThreads), nullptr,
+                                 LaunchOptions{false, shared}, in.data(), out.data());
+  check(err.success(), "async copy: " + err.message());
+  for (int t = 0; t < kThreads; ++t) {
+    const uint4 a = out[t], b = out[kThreads + t], early = out[2 * kThreads + t];
+    check(a.x == in[t].x && a.y == in[t].y && a.z == 7u && a.w == 9u, "async copy: 16 bytes");
+    check(b.x == in[t].x && b.y == in[t].y && b.z == 0u && b.w == 0u, "async copy: zero fill");
+    check(early.x == ~0u && early.w == ~0u, "async copy: landed before its wait");
+  }
+  // Over 48 KB of dynamic shared memory needs the kernel's opt-in, as on a GPU.
+  const size_t big = 64 * 1024;
+  err = launch_kernel("async copy", async_copy_kernel, dim3(1), dim3(kThreads), nullptr,
+                      LaunchOptions{false, big}, in.data(), out.data());
+  check(!err.success(), "dynamic shared memory over 48 KB launched without the opt-in");
+  check(cudaFuncSetAttribute(async_copy_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             int(big)) == cudaSuccess, "cudaFuncSetAttribute");
+  err = launch_kernel("async copy", async_copy_kernel, dim3(1), dim3(kThreads), nullptr,
+                      LaunchOptions{false, big}, in.data(), out.data());
+  check(err.success(), "async copy with the opt-in: " + err.message());
 }
 
 // A poll that never ends: block 1 waits for a flag no block sets.
@@ -262,16 +306,16 @@ int expect_fault(const char* which) {
   const std::string name = which;
   ffi::Error err = ffi::Error::Success();
   if (name == "divergent_sync") {
-    err = launch_kernel(which, divergent_sync_kernel, dim3(2), dim3(128), nullptr, false, out.data());
+    err = launch_kernel(which, divergent_sync_kernel, dim3(2), dim3(128), nullptr, LaunchOptions{}, out.data());
   } else if (name == "grid_sync") {  // grid sync in a launch that is not cooperative
-    err = launch_kernel(which, grid_sync_kernel, dim3(4), dim3(64), nullptr, false, out.data());
+    err = launch_kernel(which, grid_sync_kernel, dim3(4), dim3(64), nullptr, LaunchOptions{}, out.data());
   } else if (name == "grid_sync_after_exit") {
-    err = launch_kernel(which, grid_sync_after_exit_kernel, dim3(4), dim3(64), nullptr, true,
+    err = launch_kernel(which, grid_sync_after_exit_kernel, dim3(4), dim3(64), nullptr, LaunchOptions{true},
                         out.data());
   } else if (name == "poll_forever") {
     setenv("JAXFUSE_EMU_GRID_SYNC_TIMEOUT", "1", 1);
     std::vector<int> flags(1, 0);
-    err = launch_kernel(which, poll_forever_kernel, dim3(2), dim3(32), nullptr, true, flags.data());
+    err = launch_kernel(which, poll_forever_kernel, dim3(2), dim3(32), nullptr, LaunchOptions{true}, flags.data());
   } else {
     std::fprintf(stderr, "unknown fault '%s'\n", which);
     return 2;
@@ -295,6 +339,7 @@ int main(int argc, char** argv) {
   test_sum(1, false);
   test_sum(TensorTable<1>::kCap / per_rep + 2, true);
   test_poll();
+  test_async_copy();
   std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
   return failures ? 1 : 0;
 }

@@ -37,6 +37,8 @@
 #define __shared__ static thread_local
 
 #define CUDART_VERSION 13000
+// Kernel sources test this where the emulator needs its own path (dynamic shared memory).
+#define CUDA_ON_CPU 1
 
 // ---- types --------------------------------------------------------------------------------------
 
@@ -77,8 +79,12 @@ using cudaError_t = cudaError;
 enum cudaDeviceAttr {
   cudaDevAttrMaxThreadsPerBlock = 1,
   cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
   cudaDevAttrCooperativeLaunch = 95,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
 };
+
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
@@ -106,8 +112,20 @@ struct cudaLaunchConfig_t {
 namespace cuemu {
 
 // Runs `body` (one kernel invocation) for every thread of the launch; see the file comment.
-cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const char* kernel,
-                   const std::function<void()>& body);
+cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const void* entry,
+                   const char* kernel, const std::function<void()>& body);
+// cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes): a launch with
+// more than 48 KB of dynamic shared memory fails without it, as on a GPU.
+cudaError_t set_max_dynamic_shared(const void* entry, int bytes);
+// The launch's dynamic shared memory of the calling thread's block (`extern __shared__` cannot be
+// thread_local): filled with 0xff bytes when the block starts, as a GPU leaves it undefined.
+char* dynamic_shared_memory();
+// cp.async as <cuda_pipeline_primitives.h> declares it, per thread: a copy fills its
+// destination with 0xff bytes when issued (a reader the copy races with sees them) and lands
+// when a wait covers its commit group (a reader that did not wait sees the 0xff bytes).
+void async_copy(void* dst, const void* src, size_t bytes, size_t zfill);
+void async_commit();
+void async_wait_prior(size_t groups);
 // Co-resident blocks per SM of the current emulated device, for every kernel and block size.
 int blocks_per_sm();
 
@@ -156,6 +174,12 @@ cudaError_t cudaRuntimeGetVersion(int* version);
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t stream);
 
 template <typename Kernel>
+cudaError_t cudaFuncSetAttribute(Kernel* entry, cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
+  return cuemu::set_max_dynamic_shared(reinterpret_cast<const void*>(entry), value);
+}
+
+template <typename Kernel>
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, int, size_t) {
   *blocks = cuemu::blocks_per_sm();
   return cudaSuccess;
@@ -167,7 +191,8 @@ template <typename... ExpTypes, typename... ActTypes>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(ExpTypes...),
                                ActTypes&&... args) {
   std::tuple<std::decay_t<ExpTypes>...> params(std::forward<ActTypes>(args)...);
-  return cuemu::launch(*config, cuemu::param_bytes<std::decay_t<ExpTypes>...>(), __PRETTY_FUNCTION__,
+  return cuemu::launch(*config, cuemu::param_bytes<std::decay_t<ExpTypes>...>(),
+                       reinterpret_cast<const void*>(kernel), __PRETTY_FUNCTION__,
                        [&]() { std::apply(kernel, params); });
 }
 
