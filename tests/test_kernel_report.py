@@ -40,6 +40,25 @@ def test_a100_has_less_shared_memory():
   assert (h100.occupancy, a100.occupancy) == (25.0, 12.5)
 
 
+def test_a_ring_counts_in_occupancy_and_must_cover_littles_law():
+  ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 16384)
+  h100 = instance(name="k<bf16>", registers=128, shared=43376)
+  h100.ring = ring
+  assert kr.occupancy(h100) == 25.0  # 2 blocks of 43376 + 65536 bytes fit 228 KB
+  h100.ring = kr.Ring("^k<", {"sm_90": 5, "sm_80": 2}, 16384, 16384)
+  assert kr.occupancy(h100) == 12.5  # 5 slots do not
+  small = instance(name="k<bf16>", arch="sm_80", registers=128, shared=43376)
+  small.ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 4096)  # 1 x 4 KB x 2 blocks
+  small.occupancy = kr.occupancy(small)
+  kr.judge(small, [kr.Budget("^k<", 128, 25, 0)], [])
+  assert "its ring keeps 8 KB an SM in flight, below Little's law's 11 KB" in small.status
+  h100.ring, h100.occupancy = ring, 25.0
+  assert kr.in_flight(h100) == "0, 0 B; ring 3 x 16 KB: 96 KB/SM (5.5x)"
+  copies = instance(sass=sass_of(("LDGSTS.E.BYPASS.LTC128B.128", "[R3], desc[UR4][R4.64]"),
+                                 ("LDGSTS.E.BYPASS.LTC128B.128", "[R3+0x10], desc[UR4][R6.64]")))
+  assert (copies.async_copies, copies.loads) == (2, {})
+
+
 GRID_SYNC_GUARD = [
     ((("/cuda/include/cooperative_groups.h", 179), ("/x/src_cuda/cuda/decoder.cu", 56)), True,
      "BRA", None, ""),

@@ -114,11 +114,13 @@ class Instance:
   loads: dict = dataclasses.field(default_factory=dict)  # global load width (bits) -> count
   stores: dict = dataclasses.field(default_factory=dict)
   generic: int = 0  # LD / ST through generic addresses
+  async_copies: int = 0  # LDGSTS: cp.async global -> shared
   loads_in_flight: int = 0  # most arrays loaded from in a straight run before a load is read
   bytes_in_flight: int = 0  # most bytes a thread has loaded in such a run
   local_instructions: int = 0
   traps: list = dataclasses.field(default_factory=list)  # (guarded, where)
   occupancy: float = 0.0
+  ring: object = None  # its Ring declaration, if it streams through one
   status: str = ""
   failures: list = dataclasses.field(default_factory=list)
 
@@ -274,6 +276,8 @@ def analyse(inst, sass):
       inst.stores[w] = inst.stores.get(w, 0) + 1
     elif base in ("LD", "ST"):
       inst.generic += 1
+    elif base == "LDGSTS":
+      inst.async_copies += 1
     elif opcode.startswith("BPT.TRAP"):
       inner = where[0] if where else ("?", 0)
       outer = next((w for w in reversed(where) if "/src_cuda/" in w[0] or "/tools/" in w[0]), inner)
@@ -298,7 +302,7 @@ def occupancy(inst):
   warps = math.ceil(inst.threads / 32)
   per_warp = math.ceil(max(inst.registers, 1) * 32 / 256) * 256
   by_registers = (gpu["registers"] // per_warp) // warps
-  by_shared = gpu["shared"] // (inst.shared + RESERVED_SHARED)
+  by_shared = gpu["shared"] // (inst.shared + ring_shared(inst) + RESERVED_SHARED)
   blocks = min(gpu["blocks"], gpu["warps"] // warps, by_registers, by_shared)
   return 100.0 * blocks * warps / gpu["warps"]
 
@@ -404,20 +408,50 @@ class LoadsFloor:
   where: str = ""
 
 
-def read_budgets(paths):
-  """The JF_KERNEL_BUDGET, JF_KERNEL_GAP and JF_KERNEL_LOADS declarations of the sources."""
+@dataclasses.dataclass
+class Ring:
+  pattern: str
+  slots: dict  # arch -> slots of dynamic shared memory
+  slot_bytes: int
+  slab_bytes: int  # bytes a slot's copies fill (slots - 1 slabs in flight)
+  where: str = ""
+
+
+def ring_shared(inst):
+  """The dynamic shared memory of inst's ring on its GPU (0: no ring)."""
+  return inst.ring.slots.get(inst.arch, 0) * inst.ring.slot_bytes if inst.ring else 0
+
+
+def ring_in_flight(inst):
+  """Bytes of inst's ring in flight per SM at its occupancy (0: no ring)."""
+  if not inst.ring or inst.threads == 0:
+    return 0
+  blocks = inst.occupancy / 100 * GPUS[inst.arch]["warps"] * 32 / inst.threads
+  return (inst.ring.slots.get(inst.arch, 0) - 1) * inst.ring.slab_bytes * blocks
+
+
+def read_budgets(paths, rings=None):
+  """The JF_KERNEL_BUDGET, JF_KERNEL_GAP and JF_KERNEL_LOADS declarations of the sources (and
+  the JF_KERNEL_RING ones into `rings`)."""
   budgets, gaps, floors = [], [], []
+  rings = [] if rings is None else rings
   for path in paths:
     text = open(path).read()
-    for m in re.finditer(r"^\s*JF_KERNEL_(BUDGET|GAP|LOADS)\s*(?=\()", text, re.M):
+    for m in re.finditer(r"^\s*JF_KERNEL_(BUDGET|GAP|LOADS|RING)\s*(?=\()", text, re.M):
       args = macro_args(text, m.end())
       where = f"{os.path.relpath(path, ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
-      want = {"BUDGET": 4, "GAP": 5, "LOADS": 2}[m.group(1)]
+      want = {"BUDGET": 4, "GAP": 5, "LOADS": 2, "RING": 5}[m.group(1)]
       if len(args) != want:
         sys.exit(f"kernel_report: {where}: JF_KERNEL_{m.group(1)} takes {want} arguments")
       if m.group(1) == "LOADS":
         floors.append(LoadsFloor(string_value(args[0]), int(args[1]), where=where))
         re.compile(floors[-1].pattern)
+        continue
+      if m.group(1) == "RING":
+        sizes = [int(a) for a in args[1:]]
+        rings.append(Ring(string_value(args[0]), {"sm_90": sizes[0], "sm_80": sizes[1]},
+                          sizes[2], sizes[3], where=where))
+        re.compile(rings[-1].pattern)
         continue
       b = Budget(string_value(args[0]), *(int(a) for a in args[1:4]), where=where)
       re.compile(b.pattern)
@@ -460,6 +494,10 @@ def judge(inst, budgets, gaps, floors=()):
                            f"({f.where})")
   if inst.threads == 0:
     inst.failures.append("no __launch_bounds__: its block size is unknown")
+  little = GPUS.get(inst.arch, {}).get("little", 0)
+  if inst.ring and ring_in_flight(inst) < little:
+    inst.failures.append(f"its ring keeps {ring_in_flight(inst) / 1024:.0f} KB an SM in flight, "
+                         f"below Little's law's {little / 1024:.0f} KB ({inst.ring.where})")
   mine = [b for b in budgets if re.search(b.pattern, inst.name)]
   if len(mine) != 1:
     inst.failures.append(f"matches {len(mine)} JF_KERNEL_BUDGET declarations, not one"
@@ -484,13 +522,19 @@ def judge(inst, budgets, gaps, floors=()):
 
 def in_flight(inst):
   """The deepest run of loads: arrays, bytes per thread, and per SM at the instance's occupancy
-  against Little's law for its GPU."""
+  against Little's law for its GPU; then its ring's slabs in flight per SM."""
   gpu = GPUS.get(inst.arch)
   text = f"{inst.loads_in_flight}, {inst.bytes_in_flight} B"
-  if gpu is None or not inst.bytes_in_flight:
+  if gpu is None:
     return text
-  per_sm = inst.bytes_in_flight * inst.occupancy / 100 * gpu["warps"] * 32
-  return f"{text}, {per_sm / 1024:.0f} KB/SM ({per_sm / gpu['little']:.1f}x)"
+  if inst.bytes_in_flight:
+    per_sm = inst.bytes_in_flight * inst.occupancy / 100 * gpu["warps"] * 32
+    text += f", {per_sm / 1024:.0f} KB/SM ({per_sm / gpu['little']:.1f}x)"
+  if inst.ring:
+    ring = ring_in_flight(inst)
+    text += (f"; ring {inst.ring.slots[inst.arch] - 1} x {inst.ring.slab_bytes // 1024} KB: "
+             f"{ring / 1024:.0f} KB/SM ({ring / gpu['little']:.1f}x)")
+  return text
 
 
 def widths(counts):
@@ -509,7 +553,9 @@ def table(instances):
     traps = "; ".join(("guarded " if g else "UNGUARDED ") + w for g, w in i.traps) or "-"
     gpu = GPUS.get(i.arch, {}).get("gpu", "?")
     generic = f" (+{i.generic} generic)" if i.generic else ""
-    rows.append(f"| `{i.name}` | {i.arch} | {i.registers} | {spill} | {i.stack} | {i.shared} | "
+    generic += f" (+{i.async_copies} cp.async)" if i.async_copies else ""
+    shared = f"{i.shared} + {ring_shared(i)} ring" if i.ring else f"{i.shared}"
+    rows.append(f"| `{i.name}` | {i.arch} | {i.registers} | {spill} | {i.stack} | {shared} | "
                 f"{i.threads or '?'} | {i.occupancy:.0f}% {gpu} | {widths(i.loads)}{generic} | "
                 f"{in_flight(i)} | {widths(i.stores)} | {i.local_instructions} | {traps} | "
                 f"{i.status} |")
@@ -523,7 +569,8 @@ def report(path):
   instances = []
   with tempfile.TemporaryDirectory(prefix="kernel_report_") as work:
     module = module_path(path, work)
-    budgets, gaps, floors = read_budgets(budget_sources(module))
+    rings = []
+    budgets, gaps, floors = read_budgets(budget_sources(module), rings)
     for cubin in extract_cubins(module, cuobjdump, os.path.join(work, "cubins")):
       elf = run(cuobjdump, "-elf", cubin)
       arch = cubin_arch(cubin, elf)
@@ -535,16 +582,18 @@ def report(path):
         inst = Instance(mangled, arch, registers=u.get("REG", 0), stack=u.get("STACK", 0),
                         shared=u.get("SHARED", 0), threads=t)
         analyse(inst, sass.get(mangled, []))
-        inst.occupancy = occupancy(inst)
         instances.append(inst)
   names = short_names([i.mangled for i in instances])
   for i in instances:
     i.name = names[i.mangled]
+    i.ring = next((r for r in rings if re.search(r.pattern, i.name)), None)
+    i.occupancy = occupancy(i)
     judge(i, budgets, gaps, floors)
   instances.sort(key=lambda i: (i.name, i.arch))
   problems = [f"{g.where}: the known gap {g.pattern!r} excuses no instance: remove it"
               for g in gaps if not g.excused]
-  problems += [f"{f.where}: JF_KERNEL_LOADS {f.pattern!r} matches no instance" for f in floors
+  problems += [f"{f.where}: JF_KERNEL_{kind} {f.pattern!r} matches no instance"
+               for kind, declared in (("LOADS", floors), ("RING", rings)) for f in declared
                if not any(re.search(f.pattern, i.name) for i in instances)]
   if not instances:
     problems.append(f"{module}: no kernels found")
@@ -636,7 +685,9 @@ flight are the most arrays (address registers) a straight run of its SASS loads 
 reads any of the loaded values, the most bytes a thread so loads, and those bytes over the SM's
 resident threads at that occupancy against Little's law (HBM rate x ~700 ns / SMs: about 17 KB
 on an H100, 11 KB on an A100; the deepest run anywhere in the kernel, not necessarily its main
-loop's); a trap is guarded when it is cooperative groups' grid-sync check, branched around or
+loop's), and for a kernel that streams through a ring of dynamic shared memory (cp.async;
+its shared B adds the ring's slots to the static bytes) the ring's slabs in flight per SM;
+a trap is guarded when it is cooperative groups' grid-sync check, branched around or
 reached only by a jump; a gap is an instance over its budget and within a known gap, whose
 reason names the issue that closes it.
 

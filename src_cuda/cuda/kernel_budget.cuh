@@ -20,6 +20,12 @@
 //     registers) in one straight run of its SASS before any of them is read: the loads of a
 //     group go out together rather than one round trip after another.
 //
+//   JF_KERNEL_RING("regex", slots_sm90, slots_sm80, slot_bytes, slab_bytes)
+//     every instance it matches streams data through a ring of dynamic shared memory (cp.async)
+//     of slots_sm90 / slots_sm80 slots of slot_bytes on an H100 / A100, slots - 1 slabs of
+//     slab_bytes in flight. Its occupancy counts the ring's bytes with the static shared memory,
+//     and its ring must keep at least Little's law's bytes in flight per SM.
+//
 // Any unguarded trap fails the report whatever the budget says: a trap in the SASS is nvcc's
 // verdict of undefined behaviour on that path (the grid-sync guards of cooperative groups,
 // compiled from CUDA's own headers and skipped by a branch, are the only traps allowed), and
@@ -31,6 +37,11 @@
                     (min_occupancy_percent) >= 0 && (min_occupancy_percent) <= 100 &&     \
                     (max_local_bytes) >= 0,                                                \
                 "kernel budget out of range: " instances)
+
+#define JF_KERNEL_RING(instances, slots_sm90, slots_sm80, slot_bytes, slab_bytes)           \
+  static_assert((slots_sm90) >= 2 && (slots_sm80) >= 2 && (slab_bytes) > 0 &&              \
+                    (slab_bytes) <= (slot_bytes),                                          \
+                "ring out of range: " instances)
 
 #define JF_KERNEL_LOADS(instances, min_arrays)                            \
   static_assert((min_arrays) > 0, "loads floor out of range: " instances)
