@@ -31,10 +31,13 @@ if not _ffi.CUDA_ON_CPU:
     raise RuntimeError("JAXFUSE_REQUIRE_CUDA_ON_CPU=1 but no _jaxfuse_cuda_on_cpu build was loaded")
   pytest.skip("needs the CUDA-on-CPU build (tools/cuda_on_cpu.sh)", allow_module_level=True)
 
-# Emulated devices (SMs x co-resident blocks per SM); device 0 is the emulator's default.
-DEVICES = "4x2,1x1,3x2,16x1"
+# Emulated devices (SMs x co-resident blocks per SM [x KB of shared memory per SM: 228, an
+# H100's, unless given]); device 0 is the emulator's default, the first four are the grids.
+DEVICES = "4x2,1x1,3x2,16x1,3x2x164"
 os.environ["JAXFUSE_EMU_DEVICES"] = DEVICES
-GRIDS = [pytest.param(str(i), id=f"grid{spec}") for i, spec in enumerate(DEVICES.split(","))]
+GRID_SPECS = DEVICES.split(",")[:4]
+GRIDS = [pytest.param(str(i), id=f"grid{spec}") for i, spec in enumerate(GRID_SPECS)]
+A100_SHARED = "4"  # an A100's 164 KB an SM: the tensor-core GEMV's weight ring has 2 slots
 
 SIZES = [(), (0,), (1,), (3,), (5, 7), (33,), (4097,), (2, 32768 + 3)]
 
@@ -67,7 +70,7 @@ def assert_same_bits_under_schedules(monkeypatch, seeds, fn, *args):
 # alternating (seed 0 runs threads and blocks in index order).
 LAUNCHES = [pytest.param((str(i), "0" if i % 2 == 0 else str(17 + i)),
                          id=f"grid{spec}-{'in_order' if i % 2 == 0 else 'shuffled'}")
-            for i, spec in enumerate(DEVICES.split(","))]
+            for i, spec in enumerate(GRID_SPECS)]
 
 
 def on_two_launches(cases):
@@ -232,15 +235,21 @@ def test_decoder(dtype, launch):
 
 
 # The GEMV engines' long paths, which the small case does not reach: K = 400 rows in chunks
-# (each chunk's first weights loaded before its inputs are staged), batch rows in several passes
-# (fp16's FMA engine: 4 rows a pass; bf16's tensor-core engine: 16, in two 8-row batch tiles),
-# and on the 16-block grid 16 K splits summed in two rounds of loads.
-@pytest.mark.parametrize("dtype,batch", [(jnp.float16, 6), (jnp.bfloat16, 18)],
-                         ids=["fma-f16-batch6", "mma-bf16-batch18"])
-@pytest.mark.parametrize("device", [pytest.param("1", id="grid1x1"),
-                                    pytest.param("3", id="grid16x1")])
-def test_decoder_gemv_chunks_passes_and_splits(dtype, batch, device, monkeypatch):
+# (fp16's FMA engine: each chunk's first weights loaded before its inputs are staged; bf16's
+# tensor-core engine: 13 slabs of 32 rows through its weight ring, 3 in flight, or 1 with an
+# A100's shared memory), batch rows in several passes (FMA: 4 rows a pass; tensor cores: 16, in
+# two 8-row batch tiles), and on the 16-block grid 16 K splits summed in two rounds of loads
+# (the ring's slabs then end within an item's rows, zero-filled past them). On the 1-block grid
+# the tensor-core case lets each warp run ahead of the others (JAXFUSE_EMU_WARP_AHEAD): a ring
+# slot refilled before every warp has read it would show.
+@pytest.mark.parametrize("dtype,batch,device,warp_ahead", [
+    (jnp.float16, 6, "1", "0"), (jnp.float16, 6, "3", "0"), (jnp.bfloat16, 18, "1", "1"),
+    (jnp.bfloat16, 18, "3", "0"), (jnp.bfloat16, 18, A100_SHARED, "0")],
+    ids=["fma-f16-batch6-grid1x1", "fma-f16-batch6-grid16x1", "mma-bf16-batch18-grid1x1-ahead",
+         "mma-bf16-batch18-grid16x1", "mma-bf16-batch18-ring2"])
+def test_decoder_gemv_chunks_passes_and_splits(dtype, batch, device, warp_ahead, monkeypatch):
   monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
+  monkeypatch.setenv("JAXFUSE_EMU_WARP_AHEAD", warp_ahead)
   cfg = jaxfuse.DecoderConfig(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
                               head_dim=32, intermediate_size=400, max_seq_len=8)
   x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=10)
@@ -265,11 +274,17 @@ def test_decoder_attention_lane_groups(dtype, head_dim, device, monkeypatch):
 @pytest.mark.parametrize("dtype,head_dim,message", [
     (jnp.bfloat16, 20,
      "hidden_size, intermediate_size and head_dim to be multiples of 8 for bfloat16"),
-    (jnp.float32, 256, "head_dim <= 128 for float32")])
+    (jnp.float32, 256, "head_dim <= 128 for float32"),
+    ("int8", 24, "hidden_size, intermediate_size and head_dim to be multiples of 16 for 8-bit "
+                 "weights with bfloat16 activations")])
 def test_decoder_head_dim_limits(dtype, head_dim, message):
-  """A head the kernel's 16-byte k/v vectors cannot cover is refused, naming head_dim."""
+  """A head the kernel's 16-byte k/v vectors (or its weight ring's 16-byte copies of 8-bit
+  rows) cannot cover is refused, naming head_dim."""
+  quantization = dtype if isinstance(dtype, str) else None
+  dtype = jnp.bfloat16 if quantization else dtype
   cfg = jaxfuse.DecoderConfig(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
-                              head_dim=head_dim, intermediate_size=128, max_seq_len=8)
+                              head_dim=head_dim, intermediate_size=128, max_seq_len=8,
+                              quantization=quantization)
   x, w, cache = random_decoder_problem(cfg, 1, dtype, seed=12)
   decode = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
   with pytest.raises(Exception, match=f"jaxfuse_decoder: the CUDA kernel needs {message}"):

@@ -17,7 +17,8 @@
 #             decoder wait that ends at a group's first arrival instead of its finish, a GEMV
 #             group marked finished after its first batch row instead of all, a missing
 #             __syncthreads, a top-k / top-p walk that reads the row's search after one thread
-#             may have rewritten it) must each make a check fail
+#             may have rewritten it, a weight-ring slab used without waiting for its copies, a
+#             ring slot refilled before every warp is done with it) must each make a check fail
 # Exit status 0 when every check passes and (with controls) every planted bug is caught.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -144,6 +145,18 @@ PY
     const SampleSearch st = load_search(b);" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "whole_model_step and not quantized"
-  [ "$caught" -eq 6 ] || { echo "== cuda_on_cpu: only $caught of 6 planted bugs caught"; exit 1; }
+  control missing_ring_wait cuda/decoder_gemv_mma.cuh \
+    "  if (slots == 4) wait_async_copies<2>();
+  else wait_async_copies<0>();" "" \
+    env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda_on_cpu.py -k "gemv_chunks_passes_and_splits and mma"
+  control ring_slot_refilled_early cuda/decoder_gemv_mma.cuh \
+    "    await_slab(stream.slots);
+    stream.issue(s + stream.slots - 1);" \
+    "    stream.issue(s + stream.slots - 1);
+    await_slab(stream.slots);" \
+    env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda_on_cpu.py -k "gemv_chunks_passes_and_splits and mma"
+  [ "$caught" -eq 8 ] || { echo "== cuda_on_cpu: only $caught of 8 planted bugs caught"; exit 1; }
 fi
 stamp "all passed"

@@ -295,6 +295,8 @@ stage_variants() {
 #                         without the clip, 8-bit moments, and the 256M tensor, beside optax,
 #                         device time apart from wall time
 #   memcheck_decoder      compute-sanitizer memcheck over the decoder's and whole step's cases
+#   racecheck_decoder     compute-sanitizer racecheck over the same (shared-memory hazards: the
+#                         tensor-core GEMV's weight ring, filled by cp.async)
 #   tests                 the op tests (not the slow ones) with what is left
 # A step that does not fit what is left of the deadline is SKIPPED in the summary.
 stage_quick() {
@@ -318,6 +320,8 @@ stage_quick() {
   LIMIT=90 step bench_optim python3 benchmarks/bench_optim.py --trees "GPT-2 small,256M" \
     --out "$OUT/bench_optim.md" --plot "$OUT/optim_bandwidth_gpu.png"
   LIMIT=60 step memcheck_decoder compute-sanitizer --tool memcheck "${SANITIZER_FLAGS[@]}" \
+    python3 tools/gpu_ops.py decoder
+  LIMIT=60 step racecheck_decoder compute-sanitizer --tool racecheck "${SANITIZER_FLAGS[@]}" \
     python3 tools/gpu_ops.py decoder
   step tests python3 -m pytest -q -n 8 -m "not slow" -rfEsx -p no:cacheprovider tests \
     -W ignore::DeprecationWarning

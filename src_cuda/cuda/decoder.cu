@@ -123,6 +123,12 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
     return invalid_argument("the CUDA kernel needs hidden_size, intermediate_size and head_dim "
                             "to be multiples of ", vec, " for ", dtype_name(d.dtype));
   }
+  // The tensor-core GEMV's weight ring copies 16-byte chunks of the matrices' rows.
+  if (d.dtype == DType::kBF16 && dtype_bytes(d.wdtype) == 1 &&
+      (d.D % 16 || d.I % 16 || d.hd % 16)) {
+    return invalid_argument("the CUDA kernel needs hidden_size, intermediate_size and head_dim "
+                            "to be multiples of 16 for 8-bit weights with bfloat16 activations");
+  }
   // A k or v row is at most one 16-byte vector per lane of a warp.
   const int64_t max_head_dim = std::min<int64_t>(kMaxHeadDim, 32 * vec);
   if (d.hd > max_head_dim) {
@@ -233,12 +239,39 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
   plan.attn_groups = int(items);
   // LM head: as many batch rows per pass as the staging area holds (check_kernel_limits: >= 1).
   plan.head_rows = std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
+  plan.ring_slabs = 0;  // launch_decoder: ring_slots()
   return plan;
 }
 
 // Two blocks per SM (kMaxBlocksPerSm) cap the registers at 128, without spills. The 32 bytes of
 // local memory are sincosf's table for RoPE angles past 105615 (CUDA's full-range reduction).
 JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 32);
+// The tensor-core GEMV's weight ring (ring_slots()): 4 slots of 16 KB on an H100, 2 on an A100.
+static_assert(kRingSlabBytes == 16384 && kMaxRingSlots == 4, "the ring declared below");
+JF_KERNEL_RING("^decoder_kernel<bf16, ", 4, 2, 16384, 16384);
+
+// Slots of decoder_kernel<kT, kW>'s weight ring (its dynamic shared memory: the tensor-core GEMV,
+// bf16 activations; none for the others): 4 where kMaxBlocksPerSm blocks with 4 still fit an SM
+// (an H100), else 2 (an A100). The kernel opts in to that much dynamic shared memory once per
+// device.
+template <DType kT, DType kW>
+cudaError_t ring_slots(int* slots) {
+  *slots = 0;
+  if constexpr (kT != DType::kBF16) return cudaSuccess;
+  static std::atomic<int> cached[64];
+  return cached_per_device(cached, [](int device, int* out) {
+    int per_sm = 0;
+    cudaError_t err =
+        cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+    if (err != cudaSuccess) return err;
+    constexpr int kReservedPerBlock = 1024;  // the driver's, sm_80+
+    const int per_block = per_sm / kMaxBlocksPerSm - kReservedPerBlock - int(sizeof(Smem));
+    *out = per_block >= kMaxRingSlots * kRingSlabBytes ? kMaxRingSlots : 2;
+    return cudaFuncSetAttribute(decoder_kernel<kT, kW>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                *out * kRingSlabBytes);
+  }, slots);
+}
 
 template <DType kT, DType kW>
 ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
@@ -250,11 +283,14 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   if (!cooperative) {
     return internal_error("device ", device, " does not support cooperative launch");
   }
-  int blocks = 0;
+  int slots = 0, blocks = 0;
+  JF_CUDA_RETURN_IF_ERROR((ring_slots<kT, kW>(&slots)));
+  const size_t ring_bytes = size_t(slots) * kRingSlabBytes;
   constexpr auto kernel = decoder_kernel<kT, kW>;
-  JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, &blocks));
+  JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, ring_bytes, &blocks));
   const KernelDims dims = kernel_dims(call.dims);
-  const LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT));
+  LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT));
+  plan.ring_slabs = slots;
   const DecoderParams params{dims, call.buffers,
                              DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
                              plan};
@@ -262,7 +298,7 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   JF_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(counters.data, 0, size_t(counters.size) * sizeof(int), stream));
   return launch_kernel("the decoder kernel", kernel, dim3(blocks), dim3(kThreads), stream,
-                       /*cooperative=*/true, params);
+                       LaunchOptions{/*cooperative=*/true, ring_bytes}, params);
 }
 
 // JAXFUSE_DECODER_QUANTIZED_KERNELS=0 leaves out the int8 / fp8 instances, two thirds of this

@@ -35,6 +35,11 @@ constexpr int kMmaBatch = 16;
 constexpr int kMmaChunk = 128;
 constexpr int kMmaCellsPerRow = kMmaChunk / 4 + 4;
 constexpr int kStaged = kMmaBatch * kMmaCellsPerRow * 4;  // floats of the shared staging area
+// The tensor-core GEMV's weight ring (decoder_gemv_mma.cuh): a slot per slab of a 256-column
+// tile (32 rows of bf16 weights, 64 of 8-bit ones), 4 slots where two blocks an SM still fit (an
+// H100's 228 KB of shared memory an SM), else 2 (an A100's 164 KB): ring_slots().
+constexpr int kRingSlabBytes = 32 * kMaxTile * 2;
+constexpr int kMaxRingSlots = 4;
 
 static_assert(kHeadChunk == 4, "attention accumulators are sized for 4 heads");
 static_assert(kHeadChunk + 1 <= kWarps, "per-head q/k RMSNorm takes one warp per staged head");
@@ -83,6 +88,7 @@ struct LaunchPlan {
   int attn_items;
   int attn_groups;  // batch x kv heads x head chunks: the split items' counters, one per group
   int head_rows;    // batch rows per pass of the LM head (its inputs staged in shared memory)
+  int ring_slabs;   // slots of the tensor-core GEMV's weight ring (2 or 4; bf16 activations)
 };
 
 struct DecoderParams {

@@ -6,9 +6,8 @@
 // y[b, n] = sum_k x[b, k] W[k, n] as mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the
 // weights as the 16 x 16 operand A (rows m: output columns, columns: k) and the inputs as the
 // 16 x 8 operand B (k x batch rows). A sum over k does not care which k a fragment slot holds, so
-// each lane loads its own 4 consecutive rows of 8 consecutive columns (16-byte loads straight
-// from the matrix, the warp reading whole 128-byte lines) and a byte permute pairs rows into
-// A's k-pairs; the inputs are staged in shared memory in the same k order, so one 16-byte load
+// each lane loads its own 4 consecutive rows of 8 consecutive columns (from the weight ring in
+// shared memory, below) and a byte permute pairs rows into A's k-pairs; the inputs are staged in shared memory in the same k order, so one 16-byte load
 // gives a lane its B fragment. Lane (g, q) = (lane / 4, lane % 4) of a warp's 16-row step holds:
 //   A: rows 4q .. 4q + 3 of columns 8g .. 8g + 7 of the warp's 64 (mma j takes columns 8g + 2j
 //      as m = g and 8g + 2j + 1 as m = g + 8);
@@ -18,8 +17,8 @@
 // about 2^-17 of fp32's. 8-bit weights are widened to bf16 (exact for int8 and fp8 e4m3).
 //
 // The block's 256-column tile is 4 warp tiles of 64 columns; warps w and w + 4 share one and take
-// alternate row groups (MmaGroup: loaded before use), then sum their columns in shared memory in
-// a fixed order. The emulator runs the mma as the same sum by warp shuffles.
+// alternate 16-row steps (one per ring slab each), then sum their columns in shared memory in a
+// fixed order. The emulator runs the mma as the same sum by warp shuffles.
 #pragma once
 
 #include "decoder_gemv_job.cuh"
@@ -70,20 +69,90 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4],
 // The bf16 bits of a weight already widened to fp32: exact, every 8-bit kW value is a bf16.
 __device__ __forceinline__ uint32_t bf16_bits(float w) { return __float_as_uint(w) >> 16; }
 
-// One lane's weights of one 16-row step: rows 4q .. 4q + 3 of its 8 columns, as loaded.
+// ---- the weight ring -------------------------------------------------------------------------
+// A work item's weights stream through the block's ring of shared-memory slots (dynamic shared
+// memory, LaunchPlan::ring_slabs of kRingSlabBytes), filled by cp.async: slab s holds rows
+// k0 + s R .. k0 + s R + R - 1 of the item's 256-column block tile (R = RingSlab::kRows: 32 of
+// 16-bit weights, 64 of 8-bit ones: a whole slot either way; zero past the item's rows and the
+// matrix's columns). ring_slabs - 1 slabs are in flight while one is multiplied, the first ones
+// issued before the item waits for its inputs, so the weights stream while the stage boundary's
+// chain runs. Row r of a slab keeps 16-byte chunk c at c ^ ring_swizzle(r): a warp's fragment
+// loads (4 rows x 8 lanes of one 128-byte span) then fall in distinct banks.
+template <DType kW>
+struct RingSlab {
+  static constexpr int kRowBytes = GemvTile<DType::kBF16>::kColumns * dtype_bytes(kW);
+  static constexpr int kChunksPerRow = kRowBytes / 16;
+  static constexpr int kRows = kRingSlabBytes / kRowBytes;
+  static constexpr int kSteps = kRows / 16 / kMmaPhases;  // 16-row mma steps per warp phase
+  static constexpr int kCopiesPerThread = kRows * kChunksPerRow / kThreads;
+  static_assert(kCopiesPerThread * kThreads == kRows * kChunksPerRow, "whole rounds");
+  static_assert(kSteps * 16 * kMmaPhases == kRows, "whole steps for every warp phase");
+  static_assert(kMmaChunk % kRows == 0, "a staged chunk is whole slabs");
+  static_assert(kChunksPerRow % 8 == 0, "the swizzle permutes chunks within 128-byte spans");
+};
+
+__device__ __forceinline__ int ring_swizzle(int row) { return (row >> 2 & 3) << 1; }
+
+// A work item's slab stream: rows [k0, k1) of its block tile, from `column` on.
+template <DType kW>
+struct SlabStream {
+  using Slab = RingSlab<kW>;
+  const char* matrix;
+  int64_t columns;
+  int column;
+  int k0, k1;
+  char* ring;
+  int slots;  // LaunchPlan::ring_slabs: a power of two
+
+  __device__ int slabs() const { return (k1 - k0 + Slab::kRows - 1) / Slab::kRows; }
+  __device__ char* slot(int s) const { return ring + (s & (slots - 1)) * kRingSlabBytes; }
+
+  // Issues slab s's copies (none past the item's last slab) as one commit group: every wait
+  // then counts slabs.
+  __device__ void issue(int s) const {
+    if (s < slabs()) {
+#pragma unroll
+      for (int u = 0; u < Slab::kCopiesPerThread; ++u) {
+        const int i = thread_index() + u * kThreads;
+        const int row = i / Slab::kChunksPerRow, chunk = i % Slab::kChunksPerRow;
+        const int k = k0 + s * Slab::kRows + row;
+        const int col = column + chunk * 16 / dtype_bytes(kW);
+        const int bytes = k < k1 ? max(0, min(16, (int(columns) - col) * dtype_bytes(kW))) : 0;
+        const char* src =
+            bytes > 0 ? matrix + (int64_t(k) * columns + col) * dtype_bytes(kW) : matrix;
+        copy_async_16(slot(s) + row * Slab::kRowBytes + (chunk ^ ring_swizzle(row)) * 16, src,
+                      bytes);
+      }
+    }
+    commit_async_copies();
+  }
+};
+
+// Waits for the oldest of the ring's slabs in flight (slots - 1 issued ahead of use), then syncs
+// the block: the slab is visible to every warp, and every warp is done with the previous slab,
+// whose slot the next issue refills.
+__device__ __forceinline__ void await_slab(int slots) {
+  if (slots == 4) wait_async_copies<2>();
+  else wait_async_copies<0>();
+  __syncthreads();
+}
+
+// One lane's weights of one 16-row step: rows 4q .. 4q + 3 of its 8 columns.
 template <DType kW>
 struct MmaStepWeights {
   using Weights = WeightVector<DType::kBF16, kW>;  // 8 columns of kW: 16 or 8 bytes
   Weights row[4];
 
-  __device__ static MmaStepWeights load(const char* matrix, int64_t columns, int64_t first_row,
-                                        int column, int rows_left, bool valid) {
+  // From a ring slab: rows `row` .. row + 3 (row % 4 == 0), the lane's 8 columns at `unit` (its
+  // kBytes-wide unit of the slab row).
+  __device__ static MmaStepWeights from_slab(const char* slab, int row, int unit) {
+    using Raw = typename Weights::Raw;
     MmaStepWeights s;
+    const int byte = unit * Weights::kBytes, chunk = byte / 16 ^ ring_swizzle(row);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      s.row[r] = valid && r < rows_left
-                     ? Weights::load(matrix, (first_row + r) * columns + column)
-                     : Weights::zero();
+      s.row[r].raw = *reinterpret_cast<const Raw*>(slab + (row + r) * RingSlab<kW>::kRowBytes +
+                                                   chunk * 16 + byte % 16);
     }
     return s;
   }
@@ -105,39 +174,6 @@ struct MmaStepWeights {
       a[2] = bits(2, 2 * j) | bits(3, 2 * j) << 16;
       a[3] = bits(2, 2 * j + 1) | bits(3, 2 * j + 1) << 16;
     }
-  }
-};
-
-// A row group: kSteps consecutive 16-row steps, loaded before any is used: 2 steps (kInFlight
-// bytes per lane of 16-bit weights, half that of 8-bit ones) with one batch tile, 1 with two
-// (whose accumulators take the registers). The smallest, 64 B a lane, is 32 KB per SM in
-// flight, 1.8x what Little's law asks of an H100 SM; more spilled at 128 registers.
-template <DType kW, int kTiles>
-struct MmaGroup {
-  static constexpr int kSteps = kInFlight / (4 * 16 * kTiles);
-  static constexpr int kRows = 16 * kSteps;
-  MmaStepWeights<kW> step[kSteps];
-};
-
-// This lane's place in the block tile.
-struct MmaLane {
-  const char* matrix;
-  int64_t columns;
-  int column;  // first of its 8 columns in the matrix
-  bool valid;  // column < columns (columns % 8 == 0, checked on the host)
-  int q;       // lane % 4: its rows 4q .. 4q + 3 of each step
-
-  // Row group gi (of Group::kRows rows) of the chunk at r0 (rows: the chunk's rows).
-  template <DType kW, int kTiles>
-  __device__ MmaGroup<kW, kTiles> load(int r0, int gi, int rows) const {
-    MmaGroup<kW, kTiles> group;
-#pragma unroll
-    for (int s = 0; s < MmaGroup<kW, kTiles>::kSteps; ++s) {
-      const int first = gi * MmaGroup<kW, kTiles>::kRows + 16 * s + 4 * q;
-      group.step[s] = MmaStepWeights<kW>::load(matrix, columns, int64_t(r0) + first, column,
-                                               rows - first, valid);
-    }
-    return group;
   }
 };
 
@@ -180,35 +216,36 @@ __device__ __forceinline__ void stage_mma_inputs(Smem& sm, const Input& in, int 
 template <int kTiles>
 using MmaAcc = float[kTiles][4][4];  // [batch tile][mma j][c0..c3]
 
-// acc += this warp's row groups of a chunk; the first group already loaded (`first`, in flight
-// while the inputs were staged). kTiles: batch tiles of 8 rows (1 or 2).
+// acc += this warp's steps of a ring slab: phase p of a warp tile takes the slab's 16-row steps
+// p, p + kMmaPhases, ..., whose inputs are the staged chunk's rows from chunk_row on. kTiles:
+// batch tiles of 8 rows (1 or 2).
 template <DType kW, int kTiles>
-__device__ __forceinline__ void mma_rows(const Smem& sm, const MmaLane& lane, int r0, int rows,
-                                         int phase, MmaGroup<kW, kTiles> group,
+__device__ __forceinline__ void mma_slab(const Smem& sm, const char* slab, int chunk_row,
                                          MmaAcc<kTiles>& acc) {
-  using Group = MmaGroup<kW, kTiles>;
-  const int g = thread_index() % 32 / 4;
-  for (int gi = phase; gi * Group::kRows < rows;) {
+  constexpr int kSteps = RingSlab<kW>::kSteps;
+  const int warp = thread_index() / 32, g = thread_index() % 32 / 4, q = thread_index() % 4;
+  MmaStepWeights<kW> w[kSteps];
 #pragma unroll
-    for (int s = 0; s < Group::kSteps; ++s) {
-      const int cell = (gi * Group::kRows + 16 * s) / 4 + lane.q;
-      uint4 x[kTiles];
+  for (int st = 0; st < kSteps; ++st) {
+    const int row = 16 * (st * kMmaPhases + warp / kMmaSubTiles) + 4 * q;
+    w[st] = MmaStepWeights<kW>::from_slab(slab, row, warp % kMmaSubTiles * 8 + g);
+  }
 #pragma unroll
-      for (int t = 0; t < kTiles; ++t) x[t] = *sm.mma_cell(8 * t + g, cell);
+  for (int st = 0; st < kSteps; ++st) {
+    const int row = 16 * (st * kMmaPhases + warp / kMmaSubTiles) + 4 * q;
+    uint4 x[kTiles];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t a[4];
-        group.step[s].fragment(j, a);
+    for (int t = 0; t < kTiles; ++t) x[t] = *sm.mma_cell(8 * t + g, (chunk_row + row) / 4);
 #pragma unroll
-        for (int t = 0; t < kTiles; ++t) {
-          mma_bf16(acc[t][j], a, {x[t].x, x[t].y});  // hi
-          mma_bf16(acc[t][j], a, {x[t].z, x[t].w});  // lo
-        }
+    for (int j = 0; j < 4; ++j) {
+      uint32_t a[4];
+      w[st].fragment(j, a);
+#pragma unroll
+      for (int t = 0; t < kTiles; ++t) {
+        mma_bf16(acc[t][j], a, {x[t].x, x[t].y});  // hi
+        mma_bf16(acc[t][j], a, {x[t].z, x[t].w});  // lo
       }
     }
-    gi += kMmaPhases;
-    if (gi * Group::kRows >= rows) break;
-    group = lane.load<kW, kTiles>(r0, gi, rows);
   }
 }
 
@@ -243,12 +280,12 @@ __device__ __forceinline__ void write_mma_partials(Smem& sm, const MmaAcc<kTiles
   }
 }
 
-// One pass of a work item (rows k0 .. k1 of the lane's columns) for batch rows b0 .. b0 + nb - 1.
+// One pass of a work item (its slab stream) for batch rows b0 .. b0 + nb - 1: the ring's first
+// slabs are issued before the inputs are staged (the first pass's before the item waits for them).
 template <DType kW, int kTiles, typename Input, typename Await>
-__device__ __forceinline__ void mma_pass(Smem& sm, const MmaLane& lane, const Input& in,
-                                         const Await& await_inputs, float* partials, int k0,
-                                         int k1, int b0, int nb) {
-  const int phase = thread_index() / 32 / kMmaSubTiles;
+__device__ __forceinline__ void mma_pass(Smem& sm, const SlabStream<kW>& stream, const Input& in,
+                                         const Await& await_inputs, float* partials, int b0,
+                                         int nb) {
   MmaAcc<kTiles> acc;
 #pragma unroll
   for (int t = 0; t < kTiles; ++t)
@@ -256,17 +293,16 @@ __device__ __forceinline__ void mma_pass(Smem& sm, const MmaLane& lane, const In
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
-  // Each chunk's first weight loads are issued before its inputs are staged (the first pass's
-  // before the item waits for them).
-  for (int r0 = k0; r0 < k1; r0 += kMmaChunk) {
-    const int rows = min(kMmaChunk, k1 - r0);
-    const auto first = lane.load<kW, kTiles>(r0, phase, rows);
-    if (r0 == k0) {
-      if (b0 == 0) await_inputs();  // the first weights in flight, wait for the inputs
-      stage_inv_rms(sm, in, b0, nb);
-    }
-    stage_mma_inputs(sm, in, b0, nb, r0, rows);
-    mma_rows<kW, kTiles>(sm, lane, r0, rows, phase, first, acc);
+  for (int s = 0; s + 1 < stream.slots; ++s) stream.issue(s);
+  if (b0 == 0) await_inputs();
+  stage_inv_rms(sm, in, b0, nb);
+  for (int s = 0; s < stream.slabs(); ++s) {
+    const int chunk_row = s * RingSlab<kW>::kRows % kMmaChunk;
+    const int r0 = stream.k0 + s * RingSlab<kW>::kRows;
+    if (chunk_row == 0) stage_mma_inputs(sm, in, b0, nb, r0, min(kMmaChunk, stream.k1 - r0));
+    await_slab(stream.slots);
+    stream.issue(s + stream.slots - 1);
+    mma_slab<kW, kTiles>(sm, stream.slot(s), chunk_row, acc);
   }
   write_mma_partials<kTiles>(sm, acc, partials, nb);
 }
@@ -279,18 +315,16 @@ __device__ __forceinline__ void mma_gemv_item(const DecoderParams& p, Smem& sm,
                                               const Await& await_inputs) {
   const int split = item % job.splits;
   const MatrixTile mt = locate_tile(job, item / job.splits);
-  const int lane_id = thread_index() % 32;
-  const int column = mt.tile * GemvTile<DType::kBF16>::kColumns +
-                     thread_index() / 32 % kMmaSubTiles * 64 + lane_id / 4 * 8;
-  const MmaLane lane{static_cast<const char*>(mt.matrix.weights), mt.matrix.columns, column,
-                     column < mt.matrix.columns, lane_id % 4};
   const int k0 = job.split_row(split), k1 = job.split_row(split + 1);
+  const SlabStream<kW> stream{static_cast<const char*>(mt.matrix.weights), mt.matrix.columns,
+                              mt.tile * GemvTile<DType::kBF16>::kColumns, k0, k1,
+                              dynamic_shared_memory(), p.plan.ring_slabs};
   prefetch_rows<DType::kBF16, kW>(mt, k0, k1);
   for (int b0 = 0; b0 < p.dims.batch; b0 += kMmaBatch) {
     const int nb = min(kMmaBatch, p.dims.batch - b0);
     float* partials = job.partial(p, item, b0);
-    if (nb > 8) mma_pass<kW, 2>(sm, lane, in, await_inputs, partials, k0, k1, b0, nb);
-    else mma_pass<kW, 1>(sm, lane, in, await_inputs, partials, k0, k1, b0, nb);
+    if (nb > 8) mma_pass<kW, 2>(sm, stream, in, await_inputs, partials, b0, nb);
+    else mma_pass<kW, 1>(sm, stream, in, await_inputs, partials, b0, nb);
   }
 }
 
