@@ -462,12 +462,13 @@ std::string kernel_name(const char* pretty) {
 long shared_per_sm() { return long(devices()[std::max(0, current_device())].shared_kb) * 1024; }
 long shared_per_block_optin() { return shared_per_sm() - long(kReservedSharedPerBlock); }
 
+// cudaFuncSetAttribute's limits, per kernel and device (as each device's context has its own).
 std::mutex dynamic_shared_mu;
-std::map<const void*, size_t> dynamic_shared_limits;  // cudaFuncSetAttribute's, per kernel
+std::map<std::pair<const void*, int>, size_t> dynamic_shared_limits;
 
 size_t max_dynamic_shared(const void* entry) {
   std::lock_guard<std::mutex> lock(dynamic_shared_mu);
-  const auto it = dynamic_shared_limits.find(entry);
+  const auto it = dynamic_shared_limits.find({entry, current_device()});
   return it == dynamic_shared_limits.end() ? kDefaultDynamicShared : it->second;
 }
 
@@ -562,7 +563,7 @@ cudaError_t set_max_dynamic_shared(const void* entry, int bytes) {
   if (const cudaError_t err = api_entry()) return err;
   if (bytes < 0 || bytes > shared_per_block_optin()) return fail(cudaErrorInvalidValue);
   std::lock_guard<std::mutex> lock(dynamic_shared_mu);
-  dynamic_shared_limits[entry] = size_t(bytes);
+  dynamic_shared_limits[{entry, current_device()}] = size_t(bytes);
   return cudaSuccess;
 }
 
