@@ -220,19 +220,19 @@ __device__ __forceinline__ float ws_load(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ void ws_store(float* p, float v) { __stcg(p, v); }
 
 // sum(load(i) for i < n), added in index order (the bits of a serial loop: deterministic), in
-// rounds of kLoadsInFlight loads issued before any is added: 33 splits wait for 3 L2 round
+// rounds of kInFlight loads issued before any is added: with 12, 33 splits wait for 3 L2 round
 // trips, 22 for 2 and a row's 8 tile sums for 1, where nvcc's unrolling of a serial loop (rounds
 // of 16 loads, then 4, then 1) takes 3, 4 and 2. 16 would spill in the fp32 instances.
 constexpr int kLoadsInFlight = 12;
-template <typename Load>
+template <int kInFlight = kLoadsInFlight, typename Load>
 __device__ __forceinline__ float ordered_sum(int n, const Load& load) {
   float s = 0.0f;
-  for (int i0 = 0; i0 < n; i0 += kLoadsInFlight) {
-    float v[kLoadsInFlight];
+  for (int i0 = 0; i0 < n; i0 += kInFlight) {
+    float v[kInFlight];
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) v[u] = i0 + u < n ? load(i0 + u) : 0.0f;
+    for (int u = 0; u < kInFlight; ++u) v[u] = i0 + u < n ? load(i0 + u) : 0.0f;
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) {
+    for (int u = 0; u < kInFlight; ++u) {
       if (i0 + u < n) s += v[u];
     }
   }

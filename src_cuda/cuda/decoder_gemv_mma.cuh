@@ -178,34 +178,43 @@ struct MmaStepWeights {
 };
 
 // Stages input rows [r0, r0 + rows) of batch rows b0 .. b0 + nb - 1 (zero past them) as bf16
-// hi / lo cells: cell (b, c) holds the hi parts of rows 4c .. 4c + 3, then their lo parts.
+// hi / lo cells: cell (b, c) holds the hi parts of rows 4c .. 4c + 3, then their lo parts. The
+// first chunk of a pass (`first`) also stages 1 / rms of its rows (normalized inputs), its loads
+// in flight with the inputs' own: one L2 round trip, not two.
 template <typename Input>
 __device__ __forceinline__ void stage_mma_inputs(Smem& sm, const Input& in, int b0, int nb,
-                                                 int r0, int rows) {
+                                                 int r0, int rows, bool first) {
   constexpr int kCells = kMmaBatch * kMmaChunk / 4;
   constexpr int kPerThread = kCells / kThreads;
   static_assert(kPerThread * kThreads == kCells, "whole rounds");
   const int t = thread_index();
-  __syncthreads();  // previous readers of the staging area are done; inv_rms is written
-  float v[kPerThread][4];
+  __syncthreads();  // previous readers of the staging area and of inv_rms are done
+  typename Input::Fetched f[kPerThread][4];
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int cell = t + u * kThreads, b = cell / (kMmaChunk / 4), c = cell % (kMmaChunk / 4);
-    const float inv_rms = Input::kNormalized ? sm.inv_rms[min(b, nb - 1)] : 0.0f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int r = 4 * c + e;
-      v[u][e] = b < nb && r < rows ? in.value(b0 + b, r0 + r, inv_rms) : 0.0f;
+      f[u][e] = b < nb && r < rows ? in.fetch(b0 + b, r0 + r) : typename Input::Fetched{};
+    }
+  }
+  if constexpr (Input::kNormalized) {
+    if (first) {
+      if (t < nb) sm.inv_rms[t] = in.inv_rms(b0 + t);
+      __syncthreads();
     }
   }
 #pragma unroll
   for (int u = 0; u < kPerThread; ++u) {
     const int cell = t + u * kThreads, b = cell / (kMmaChunk / 4), c = cell % (kMmaChunk / 4);
+    const float inv_rms = Input::kNormalized ? sm.inv_rms[min(b, nb - 1)] : 0.0f;
     uint16_t hi[4], lo[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      hi[e] = float_to_bf16(v[u][e]);
-      lo[e] = float_to_bf16(v[u][e] - bf16_to_float(hi[e]));
+      const float v = Input::value_of(f[u][e], inv_rms);
+      hi[e] = float_to_bf16(v);
+      lo[e] = float_to_bf16(v - bf16_to_float(hi[e]));
     }
     *sm.mma_cell(b, c) = uint4{hi[0] | uint32_t(hi[1]) << 16, hi[2] | uint32_t(hi[3]) << 16,
                                lo[0] | uint32_t(lo[1]) << 16, lo[2] | uint32_t(lo[3]) << 16};
@@ -295,11 +304,10 @@ __device__ __forceinline__ void mma_pass(Smem& sm, const SlabStream<kW>& stream,
       for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
   for (int s = 0; s + 1 < stream.slots; ++s) stream.issue(s);
   if (b0 == 0) await_inputs();
-  stage_inv_rms(sm, in, b0, nb);
   for (int s = 0; s < stream.slabs(); ++s) {
     const int chunk_row = s * RingSlab<kW>::kRows % kMmaChunk;
     const int r0 = stream.k0 + s * RingSlab<kW>::kRows;
-    if (chunk_row == 0) stage_mma_inputs(sm, in, b0, nb, r0, min(kMmaChunk, stream.k1 - r0));
+    if (chunk_row == 0) stage_mma_inputs(sm, in, b0, nb, r0, min(kMmaChunk, stream.k1 - r0), s == 0);
     await_slab(stream.slots);
     stream.issue(s + stream.slots - 1);
     mma_slab<kW, kTiles>(sm, stream.slot(s), chunk_row, acc);

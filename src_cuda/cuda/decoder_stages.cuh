@@ -93,7 +93,7 @@ struct QkvStage {
     const GemvMatrix& m = mt.matrix;
     const int c = thread_index(), col = mt.tile * kColumns + c;
     if (c < kColumns && col < m.columns) {
-      const float y = apply_scale<kT, kW>(m, col, split_sum(p, job, tile, b, c));
+      const float y = apply_scale<kT, kW>(m, col, split_sum<kT>(p, job, tile, b, c));
       const float bias = p.dims.qkv_bias ? load_as_float(bias_of(mt.index, m.columns), kT, col)
                                          : 0.0f;
       ws_store(p.ws.qkv.column(b, mt.index, col), p.dims.qkv_bias ? y + bias : y);
@@ -203,8 +203,8 @@ struct GateUpStage {
   __device__ void finish(const GemvJob& job, int tile, int b) const {
     const int c = thread_index(), col = tile * GemvTile<kT>::kColumns + c;
     if (c < GemvTile<kT>::kColumns && col < p.dims.intermediate) {
-      const float gate = split_sum(p, job, tile, b, c);
-      const float up = split_sum(p, job, p.dims.mlp_tiles + tile, b, c);
+      const float gate = split_sum<kT>(p, job, tile, b, c);
+      const float up = split_sum<kT>(p, job, p.dims.mlp_tiles + tile, b, c);
       ws_store(p.ws.mlp_act.at(b, col), swiglu(apply_scale<kT, kW>(job.matrix[0], col, gate),
                                                apply_scale<kT, kW>(job.matrix[1], col, up)));
     }
