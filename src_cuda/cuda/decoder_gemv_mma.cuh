@@ -7,8 +7,9 @@
 // weights as the 16 x 16 operand A (rows m: output columns, columns: k) and the inputs as the
 // 16 x 8 operand B (k x batch rows). A sum over k does not care which k a fragment slot holds, so
 // each lane loads its own 4 consecutive rows of 8 consecutive columns (from the weight ring in
-// shared memory, below) and a byte permute pairs rows into A's k-pairs; the inputs are staged in shared memory in the same k order, so one 16-byte load
-// gives a lane its B fragment. Lane (g, q) = (lane / 4, lane % 4) of a warp's 16-row step holds:
+// shared memory, below) and a byte permute pairs rows into A's k-pairs; the inputs are staged in
+// shared memory in the same k order, so one 16-byte load gives a lane its B fragment. Lane
+// (g, q) = (lane / 4, lane % 4) of a warp's 16-row step holds:
 //   A: rows 4q .. 4q + 3 of columns 8g .. 8g + 7 of the warp's 64 (mma j takes columns 8g + 2j
 //      as m = g and 8g + 2j + 1 as m = g + 8);
 //   B: x[8t + g][4q .. 4q + 3] (t: the batch tile);
@@ -17,8 +18,8 @@
 // about 2^-17 of fp32's. 8-bit weights are widened to bf16 (exact for int8 and fp8 e4m3).
 //
 // The block's 256-column tile is 4 warp tiles of 64 columns; warps w and w + 4 share one and take
-// alternate 16-row steps (one per ring slab each), then sum their columns in shared memory in a
-// fixed order. The emulator runs the mma as the same sum by warp shuffles.
+// alternate 16-row steps of each ring slab, then sum their columns in shared memory in a fixed
+// order. The emulator runs the mma as the same sum by warp shuffles.
 #pragma once
 
 #include "decoder_gemv_job.cuh"
@@ -307,7 +308,9 @@ __device__ __forceinline__ void mma_pass(Smem& sm, const SlabStream<kW>& stream,
   for (int s = 0; s < stream.slabs(); ++s) {
     const int chunk_row = s * RingSlab<kW>::kRows % kMmaChunk;
     const int r0 = stream.k0 + s * RingSlab<kW>::kRows;
-    if (chunk_row == 0) stage_mma_inputs(sm, in, b0, nb, r0, min(kMmaChunk, stream.k1 - r0), s == 0);
+    if (chunk_row == 0) {
+      stage_mma_inputs(sm, in, b0, nb, r0, min(kMmaChunk, stream.k1 - r0), /*first=*/s == 0);
+    }
     await_slab(stream.slots);
     stream.issue(s + stream.slots - 1);
     mma_slab<kW, kTiles>(sm, stream.slot(s), chunk_row, acc);
