@@ -257,20 +257,23 @@ JF_KERNEL_RING("^decoder_kernel<bf16, ", 4, 2, 16384, 16384);
 template <DType kT, DType kW>
 cudaError_t ring_slots(int* slots) {
   *slots = 0;
-  if constexpr (kT != DType::kBF16) return cudaSuccess;
-  static std::atomic<int> cached[64];
-  return cached_per_device(cached, [](int device, int* out) {
-    int per_sm = 0;
-    cudaError_t err =
-        cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
-    if (err != cudaSuccess) return err;
-    constexpr int kReservedPerBlock = 1024;  // the driver's, sm_80+
-    const int per_block = per_sm / kMaxBlocksPerSm - kReservedPerBlock - int(sizeof(Smem));
-    *out = per_block >= kMaxRingSlots * kRingSlabBytes ? kMaxRingSlots : 2;
-    return cudaFuncSetAttribute(decoder_kernel<kT, kW>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                *out * kRingSlabBytes);
-  }, slots);
+  if constexpr (kT != DType::kBF16) {
+    return cudaSuccess;
+  } else {
+    static std::atomic<int> cached[64];
+    return cached_per_device(cached, [](int device, int* out) {
+      int per_sm = 0;
+      cudaError_t err =
+          cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+      if (err != cudaSuccess) return err;
+      constexpr int kReservedPerBlock = 1024;  // the driver's, sm_80+
+      const int per_block = per_sm / kMaxBlocksPerSm - kReservedPerBlock - int(sizeof(Smem));
+      *out = per_block >= kMaxRingSlots * kRingSlabBytes ? kMaxRingSlots : 2;
+      return cudaFuncSetAttribute(decoder_kernel<kT, kW>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  *out * kRingSlabBytes);
+    }, slots);
+  }
 }
 
 template <DType kT, DType kW>
