@@ -224,7 +224,7 @@ GemvPlan gemv_plan(int blocks, int tiles, int k_rows, int batch, bool paired) {
   return g;
 }
 
-LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
+LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int ring_slots) {
   LaunchPlan plan;
   plan.qkv = gemv_plan(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden, d.batch, false);
   plan.o_proj = gemv_plan(blocks, d.hidden_tiles, d.q_dim, d.batch, false);
@@ -239,7 +239,7 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes) {
   plan.attn_groups = int(items);
   // LM head: as many batch rows per pass as the staging area holds (check_kernel_limits: >= 1).
   plan.head_rows = std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
-  plan.ring_slabs = 0;  // launch_decoder: ring_slots()
+  plan.ring_slabs = ring_slots;
   return plan;
 }
 
@@ -292,8 +292,7 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   constexpr auto kernel = decoder_kernel<kT, kW>;
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, ring_bytes, &blocks));
   const KernelDims dims = kernel_dims(call.dims);
-  LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT));
-  plan.ring_slabs = slots;
+  const LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT), slots);
   const DecoderParams params{dims, call.buffers,
                              DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
                              plan};

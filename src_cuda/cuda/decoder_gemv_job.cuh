@@ -102,7 +102,7 @@ struct WorkspaceInput {
   static constexpr bool kNormalized = false;
   WorkspaceRows rows;
 
-  __device__ float value(int b, int k, float) const { return ws_load(rows.at(b, k)); }
+  __device__ float value(int b, int k, float) const { return value_of(fetch(b, k), 0.0f); }
   struct Fetched {
     float x = 0.0f;
   };

@@ -234,15 +234,18 @@ __device__ __forceinline__ void mma_slab(const Smem& sm, const char* slab, int c
                                          MmaAcc<kTiles>& acc) {
   constexpr int kSteps = RingSlab<kW>::kSteps;
   const int warp = thread_index() / 32, g = thread_index() % 32 / 4, q = thread_index() % 4;
+  // The slab row of this lane's first row in its step st.
+  const auto step_row = [&](int st) {
+    return 16 * (st * kMmaPhases + warp / kMmaSubTiles) + 4 * q;
+  };
   MmaStepWeights<kW> w[kSteps];
 #pragma unroll
   for (int st = 0; st < kSteps; ++st) {
-    const int row = 16 * (st * kMmaPhases + warp / kMmaSubTiles) + 4 * q;
-    w[st] = MmaStepWeights<kW>::from_slab(slab, row, warp % kMmaSubTiles * 8 + g);
+    w[st] = MmaStepWeights<kW>::from_slab(slab, step_row(st), warp % kMmaSubTiles * 8 + g);
   }
 #pragma unroll
   for (int st = 0; st < kSteps; ++st) {
-    const int row = 16 * (st * kMmaPhases + warp / kMmaSubTiles) + 4 * q;
+    const int row = step_row(st);
     uint4 x[kTiles];
 #pragma unroll
     for (int t = 0; t < kTiles; ++t) x[t] = *sm.mma_cell(8 * t + g, (chunk_row + row) / 4);
