@@ -223,7 +223,7 @@ def measure_head(device, steps):
   scales, widened to bf16 by XLA before the dot). Returns ms per call of each."""
   V, D = 128256, 2048
   head = jax.device_put(jax.random.normal(jax.random.PRNGKey(3), (V, D), jnp.bfloat16), device)
-  q, scale = jaxfuse._quantize.quantize_matrix(head.T[None], "int8")
+  q, scale = jaxfuse._decode.quantize.quantize_matrix(head.T[None], "int8")
   q, scale = jax.device_put((q[0].T, scale[0]), device)  # [V, D] int8, [V]
   h = jax.device_put(jnp.ones((1, D), jnp.bfloat16), device)
   bf16 = jax.jit(lambda h, w: jnp.einsum("bd,vd->bv", h, w, preferred_element_type=jnp.float32))

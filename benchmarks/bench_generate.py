@@ -17,8 +17,8 @@ of a device copy measured here.
 (jaxfuse.quantize; the tied head becomes its own 8-bit rows), every step on those weights, plus
 one more column: the kernel's step with the head kept in bf16 (quantize(..., head=False)).
 `--filter`: two more columns, the kernel's step returning its logits and XLA filtering and
-drawing (jaxfuse._generation._sample, as every XLA column does: the path before the filters moved
-into the kernel), and the kernel's step drawing without the filters (what they cost in it).
+drawing (jaxfuse._decode.generation._sample, as every XLA column does: the path before the
+filters moved into the kernel), and the kernel's step drawing without the filters (what they cost in it).
 
 generate: jaxfuse.generate (prefill and every decode step in one jitted call, one kernel launch
 per token) against decoder="reference" (the same loop in plain XLA), from 16-token prompts, N
@@ -45,7 +45,7 @@ import jaxfuse
 from _common import copy_bandwidth, device_arguments, emit_table
 from bench_decoder import LLAMA_1B_LAYERS, log, make_weights, pick_device
 from jaxfuse import DecoderConfig, KVCache, decoder_reference, persistent_decoder
-from jaxfuse import _generation as generation
+from jaxfuse._decode import generation
 
 TEMPERATURE = 0.8
 FILTER = dict(top_k=50, top_p=0.9)  # --filter: Hugging Face's default top-k with a nucleus

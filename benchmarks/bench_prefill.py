@@ -1,6 +1,6 @@
 """Prefill benchmark: jaxfuse.prefill's stack against the prefill it replaced, side by side.
 
-  new:  jaxfuse/_prefill.py: one lax.scan over the layers, matrix and attention inputs in the
+  new:  jaxfuse/_decode/prefill.py: one lax.scan over the layers, matrix and attention inputs in the
         model's dtype with fp32 sums, causal attention among the prompt's own tokens;
   old:  jaxfuse.decoder_reference over the prompt (what jaxfuse.prefill ran before): fp32
         activations, the layers unrolled in Python, every token attending over the whole cache.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import jaxfuse
 from _common import device_arguments, emit_table
 from bench_decoder import log, make_weights, pick_device
-from jaxfuse._prefill import prefill_stack
+from jaxfuse._decode.prefill import prefill_stack
 
 PRESETS = {
     # Compile: small layers, many of them. Speed: layers whose weights leave the caches.

@@ -174,7 +174,7 @@ def lm_logits(params: Params, x: jax.Array, cfg: ModelConfig) -> jax.Array:
 def forward(params: Params, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
   """tokens: int [B, T] -> logits fp32 [B, T, vocab_size].
 
-  Each layer is exactly the math of jaxfuse's decoder step (see jaxfuse/_decoder.py), applied
+  Each layer is exactly the math of jaxfuse's decoder step (see jaxfuse/_decode/decoder.py), applied
   causally to all T positions at once, so the trained ``params["layers"]`` are a
   ``jaxfuse.DecoderWeights`` as they are (generate.py decodes with them).
   """

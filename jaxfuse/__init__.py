@@ -28,27 +28,27 @@ Decode side:
 import importlib as _importlib
 from importlib import metadata as _metadata
 
-from jaxfuse._ffi import backends, export_safety_checks
-from jaxfuse._accumulate import multi_steps
-from jaxfuse._adagrad import adagrad
-from jaxfuse._adam import AdamExtraState, adam, adamw, nadam, nadamw
-from jaxfuse._clip import clip_by_global_norm, global_norm
-from jaxfuse._decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
-                              decoder_reference, persistent_decoder)
-from jaxfuse._fused import fused_step
-from jaxfuse._generation import decode_step, generate, init_cache, prefill
-from jaxfuse._hf import load_hf
-from jaxfuse._lamb import lamb
-from jaxfuse._lars import lars
-from jaxfuse._lion import lion
-from jaxfuse._model import DecoderModel
-from jaxfuse._moments import QuantizedMoment
-from jaxfuse._optimizer import ExtraState
-from jaxfuse._quantize import quantize, quantize_weights
-from jaxfuse._report import Report, report
-from jaxfuse._rmsprop import rmsprop
-from jaxfuse._sgd import sgd
-from jaxfuse._state import convert_state, master_params
+from jaxfuse._core.ffi import backends, export_safety_checks
+from jaxfuse._decode.decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
+                                     decoder_reference, persistent_decoder)
+from jaxfuse._decode.generation import decode_step, generate, init_cache, prefill
+from jaxfuse._decode.hf import load_hf
+from jaxfuse._decode.model import DecoderModel
+from jaxfuse._decode.quantize import quantize, quantize_weights
+from jaxfuse._optim.accumulate import multi_steps
+from jaxfuse._optim.clip import clip_by_global_norm, global_norm
+from jaxfuse._optim.families.adagrad import adagrad
+from jaxfuse._optim.families.adam import AdamExtraState, adam, adamw, nadam, nadamw
+from jaxfuse._optim.families.lamb import lamb
+from jaxfuse._optim.families.lars import lars
+from jaxfuse._optim.families.lion import lion
+from jaxfuse._optim.families.rmsprop import rmsprop
+from jaxfuse._optim.families.sgd import sgd
+from jaxfuse._optim.fused import fused_step
+from jaxfuse._optim.moments import QuantizedMoment
+from jaxfuse._optim.optimizer import ExtraState
+from jaxfuse._optim.state import convert_state, master_params
+from jaxfuse._report.report import Report, report
 
 try:  # as installed: the base version plus +cuXY or +cpu, what the build compiled
   __version__ = _metadata.version("jaxfuse")

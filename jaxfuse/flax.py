@@ -6,7 +6,7 @@
   ``optax.apply_updates`` (a fresh update tree and a second pass);
 * NNX: ``jaxfuse.flax.Optimizer``, ``nnx.Optimizer`` whose ``update`` does the same.
 
-``tx`` is any transform :func:`jaxfuse.fused_step` accepts (a jaxfuse Adam last: alone, in
+``tx`` is any transform :func:`jaxfuse.fused_step` accepts (a jaxfuse optimizer last: alone, in
 ``optax.chain`` after ``jaxfuse.clip_by_global_norm``, under ``optax.inject_hyperparams`` or
 ``jaxfuse.multi_steps``). States, checkpoints and everything else are flax's. Donate the train
 state to the jitted step (``jax.jit(step, donate_argnums=0)``; NNX: ``nnx.jit(step,
@@ -21,7 +21,7 @@ import flax.nnx as nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
 from flax.training import train_state
 
-from jaxfuse._fused import fused_step
+from jaxfuse._optim.fused import fused_step
 
 
 class TrainState(train_state.TrainState):

@@ -15,13 +15,17 @@ import jax
 import pytest
 
 import jaxfuse
-from jaxfuse import _ffi
+from jaxfuse._core import ffi as _ffi
 
 # `from helpers import ...` in the test modules: this directory on sys.path under any import mode
 # (the default "prepend" mode adds it already; --import-mode=importlib does not).
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 if _TESTS not in sys.path:
   sys.path.insert(0, _TESTS)
+
+from helpers import emulated_cuda_module  # noqa: E402
+
+emulated_cuda_module()  # registered before any test traces
 
 
 @functools.cache

@@ -3,6 +3,8 @@ on sys.path through tests/conftest.py, and running a single test file does the s
 and hooks live in conftest.py."""
 
 import dataclasses
+import functools
+import os
 import re
 import zlib
 
@@ -11,7 +13,31 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxfuse
-from jaxfuse import _ffi
+from jaxfuse._core import ffi as _ffi
+
+
+EMULATED = "cuda_on_cpu"  # the CPU handler set of the CUDA handlers compiled for the host
+
+
+@functools.cache
+def emulated_cuda_module():
+  """The CUDA handlers compiled for the host (tools/cuda_on_cpu.sh's build, a test tool that the
+  package does not know), registered as the CPU handler set "cuda_on_cpu" where
+  JAXFUSE_EXTENSION_DIR holds that build; None where it does not. JAXFUSE_CPU_TARGETS=cuda_on_cpu
+  (tools/cuda_on_cpu.sh's suite stage) traces every test with them."""
+  module = (_ffi.load_native_module("_jaxfuse_cuda_on_cpu")
+            if os.environ.get("JAXFUSE_EXTENSION_DIR") else None)
+  if module is not None:
+    _ffi.add_cpu_handlers(EMULATED, module, cuda_kernels=True)
+  wanted = os.environ.get("JAXFUSE_CPU_TARGETS", "native")
+  if wanted not in ("native", EMULATED):
+    raise ValueError(f"JAXFUSE_CPU_TARGETS={wanted!r}: expected native or {EMULATED}")
+  if wanted == EMULATED:
+    if module is None:
+      raise RuntimeError("JAXFUSE_CPU_TARGETS=cuda_on_cpu needs JAXFUSE_EXTENSION_DIR to hold a "
+                         "_jaxfuse_cuda_on_cpu build (tools/cuda_on_cpu.sh makes one)")
+    _ffi.use_cpu_handlers(EMULATED)
+  return module
 
 
 def stable_seed(*parts):

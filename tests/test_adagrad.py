@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxfuse import _adagrad
 from jaxfuse import adagrad
+from jaxfuse._optim.families import adagrad as _adagrad
 from helpers import random_tree
 from optimizer_cases import (DTYPES, PATHS, SHAPES, assert_matches_optax, check_clip_folded_in,
                              check_grad_scale, check_inject_hyperparams, check_master_weights,

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _ffi, _optimizer
+from jaxfuse._core import ffi as _ffi
+from jaxfuse._optim import optimizer as _optimizer
 from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]

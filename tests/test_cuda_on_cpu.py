@@ -3,7 +3,8 @@
 Runs only where that build is loaded (JAXFUSE_EXTENSION_DIR holding _jaxfuse_cuda_on_cpu); the
 script sets JAXFUSE_REQUIRE_CUDA_ON_CPU=1 so that a missing build fails instead of skipping.
 Element-wise results (Adam in every mode, the gradient-control apply) must be bitwise equal to
-the CPU handlers': both run the shared math of src_cuda/include/jaxfuse/{adam,norm}_math.h.
+the CPU handlers': both run the shared math of csrc/optim/families/adam.h and
+csrc/optim/norm_math.h.
 Reductions (global norm, decoder) sum in another order: they are compared within fp32 rounding,
 and must be bitwise the same under every thread schedule and on every emulated grid size.
 """
@@ -19,14 +20,16 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _ffi, _clip as clip, _generation as generation
 from jaxfuse import adagrad
 from jaxfuse import sgd
-from helpers import (assert_bitwise_equal, assert_trees_close, random_decoder_problem,
-                     random_tree, ulp)
+from jaxfuse._core import ffi as _ffi
+from jaxfuse._decode import generation
+from jaxfuse._optim import clip
+from helpers import (EMULATED, assert_bitwise_equal, assert_trees_close, emulated_cuda_module,
+                     random_decoder_problem, random_tree, ulp)
 from test_generate import TIE_TOL, assert_follows_reference, prompts_for, random_model
 
-if not _ffi.CUDA_ON_CPU:
+if emulated_cuda_module() is None:
   if os.environ.get("JAXFUSE_REQUIRE_CUDA_ON_CPU") == "1":
     raise RuntimeError("JAXFUSE_REQUIRE_CUDA_ON_CPU=1 but no _jaxfuse_cuda_on_cpu build was loaded")
   pytest.skip("needs the CUDA-on-CPU build (tools/cuda_on_cpu.sh)", allow_module_level=True)
@@ -46,13 +49,13 @@ def on_both(fn, *args):
   """fn(*args) jitted with the CPU handlers and with the emulated CUDA handlers."""
   with _ffi.cpu_targets("native"):
     native = jax.device_get(jax.jit(fn)(*args))
-  with _ffi.cpu_targets("cuda_on_cpu"):
+  with _ffi.cpu_targets(EMULATED):
     emulated = jax.device_get(jax.jit(fn)(*args))
   return native, emulated
 
 
 def emulated(fn, *args):
-  with _ffi.cpu_targets("cuda_on_cpu"):
+  with _ffi.cpu_targets(EMULATED):
     return jax.device_get(jax.jit(fn)(*args))
 
 
@@ -387,14 +390,14 @@ def test_failed_launch_does_not_poison_later_calls(monkeypatch):
 def test_old_driver_is_named(monkeypatch):
   """A driver older than the runtime: backends-style info and the first failing call say so."""
   monkeypatch.setenv("JAXFUSE_EMU_DRIVER_VERSION", "12080")
-  info = _ffi._jaxfuse_cuda_on_cpu.cuda_info()
+  info = emulated_cuda_module().cuda_info()
   assert info["runtime_version"] == 13000 and info["driver_version"] == 12080
   assert "install driver 580 or newer" in info["driver_problem"]
   tree = random_tree(11, [(5,)], [jnp.float32])
   with pytest.raises(Exception, match=r"CUDA 12\.8 but jaxfuse's CUDA kernels were built with CUDA 13\.0"):
     emulated(jaxfuse.global_norm, tree)
   monkeypatch.setenv("JAXFUSE_EMU_DRIVER_VERSION", "0")
-  assert _ffi._jaxfuse_cuda_on_cpu.cuda_info()["driver_problem"] == "no NVIDIA driver found"
+  assert emulated_cuda_module().cuda_info()["driver_problem"] == "no NVIDIA driver found"
   monkeypatch.delenv("JAXFUSE_EMU_DRIVER_VERSION")
   emulated(jaxfuse.global_norm, tree)  # and nothing sticks
 
@@ -472,13 +475,13 @@ def test_report_counts_what_the_handlers_enqueue(case):
   """jaxfuse.report's CUDA launches and memsets (each op's cost() in C++) equal the kernels and
   memsets the emulated runtime saw the CUDA handlers enqueue, with this build's table sizes."""
   fn, args = report_case(case)
-  with _ffi.cpu_targets("cuda_on_cpu"):
+  with _ffi.cpu_targets(EMULATED):
     step = jax.jit(fn)
     r = jaxfuse.report(step, *args)
     jax.block_until_ready(step(*args))  # compiled and warm: the run below enqueues one step
-    before = _ffi._jaxfuse_cuda_on_cpu.enqueued_work()
+    before = emulated_cuda_module().enqueued_work()
     jax.block_until_ready(step(*args))
-    after = _ffi._jaxfuse_cuda_on_cpu.enqueued_work()
+    after = emulated_cuda_module().enqueued_work()
   assert r.jaxfuse_calls > 0 and r.exact != case.startswith("decoder")
   assert r.jaxfuse_launches == r.jaxfuse_cuda_launches  # the emulated handlers are CUDA's
   assert after["kernels"] - before["kernels"] == r.jaxfuse_cuda_launches

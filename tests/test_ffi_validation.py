@@ -7,9 +7,9 @@ decoding raises read "<target>: ..." (the handler names its op once, in front); 
 operand, result or attribute of the wrong type is rejected by XLA's FFI binding before the
 handler runs, with XLA's own message.
 
-The operand/result/attribute contracts are in src_cuda/include/jaxfuse/ (optimizer.h with
-adam_math.h, clip.h, decoder.h); the vector layouts and sizes Python shares with them come from
-_ffi.contract(). The tests below build those vectors and lists by position on purpose: they pin
+The operand/result/attribute contracts are in csrc/ (optim/optimizer.h with
+optim/families/adam.h, optim/clip.h, decoder/decoder.h); the vector layouts and sizes Python
+shares with them come from _ffi.contract(). The tests below build those vectors and lists by position on purpose: they pin
 the wire contract (test_vector_layouts_are_pinned checks that the positions are the contract's).
 Cases already covered in test_adam.py (test_handler_rejects_inconsistent_calls) and
 test_decoder.py (test_handler_validates_buffers) are not repeated here.
@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxfuse import _ffi
-from jaxfuse._decoder import _WEIGHT_KINDS, DecoderConfig, DecoderWeights, _workspace_bytes
+from jaxfuse._core import ffi as _ffi
+from jaxfuse._decode.decoder import _WEIGHT_KINDS, DecoderConfig, DecoderWeights, _workspace_bytes
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8

@@ -20,7 +20,7 @@ import pytest
 from jax.experimental import checkify
 
 import jaxfuse
-from jaxfuse import _generation as generation
+from jaxfuse._decode import generation
 from hf_checkpoints import write_checkpoint
 from helpers import random_decoder_problem
 

@@ -60,14 +60,14 @@ def test_a_ring_counts_in_occupancy_and_must_cover_littles_law():
 
 
 GRID_SYNC_GUARD = [
-    ((("/cuda/include/cooperative_groups.h", 179), ("/x/src_cuda/cuda/decoder.cu", 56)), True,
+    ((("/cuda/include/cooperative_groups.h", 179), ("/x/csrc/decoder/cuda/decoder.cu", 56)), True,
      "BRA", None, ""),
-    ((("/cuda/include/cooperative_groups.h", 180), ("/x/src_cuda/cuda/decoder.cu", 56)), False,
+    ((("/cuda/include/cooperative_groups.h", 180), ("/x/csrc/decoder/cuda/decoder.cu", 56)), False,
      "BPT.TRAP", None, ""),
 ]
 SHARED_GRID_SYNC_GUARD = [  # several syncs jump to one failure block after the kernel's EXIT
-    ((("/x/src_cuda/cuda/decoder.cu", 80),), False, "EXIT", None, ""),
-    ((("/cuda/include/cooperative_groups.h", 180), ("/x/src_cuda/cuda/decoder.cu", 65)), False,
+    ((("/x/csrc/decoder/cuda/decoder.cu", 80),), False, "EXIT", None, ""),
+    ((("/cuda/include/cooperative_groups.h", 180), ("/x/csrc/decoder/cuda/decoder.cu", 65)), False,
      "BPT.TRAP", None, ""),
 ]
 STRAIGHT_LINE_TRAP = [  # reached by falling through: not a guard, wherever it is
@@ -75,9 +75,9 @@ STRAIGHT_LINE_TRAP = [  # reached by falling through: not a guard, wherever it i
     ((("/cuda/include/cooperative_groups.h", 180),), False, "BPT.TRAP", None, ""),
 ]
 HOST_OBJECT_READ = [
-    ((("/x/src_cuda/include/jaxfuse/optimizer.h", 83), ("/x/src_cuda/cuda/multi_tensor.cuh", 101)),
+    ((("/x/csrc/optim/optimizer.h", 83), ("/x/csrc/optim/cuda/multi_tensor.cuh", 101)),
      True, "BRA", None, ""),
-    ((("/x/src_cuda/include/jaxfuse/optimizer.h", 83), ("/x/src_cuda/cuda/multi_tensor.cuh", 101)),
+    ((("/x/csrc/optim/optimizer.h", 83), ("/x/csrc/optim/cuda/multi_tensor.cuh", 101)),
      False, "BPT.TRAP", None, ""),
 ]
 

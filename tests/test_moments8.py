@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _moments
+from jaxfuse._optim import moments as _moments
 from helpers import assert_bitwise_equal, random_tree
 
 BLOCK = 128

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _rounding
+from jaxfuse._optim import rounding as _rounding
 from helpers import assert_bitwise_equal, assert_trees_close, random_tree, ulp
 from optimizer_cases import F32_RTOL, PATHS, grads, jit_optax_step, jit_step
 

@@ -1,4 +1,4 @@
-"""jaxfuse.prefill's stack (jaxfuse/_prefill.py) against decoder_reference.
+"""jaxfuse.prefill's stack (jaxfuse/_decode/prefill.py) against decoder_reference.
 
 With ``activation_dtype`` set to the model's dtype, decoder_reference rounds the same values at the
 same places as the prefill (matrix and attention inputs, fp32 sums), so the two differ only in
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jaxfuse
-from jaxfuse import _prefill as prefill_module
-from jaxfuse._prefill import prefill_stack
+from jaxfuse._decode import prefill as prefill_module
+from jaxfuse._decode.prefill import prefill_stack
 from helpers import random_decoder_problem, ulp
 
 FEATURES = {

@@ -12,7 +12,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse import DecoderConfig, RopeScaling, decoder_reference, persistent_decoder
-from jaxfuse._quantize import MATRICES, quantize_matrix
+from jaxfuse._decode.quantize import MATRICES, quantize_matrix
 from helpers import DECODER_TOL, SPLIT_CONFIG, random_decoder_problem, stable_seed
 
 FORMATS = ["int8", "fp8"]
@@ -48,7 +48,7 @@ def test_error_within_the_format_bound(quantization, dtype):
   w[1, :, 5] = 1e-30 * rng.standard_normal(96)  # a column far below e4m3's own range
   w = jnp.asarray(w, dtype)
   q, scale = quantize_matrix(w, quantization)
-  assert q.dtype == jaxfuse._decoder.QUANTIZED_DTYPES[quantization] and q.shape == w.shape
+  assert q.dtype == jaxfuse._decode.decoder.QUANTIZED_DTYPES[quantization] and q.shape == w.shape
   assert scale.dtype == jnp.float32 and scale.shape == (2, 40)
   w, s = f32(w), f32(scale)[:, None, :]
   err = np.abs(f32(q) * f32(scale)[:, None, :] - w)  # the float32 matrix (q, scale) stands for
@@ -109,7 +109,7 @@ def test_head_error_within_the_format_bound(quantization):
                                jnp.asarray(heavy_tailed(rng, (40, 64)), jnp.float32))
   q = jaxfuse.quantize(model, quantization)
   h = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
-  a = np.abs(f32(jaxfuse._decoder._ref_rmsnorm(h, model.final_norm, cfg.rms_norm_eps)))
+  a = np.abs(f32(jaxfuse._decode.decoder._ref_rmsnorm(h, model.final_norm, cfg.rms_norm_eps)))
   head, s = f32(model.lm_head), f32(q.lm_head_scale)[:, None]
   if quantization == "int8":
     bound = np.broadcast_to(s / 2, head.shape)
@@ -201,8 +201,8 @@ def test_whole_model_step_with_quantized_head(device, quantization, dtype, tied)
   got, _ = jax.jit(jaxfuse.decode_step)(model, tokens, positions, cache)
   want, _ = jaxfuse.decode_step(model, tokens, positions, cache, decoder="reference")
   assert rel_err(got, want) < DECODER_TOL[dtype]
-  cfg = jaxfuse._generation._cache_config(model, cache)
-  _, drawn, _, _ = jax.jit(jaxfuse._generation._model_step, static_argnums=(1, 5))(
+  cfg = jaxfuse._decode.generation._cache_config(model, cache)
+  _, drawn, _, _ = jax.jit(jaxfuse._decode.generation._model_step, static_argnums=(1, 5))(
       model, cfg, tokens, positions, cache, 0.0, jnp.zeros(2, jnp.uint32))
   np.testing.assert_array_equal(drawn, jnp.argmax(got, -1))
 

@@ -278,3 +278,31 @@ def test_jaxfuse_flax_loads_without_its_own_import(tmp_path):
   if "flax not installed" in proc.stdout:
     pytest.skip("flax is not installed (the missing-flax half ran)")
   assert "jaxfuse.flax loaded" in proc.stdout
+
+
+def _signature_text(name: str) -> str:
+  """``name(args)`` as docs/api.md writes a public function: every parameter, defaults as repr,
+  ``*`` before the keyword-only ones."""
+  import inspect  # noqa: PLC0415
+
+  parts, keyword_only = [], False
+  for p in inspect.signature(getattr(jaxfuse, name)).parameters.values():
+    if p.kind == p.VAR_POSITIONAL:
+      keyword_only = True
+    if p.kind == p.KEYWORD_ONLY and not keyword_only:
+      parts.append("*")
+      keyword_only = True
+    star = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+    parts.append(star + (p.name if p.default is p.empty else f"{p.name}={p.default!r}"))
+  return f"{name}({', '.join(parts)})"
+
+
+def test_api_page_signatures_are_the_functions():
+  """docs/api.md's table rows that spell out a function's arguments spell them as they are."""
+  rows = re.findall(r"^\| `(\w+)\(([^`]*)\)` \|", (ROOT / "docs" / "api.md").read_text(), re.M)
+  spelled = [(name, args) for name, args in rows if args != "..." and hasattr(jaxfuse, name)
+             and callable(getattr(jaxfuse, name))]
+  assert len(spelled) >= 8, rows
+  wrong = [f"docs: {name}({args})\nreal: {_signature_text(name)}" for name, args in spelled
+           if f"{name}({args})" != _signature_text(name)]
+  assert not wrong, "\n\n".join(wrong)

@@ -15,8 +15,8 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _report as report_module
-from jaxfuse._optimizer import MAX_LEAVES_PER_CALL
+from jaxfuse._optim.optimizer import MAX_LEAVES_PER_CALL
+from jaxfuse._report import report as report_module
 from helpers import init_beside, random_decoder_problem, random_tree
 
 SHAPES = [(3, 5), (7,), (), (0,), (33, 17), (4097,)]

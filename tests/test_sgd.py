@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxfuse import _sgd
 from jaxfuse import sgd
+from jaxfuse._optim.families import sgd as _sgd
 from helpers import assert_trees_close, random_tree, ulp
 from optimizer_cases import (DTYPES, F32_RTOL, PATHS, SHAPES, assert_matches_optax,
                              check_clip_folded_in, check_grad_scale, check_inject_hyperparams,

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import _lamb, _lars
+from jaxfuse._optim.families import lamb as _lamb
+from jaxfuse._optim.families import lars as _lars
 from helpers import assert_trees_close, count_custom_calls, random_tree
 from optimizer_cases import (DTYPES, F32_RTOL, PATHS, SHAPES, assert_matches_optax,
                              check_clip_folded_in, check_grad_scale, check_inject_hyperparams,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# CUDA on the CPU: compiles jaxfuse's real CUDA sources (src_cuda/cuda/*.cu) as host C++ against
+# CUDA on the CPU: compiles jaxfuse's real CUDA sources (csrc/*/cuda/*.cu) as host C++ against
 # tools/cuda_on_cpu, a small CPU implementation of the CUDA runtime (each CUDA thread a fiber,
 # each block an OS thread, barriers that detect deadlock), with ASan + UBSan, and runs the real
 # CUDA handlers on the CPU. Stages (STAGES="driver emu" picks some; the default, which CI runs, is
@@ -86,15 +86,15 @@ if has_stage controls; then
   # rebuilds the emulated handlers and runs a check that must now FAIL.
   CTRL=build/dev-cuda-on-cpu-controls
   mkdir -p "$CTRL/src/tools"
-  rm -rf "$CTRL/src/src_cuda" "$CTRL/src/tools/cuda_on_cpu"
-  cp -r CMakeLists.txt src_cuda "$CTRL/src/" && cp -r tools/cuda_on_cpu "$CTRL/src/tools/"
+  rm -rf "$CTRL/src/csrc" "$CTRL/src/tools/cuda_on_cpu"
+  cp -r CMakeLists.txt csrc "$CTRL/src/" && cp -r tools/cuda_on_cpu "$CTRL/src/tools/"
   mkdir -p "$CTRL/build" && cp "$BUILD"/_jaxfuse_cpu.*.so "$CTRL/build/"  # to compare against
   caught=0
   control() {  # NAME FILE OLD NEW CHECK...
     local name="$1" file="$2" old="$3" new="$4"; shift 4
     stamp "control '$name': $file"
-    cp "src_cuda/$file" "$CTRL/src/src_cuda/$file"
-    python3 - "$CTRL/src/src_cuda/$file" "$old" "$new" <<'PY'
+    cp "csrc/$file" "$CTRL/src/csrc/$file"
+    python3 - "$CTRL/src/csrc/$file" "$old" "$new" <<'PY'
 import sys
 path, old, new = sys.argv[1:]
 text = open(path).read()
@@ -111,30 +111,30 @@ PY
       echo "caught: $(grep -m1 -E 'ERROR: AddressSanitizer|FAIL:|Mismatched elements|^FAILED' "$CTRL/$name.log" || tail -1 "$CTRL/$name.log")"
       caught=$((caught + 1))
     fi
-    cp "src_cuda/$file" "$CTRL/src/src_cuda/$file"  # undo
+    cp "csrc/$file" "$CTRL/src/csrc/$file"  # undo
   }
-  control tail_overrun cuda/multi_tensor.cuh \
+  control tail_overrun optim/cuda/multi_tensor.cuh \
     "const int count = min(4, ref.n - i);" "const int count = 4;" \
     "$CTRL/build/cuda_on_cpu_multi_tensor_test"
-  control last_block_counter cuda/decoder_common.cuh \
+  control last_block_counter decoder/cuda/decoder_common.cuh \
     "*flag = atomicAdd(counter, 1) == expected - 1;" "*flag = atomicAdd(counter, 1) == 0;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
-  control early_wait cuda/decoder_common.cuh \
+  control early_wait decoder/cuda/decoder_common.cuh \
     "const int* finished = counter(i) + 1;" "const int* finished = counter(i);" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
-  control finished_at_first_row cuda/decoder_gemv.cuh \
+  control finished_at_first_row decoder/cuda/decoder_gemv.cuh \
     "arrive_last(counter, arrivals + p.dims.batch, &sm.flag)" \
     "arrive_last(counter, arrivals + 1, &sm.flag)" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
-  control missing_syncthreads cuda/cuda_common.cuh \
+  control missing_syncthreads core/cuda/common.cuh \
     "  if (lane == 0) scratch[warp] = v;
   __syncthreads();" "  if (lane == 0) scratch[warp] = v;" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "test_global_norm"
-  control search_read_after_walk cuda/decoder_sample.cuh \
+  control search_read_after_walk decoder/cuda/decoder_sample.cuh \
     "    const SampleSearch st = load_search(b);
     uint32_t count_above;
     uint64_t mass_above, mass_total;
@@ -145,12 +145,12 @@ PY
     const SampleSearch st = load_search(b);" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "whole_model_step and not quantized"
-  control missing_ring_wait cuda/decoder_gemv_mma.cuh \
+  control missing_ring_wait decoder/cuda/decoder_gemv_mma.cuh \
     "  if (slots == 4) wait_async_copies<2>();
   else wait_async_copies<0>();" "" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "gemv_chunks_passes_and_splits and mma"
-  control ring_slot_refilled_early cuda/decoder_gemv_mma.cuh \
+  control ring_slot_refilled_early decoder/cuda/decoder_gemv_mma.cuh \
     "    await_slab(stream.slots);
     stream.issue(s + stream.slots - 1);" \
     "    stream.issue(s + stream.slots - 1);

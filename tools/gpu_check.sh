@@ -107,7 +107,7 @@ stage_env() {
 }
 
 source_hash() {  # source_hash [FLAGS]: what a build is of: the CMake file, the sources, flags
-  { cat CMakeLists.txt $(find src_cuda -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' \
+  { cat CMakeLists.txt $(find csrc -type f \( -name '*.h' -o -name '*.cc' -o -name '*.cu' \
       -o -name '*.cuh' \) | LC_ALL=C sort); echo "flags: ${1:-}"; } | sha256sum | cut -c1-16
 }
 
@@ -256,7 +256,7 @@ stage_bench_leaves() {
 }
 
 # Tuning variants: the default build beside builds that differ by one switch (see the switches'
-# comments in src_cuda/cuda), timed side by side. A variant's build is carried in
+# comments in csrc/*/cuda), timed side by side. A variant's build is carried in
 # build/variant-NAME (stage carry) or built here, all in parallel.
 VARIANTS=("decoder_1:-DJAXFUSE_DECODER_BLOCKS_PER_SM=1")
 

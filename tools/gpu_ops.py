@@ -206,7 +206,7 @@ def run_model_step(gpu, cpu):
   """The whole-model step (embedding, layers, head, draw): logits against the CPU handler's, and
   the GPU's tokens against jax.random.categorical of its own logits after the top-k and top-p
   filters (_sample; they must be equal)."""
-  from jaxfuse import _generation as generation
+  from jaxfuse._decode import generation
   for dt, tied, batch, quantization, (top_k, top_p) in MODEL_STEP_CASES:
     cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                                 head_dim=64, intermediate_size=640, max_seq_len=96)

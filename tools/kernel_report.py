@@ -14,8 +14,8 @@ widths, local-memory instructions and traps. It fails (exit status 1) on
   object, into a trap; only cooperative groups' grid-sync guards, a trap in CUDA's own headers
   that a conditional branch skips or jumps to, are allowed),
 - any instance over its budget: the JF_KERNEL_BUDGET / JF_KERNEL_GAP declarations beside the
-  launch code in src_cuda/cuda (kernel_budget.cuh says what they mean); known gaps print with
-  their reasons; a gap that excuses nothing, an instance without exactly one budget, a kernel
+  launch code in csrc/*/cuda (core/cuda/kernel_budget.cuh says what they mean); known gaps
+  print with their reasons; a gap that excuses nothing, an instance without exactly one budget, a kernel
   without __launch_bounds__ fail too.
 
   python3 tools/kernel_report.py [MODULE.so | WHEEL.whl | FILE.cubin] [--markdown FILE]
@@ -42,7 +42,7 @@ import tempfile
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUDGET_SOURCES = os.path.join(ROOT, "src_cuda", "cuda")
+SOURCES = os.path.join(ROOT, "csrc")
 CONTROLS = os.path.join(ROOT, "tools", "kernel_report_controls")
 
 # The GPU each architecture's code is judged on, with what bounds its occupancy: warps, blocks,
@@ -280,7 +280,7 @@ def analyse(inst, sass):
       inst.async_copies += 1
     elif opcode.startswith("BPT.TRAP"):
       inner = where[0] if where else ("?", 0)
-      outer = next((w for w in reversed(where) if "/src_cuda/" in w[0] or "/tools/" in w[0]), inner)
+      outer = next((w for w in reversed(where) if "/csrc/" in w[0] or "/tools/" in w[0]), inner)
       # Cooperative groups' grid-sync check: its trap right after a conditional branch around
       # it, or (several syncs sharing one failure block) after an EXIT or unconditional branch,
       # where only a jump reaches it.
@@ -467,7 +467,7 @@ def budget_sources(module):
   if module.endswith(".cubin"):  # a control: its budget is in its own source beside it
     source = re.sub(r"\.sm_\d+\.cubin$", ".cu", module)
     return [source] if os.path.exists(source) else []
-  return sorted(glob.glob(os.path.join(BUDGET_SOURCES, "*.cu*")))
+  return sorted(glob.glob(os.path.join(SOURCES, "*", "cuda", "*.cu*")))
 
 
 def excess(inst, b):
@@ -623,8 +623,7 @@ def compile_control(source, workdir):
   name = os.path.splitext(os.path.basename(source))[0]
   cubin = os.path.join(workdir, f"{name}.sm_90.cubin")
   subprocess.run([nvcc, "-cubin", "-arch=sm_90", "-O3", "-std=c++17", "--expt-relaxed-constexpr",
-                  "-lineinfo", "-I", os.path.join(ROOT, "src_cuda", "include"),
-                  "-I", os.path.join(ROOT, "src_cuda", "cuda"), "-isystem", jax.ffi.include_dir(),
+                  "-lineinfo", "-I", SOURCES, "-isystem", jax.ffi.include_dir(),
                   "-o", cubin, source], check=True)
   shutil.copy(source, os.path.join(workdir, f"{name}.cu"))  # its budget, read beside the cubin
   return cubin

@@ -1,4 +1,4 @@
-// The CUDA multi-tensor driver (src_cuda/cuda/multi_tensor.cuh) on hand-made tensor lists, run
+// The CUDA multi-tensor driver (csrc/optim/cuda/multi_tensor.cuh) on hand-made tensor lists, run
 // on the CPU by tools/cuda_on_cpu: sizes around every chunk, slice and table boundary, mixed
 // dtypes, bases that defeat vector access, and buffers allocated to their exact size (ASan sees
 // any overrun) with guard bytes in front. XLA never hands the handlers such pointers; users of
@@ -14,7 +14,7 @@
 
 #include <cooperative_groups.h>
 
-#include "../../src_cuda/cuda/multi_tensor.cuh"
+#include "optim/cuda/multi_tensor.cuh"
 
 namespace jaxfuse {
 namespace {

@@ -5,7 +5,7 @@
 // loads are one round trip after another. Its floor asks for both in flight; the report must fail.
 #include <cuda_runtime.h>
 
-#include "kernel_budget.cuh"
+#include "core/cuda/kernel_budget.cuh"
 
 JF_KERNEL_BUDGET("^planted_serial_loads_kernel$", 255, 0, 1024);
 JF_KERNEL_LOADS("^planted_serial_loads_kernel$", 2);

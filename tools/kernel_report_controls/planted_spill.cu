@@ -4,7 +4,7 @@
 // to local memory. Its budget allows no local memory; the report must fail on it.
 #include <cuda_runtime.h>
 
-#include "kernel_budget.cuh"
+#include "core/cuda/kernel_budget.cuh"
 
 JF_KERNEL_BUDGET("^planted_spill_kernel$", 255, 0, 0);
 

@@ -4,8 +4,8 @@
 // compiles the read into a trap; the report must fail on it.
 #include <cuda_runtime.h>
 
-#include "jaxfuse/optimizer.h"
-#include "kernel_budget.cuh"
+#include "optim/optimizer.h"
+#include "core/cuda/kernel_budget.cuh"
 
 namespace {
 

@@ -1,0 +1,90 @@
+"""Fused multi-tensor Adagrad, optax-compatible.
+
+``adagrad`` takes the arguments of ``optax.adagrad`` and computes the same update, in optax's
+operation order (``scale_by_rss`` then ``scale_by_learning_rate``); the state is optax's, so
+checkpoints move both ways. The element math is optim/families/adagrad.h's; the generic optimizer
+(``jaxfuse/_optim/optimizer.py``) does the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim.optimizer import ScalarOrSchedule
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class AdagradSpec(_optimizer.Spec):
+  """A jaxfuse Adagrad: the Adagrad family of the generic optimizer (optim/families/adagrad.h)."""
+
+  op = "jaxfuse_adagrad"
+  name = "jaxfuse.adagrad"
+  initial_accumulator_value: Any
+  eps: Any
+
+  def optax_twin(self) -> optax.GradientTransformation:
+    return optax.adagrad(self.learning_rate, self.initial_accumulator_value, self.eps)
+
+  def check_params(self, params: Any) -> None:
+    _optimizer.check_real(self.name, params)
+
+  def states(self, state: Any) -> list[Any]:
+    return [state[0].sum_of_squares]
+
+  def state_signs(self) -> list[bool]:
+    return [False]
+
+  def with_states(self, state: Any, trees: list[Any]) -> Any:
+    return (state[0]._replace(sum_of_squares=trees[0]), *state[1:])
+
+  def hyper(self, count: jax.Array) -> dict[str, Any]:
+    return {"learning_rate": _optimizer.scalar(self.learning_rate, count), "eps": self.eps}
+
+  def leaf_math(self, k, g, p, states, flags):
+    s = g * g + states[0]
+    scale = jnp.where(s > 0, 1 / jnp.sqrt(s + k["eps"]), 0)  # the kernels' IEEE reciprocal
+    return -k["learning_rate"] * (scale * g), [s]
+
+
+def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
+            eps: float = 1e-7, *, moment_bits: Optional[int] = None,
+            master_weights: Union[bool, str] = False,
+            skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+            seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+  """Adagrad as one fused kernel; same arguments, state and math as ``optax.adagrad``.
+
+  Per element, with lr the learning rate::
+
+    s = g**2 + s                                # s starts at initial_accumulator_value
+    u = -lr * (s > 0 ? 1 / sqrt(s + eps) : 0) * g
+
+  (Duchi et al, `Adaptive Subgradient Methods for Online Learning and Stochastic Optimization
+  <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.) The state is optax's: a
+  ``ScaleByRssState`` then the learning rate's (a count with a schedule). Real leaves only.
+
+  Args:
+    learning_rate: a float, or an optax schedule evaluated on the step count.
+    initial_accumulator_value: the starting value of the sum of squares (>= 0).
+    eps: added to the sum of squares inside the square root.
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
+    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
+    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``.
+  """
+  return _optimizer.transform(AdagradSpec(
+      learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value, eps=eps,
+      master_weights=master_weights, skip_nonfinite=skip_nonfinite,
+      stochastic_rounding=stochastic_rounding, seed=seed,
+      moment_bits=moment_bits))

@@ -1,0 +1,106 @@
+"""Fused multi-tensor SGD with optional (Nesterov) momentum, optax-compatible.
+
+``sgd`` takes the arguments of ``optax.sgd`` and computes the same update, in optax's operation
+order (``trace`` then ``scale_by_learning_rate``); the state is optax's, so checkpoints move both
+ways. The element math is optim/families/sgd.h's; the generic optimizer
+(``jaxfuse/_optim/optimizer.py``) does the rest: the optax protocol as fusable XLA operations, the in-place kernels of
+:func:`jaxfuse.fused_step`, master weights and non-finite skipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+import jax
+import optax
+
+from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim.optimizer import ScalarOrSchedule
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class SgdSpec(_optimizer.Spec):
+  """A jaxfuse SGD: the SGD family of the generic optimizer (optim/families/sgd.h)."""
+
+  op = "jaxfuse_sgd"
+  name = "jaxfuse.sgd"
+  momentum: Any  # None: no trace
+  nesterov: bool
+  accumulator_dtype: Any
+
+  def optax_twin(self) -> optax.GradientTransformation:
+    return optax.sgd(self.learning_rate, self.momentum, self.nesterov, self.accumulator_dtype)
+
+  def flags(self) -> dict[str, bool]:
+    return {"momentum": self.momentum is not None, "nesterov": self.nesterov}
+
+  def check_params(self, params: Any) -> None:
+    if self.momentum is not None:
+      _optimizer.check_state_dtype("accumulator_dtype", self.accumulator_dtype, params)
+
+  def states(self, state: Any) -> list[Any]:
+    return [] if self.momentum is None else [state[0].trace]
+
+  def state_signs(self) -> list[bool]:
+    return [] if self.momentum is None else [True]
+
+  def with_states(self, state: Any, trees: list[Any]) -> Any:
+    if self.momentum is None:
+      return state
+    return (state[0]._replace(trace=trees[0]), *state[1:])
+
+  def hyper(self, count: jax.Array) -> dict[str, Any]:
+    momentum = 0.0 if self.momentum is None else self.momentum
+    return {"learning_rate": _optimizer.scalar(self.learning_rate, count),
+            "momentum": momentum}
+
+  def leaf_math(self, k, g, p, states, flags):
+    if self.momentum is None:
+      return -k["learning_rate"] * g, []
+    t = g + k["momentum"] * states[0]
+    u = g + k["momentum"] * t if self.nesterov else t
+    return -k["learning_rate"] * u, [t]
+
+
+def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
+        nesterov: bool = False, accumulator_dtype: Optional[Any] = None, *,
+        moment_bits: Optional[int] = None,
+        master_weights: Union[bool, str] = False,
+        skip_nonfinite: bool = False, stochastic_rounding: bool = False,
+        seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+  r"""Stochastic gradient descent, with optional (Nesterov) momentum, as one fused kernel; same
+  arguments, state and math as ``optax.sgd``.
+
+  Per element, with lr the learning rate and mu the momentum::
+
+    without momentum:  u = -lr * g
+    with momentum:     m = g + mu * m
+                       u = -lr * m                  # nesterov: u = -lr * (g + mu * m)
+
+  (Sutskever et al, `On the importance of initialization and momentum in deep learning
+  <http://proceedings.mlr.press/v28/sutskever13.pdf>`_, 2013.) The state is optax's: a
+  ``TraceState`` with momentum, else an empty state, then the learning rate's (a count with a
+  schedule).
+
+  Args:
+    learning_rate: a float, or an optax schedule evaluated on the step count.
+    momentum: decay rate of the trace of past gradients; None: no momentum (and no state).
+    nesterov: use Nesterov momentum.
+    accumulator_dtype: storage dtype of the trace (None: the params' dtype, as optax).
+    master_weights: True: keep an fp32 master copy of low-precision params in the state;
+      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
+    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
+    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
+      updates below half an ulp survive on average without a master copy.
+    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
+      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``.
+  """
+  return _optimizer.transform(SgdSpec(
+      learning_rate=learning_rate, momentum=momentum, nesterov=nesterov,
+      accumulator_dtype=accumulator_dtype, master_weights=master_weights,
+      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed,
+      moment_bits=moment_bits))

@@ -1,0 +1,125 @@
+"""Moving optimizer states between precisions: the full-precision params any jaxfuse state keeps,
+and a state converted to another transform's layout (e.g. optax's AdamW to jaxfuse's AdamW with
+bf16 moments and param remainders, and back), also inside chains."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxfuse._core import trees as _trees
+from jaxfuse._optim import moments as _moments
+from jaxfuse._optim import rounding as _rounding
+from jaxfuse._optim.optimizer import ExtraState
+
+
+def _is_optimizer_state(x: Any) -> bool:
+  """Whether `x` is a jaxfuse optimizer's state with opt-ins: optax's part, then ExtraState."""
+  return isinstance(x, tuple) and bool(x) and isinstance(x[-1], ExtraState)
+
+
+def _extra(state: Any) -> ExtraState:
+  """The first ExtraState in `state` (a transform's, or one inside a chain), or an empty one."""
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ExtraState))
+           if isinstance(x, ExtraState)]
+  return found[0] if found else ExtraState()
+
+
+def master_params(params: Any, state: Any) -> Any:
+  """The full-precision params that `state` (of a jaxfuse or optax transform, or a chain ending
+  in one) keeps for `params`: its master copy, the params joined to their remainders
+  (``master_weights="remainder"``), or else the params themselves, in float32 or wider."""
+  extra = _extra(state)
+  if extra.master_params is not None:
+    return extra.master_params
+  wide = lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32))
+  if extra.param_remainders is None:
+    return jax.tree.map(wide, params)
+  return jax.tree.map(
+      lambda p, r: _rounding.join_remainder(p.astype(jnp.bfloat16), r) if r.size else wide(p),
+      params, extra.param_remainders)
+
+
+def _cast(state: Any, target: Any) -> Any:
+  """`state` leaf by leaf in `target`'s dtypes, 8-bit moments (either side) through float32."""
+  state = _moments.dequantize_tree(state)
+  if jax.tree.structure(state) != jax.tree.structure(target, is_leaf=_moments.is_quantized):
+    raise ValueError("jaxfuse.convert_state: the state is not one of this transform's optimizer "
+                     f"for these params\n  state:  {jax.tree.structure(state)}\n"
+                     f"  target: {jax.tree.structure(target)}")
+  return jax.tree.map(lambda t, x: _moments.like(x, t) if _moments.is_quantized(t)
+                      else jnp.asarray(x).astype(t.dtype), target, state,
+                      is_leaf=_moments.is_quantized)
+
+
+def _convert_optimizer(state: Any, target: Any, master: Any,
+                       params: Any) -> tuple[Any, Any]:
+  """One optimizer's state (with or without its ExtraState) in `target`'s layout, and the params
+  that go with it."""
+  core = state[:-1] if _is_optimizer_state(state) else state
+  if not _is_optimizer_state(target):
+    return _cast(core, target), jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+  extra, goal = _extra(state), target[-1]
+  new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+  remainders = None
+  if goal.param_remainders is not None:
+    pairs = jax.tree.map(lambda m, p: _rounding.split_remainder(m) if p.dtype == jnp.bfloat16
+                         else (m.astype(p.dtype), jnp.zeros((0,), jnp.int16)), master, params)
+    new_params = jax.tree.map(lambda _, pair: pair[0], params, pairs)
+    remainders = jax.tree.map(lambda _, pair: pair[1], params, pairs)
+  skipped = None
+  if goal.skipped_steps is not None:
+    skipped = extra.skipped_steps if extra.skipped_steps is not None else jnp.zeros([], jnp.int32)
+  kept = None
+  if goal.master_params is not None:
+    kept = jax.tree.map(lambda m, t: m.astype(t.dtype), master, goal.master_params)
+  return (*_cast(core, target[:-1]), ExtraState(kept, skipped, remainders)), new_params
+
+
+def _convert(state: Any, target: Any, master: Any,
+             params: Any) -> tuple[Any, Optional[Any]]:
+  """`state` in `target`'s layout, walking chains (plain tuples) down to the optimizer; the new
+  params where an optimizer's state was converted, else None."""
+  if _is_optimizer_state(state) or _is_optimizer_state(target):
+    return _convert_optimizer(state, target, master, params)
+  if type(state) is tuple and type(target) is tuple and len(state) == len(target):
+    parts = [_convert(s, t, master, params) for s, t in zip(state, target)]
+    new_params = next((p for _, p in parts if p is not None), None)
+    return tuple(s for s, _ in parts), new_params
+  return _cast(state, target), None
+
+
+def _target_params(params: Any, dtype: Any) -> Any:
+  if dtype is None:
+    return params
+  try:
+    single = jnp.dtype(dtype)
+  except TypeError:  # a tree of dtypes, one per leaf
+    return jax.tree.map(lambda p, d: p.astype(d), params, dtype)
+  return jax.tree.map(lambda p: p.astype(single), params)
+
+
+def convert_state(state: Any, params: Any, tx: Any, dtype: Any = None) -> tuple[Any, Any]:
+  """``(params, state)`` for continuing with transform `tx` from `state`, the state of another
+  transform of the same optimizer (or chain) for `params`: e.g. ``optax.adamw`` and
+  ``jaxfuse.adamw`` with other state dtypes, master weights or param remainders, either way.
+
+  The full-precision params (:func:`master_params` of `params` and `state`) become `tx`'s master
+  copy, or its param remainders, or, without either, its params; the params returned are in
+  `dtype` (a dtype, a tree of them like `params`, or None: the dtypes of `params`), rounded to
+  nearest (for remainders with ties away from zero, as remainders need). The optax part of the
+  state is cast leaf by leaf to `tx`'s dtypes for those params. E.g. float32 training onward in
+  bf16 with remainders: ``convert_state(state, params, tx16, jnp.bfloat16)``; and back:
+  ``convert_state(state16, params16, optax.adamw(...), jnp.float32)``.
+  """
+  params = _trees.as_arrays(params)
+  master = master_params(params, state)
+  target_params = jax.tree.map(lambda m, t: jax.ShapeDtypeStruct(m.shape, t.dtype), master,
+                               _target_params(params, dtype))
+  new_state, new_params = _convert(state, jax.eval_shape(tx.init, target_params), master,
+                                   target_params)
+  if new_params is None:
+    new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, target_params)
+  return new_params, new_state
