@@ -29,12 +29,13 @@ import importlib as _importlib
 from importlib import metadata as _metadata
 
 from jaxfuse._core.ffi import backends, export_safety_checks
-from jaxfuse._decode.decoder import (DecoderConfig, DecoderWeights, KVCache, RopeScaling,
-                                     decoder_reference, persistent_decoder)
+from jaxfuse._decode.config import DecoderConfig, DecoderWeights, KVCache, RopeScaling
 from jaxfuse._decode.generation import decode_step, generate, init_cache, prefill
 from jaxfuse._decode.hf import load_hf
+from jaxfuse._decode.kernel import persistent_decoder
 from jaxfuse._decode.model import DecoderModel
 from jaxfuse._decode.quantize import quantize, quantize_weights
+from jaxfuse._decode.reference import decoder_reference
 from jaxfuse._optim.accumulate import multi_steps
 from jaxfuse._optim.clip import clip_by_global_norm, global_norm
 from jaxfuse._optim.families.adagrad import adagrad
@@ -46,7 +47,7 @@ from jaxfuse._optim.families.rmsprop import rmsprop
 from jaxfuse._optim.families.sgd import sgd
 from jaxfuse._optim.fused import fused_step
 from jaxfuse._optim.moments import QuantizedMoment
-from jaxfuse._optim.optimizer import ExtraState
+from jaxfuse._optim.spec import ExtraState
 from jaxfuse._optim.state import convert_state, master_params
 from jaxfuse._report.report import Report, report
 

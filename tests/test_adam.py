@@ -8,7 +8,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse._core import ffi as _ffi
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import kernel_path as _kernel_path
 from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]
@@ -499,7 +499,7 @@ def test_fused_step_over_several_calls(device, monkeypatch):
   and the non-finite skip deciding for the whole tree. The calls are cut at 16 leaves here (the
   same splitting at a size that compiles in seconds); test_report.py and test_trust_ratio.py step
   trees past the real MAX_LEAVES_PER_CALL."""
-  monkeypatch.setattr(_optimizer, "MAX_LEAVES_PER_CALL", 16)
+  monkeypatch.setattr(_kernel_path, "MAX_LEAVES_PER_CALL", 16)
   rng = np.random.default_rng(25)
   params = random_tree(26, [(int(rng.integers(1, 50)),) for _ in range(2 * 16 + 7)], device=device)
   tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))

@@ -442,7 +442,7 @@ def test_handler_validates_buffers(device):
                qk_norm=np.bool_(True), quantized=np.bool_(True), model_step=np.bool_(False),
                sample=np.bool_(False), temperature=np.float32(0.0), top_k=np.int64(0),
                top_p=np.float32(1.0))
-  from jaxfuse._decode.decoder import _workspace_bytes
+  from jaxfuse._decode.contract import _workspace_bytes
   caches = 3 + len(w)  # the operand index of k_cache
   D, B = 64, x.shape[0]
   no_scale = jnp.zeros((0,), jnp.float32)

@@ -9,8 +9,9 @@ handler runs, with XLA's own message.
 
 The operand/result/attribute contracts are in csrc/ (optim/optimizer.h with
 optim/families/adam.h, optim/clip.h, decoder/decoder.h); the vector layouts and sizes Python
-shares with them come from _ffi.contract(). The tests below build those vectors and lists by position on purpose: they pin
-the wire contract (test_vector_layouts_are_pinned checks that the positions are the contract's).
+shares with them come from _ffi.contract(). The tests below build those vectors and lists by
+position on purpose: they pin the wire contract (test_vector_layouts_are_pinned checks that the
+positions are the contract's).
 Cases already covered in test_adam.py (test_handler_rejects_inconsistent_calls) and
 test_decoder.py (test_handler_validates_buffers) are not repeated here.
 """
@@ -28,7 +29,8 @@ import numpy as np
 import pytest
 
 from jaxfuse._core import ffi as _ffi
-from jaxfuse._decode.decoder import _WEIGHT_KINDS, DecoderConfig, DecoderWeights, _workspace_bytes
+from jaxfuse._decode.config import DecoderConfig, DecoderWeights
+from jaxfuse._decode.contract import _WEIGHT_KINDS, _workspace_bytes
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
@@ -816,7 +818,7 @@ def test_decoder_results(device):
 
 @pytest.mark.parametrize("delta", [-256, -1, 1, 4096])
 def test_decoder_workspace_size(device, delta):
-  """The workspace is exactly the layout's size: a different size means decoder.py's
+  """The workspace is exactly the layout's size: a different size means jaxfuse/_decode's
   _workspace_bytes and decoder_layout() disagree."""
   ops = _dec_operands(device)
   need = _workspace_bytes(_CFG, _B, jnp.float32)

@@ -48,7 +48,7 @@ def test_error_within_the_format_bound(quantization, dtype):
   w[1, :, 5] = 1e-30 * rng.standard_normal(96)  # a column far below e4m3's own range
   w = jnp.asarray(w, dtype)
   q, scale = quantize_matrix(w, quantization)
-  assert q.dtype == jaxfuse._decode.decoder.QUANTIZED_DTYPES[quantization] and q.shape == w.shape
+  assert q.dtype == jaxfuse._decode.config.QUANTIZED_DTYPES[quantization] and q.shape == w.shape
   assert scale.dtype == jnp.float32 and scale.shape == (2, 40)
   w, s = f32(w), f32(scale)[:, None, :]
   err = np.abs(f32(q) * f32(scale)[:, None, :] - w)  # the float32 matrix (q, scale) stands for
@@ -109,7 +109,7 @@ def test_head_error_within_the_format_bound(quantization):
                                jnp.asarray(heavy_tailed(rng, (40, 64)), jnp.float32))
   q = jaxfuse.quantize(model, quantization)
   h = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
-  a = np.abs(f32(jaxfuse._decode.decoder._ref_rmsnorm(h, model.final_norm, cfg.rms_norm_eps)))
+  a = np.abs(f32(jaxfuse._decode.reference._ref_rmsnorm(h, model.final_norm, cfg.rms_norm_eps)))
   head, s = f32(model.lm_head), f32(q.lm_head_scale)[:, None]
   if quantization == "int8":
     bound = np.broadcast_to(s / 2, head.shape)

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse._optim.optimizer import MAX_LEAVES_PER_CALL
+from jaxfuse._optim.kernel_path import MAX_LEAVES_PER_CALL
 from jaxfuse._report import report as report_module
 from helpers import init_beside, random_decoder_problem, random_tree
 

@@ -1,7 +1,7 @@
 // Element math of jaxfuse_decoder (the persistent Llama-style decode step), one definition
 // compiled for the host (CPU handler) and the device (CUDA kernel), so the CPU tests in CI check
-// the arithmetic the GPU runs. The reference in jaxfuse/decoder.py follows the same formulas and
-// operation order (all in fp32).
+// the arithmetic the GPU runs. The reference in jaxfuse/_decode/reference.py follows the same
+// formulas and operation order (all in fp32).
 #pragma once
 
 #include <cmath>

@@ -32,11 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse._decode.decoder import (_SUPPORTED, DecoderWeights, KVCache, _check_layers,
-                                     _check_rows, _concrete, _decoder_step, _Head,
-                                     decoder_reference)
+from jaxfuse._decode.checks import _check_layers, _check_rows, _concrete
+from jaxfuse._decode.config import DecoderWeights, KVCache, _SUPPORTED
+from jaxfuse._decode.contract import _Head
+from jaxfuse._decode.kernel import _decoder_step
 from jaxfuse._decode.model import DecoderModel
 from jaxfuse._decode.prefill import prefill_stack
+from jaxfuse._decode.reference import decoder_reference
 
 __all__ = ["init_cache", "prefill", "decode_step", "generate"]
 
@@ -113,7 +115,7 @@ def _check_prompts(fn: str, model: DecoderModel, tokens, lengths,
                    check_lengths: bool = False) -> None:
   """Shapes and dtypes; the values too when they are concrete (out-of-range ids or lengths
   would otherwise be clamped silently by the embedding gather). ``check_lengths``: a checkify
-  check of traced lengths (:func:`jaxfuse._decode.decoder._check_rows`)."""
+  check of traced lengths (:func:`jaxfuse._decode.checks._check_rows`)."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"{fn}: prompt_tokens must be an integer array [batch, prompt_len], got "
                      f"{tokens.dtype}{list(tokens.shape)}")

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from jaxfuse._decode.decoder import QUANTIZED_DTYPES, DecoderConfig, DecoderWeights, RopeScaling
+from jaxfuse._decode.config import DecoderConfig, DecoderWeights, QUANTIZED_DTYPES, RopeScaling
 from jaxfuse._decode.model import DecoderModel
 from jaxfuse._decode.quantize import MATRICES  # stored [out, in] by Hugging Face, [in, out] here
 from jaxfuse._decode.quantize import quantize as quantize_model

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxfuse._decode.decoder import DecoderConfig, DecoderWeights, _ref_rmsnorm
+from jaxfuse._decode.config import DecoderConfig, DecoderWeights
+from jaxfuse._decode.reference import _ref_rmsnorm
 
 __all__ = ["DecoderModel"]
 

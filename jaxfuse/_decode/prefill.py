@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxfuse._decode.decoder import (DecoderConfig, DecoderWeights, KVCache, _ref_linear, _ref_mlp,
-                                     _ref_qkv, _ref_rmsnorm, _ref_rope)
+from jaxfuse._decode.config import DecoderConfig, DecoderWeights, KVCache
+from jaxfuse._decode.reference import _ref_linear, _ref_mlp, _ref_qkv, _ref_rmsnorm, _ref_rope
 
 
 def prefill_stack(x, lengths, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig):

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxfuse._decode.decoder import (_WEIGHT_KINDS, QUANTIZED_DTYPES, DecoderConfig, DecoderWeights,
-                                     _weight_shapes)
+from jaxfuse._decode.config import DecoderConfig, DecoderWeights, QUANTIZED_DTYPES
+from jaxfuse._decode.contract import _WEIGHT_KINDS, _weight_shapes
 from jaxfuse._decode.model import DecoderModel
 
 __all__ = ["quantize", "quantize_weights"]

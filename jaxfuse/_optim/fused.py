@@ -20,9 +20,9 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
   params, grads and the optimizer's state once and writes params and state in place: 28 bytes
   per fp32 parameter for Adam (32 with clipping), 20 for SGD with momentum, Lion, Adagrad and
   RMSprop; LAMB and LARS add a first pass that reads grads and params (and Adam's moments for
-  LAMB) for their trust ratios. Under ``jax.jit(step, donate_argnums=...)`` with params and opt_state donated (in
-  the order they are returned), no new parameter or state buffers are allocated; without
-  donation XLA copies them first.
+  LAMB) for their trust ratios. Under ``jax.jit(step, donate_argnums=...)`` with params and
+  opt_state donated (in the order they are returned), no new parameter or state buffers are
+  allocated; without donation XLA copies them first.
 
   ``tx`` is any transform whose last step is a jaxfuse optimizer (``adam``, ``adamw``,
   ``nadam``, ``nadamw``, ``sgd``, ``lion``, ``adagrad``, ``rmsprop``, ``lamb``, ``lars``):
@@ -32,8 +32,9 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
   ``jaxfuse.multi_steps(tx, k)`` (gradient accumulation). fused_step runs ``tx.update`` with
   jaxfuse's transforms switched to in place (``jaxfuse/_optim/inplace.py``): every wrapper's own
   state advances as optax defines it, and a transform after the optimizer, which would change
-  updates that are already applied, raises an error naming the alternative (``skip_nonfinite=True`` for
-  ``optax.apply_if_finite``, ``jaxfuse.multi_steps`` for ``optax.MultiSteps``).
+  updates that are already applied, raises an error naming the alternative
+  (``skip_nonfinite=True`` for ``optax.apply_if_finite``, ``jaxfuse.multi_steps`` for
+  ``optax.MultiSteps``).
 
   Args:
     tx: the transform that ``opt_state`` belongs to.

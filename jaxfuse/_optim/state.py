@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import moments as _moments
 from jaxfuse._optim import rounding as _rounding
-from jaxfuse._optim.optimizer import ExtraState
+from jaxfuse._optim.spec import ExtraState
 
 
 def _is_optimizer_state(x: Any) -> bool:

@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse._optim import optimizer as _optimizer
-from jaxfuse._optim.optimizer import ScalarOrSchedule
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim.spec import ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class AdagradSpec(_optimizer.Spec):
+class AdagradSpec(_spec.Spec):
   """A jaxfuse Adagrad: the Adagrad family of the generic optimizer (optim/families/adagrad.h)."""
 
   op = "jaxfuse_adagrad"
@@ -32,7 +33,7 @@ class AdagradSpec(_optimizer.Spec):
     return optax.adagrad(self.learning_rate, self.initial_accumulator_value, self.eps)
 
   def check_params(self, params: Any) -> None:
-    _optimizer.check_real(self.name, params)
+    _spec.check_real(self.name, params)
 
   def states(self, state: Any) -> list[Any]:
     return [state[0].sum_of_squares]
@@ -44,7 +45,7 @@ class AdagradSpec(_optimizer.Spec):
     return (state[0]._replace(sum_of_squares=trees[0]), *state[1:])
 
   def hyper(self, count: jax.Array) -> dict[str, Any]:
-    return {"learning_rate": _optimizer.scalar(self.learning_rate, count), "eps": self.eps}
+    return {"learning_rate": _spec.scalar(self.learning_rate, count), "eps": self.eps}
 
   def leaf_math(self, k, g, p, states, flags):
     s = g * g + states[0]

@@ -45,7 +45,7 @@ Two ways to apply it:
   and writes each buffer once, as optax's own step does (a kernel there would have to write the
   updates out for XLA to read back);
 * :func:`jaxfuse.fused_step` (and the framework helpers in ``jaxfuse.flax``): the generic
-  optimizer's kernels (``jaxfuse/_optim/optimizer.py``), which update params and moments in
+  optimizer's kernels (``jaxfuse/_optim/kernel_path.py``), which update params and moments in
   place, 28 bytes per fp32 parameter, the minimum, under ``jax.jit(..., donate_argnums=...)``.
 """
 
@@ -60,13 +60,14 @@ import optax
 
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import optimizer as _optimizer
-from jaxfuse._optim.optimizer import ExtraState, ScalarOrSchedule
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim.spec import ExtraState, ScalarOrSchedule
 
 AdamExtraState = ExtraState  # the name this state had before the other families came
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class AdamSpec(_optimizer.Spec):
+class AdamSpec(_spec.Spec):
   """A jaxfuse Adam: the Adam family of the generic optimizer (optim/families/adam.h)."""
 
   op = "jaxfuse_adam"
@@ -104,7 +105,7 @@ class AdamSpec(_optimizer.Spec):
     return {"nesterov": self.nesterov}
 
   def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
-    return _optimizer.decay_flags(self.weight_decay, self.mask, params)
+    return _spec.decay_flags(self.weight_decay, self.mask, params)
 
   def state_dtypes(self) -> list[Any]:
     return [None, self.nu_dtype]
@@ -113,7 +114,7 @@ class AdamSpec(_optimizer.Spec):
     return [True, False]
 
   def check_params(self, params: Any) -> None:
-    _optimizer.check_state_dtype("nu_dtype", self.nu_dtype, params)
+    _spec.check_state_dtype("nu_dtype", self.nu_dtype, params)
     if self.mu_dtype is None:
       return
     mu_complex = _trees.is_complex(self.mu_dtype)
@@ -131,12 +132,12 @@ class AdamSpec(_optimizer.Spec):
     return (state[0]._replace(mu=trees[0], nu=trees[1]), *state[1:])
 
   def hyper(self, count: jax.Array) -> dict[str, Any]:
-    wd = self.weight_decay if _optimizer.decays(self.weight_decay) else 0.0
+    wd = self.weight_decay if _spec.decays(self.weight_decay) else 0.0
     values = dict(learning_rate=self.learning_rate, b1=self.b1,
-                  one_minus_b1=_optimizer.one_minus(self.b1), b2=self.b2,
-                  one_minus_b2=_optimizer.one_minus(self.b2), eps=self.eps,
+                  one_minus_b1=_spec.one_minus(self.b1), b2=self.b2,
+                  one_minus_b2=_spec.one_minus(self.b2), eps=self.eps,
                   eps_root=self.eps_root, weight_decay=wd)
-    return {k: _optimizer.scalar(v, count) for k, v in values.items()}
+    return {k: _spec.scalar(v, count) for k, v in values.items()}
 
   def xla_hyper(self, count: jax.Array) -> dict[str, Any]:
     h = self.hyper(count)

@@ -28,8 +28,9 @@ from typing import Any, Optional, Union
 import optax
 
 from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.families import adam as _adam
-from jaxfuse._optim.optimizer import ScalarOrSchedule
+from jaxfuse._optim.spec import ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -55,11 +56,11 @@ class LambSpec(_adam.AdamSpec):
     return {}
 
   def check_params(self, params: Any) -> None:
-    _optimizer.check_real(self.name, params)
+    _spec.check_real(self.name, params)
 
   def leaf_math(self, k, g, p, states, flags):
     d, new_states = _adam.scaled_moment(k, g, p, states, flags["decay"], nesterov=False)
-    return (d * _optimizer.trust_ratio(p, d)) * -k["learning_rate"], new_states
+    return (d * _spec.trust_ratio(p, d)) * -k["learning_rate"], new_states
 
 
 def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,

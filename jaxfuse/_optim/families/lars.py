@@ -27,11 +27,12 @@ import optax
 
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import optimizer as _optimizer
-from jaxfuse._optim.optimizer import ScalarOrSchedule
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim.spec import ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class LarsSpec(_optimizer.Spec):
+class LarsSpec(_spec.Spec):
   """A jaxfuse LARS: the LARS family of the generic optimizer (optim/families/lars.h)."""
 
   op = "jaxfuse_lars"
@@ -57,12 +58,12 @@ class LarsSpec(_optimizer.Spec):
     return {"nesterov": self.nesterov}
 
   def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
-    decay = _optimizer.decay_flags(self.weight_decay, self.weight_decay_mask, params)
+    decay = _spec.decay_flags(self.weight_decay, self.weight_decay_mask, params)
     trust = _trees.static_bool_mask(self.trust_ratio_mask, params)
     return [{"decay": d["decay"], "trust": t} for d, t in zip(decay, trust)]
 
   def check_params(self, params: Any) -> None:
-    _optimizer.check_real(self.name, params)
+    _spec.check_real(self.name, params)
 
   # optax.lars's state: add_decayed_weights', the masked trust ratio's, the learning rate's,
   # then trace's TraceState (and jaxfuse's ExtraState after it when one is on).
@@ -73,16 +74,16 @@ class LarsSpec(_optimizer.Spec):
     return (*state[:3], state[3]._replace(trace=trees[0]), *state[4:])
 
   def hyper(self, count: jax.Array) -> dict[str, Any]:
-    wd = self.weight_decay if _optimizer.decays(self.weight_decay) else 0.0
+    wd = self.weight_decay if _spec.decays(self.weight_decay) else 0.0
     values = dict(learning_rate=self.learning_rate, weight_decay=wd,
                   trust_coefficient=self.trust_coefficient, eps=self.eps, momentum=self.momentum)
-    return {k: _optimizer.scalar(v, count) for k, v in values.items()}
+    return {k: _spec.scalar(v, count) for k, v in values.items()}
 
   def leaf_math(self, k, g, p, states, flags):
     (trace,) = states
     d = g + k["weight_decay"] * p if flags["decay"] else g
     if flags["trust"]:
-      d = d * _optimizer.trust_ratio(p, d, k["trust_coefficient"], k["eps"])
+      d = d * _spec.trust_ratio(p, d, k["trust_coefficient"], k["eps"])
     x = -k["learning_rate"] * d
     new_trace = x + k["momentum"] * trace
     return (x + k["momentum"] * new_trace if self.nesterov else new_trace), [new_trace]

@@ -27,7 +27,8 @@ import optax
 
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import optimizer as _optimizer
-from jaxfuse._optim.optimizer import ScalarOrSchedule
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim.spec import ScalarOrSchedule
 
 
 def check_moment_dtype(dtype: Any) -> None:
@@ -40,7 +41,7 @@ def check_moment_dtype(dtype: Any) -> None:
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class LionSpec(_optimizer.Spec):
+class LionSpec(_spec.Spec):
   """A jaxfuse Lion: the Lion family of the generic optimizer (optim/families/lion.h)."""
 
   op = "jaxfuse_lion"
@@ -63,10 +64,10 @@ class LionSpec(_optimizer.Spec):
                       self.mask)
 
   def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
-    return _optimizer.decay_flags(self.weight_decay, self.mask, params)
+    return _spec.decay_flags(self.weight_decay, self.mask, params)
 
   def check_params(self, params: Any) -> None:
-    _optimizer.check_real(self.name, params)
+    _spec.check_real(self.name, params)
 
   def states(self, state: Any) -> list[Any]:
     return [state[0].mu]
@@ -78,11 +79,11 @@ class LionSpec(_optimizer.Spec):
     return (state[0]._replace(mu=trees[0]), *state[1:])
 
   def hyper(self, count: jax.Array) -> dict[str, Any]:
-    wd = self.weight_decay if _optimizer.decays(self.weight_decay) else 0.0
+    wd = self.weight_decay if _spec.decays(self.weight_decay) else 0.0
     values = dict(learning_rate=self.learning_rate, b1=self.b1,
-                  one_minus_b1=_optimizer.one_minus(self.b1), b2=self.b2,
-                  one_minus_b2=_optimizer.one_minus(self.b2), weight_decay=wd)
-    return {k: _optimizer.scalar(v, count) for k, v in values.items()}
+                  one_minus_b1=_spec.one_minus(self.b1), b2=self.b2,
+                  one_minus_b2=_spec.one_minus(self.b2), weight_decay=wd)
+    return {k: _spec.scalar(v, count) for k, v in values.items()}
 
   def leaf_math(self, k, g, p, states, flags):
     (m,) = states

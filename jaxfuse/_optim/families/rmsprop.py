@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse._optim import optimizer as _optimizer
-from jaxfuse._optim.optimizer import ScalarOrSchedule
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim.spec import ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class RmspropSpec(_optimizer.Spec):
+class RmspropSpec(_spec.Spec):
   """A jaxfuse RMSprop: the RMSprop family of the generic optimizer (optim/families/rmsprop.h)."""
 
   op = "jaxfuse_rmsprop"
@@ -63,7 +64,7 @@ class RmspropSpec(_optimizer.Spec):
             "bias_correction": self.bias_correction}
 
   def check_params(self, params: Any) -> None:
-    _optimizer.check_real(self.name, params)
+    _spec.check_real(self.name, params)
 
   def states(self, state: Any) -> list[Any]:
     trees = [state[0].mu] if self.centered else []
@@ -85,9 +86,9 @@ class RmspropSpec(_optimizer.Spec):
 
   def hyper(self, count: jax.Array) -> dict[str, Any]:
     values = dict(learning_rate=self.learning_rate, decay=self.decay,
-                  one_minus_decay=_optimizer.one_minus(self.decay), eps=self.eps,
+                  one_minus_decay=_spec.one_minus(self.decay), eps=self.eps,
                   momentum=0.0 if self.momentum is None else self.momentum)
-    return {k: _optimizer.scalar(v, count) for k, v in values.items()}
+    return {k: _spec.scalar(v, count) for k, v in values.items()}
 
   def xla_hyper(self, count: jax.Array) -> dict[str, Any]:
     h = self.hyper(count)

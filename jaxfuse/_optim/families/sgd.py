@@ -3,8 +3,8 @@
 ``sgd`` takes the arguments of ``optax.sgd`` and computes the same update, in optax's operation
 order (``trace`` then ``scale_by_learning_rate``); the state is optax's, so checkpoints move both
 ways. The element math is optim/families/sgd.h's; the generic optimizer
-(``jaxfuse/_optim/optimizer.py``) does the rest: the optax protocol as fusable XLA operations, the in-place kernels of
-:func:`jaxfuse.fused_step`, master weights and non-finite skipping.
+(``jaxfuse/_optim/optimizer.py``) does the rest: the optax protocol as fusable XLA operations,
+the in-place kernels of :func:`jaxfuse.fused_step`, master weights and non-finite skipping.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import jax
 import optax
 
 from jaxfuse._optim import optimizer as _optimizer
-from jaxfuse._optim.optimizer import ScalarOrSchedule
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim.spec import ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
-class SgdSpec(_optimizer.Spec):
+class SgdSpec(_spec.Spec):
   """A jaxfuse SGD: the SGD family of the generic optimizer (optim/families/sgd.h)."""
 
   op = "jaxfuse_sgd"
@@ -37,7 +38,7 @@ class SgdSpec(_optimizer.Spec):
 
   def check_params(self, params: Any) -> None:
     if self.momentum is not None:
-      _optimizer.check_state_dtype("accumulator_dtype", self.accumulator_dtype, params)
+      _spec.check_state_dtype("accumulator_dtype", self.accumulator_dtype, params)
 
   def states(self, state: Any) -> list[Any]:
     return [] if self.momentum is None else [state[0].trace]
@@ -52,7 +53,7 @@ class SgdSpec(_optimizer.Spec):
 
   def hyper(self, count: jax.Array) -> dict[str, Any]:
     momentum = 0.0 if self.momentum is None else self.momentum
-    return {"learning_rate": _optimizer.scalar(self.learning_rate, count),
+    return {"learning_rate": _spec.scalar(self.learning_rate, count),
             "momentum": momentum}
 
   def leaf_math(self, k, g, p, states, flags):

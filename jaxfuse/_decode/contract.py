@@ -1,0 +1,109 @@
+"""The C++ contract of the decoder op (``DecoderOp::contract()`` in csrc/decoder/decoder.h), read
+at import (kernel.py checks it against the operands it passes): operand, result and attribute
+names, the weights' shapes, flags and kinds, and the workspace size; and the custom call's
+attributes built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxfuse._core import ffi as _ffi
+
+if TYPE_CHECKING:  # annotations only: the config needs this module, not the reverse
+  from jaxfuse._decode.config import DecoderConfig
+
+
+_CONTRACT = _ffi.contract("jaxfuse_decoder")
+# The k/v cache operands alias the k/v cache results (the names in both lists).
+_ALIASES = _ffi.aliases(_CONTRACT.names["operands"], _CONTRACT.names["results"])
+# The config flag each optional weight needs ("always" for the others).
+_WEIGHT_FLAGS = dict(zip(_CONTRACT.names["weights"], _CONTRACT.names["weight_flags"]))
+# What each weight's dtype is: the model's, the matrices' or float32 (scales).
+_WEIGHT_KINDS = dict(zip(_CONTRACT.names["weights"], _CONTRACT.names["weight_kinds"]))
+
+
+def _weight_dtype(name: str, cfg: DecoderConfig, dtype) -> np.dtype:
+  """The dtype weight ``name`` has in a model of ``dtype`` (its kind in the contract)."""
+  kind = _WEIGHT_KINDS[name]
+  if kind == "scale":
+    return jnp.dtype(jnp.float32)
+  return cfg.matrix_dtype(dtype) if kind == "matrix" else jnp.dtype(dtype)
+
+
+@functools.cache
+def _weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
+  """:meth:`DecoderConfig.weight_shapes`: the contract's shapes of the weights ``cfg`` uses."""
+  sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
+  shapes = _CONTRACT.call("weight_shapes", qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
+                          quantized=cfg.quantized, **sizes).shapes
+  return {name: shapes[name] for name, flag in _WEIGHT_FLAGS.items()
+          if flag == "always" or getattr(cfg, flag)}
+
+
+def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype, sample_filter: bool = False) -> int:
+  """The size of the kernel's scratch buffer, from the C++ layout (``decoder_layout()``).
+
+  Args:
+    cfg: the decoder configuration.
+    batch: the number of rows of one call.
+    dtype: the dtype of ``x``, the weights and the cache.
+    sample_filter: whether the call's draw is filtered (top-k or top-p): the CUDA kernel's
+      search for each row's threshold then lives in the workspace.
+
+  Returns:
+    The workspace size in bytes.
+  """
+  sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
+  layout = _CONTRACT.call("workspace", batch=batch, dtype_bytes=jnp.dtype(dtype).itemsize,
+                          sample_filter=int(sample_filter), **sizes)
+  return layout.numbers["bytes"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+  """What a whole-model step computes after the layers (static): the final norm and the LM head
+  (``tied``: the embedding's rows; ``quantized``: int8 or fp8 rows, the layers' format, with a
+  scale each), and with a ``temperature`` the next tokens (0: greedy; None: logits only), drawn
+  from the scores ``top_k`` and ``top_p`` keep (None: every score)."""
+
+  tied: bool
+  temperature: float | None = None
+  quantized: bool = False
+  top_k: int | None = None
+  top_p: float | None = None
+
+  @property
+  def sample(self) -> bool:
+    return self.temperature is not None
+
+  @property
+  def sample_filter(self) -> bool:
+    return self.top_k is not None or self.top_p is not None
+
+  def operands(self) -> tuple[str, ...]:
+    """The names of the step's ``model`` operands, in call order (see :func:`_call_kernel`)."""
+    return (("embed", "final_norm") + (() if self.tied else ("lm_head",))
+            + (("lm_head_scale",) if self.quantized else ())
+            + (("sample_key",) if self.sample else ()))
+
+
+def _attributes(cfg: DecoderConfig, head: _Head | None = None) -> dict[str, np.generic]:
+  """The custom call's attributes: the config fields the contract names, in the contract's types,
+  and the whole-model step's."""
+  names = _CONTRACT.names
+  sample = head is not None and head.sample
+  step = {"model_step": head is not None, "sample": sample,
+          "temperature": head.temperature if sample else 0.0,
+          "top_k": (head.top_k or 0) if sample else 0,
+          "top_p": 1.0 if not sample or head.top_p is None else head.top_p}
+  return {**{name: np.int64(getattr(cfg, name)) for name in names["size_attrs"]},
+          **{name: np.float32(getattr(cfg, name)) for name in names["f32_attrs"]},
+          **{name: np.bool_(getattr(cfg, name)) for name in names["bool_attrs"]},
+          **{name: np.bool_(step[name]) for name in names["step_bool_attrs"]},
+          **{name: np.int64(step[name]) for name in names["step_i64_attrs"]},
+          **{name: np.float32(step[name]) for name in names["step_f32_attrs"]}}

@@ -1,0 +1,154 @@
+"""The optax protocol of the generic fused optimizer: ``tx.update`` as the family's element math
+in XLA operations, which XLA fuses with ``optax.apply_updates`` into one pass, as optax's own
+step is."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxfuse._core import trees as _trees
+from jaxfuse._optim import moments as _moments
+from jaxfuse._optim import rounding as _rounding
+from jaxfuse._optim import step as _step
+from jaxfuse._optim.spec import Spec
+
+
+def _compute_dtype(*dtypes) -> Any:
+  """The type a leaf is computed in (optimizer.h): float32, float64 where a buffer is 64-bit,
+  and the complex type of that width for complex leaves."""
+  wide = any(_trees.is_wide(d) for d in dtypes)
+  if any(_trees.is_complex(d) for d in dtypes):
+    return jnp.dtype(jnp.complex128 if wide else jnp.complex64)
+  return jnp.dtype(jnp.float64 if wide else jnp.float32)
+
+
+def _output_dtype(spec: Spec, grad: jax.Array, states: list) -> Any:
+  # optax's updates have the grads' dtype, or wider where its math promotes them (a wider
+  # state dtype). Where jaxfuse rounds the params' new value the update is the step between two
+  # values of the params' dtype: exact in the grads' dtype with master weights (as before), and
+  # in float32 or wider with remainders and stochastic rounding, whose 16-bit params often step
+  # across zero (a bf16 difference is exact only between values within a factor 2).
+  if spec.keeps_remainders or spec.stochastic_rounding:
+    return jnp.promote_types(grad.dtype, jnp.float32)
+  if spec.master_weights:
+    return grad.dtype
+  return jnp.result_type(grad.dtype, *[s.dtype for s in states])
+
+
+class _LeafParams(NamedTuple):
+  """How one leaf's params are kept, for _leaf_update: its params, master copy, remainder
+  (None where it has none) and random stream (None unless it is rounded stochastically)."""
+
+  params: Optional[jax.Array]
+  master: Optional[jax.Array] = None
+  remainder: Optional[jax.Array] = None
+  stream: Optional[jax.Array] = None
+
+  def source(self) -> Optional[jax.Array]:
+    """The value the math reads: the master (kept, or joined from the remainder) or params."""
+    if self.remainder is not None:
+      return _rounding.join_remainder(self.params, self.remainder)
+    return self.master if self.master is not None else self.params
+
+  def stored(self, value: jax.Array) -> tuple[jax.Array, Optional[jax.Array]]:
+    """(new params, new remainder or None) that store the new master `value`."""
+    if self.remainder is not None:
+      return _rounding.split_remainder(value)
+    if self.stream is not None:
+      bits = _rounding.element_bits(self.stream, value.shape)
+      return _rounding.stochastic_round(value, self.params.dtype, bits), None
+    return value.astype(self.params.dtype), None
+
+
+def _leaf_update(spec: Spec, h: dict, g, leaf: _LeafParams, states: list, flags: dict,
+                 skip) -> tuple:
+  """optimizer_group() (optimizer.h) for one leaf as XLA operations, in the same operation
+  order: (update, new states, new master or None, new remainder or None)."""
+  p, master = leaf.params, leaf.master
+  stored_states = states  # as kept: 8-bit ones are QuantizedMoments
+  states = [_moments.dequantize(s) if _moments.is_quantized(s) else s for s in states]
+  c = _compute_dtype(*[x.dtype for x in (g, p, *states, master) if x is not None])
+  real = jnp.finfo(c).dtype
+  k = {name: jnp.asarray(x, real) for name, x in h.items()}
+  gc = g.astype(c)
+  if "loss_scale" in k:
+    gc = gc / k["loss_scale"]
+  source = leaf.source()
+  u, new_states = spec.leaf_math(k, gc, None if source is None else source.astype(c),
+                                 [s.astype(c) for s in states], flags)
+  new_master = new_remainder = None
+  if master is not None or leaf.remainder is not None or leaf.stream is not None:
+    # The exact step from the params to the new value's rounding: both are values of the
+    # params' dtype, so the difference is exact when they are within a factor 2 of each other
+    # (Sterbenz), and optax.apply_updates lands on it.
+    new_value = source.astype(c) + u
+    new_params, new_remainder = leaf.stored(new_value)
+    u = new_params.astype(c) - p.astype(c)
+    new_master = new_value if master is not None else None
+  def keep(new, old):
+    if old is None:
+      return None
+    new = _moments.like(new, old) if _moments.is_quantized(old) else new.astype(old.dtype)
+    return new if skip is None else jax.tree.map(lambda n, o: jnp.where(skip, o, n), new, old)
+
+  out_dtype = _output_dtype(spec, g, states)
+  update = u.astype(out_dtype) if skip is None else jnp.where(skip, 0, u.astype(out_dtype))
+  return (update, [keep(n, o) for n, o in zip(new_states, stored_states)],
+          keep(new_master, master),
+          keep(new_remainder, leaf.remainder))
+
+
+def _leaf_params(spec: Spec, leaves: "_step.Leaves", i: int, count: jax.Array) -> _LeafParams:
+  """How leaf i's params are kept, in the optax protocol (one device's view: a leaf's stream
+  is its shard 0's)."""
+  pick = lambda x: None if x is None else x[i]
+  p = pick(leaves.params)
+  remainder = pick(leaves.remainders)
+  stream = None
+  if spec.stochastic_rounding and p is not None and p.dtype in _rounding.ROUNDED_DTYPES:
+    stream = _rounding.stream(spec.rounding_seed, leaves.positions[i], 0, count)
+  return _LeafParams(p, pick(leaves.master_params),
+                     remainder if remainder is not None and remainder.size else None, stream)
+
+
+def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
+                grad_scale: Any = None) -> tuple[Any, Any]:
+  """The optax protocol: (updates, new_state), params untouched, with the element math as XLA
+  operations, so that XLA fuses it with what consumes the updates (``optax.apply_updates``):
+  the step then reads and writes each buffer once, as optax's does, on every backend. The math
+  is the kernels' (16-bit leaves computed in float32 and rounded once, master weights, loss
+  scale); with ``skip_nonfinite`` one global-norm call decides the skip."""
+  grads, state, params = _trees.as_arrays((grads, state, params))
+  leaves, flags = _step.checked_leaves(spec, grads, state, params)
+  names = spec.contract.names["tensor_flags"]
+  skip = None
+  if spec.skip_nonfinite:
+    skip = _step.skip_flag(_step.grad_ctrl_for(spec, grads, grad_scale)[1])
+  count = _step.step_count(state)
+  h = spec.xla_hyper(count)
+  if grad_scale is not None:
+    h["loss_scale"] = grad_scale
+  n = len(leaves.grads)
+  outputs, masters = [None] * n, [None] * n
+  remainders = list(leaves.remainders) if leaves.remainders is not None else None
+  states = [[None] * n for _ in leaves.states]
+  for i in range(n):
+    u, new_states, new_master, new_remainder = _leaf_update(
+        spec, h, leaves.grads[i], _leaf_params(spec, leaves, i, count),
+        [s[i] for s in leaves.states],
+        {name: bool(flags[i] >> b & 1) for b, name in enumerate(names)}, skip)
+    outputs[i], masters[i] = u, new_master
+    if new_remainder is not None:
+      remainders[i] = new_remainder
+    for s, x in zip(states, new_states):
+      s[i] = x
+  t = optax.safe_increment(count)
+  treedef = jax.tree.structure(grads)
+  return treedef.unflatten(outputs), _step.new_state(
+      spec, state, treedef, states, masters if spec.keeps_master else None, remainders,
+      t if skip is None else jnp.where(skip, count, t),
+      jnp.bool_(False) if skip is None else skip)
