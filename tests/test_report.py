@@ -15,6 +15,7 @@ import optax
 import pytest
 
 import jaxfuse
+from jaxfuse._core import ffi as _ffi
 from jaxfuse._optim.kernel_path import MAX_LEAVES_PER_CALL
 from jaxfuse._report import report as report_module
 from helpers import init_beside, random_decoder_problem, random_tree
@@ -246,3 +247,24 @@ def test_gpt2_command_line():
   assert "jaxfuse" in out.stdout and "optax" in out.stdout
   launches = re.search(r"kernels launched per step\s+(\d+)\s+([\d,]+)", out.stdout)
   assert launches and int(launches.group(1)) < 10 < int(launches.group(2).replace(",", ""))
+
+
+def test_an_added_cpu_handler_set_runs_and_is_reported():
+  """A CPU handler set added beside the native one (how the tests load the emulated CUDA
+  handlers) gets target names of its own, computes what the native set does, and
+  jaxfuse.report names its calls by their op."""
+  name = "native_again"
+  if name not in _ffi._cpu_sets:
+    _ffi.add_cpu_handlers(name, _ffi._jaxfuse_cpu, cuda_kernels=False)
+  tree = {"a": jnp.arange(1.0, 6.0), "b": jnp.full((3, 2), -2.0)}
+  native = jax.jit(jaxfuse.global_norm)(tree)
+  with _ffi.cpu_targets(name):
+    text = jax.jit(jaxfuse.global_norm).lower(tree).as_text()
+    assert "jaxfuse_global_norm_native_again" in text
+    assert jax.jit(jaxfuse.global_norm)(tree) == native
+    rows = {row.name: row for row in jaxfuse.report(jaxfuse.global_norm, tree).rows}
+  assert rows["jaxfuse_global_norm"].launches == 1, rows
+  assert _ffi.op_of_target("jaxfuse_global_norm_native_again") == ("jaxfuse_global_norm", name)
+  assert _ffi.op_of_target("jaxfuse_global_norm") == ("jaxfuse_global_norm", "native")
+  with pytest.raises(ValueError, match="no CPU handler set 'missing'"):
+    _ffi.use_cpu_handlers("missing")

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+
 def load_native_module(name: str) -> Optional[ModuleType]:
   """The native module ``name`` (e.g. "_jaxfuse_cpu") from ``JAXFUSE_EXTENSION_DIR`` when it is
   set, else from the package; None where there is none."""
@@ -57,14 +58,17 @@ class _HandlerSet:
   cuda_kernels: bool   # its handlers launch CUDA kernels (jaxfuse.report counts them)
 
 
-# One target name carries both platforms' handlers; registering CUDA targets on a CPU-only jax is
-# harmless.
-for _name, _capsule in _jaxfuse_cpu.registrations().items():
-  jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
-if _jaxfuse_cuda is not None:
-  for _name, _capsule in _jaxfuse_cuda.registrations().items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+def _register() -> None:
+  # One target name carries both platforms' handlers; registering CUDA targets on a CPU-only jax
+  # is harmless.
+  for name, capsule in _jaxfuse_cpu.registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  if _jaxfuse_cuda is not None:
+    for name, capsule in _jaxfuse_cuda.registrations().items():
+      jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
+
+_register()
 _cpu_sets = {"native": _HandlerSet(_jaxfuse_cpu, "", cuda_kernels=False)}
 _cpu_set = "native"
 
@@ -82,11 +86,6 @@ def add_cpu_handlers(name: str, module: ModuleType, cuda_kernels: bool) -> None:
   _cpu_sets[name] = _HandlerSet(module, suffix, cuda_kernels)
 
 
-def cpu_handler_sets() -> tuple[str, ...]:
-  """The names of the CPU handler sets registered: "native" and any added."""
-  return tuple(_cpu_sets)
-
-
 def target(name: str) -> str:
   """The XLA target name for handler `name` under the current CPU handler set."""
   return name + _cpu_sets[_cpu_set].suffix
@@ -95,10 +94,10 @@ def target(name: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Contract:
   """What an op's C++ side says Python must agree with (``contract()`` in the op's header under
-  csrc/): ``numbers`` (e.g. a slot count), ``names`` (ordered name lists:
-  operand layouts, the fields of a device vector), ``shapes`` (named shapes) and ``functions``
-  (layouts that depend on the call, e.g. a workspace size; integer keyword arguments in, a
-  Contract's numbers, names and shapes out).
+  csrc/): ``numbers`` (e.g. a slot count), ``names`` (ordered name lists: operand layouts, the
+  fields of a device vector), ``shapes`` (named shapes) and ``functions`` (layouts that depend on
+  the call, e.g. a workspace size; integer keyword arguments in, a Contract's numbers, names and
+  shapes out).
   """
 
   numbers: dict[str, int]
