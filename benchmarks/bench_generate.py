@@ -95,43 +95,42 @@ def step_bytes(model):
   return sum(a.size * a.dtype.itemsize for a in leaves)
 
 
-def steps(model, filtered: bool):
-  """The step functions: (tokens, positions, cache, key) -> (next tokens, cache); with
-  `filtered`, drawn from the FILTER scores, and one more: the kernel's logits drawn in XLA."""
-  cfg = model.config
+def steps(filtered: bool):
+  """The step functions: (model, tokens, positions, cache, key) -> (next tokens, cache), the
+  model an argument as in a user's jitted step (closed over, its 2.5 GB would be compiled in as
+  constants); with `filtered`, drawn from the FILTER scores, and one more: the kernel's logits
+  drawn in XLA."""
   top_k, top_p = (FILTER["top_k"], FILTER["top_p"]) if filtered else (None, None)
 
-  def jaxfuse_step(tokens, positions, cache, key):
+  def jaxfuse_step(model, tokens, positions, cache, key):
     data = jax.random.key_data(key)
-    _, nxt, k, v = generation._model_step(model, cfg, tokens, positions, cache, TEMPERATURE, data,
-                                          top_k, top_p)
+    _, nxt, k, v = generation._model_step(model, model.config, tokens, positions, cache,
+                                          TEMPERATURE, data, top_k, top_p)
     return nxt, KVCache(k, v)
 
   def draw(logits, key):
     return generation._sample(logits, key, TEMPERATURE, top_k, top_p)
 
-  def xla_head(h, key):
-    return draw(model.logits(h), key)
-
-  def kernel_logits(tokens, positions, cache, key):
-    logits, k, v = generation._model_step(model, cfg, tokens, positions, cache)
+  def kernel_logits(model, tokens, positions, cache, key):
+    logits, k, v = generation._model_step(model, model.config, tokens, positions, cache)
     return draw(logits, key), KVCache(k, v)
 
-  def layers_xla(tokens, positions, cache, key):
-    h, cache = persistent_decoder(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
-    return xla_head(h, key), cache
+  def layers_xla(model, tokens, positions, cache, key):
+    h, cache = persistent_decoder(model.embed_tokens(tokens), positions, model.layers, cache,
+                                  model.config)
+    return draw(model.logits(h), key), cache
 
-  def plain(tokens, positions, cache, key):
-    h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, cfg,
-                                 activation_dtype=jnp.bfloat16)
-    return xla_head(h, key), cache
+  def plain(model, tokens, positions, cache, key):
+    h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache,
+                                 model.config, activation_dtype=jnp.bfloat16)
+    return draw(model.logits(h), key), cache
 
   fns = [("jaxfuse", jaxfuse_step), ("layers+XLA", layers_xla), ("plain XLA", plain)]
   if filtered:
     fns.append((FILTERED_IN_XLA, kernel_logits))
-  fns = {name: jax.jit(fn, donate_argnums=(2,)) for name, fn in fns}
+  fns = {name: jax.jit(fn, donate_argnums=(3,)) for name, fn in fns}
   if filtered:
-    fns[UNFILTERED] = steps(model, False)["jaxfuse"]
+    fns[UNFILTERED] = steps(False)["jaxfuse"]
   return fns
 
 
@@ -139,15 +138,15 @@ FILTERED_IN_XLA = "jaxfuse, filter in XLA"
 UNFILTERED = "jaxfuse, no filter"
 
 
-def time_step(fn, tokens, positions, cache, n, warmup):
+def time_step(fn, model, tokens, positions, cache, n, warmup):
   """Seconds per step of n steps after warmup ones, and the cache to go on with (donated)."""
   key = jax.random.key(0)
   for i in range(warmup):
-    tokens, cache = fn(tokens, positions, cache, jax.random.fold_in(key, i))
+    tokens, cache = fn(model, tokens, positions, cache, jax.random.fold_in(key, i))
   jax.block_until_ready((tokens, cache))
   t0 = time.perf_counter()
   for i in range(n):
-    tokens, cache = fn(tokens, positions, cache, jax.random.fold_in(key, i))
+    tokens, cache = fn(model, tokens, positions, cache, jax.random.fold_in(key, i))
   jax.block_until_ready((tokens, cache))
   return (time.perf_counter() - t0) / n, cache
 
@@ -159,15 +158,15 @@ def measure_steps(model, bf16_head, p, device, copy_gbs):
   for B in p["batches"]:
     tokens = jax.device_put(jnp.arange(B, dtype=jnp.int32) * 7 % p["vocab"], device)
     positions = jax.device_put(jnp.full((B,), p["context"] - 1, jnp.int32), device)
-    fns = steps(model, p["filter"])
+    fns = {name: (fn, model) for name, fn in steps(p["filter"]).items()}
     if bf16_head is not None:
-      fns["jaxfuse, bf16 head"] = steps(bf16_head, p["filter"])["jaxfuse"]
+      fns["jaxfuse, bf16 head"] = (fns["jaxfuse"][0], bf16_head)
     caches = {name: jax.device_put(KVCache(*(jnp.full(cfg.cache_shape(B), v, jnp.bfloat16)
                                              for v in (0.5, 1.0))), device) for name in fns}
     rounds = {name: [] for name in fns}
     for _ in range(p["rounds"]):  # interleaved: the machine's speed drifts between rounds
-      for name, fn in fns.items():
-        t, caches[name] = time_step(fn, tokens, positions, caches[name], p["steps"],
+      for name, (fn, m) in fns.items():
+        t, caches[name] = time_step(fn, m, tokens, positions, caches[name], p["steps"],
                                     p["warmup"])
         rounds[name].append(t)
     times = {name: float(np.median(r)) for name, r in rounds.items()}
