@@ -557,14 +557,14 @@ def family_case(family, mode, dtypes):
 FAMILY_CASES = [(f, "plain", mix) for f in ("lion", "rmsprop") for mix in ("f32", "mixed")] + \
     [(f, mode, "mixed") for f in ("lion", "rmsprop") for mode in ("master", "skip")] + \
     [("rmsprop", mode, "mixed") for mode in ("centered", "nesterov")] + \
-    [("lion", "plain", "f64"), ("rmsprop", "centered", "f64")]
+    [("lion", "plain", "f64"), ("rmsprop", "centered", "f64"), ("rmsprop", "nesterov", "wide")]
 
 
 @pytest.mark.parametrize("family,mode,mix,launch", on_two_launches(FAMILY_CASES),
                          indirect=["launch"])
 def test_lion_rmsprop_bitwise(family, mode, mix, launch):
   dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
-  with jax.enable_x64(mix == "f64"):
+  with jax.enable_x64(mix in ("f64", "wide")):
     tx, params, grads, state = family_case(family, mode, dtypes)
     fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
     native, emu = on_both(fn, grads, state, params)
@@ -573,7 +573,8 @@ def test_lion_rmsprop_bitwise(family, mode, mix, launch):
 
 # The options' kernels are the other families' (the trust sums are what is new here): each once.
 TRUST_CASES = [(f, "plain", mix) for f in ("lamb", "lars") for mix in ("f32", "mixed", "f64")] + \
-    [("lamb", "master", "mixed"), ("lars", "skip", "mixed"), ("lars", "nesterov", "mixed")]
+    [("lamb", "master", "mixed"), ("lars", "skip", "mixed"), ("lars", "nesterov", "mixed")] + \
+    [("lamb", "plain", "wide")]
 
 
 @pytest.mark.parametrize("family,mode,mix,launch", on_two_launches(TRUST_CASES),
@@ -583,11 +584,13 @@ def test_lamb_lars(family, mode, mix, launch):
   a ratio may then differ by an ulp of the compute type, and a 16-bit param round the other way;
   nothing more."""
   dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
-  with jax.enable_x64(mix == "f64"):
+  with jax.enable_x64(mix in ("f64", "wide")):
     tx, params, grads, state = family_case(family, mode, dtypes)
     fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
     native, emu = on_both(fn, grads, state, params)
-  rtol = {"f32": 2 * ulp(jnp.float32), "f64": 4 * ulp(jnp.float64)}.get(mix, ulp(jnp.bfloat16))
+  # "wide": float64 leaves and complex ones in float32 (complex64) and float64 math.
+  rtol = {"f32": 2 * ulp(jnp.float32), "wide": 2 * ulp(jnp.float32),
+          "f64": 4 * ulp(jnp.float64)}.get(mix, ulp(jnp.bfloat16))
   assert_trees_close(emu, native, rtol=rtol, atol=0, what="emulated CUDA vs CPU handlers")
 
 

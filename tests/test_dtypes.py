@@ -17,6 +17,7 @@ import optax
 import pytest
 
 import jaxfuse
+from jaxfuse._core import ffi as _ffi
 from helpers import assert_trees_close, count_custom_calls, random_tree, stable_seed, ulp
 
 SHAPES = [(7,), (3, 5), (), (0,), (33, 17)]
@@ -87,6 +88,33 @@ def test_matches_optax(dtype, name, path, device):
     p, s = jaxfuse_trajectory(ours, params, STEPS, path)
     p_ref, s_ref = optax_reference(dtype, name, device)
     assert jax.tree.map(lambda x: x.dtype, p) == jax.tree.map(lambda x: x.dtype, params)
+    assert jax.tree.map(lambda x: x.dtype, s) == jax.tree.map(lambda x: x.dtype, s_ref)
+    assert_close_to_optax(p, p_ref, dtype)
+    assert_close_to_optax(s, s_ref, dtype)
+
+
+# The other families optax computes complex leaves in: squared magnitudes where optax squares
+# (Adagrad's sum, RMSprop's nu and centered mu_hat**2, LAMB's nu) and |x| norms (LAMB, LARS).
+COMPLEX_FAMILIES = {
+    "adagrad": lambda m: m.adagrad(LR * 10, initial_accumulator_value=0.05),
+    "rmsprop centered nesterov": lambda m: m.rmsprop(LR, centered=True, momentum=0.9,
+                                                     nesterov=True),
+    "lamb": lambda m: m.lamb(LR, weight_decay=0.1),
+    "lars nesterov": lambda m: m.lars(LR * 10, weight_decay=0.01, nesterov=True),
+}
+
+
+@pytest.mark.parametrize("path", ["jit", "fused"])
+@pytest.mark.parametrize("name", list(COMPLEX_FAMILIES))
+@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.complex128])
+def test_complex_leaves_in_every_family(dtype, name, path, device):
+  """optax's complex math in Adagrad, RMSprop, LAMB and LARS, on the optax protocol and the
+  kernels; the state keeps optax's complex dtypes."""
+  with jax.enable_x64(dtype == jnp.complex128):
+    params = jax.device_put(random_tree(stable_seed("params", name), SHAPES, dtype), device)
+    make = COMPLEX_FAMILIES[name]
+    p, s = jaxfuse_trajectory(make(jaxfuse), params, STEPS, path)
+    p_ref, s_ref = optax_trajectory(make(optax), params, STEPS)
     assert jax.tree.map(lambda x: x.dtype, s) == jax.tree.map(lambda x: x.dtype, s_ref)
     assert_close_to_optax(p, p_ref, dtype)
     assert_close_to_optax(s, s_ref, dtype)
@@ -287,3 +315,14 @@ def test_master_weights_under_lax_cond_and_apply_if_finite():
   for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(p_clean)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert int(s.notfinite_count) == 0 and int(s.total_notfinite) == 1
+
+
+def test_complex_leaf_over_a_chunk_in_a_trust_ratio_family(device):
+  """The trust sums' workspace holds a partial per chunk of scalars, two per complex element: a
+  complex leaf of more than half a chunk's elements takes one chunk more than its element count
+  says."""
+  chunk = _ffi.contract("jaxfuse_lamb_trust_sums").numbers["chunk_scalars"]
+  params = jax.device_put(random_tree(5, [(chunk // 2 + 3,)], [jnp.complex64]), device)
+  p, _ = jaxfuse_trajectory(jaxfuse.lamb(LR), params, 2, "fused")
+  p_ref, _ = optax_trajectory(optax.lamb(LR), params, 2)
+  assert_close_to_optax(p, p_ref, jnp.complex64, steps=2)

@@ -34,22 +34,9 @@ BY_DESIGN = [
 ]
 
 
-# jaxfuse's Adagrad, RMSprop, LAMB and LARS take real leaves only (optax squares complex
-# gradients into a complex accumulator, and takes norms of complex leaves); SGD refuses an
-# accumulator_dtype whose kind (real or complex) differs from the params', as for Adam's mu_dtype.
-REAL_ONLY = "jaxfuse's adagrad, rmsprop, lamb and lars take real leaves only (by design)"
-_REAL_ONLY_CASES = [("adagrad", {"learning_rate": 1.0}), ("rmsprop", {"learning_rate": 0.005}),
-                    ("rmsprop", {"learning_rate": 0.005, "momentum": 0.9}),
-                    ("lamb", {"learning_rate": 1e-3}), ("lars", {"learning_rate": 1.0})]
+# SGD refuses an accumulator_dtype whose kind (real or complex) differs from the params', as
+# for Adam's mu_dtype.
 BY_DESIGN += [
-    ("test_optimization", {"opt_name": name, "opt_kwargs": kwargs, "target": target,
-                           "dtype": "complex64"}, REAL_ONLY)
-    for name, kwargs in _REAL_ONLY_CASES for target in ("_setup_parabola", "_setup_rosenbrock")
-] + [
-    ("test_state_shape_dtype_shard_stability",
-     {"opt_name": name, "opt_kwargs": kwargs, "dtype": dtype}, REAL_ONLY)
-    for name, kwargs in _REAL_ONLY_CASES for dtype in ("complex64", "complex128")
-] + [
     ("test_explicit_dtype", {"params_dtype": params, "state_dtype": state, "opt_name": "sgd_mom"},
      reason)
     for params, state, reason in [

@@ -52,6 +52,7 @@ struct TrustSumsOp {
     ScalarVector grad_ctrl;
     uint32_t flags = 0;
     bool f64 = false;
+    bool complex = false;          // every tensor is complex
     uint32_t* sums = nullptr;      // [n][kTrustSumWords]
     TrustSum* partials = nullptr;  // [chunks], the GPU's
   };
@@ -115,6 +116,7 @@ struct TrustSumsOp {
     call->grad_ctrl = step.grad_ctrl;
     call->flags = op_flags;
     call->f64 = call->tensors.computes_in_double();
+    call->complex = n > 0 && call->tensors.complex[0];
     call->sums = sums->typed_data();
     call->partials = reinterpret_cast<TrustSum*>(workspace->typed_data());
     return ffi::Error::Success();

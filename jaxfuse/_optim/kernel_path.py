@@ -46,7 +46,9 @@ def _trust_sums(spec: Spec, shards: _partition.Shards, fixed: list, lists: dict[
   for name in names:
     at = first_operand[name]
     operands += [_partition.without_padding(shards, at + i, x) for i, x in enumerate(lists[name])]
-  chunks = sum(-(-x.size // chunk) for x in lists["grads"])
+  # The kernels count scalars: a complex element is two.
+  chunks = sum(-(-(x.size * (2 if _trees.is_complex(x.dtype) else 1)) // chunk)
+               for x in lists["grads"])
   call = jax.ffi.ffi_call(
       _ffi.target(op),
       [jax.ShapeDtypeStruct((n, words), jnp.uint32),

@@ -54,12 +54,18 @@ def one_minus(b: Any) -> Any:
   return 1.0 - b if isinstance(b, (int, float)) else 1.0 - jnp.asarray(b)
 
 
+def abs_sq(x: jax.Array) -> jax.Array:
+  """|x|^2 elementwise, real (optax.numerics.abs_sq): re^2 + im^2 for complex x."""
+  return (jnp.conj(x) * x).real if jnp.iscomplexobj(x) else x * x
+
+
 def trust_ratio(p: jax.Array, d: jax.Array, trust_coefficient: Any = 1.0,
                 eps: Any = 0.0) -> jax.Array:
   """optax.scale_by_trust_ratio's ratio (min_norm 0) for one whole leaf as XLA operations, in
-  the compute type (the kernels sum the squares in float64; optax in the leaf's dtype)."""
-  param_norm = jnp.sqrt(jnp.sum(p * p))
-  update_norm = jnp.sqrt(jnp.sum(d * d))
+  the compute type (the kernels sum the squares in float64; optax in the leaf's dtype); real,
+  also for complex leaves (their |x| norms)."""
+  param_norm = jnp.sqrt(jnp.sum(abs_sq(p)))
+  update_norm = jnp.sqrt(jnp.sum(abs_sq(d)))
   ratio = trust_coefficient * param_norm / (update_norm + eps)
   return jnp.where((param_norm == 0) | (update_norm == 0), jnp.ones_like(ratio), ratio)
 

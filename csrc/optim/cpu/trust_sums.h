@@ -92,7 +92,7 @@ TrustSum chunk_sum(const OptimizerStep<Family, Real>& step,
 template <typename Family, typename Real>
 void run(ffi::ThreadPool* pool, const typename TrustSumsOp<Family>::Call& call) {
   const auto step = make_optimizer_step<Family, Real>(call.hyper, call.grad_ctrl, *call.count,
-                                                      call.flags, /*complex=*/false);
+                                                      call.flags, call.complex);
   const ChunkIndex chunks(call.tensors, cpu_optimizer::kChunk);
   std::vector<TrustSum> partials(chunks.total());
   for_each_chunk(pool, call.tensors, chunks, [&](int64_t t, int64_t start, int64_t n, int64_t c) {

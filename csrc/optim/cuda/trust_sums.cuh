@@ -21,11 +21,12 @@ struct ChunkSumOp : MultiTensorOpBase {
   ScalarVector hyper;
   ScalarVector grad_ctrl;
   uint32_t flags;
+  bool complex;
   TrustSum* partials;
   OptimizerStep<Family, Real> step;
 
   __device__ void prepare() {
-    step = make_optimizer_step<Family, Real>(hyper, grad_ctrl, *count, flags, /*complex=*/false);
+    step = make_optimizer_step<Family, Real>(hyper, grad_ctrl, *count, flags, complex);
   }
 
   __device__ void operator()(const ChunkRef<kLists>& chunk) const {
@@ -74,6 +75,7 @@ ffi::Error launch_sums(cudaStream_t stream, const typename TrustSumsOp<Family>::
   op.hyper = call.hyper;
   op.grad_ctrl = call.grad_ctrl;
   op.flags = call.flags;
+  op.complex = call.complex;
   op.partials = call.partials;
   return multi_tensor_apply<Op::kLists>(stream, call.tensors, op);
 }

@@ -17,6 +17,7 @@ JF_DEFINE_VECTOR_LAYOUT(AdagradHyper, JAXFUSE_ADAGRAD_HYPER_FIELDS);
 template <typename Real>
 struct AdagradStep {
   Real lr, eps;
+  bool complex;  // elements are (re, im) pairs
 };
 
 // One element: the sum of squares s updated in place, returns the update. optax: s = g^2 + s;
@@ -25,29 +26,48 @@ struct AdagradStep {
 // every element, then selected: with -fno-trapping-math the CPU loop then vectorizes (a
 // conditional sqrt stays a branch: 3.3x slower on the GPT-2 tree).
 template <typename Real>
-JF_HD Real adagrad_element(const AdagradStep<Real>& st, Real g, Real& s) {
-  s = g * g + s;
+JF_HD Real adagrad_scale(const AdagradStep<Real>& st, Real s) {
   const Real inv_sqrt = Real(1) / jf_sqrt(s + st.eps);
-  const Real scale = s > Real(0) ? inv_sqrt : Real(0);
-  return -st.lr * (scale * g);
+  return s > Real(0) ? inv_sqrt : Real(0);
 }
 
-// The element loop over n scalars: branch-free (the select vectorizes) with no aliasing.
+template <typename Real>
+JF_HD Real adagrad_element(const AdagradStep<Real>& st, Real g, Real& s) {
+  s = g * g + s;
+  return -st.lr * (adagrad_scale(st, s) * g);
+}
+
+// One complex element, (re, im) at [0], [1]: optax adds |g|^2 = re^2 + im^2 to a complex sum
+// whose imaginary part stays as init made it (0), and scales both parts by the real factor.
+template <typename Real>
+JF_HD void adagrad_complex_element(const AdagradStep<Real>& st, const Real* g, Real* s, Real* u) {
+  s[0] = (g[0] * g[0] + g[1] * g[1]) + s[0];
+  const Real scale = adagrad_scale(st, s[0]);
+  u[0] = -st.lr * (scale * g[0]);
+  u[1] = -st.lr * (scale * g[1]);
+}
+
+// The element loop over n scalars (n even for complex tensors): branch-free (the select
+// vectorizes) with no aliasing.
 template <typename Real, typename Count>
 JF_HD void adagrad_elements(const AdagradStep<Real>& st, Count n, const Real* __restrict__ g,
                             Real* __restrict__ s, Real* __restrict__ u) {
-  for (Count i = 0; i < n; ++i) u[i] = adagrad_element(st, g[i], s[i]);
+  if (st.complex) {
+    for (Count i = 0; i < n; i += 2) adagrad_complex_element(st, g + i, s + i, u + i);
+  } else {
+    for (Count i = 0; i < n; ++i) u[i] = adagrad_element(st, g[i], s[i]);
+  }
 }
 
-// The Adagrad family of the optimizer op: state sum_of_squares; real tensors only (optax keeps
-// |g|^2 of complex leaves in a complex state, which this layout does not model).
+// The Adagrad family of the optimizer op: state sum_of_squares (complex for complex tensors, as
+// optax's).
 struct Adagrad {
   static constexpr const char* kName = "jaxfuse_adagrad";
   using Hyper = AdagradHyper;
   // No flags and no per-tensor flags; C++ has no empty arrays, so one name each that is never set.
   static constexpr const char* kFlagNames[] = {"unused"};
   static constexpr const char* kTensorFlagNames[] = {"unused"};
-  static constexpr bool kComplex = false;
+  static constexpr bool kComplex = true;
   static constexpr int kMaxStates = 1;
   static constexpr bool allows_states(int k) { return k == 1; }
   static constexpr int num_states(uint32_t) { return 1; }
@@ -57,8 +77,8 @@ struct Adagrad {
   using Step = AdagradStep<Real>;
 
   template <typename Real>
-  static JF_HD Step<Real> make_step(ScalarVector hyper, int32_t, uint32_t, bool) {
-    return {Real(hyper[AdagradHyper::learning_rate]), Real(hyper[AdagradHyper::eps])};
+  static JF_HD Step<Real> make_step(ScalarVector hyper, int32_t, uint32_t, bool complex) {
+    return {Real(hyper[AdagradHyper::learning_rate]), Real(hyper[AdagradHyper::eps]), complex};
   }
 
   template <typename Real, typename Count>

@@ -104,14 +104,23 @@ JF_HD Real adam_element(const AdamStep<Real>& s, Real g, Real p, bool decay, Rea
 
 // One complex element, (re, im) at [0], [1] of each array, as optax does it: the first moment
 // per part, the second from |g|^2 = re^2 + im^2, kept as the real part of a complex nu whose
-// imaginary part is 0.
+// imaginary part is 0. Writes both parts' directions before the learning rate to d.
+template <typename Real>
+JF_HD void adam_complex_scaled_moment(const AdamStep<Real>& s, const Real* g, const Real* p,
+                                      bool decay, Real* m, Real* v, Real* d) {
+  v[0] = adam_second_moment(s, g[0] * g[0] + g[1] * g[1], v[0]);
+  v[1] = Real(0);
+  d[0] = adam_scaled_moment(s, g[0], p[0], decay, m[0], v[0]);
+  d[1] = adam_scaled_moment(s, g[1], p[1], decay, m[1], v[0]);
+}
+
+// One complex element's update: the moments updated in place, u = -lr * direction per part.
 template <typename Real>
 JF_HD void adam_complex_element(const AdamStep<Real>& s, const Real* g, const Real* p,
                                 bool decay, Real* m, Real* v, Real* u) {
-  v[0] = adam_second_moment(s, g[0] * g[0] + g[1] * g[1], v[0]);
-  v[1] = Real(0);
-  u[0] = adam_direction(s, g[0], p[0], decay, m[0], v[0]);
-  u[1] = adam_direction(s, g[1], p[1], decay, m[1], v[0]);
+  adam_complex_scaled_moment(s, g, p, decay, m, v, u);
+  u[0] = u[0] * -s.lr;
+  u[1] = u[1] * -s.lr;
 }
 
 // The element loop over a group of n scalars (n even for complex tensors): m and v updated in

@@ -17,7 +17,8 @@ struct LambStep : AdamStep<Real> {
 };
 
 // The LAMB family: Adam's states (mu, nu) and hyperparameters, no nesterov; `decay` marks the
-// tensors with weight decay. Real tensors only.
+// tensors with weight decay. Complex tensors as Adam's (its complex nu); their norms are those of
+// the (re, im) scalars, optax's |x| norms.
 struct Lamb {
   static constexpr const char* kName = "jaxfuse_lamb";
   static constexpr const char* kTrustSumsName = "jaxfuse_lamb_trust_sums";
@@ -27,7 +28,7 @@ struct Lamb {
   // LAMB has no call flags, but C++ has no empty arrays: one placeholder bit, never set.
   static constexpr const char* kFlagNames[] = {"none"};
   static constexpr const char* kTensorFlagNames[] = {"decay"};
-  static constexpr bool kComplex = false;
+  static constexpr bool kComplex = true;
   static constexpr int kMaxStates = 2;
   static constexpr bool allows_states(int k) { return k == 2; }
   static constexpr int num_states(uint32_t) { return 2; }
@@ -37,9 +38,9 @@ struct Lamb {
   using Step = LambStep<Real>;
 
   template <typename Real>
-  static JF_HD Step<Real> make_step(ScalarVector hyper, int32_t count, uint32_t, bool) {
+  static JF_HD Step<Real> make_step(ScalarVector hyper, int32_t count, uint32_t, bool complex) {
     Step<Real> s;
-    static_cast<AdamStep<Real>&>(s) = make_adam_step<Real>(hyper, count, false, false);
+    static_cast<AdamStep<Real>&>(s) = make_adam_step<Real>(hyper, count, false, complex);
     return s;
   }
 
@@ -57,6 +58,13 @@ struct Lamb {
                               const Real* __restrict__ mu, const Real* __restrict__ nu,
                               const Real* __restrict__, Real* __restrict__ d) {
     const bool decay = tensor_flags != 0;
+    if (s.complex) {
+      for (Count i = 0; i < n; i += 2) {
+        Real m[2] = {mu[i], mu[i + 1]}, v[2] = {nu[i], nu[i + 1]};
+        adam_complex_scaled_moment(s, g + i, p + i, decay, m, v, d + i);
+      }
+      return;
+    }
     for (Count i = 0; i < n; ++i) {
       Real m = mu[i];
       const Real v = adam_second_moment(s, g[i] * g[i], nu[i]);
@@ -70,6 +78,14 @@ struct Lamb {
                            Real* __restrict__ mu, Real* __restrict__ nu, Real* __restrict__,
                            Real* __restrict__ u) {
     const bool decay = tensor_flags != 0;
+    if (s.complex) {
+      for (Count i = 0; i < n; i += 2) {
+        adam_complex_scaled_moment(s, g + i, p + i, decay, mu + i, nu + i, u + i);
+        u[i] = (u[i] * s.trust_ratio) * -s.lr;
+        u[i + 1] = (u[i + 1] * s.trust_ratio) * -s.lr;
+      }
+      return;
+    }
     for (Count i = 0; i < n; ++i) {
       nu[i] = adam_second_moment(s, g[i] * g[i], nu[i]);
       u[i] = (adam_scaled_moment(s, g[i], p[i], decay, mu[i], nu[i]) * s.trust_ratio) * -s.lr;

@@ -23,7 +23,9 @@ struct LarsStep {
 };
 
 // The LARS family: one state list, trace (optax.trace's momentum, which it keeps even at 0);
-// per tensor `decay` (the weight-decay mask) and `trust` (the trust-ratio mask). Real tensors only.
+// per tensor `decay` (the weight-decay mask) and `trust` (the trust-ratio mask). Every step is
+// per scalar with a real ratio, so a complex tensor is its (re, im) scalars, and their norms
+// optax's |x| norms.
 struct Lars {
   static constexpr const char* kName = "jaxfuse_lars";
   static constexpr const char* kTrustSumsName = "jaxfuse_lars_trust_sums";
@@ -34,7 +36,7 @@ struct Lars {
   enum TensorFlag : uint8_t { kDecay = 1, kTrust = 2 };
   static constexpr const char* kFlagNames[] = {"nesterov"};
   static constexpr const char* kTensorFlagNames[] = {"decay", "trust"};
-  static constexpr bool kComplex = false;
+  static constexpr bool kComplex = true;
   static constexpr int kMaxStates = 1;
   static constexpr bool allows_states(int k) { return k == 1; }
   static constexpr int num_states(uint32_t) { return 1; }

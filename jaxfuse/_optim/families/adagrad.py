@@ -32,9 +32,6 @@ class AdagradSpec(_spec.Spec):
   def optax_twin(self) -> optax.GradientTransformation:
     return optax.adagrad(self.learning_rate, self.initial_accumulator_value, self.eps)
 
-  def check_params(self, params: Any) -> None:
-    _spec.check_real(self.name, params)
-
   def states(self, state: Any) -> list[Any]:
     return [state[0].sum_of_squares]
 
@@ -48,7 +45,7 @@ class AdagradSpec(_spec.Spec):
     return {"learning_rate": _spec.scalar(self.learning_rate, count), "eps": self.eps}
 
   def leaf_math(self, k, g, p, states, flags):
-    s = g * g + states[0]
+    s = _spec.abs_sq(g) + states[0]  # complex leaves: a complex sum whose imaginary part stays 0
     scale = jnp.where(s > 0, 1 / jnp.sqrt(s + k["eps"]), 0)  # the kernels' IEEE reciprocal
     return -k["learning_rate"] * (scale * g), [s]
 
@@ -67,7 +64,8 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
 
   (Duchi et al, `Adaptive Subgradient Methods for Online Learning and Stochastic Optimization
   <https://jmlr.org/papers/v12/duchi11a.html>`_, 2011.) The state is optax's: a
-  ``ScaleByRssState`` then the learning rate's (a count with a schedule). Real leaves only.
+  ``ScaleByRssState`` then the learning rate's (a count with a schedule). Complex leaves as
+  optax's: ``g**2`` is ``|g|**2``, summed into a complex state whose imaginary part stays 0.
 
   Args:
     learning_rate: a float, or an optax schedule evaluated on the step count.

@@ -155,8 +155,7 @@ def scaled_moment(k, g, p, states, decay: bool, nesterov: bool) -> tuple[jax.Arr
   """adam_scaled_moment() (optim/families/adam.h) for one leaf as XLA operations: the direction
   m_hat / (sqrt(v_hat + eps_root) + eps) + wd * p before the learning rate, and the new moments."""
   m, v = states
-  g_squared = (jnp.conj(g) * g).real if jnp.iscomplexobj(g) else g * g
-  new_v = k["one_minus_b2"] * g_squared + k["b2"] * v
+  new_v = k["one_minus_b2"] * _spec.abs_sq(g) + k["b2"] * v
   new_m = k["one_minus_b1"] * g + k["b1"] * m
   if nesterov:
     m_hat = k["b1"] * (new_m / k["bc1_next"]) + k["one_minus_b1"] * (g / k["bc1"])

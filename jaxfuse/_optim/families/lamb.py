@@ -11,7 +11,8 @@ https://arxiv.org/abs/1904.00962). Per leaf, with ``t`` the step count after inc
     u  = -lr * (r * d)
 
 The state is optax's, so checkpoints move between ``optax.lamb`` and ``jaxfuse.lamb`` both ways.
-Leaves are real: float32, bfloat16, float16 (computed in float32, rounded once) or float64.
+Leaves are float32, bfloat16, float16 (computed in float32, rounded once), float64, complex64 or
+complex128 (Adam's complex moments; the norms are of ``|x|``).
 
 Under :func:`jaxfuse.fused_step` a step is two passes over the leaves: the trust-sums op sums each
 leaf's squares of params and of ``d`` (in float64, deterministic; over the devices that split a
@@ -54,9 +55,6 @@ class LambSpec(_adam.AdamSpec):
 
   def flags(self) -> dict[str, bool]:
     return {}
-
-  def check_params(self, params: Any) -> None:
-    _spec.check_real(self.name, params)
 
   def leaf_math(self, k, g, p, states, flags):
     d, new_states = _adam.scaled_moment(k, g, p, states, flags["decay"], nesterov=False)

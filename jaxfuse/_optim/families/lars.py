@@ -11,8 +11,8 @@
     u     = x + momentum * trace if nesterov else trace
 
 The state is optax's (its momentum ``TraceState`` last), so checkpoints move between
-``optax.lars`` and ``jaxfuse.lars`` both ways. Leaves are real: float32, bfloat16, float16
-(computed in float32, rounded once) or float64. Under :func:`jaxfuse.fused_step` a step is two
+``optax.lars`` and ``jaxfuse.lars`` both ways. Leaves are float32, bfloat16, float16 (computed
+in float32, rounded once), float64, complex64 or complex128 (the norms are of ``|x|``). Under :func:`jaxfuse.fused_step` a step is two
 passes, as ``jaxfuse.lamb``'s (see ``jaxfuse/_optim/families/lamb.py``), the first reading only
 grads and params: 8 + 20 bytes per fp32 param.
 """
@@ -61,9 +61,6 @@ class LarsSpec(_spec.Spec):
     decay = _spec.decay_flags(self.weight_decay, self.weight_decay_mask, params)
     trust = _trees.static_bool_mask(self.trust_ratio_mask, params)
     return [{"decay": d["decay"], "trust": t} for d, t in zip(decay, trust)]
-
-  def check_params(self, params: Any) -> None:
-    _spec.check_real(self.name, params)
 
   # optax.lars's state: add_decayed_weights', the masked trust ratio's, the learning rate's,
   # then trace's TraceState (and jaxfuse's ExtraState after it when one is on).

@@ -16,7 +16,8 @@ https://arxiv.org/abs/1308.0850)::
 
 The state is optax's (``[mu,] nu``, a count with bias correction, the learning rate's and the
 trace's states), so checkpoints move between ``optax.rmsprop`` and ``jaxfuse.rmsprop`` both ways.
-Leaves are real: float32, bfloat16, float16 (computed in float32, rounded once) or float64. The
+Leaves are float32, bfloat16, float16 (computed in float32, rounded once), float64, complex64 or
+complex128 (optax's complex RMSprop: ``g**2`` and ``mu_hat**2`` are squared magnitudes). The
 reciprocal square root is computed as 1 / sqrt, correctly rounded, by the kernels and the optax
 protocol alike. The optax protocol and :func:`jaxfuse.fused_step` work as for ``jaxfuse.adamw``
 (see ``jaxfuse/_optim/families/adam.py``), with the same opt-in ``master_weights`` and
@@ -63,9 +64,6 @@ class RmspropSpec(_spec.Spec):
             "nesterov": has_momentum and self.nesterov, "eps_in_sqrt": self.eps_in_sqrt,
             "bias_correction": self.bias_correction}
 
-  def check_params(self, params: Any) -> None:
-    _spec.check_real(self.name, params)
-
   def states(self, state: Any) -> list[Any]:
     trees = [state[0].mu] if self.centered else []
     trees.append(state[0].nu)
@@ -100,13 +98,13 @@ class RmspropSpec(_spec.Spec):
     states = list(states)
     mu = states.pop(0) if self.centered else None
     nu = states.pop(0)
-    new_nu = k["one_minus_decay"] * (g * g) + k["decay"] * nu
+    new_nu = k["one_minus_decay"] * _spec.abs_sq(g) + k["decay"] * nu
     var = new_nu / k["bc"]
     new_states = [new_nu]
     if self.centered:
       new_mu = k["one_minus_decay"] * g + k["decay"] * mu
       mu_hat = new_mu / k["bc"]
-      var = var - mu_hat * mu_hat
+      var = var - _spec.abs_sq(mu_hat)
       new_states.insert(0, new_mu)
     if self.eps_in_sqrt:
       scaling = 1 / jnp.sqrt(var + k["eps"])
