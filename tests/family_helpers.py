@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import jaxfuse
 from helpers import assert_trees_close, ulp
 # One copy of these for every family's tests (optimizer_cases.py); the names the Lion and
 # RMSprop tests use.
