@@ -1,5 +1,6 @@
 """jaxfuse.persistent_decoder against the pure-JAX reference, on every available backend."""
 
+import dataclasses
 import functools
 
 import jax
@@ -520,3 +521,22 @@ def test_handler_validates_buffers(device):
                                **step))
   with pytest.raises(Exception, match=r"lm_head_scale does not have shape \[0\]"):
     jax.block_until_ready(call(good, model=model[:4] + (jnp.ones((2, 5)),) + model[5:], **step))
+
+
+def test_a_contract_mismatch_raises_at_the_decoders_first_use(monkeypatch):
+  """The C++ contract is checked at import, against what jaxfuse/_decode passes, and a
+  disagreement (a stale build) named at the decoder's first use: `import jaxfuse` and the
+  optimizers keep working."""
+  from jaxfuse._decode import kernel
+  assert kernel._contract_problems(kernel._CONTRACT) == []
+  names = dict(kernel._CONTRACT.names, results=kernel._CONTRACT.names["results"][:-1])
+  problems = kernel._contract_problems(dataclasses.replace(kernel._CONTRACT, names=names))
+  assert len(problems) == 1 and problems[0].startswith("results (")
+  monkeypatch.setattr(kernel, "_CONTRACT_PROBLEMS", problems)
+  # A config no other test builds: the decode step is cached per config once it is made.
+  cfg = DecoderConfig(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
+                      intermediate_size=96, max_seq_len=11)
+  x, w, cache = random_decoder_problem(cfg, 1, jnp.float32, seed=2)
+  with pytest.raises(RuntimeError, match=r"jaxfuse_decoder disagrees with jaxfuse/_decode: "
+                                         r"results \("):
+    persistent_decoder(x, jnp.zeros((1,), jnp.int32), w, cache, cfg)

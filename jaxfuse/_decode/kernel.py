@@ -45,9 +45,10 @@ call, with ``input_output_aliases`` for the cache), wrapped in
 :class:`jax.custom_batching.custom_vmap` (vmap folds the mapped axis into the kernel's batch
 dimension; the weights must be unmapped) and in :class:`jax.custom_jvp` (whose rule raises: the
 kernel is not differentiable). The call's C++/Python contract, defined once on the C++ side
-(``DecoderOp::contract()`` in csrc/decoder/decoder.h), is read at import: operand and
-result names in call order (a name in both is aliased), the attribute names (the
-:class:`DecoderConfig` fields) and their types, and the workspace size.
+(``DecoderOp::contract()`` in csrc/decoder/decoder.h), is read at import and checked against
+what this module passes: operand and result names in call order (a name in both is aliased), the
+attribute names (the :class:`DecoderConfig` fields) and their types, and the workspace size. A
+disagreement raises at the decoder's first use, not at import.
 """
 
 from __future__ import annotations
@@ -82,8 +83,9 @@ _DERIVED_ATTRIBUTES = ("quantized",)
 _WEIGHT_KIND_NAMES = ("model", "matrix", "scale")
 
 
-def _check_contract(contract: _ffi.Contract) -> None:
-  """Checks that the C++ contract of ``jaxfuse_decoder`` names what jaxfuse._decode passes.
+def _contract_problems(contract: _ffi.Contract) -> list[str]:
+  """What the C++ contract of ``jaxfuse_decoder`` names differently from what jaxfuse._decode
+  passes (empty when they agree).
 
   Operands and results are passed by name, in the contract's order, so what must agree is the
   names: the operands are x, positions, rope_inv_freq, the :class:`DecoderWeights` fields (in
@@ -95,10 +97,6 @@ def _check_contract(contract: _ffi.Contract) -> None:
 
   Args:
     contract: the contract, from ``jaxfuse._core.ffi.contract("jaxfuse_decoder")``.
-
-  Raises:
-    ImportError: the contract and jaxfuse._decode disagree (a C++ change not made here, or a stale
-      build).
   """
   names = contract.names
   operands, results, weights = names["operands"], names["results"], names["weights"]
@@ -123,13 +121,21 @@ def _check_contract(contract: _ffi.Contract) -> None:
   step_attrs = names["step_bool_attrs"] + names["step_i64_attrs"] + names["step_f32_attrs"]
   if sorted(step_attrs) != sorted(_STEP_ATTRIBUTES):
     problems.append(f"step attributes {step_attrs} are not {_STEP_ATTRIBUTES}")
-  if problems:
-    raise ImportError("jaxfuse.decoder: the C++ contract of jaxfuse_decoder disagrees with "
-                      f"jaxfuse/_decode: {'; '.join(problems)} (rebuild jaxfuse, or update "
-                      "jaxfuse/_decode/config.py and contract.py to match csrc/decoder/decoder.h)")
+  return problems
 
 
-_check_contract(_CONTRACT)
+# Checked at import, raised at the decoder's first use: a stale build or a C++ change not made
+# here (in the decoder wing) leaves `import jaxfuse` and its optimizers working.
+_CONTRACT_PROBLEMS = _contract_problems(_CONTRACT)
+
+
+def _check_contract() -> None:
+  """Raises RuntimeError naming how the C++ contract and jaxfuse/_decode disagree, if they do."""
+  if _CONTRACT_PROBLEMS:
+    raise RuntimeError("jaxfuse's decoder: the C++ contract of jaxfuse_decoder disagrees with "
+                       f"jaxfuse/_decode: {'; '.join(_CONTRACT_PROBLEMS)} (rebuild jaxfuse, or "
+                       "update jaxfuse/_decode/config.py and contract.py to match "
+                       "csrc/decoder/decoder.h)")
 
 
 def _kernel_weights(w: DecoderWeights, cfg: DecoderConfig, dtype) -> DecoderWeights:
@@ -297,6 +303,7 @@ def _decoder_step(cfg: DecoderConfig, head: _Head | None = None):
   The whole is jitted so that an eager call is one cached dispatch (not a retrace of both custom
   wrappers per call); inside an outer jit the inner one is inlined, aliasing included.
   """
+  _check_contract()
   step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg, head))
   step.def_vmap(functools.partial(_vmap_rule, cfg, head, step))
   differentiable = jax.custom_jvp(step)
