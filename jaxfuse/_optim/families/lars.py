@@ -12,9 +12,10 @@
 
 The state is optax's (its momentum ``TraceState`` last), so checkpoints move between
 ``optax.lars`` and ``jaxfuse.lars`` both ways. Leaves are float32, bfloat16, float16 (computed
-in float32, rounded once), float64, complex64 or complex128 (the norms are of ``|x|``). Under :func:`jaxfuse.fused_step` a step is two
-passes, as ``jaxfuse.lamb``'s (see ``jaxfuse/_optim/families/lamb.py``), the first reading only
-grads and params: 8 + 20 bytes per fp32 param.
+in float32, rounded once), float64, complex64 or complex128 (the norms are of ``|x|``). Under
+:func:`jaxfuse.fused_step` a step is two passes, as ``jaxfuse.lamb``'s (see
+``jaxfuse/_optim/families/lamb.py``), the first reading only grads and params: 8 + 20 bytes per
+fp32 param.
 """
 
 from __future__ import annotations
