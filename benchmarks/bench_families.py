@@ -4,12 +4,13 @@ For each family and tree it times, under jax.jit with params and state donated (
 step returns them):
   optax     optax's transform (update + apply_updates)
   jaxfuse   jaxfuse.fused_step on the jaxfuse twin (in place)
-and prints ms/step, jaxfuse's speed-up over optax, the bytes per fp32 param the fused step must
-move (params, grads and each state list read, params and state written: 20 for one state list,
-28 for two; LAMB and LARS read grads, params and states once more for their per-leaf sums), the
-effective GB/s at that count, its fraction of the copy rate measured at the same
-footprint, and from jaxfuse.report the bytes each step moves and its launches. Trees: GPT-2
-small's 148 leaves (124M params) and 1000 small leaves. Usage:
+and prints ms/step, jaxfuse's speed-up over optax, from jaxfuse.report the bytes per fp32 param
+each step moves (the fused step: params, grads and each state list read, params and state
+written, 20 for one state list, 28 for two; LAMB and LARS read grads, params and states once
+more for their per-leaf sums) and its launches, and the fused step's GB/s at its count with its
+fraction of the copy rate measured at the same footprint. Every variant of every family (the
+family list, jaxfuse/_optim/families), each beside its optax twin. Trees: GPT-2 small's 148
+leaves (124M params) and 1000 small leaves. Usage:
 
   python3 benchmarks/bench_families.py [--quick] [--out results.md]
 """
@@ -25,31 +26,16 @@ import numpy as np
 import optax
 
 import jaxfuse
+from jaxfuse._optim import families
 from _common import copy_bandwidth, emit_table, gpt2_small_shapes
 from bench_optim import make_tree, time_step
-
-LR = 1e-3
-
-# name, bytes per fp32 param in place, jaxfuse transform, optax transform
-FAMILIES = [
-    ("adamw", 28, lambda m: m.adamw(LR, weight_decay=0.1)),
-    ("sgd momentum", 20, lambda m: m.sgd(LR, momentum=0.9)),
-    ("lion", 20, lambda m: m.lion(LR)),
-    ("adagrad", 20, lambda m: m.adagrad(LR)),
-    ("rmsprop", 20, lambda m: m.rmsprop(LR)),
-    ("rmsprop centered", 28, lambda m: m.rmsprop(LR, centered=True)),
-    # Two passes: the per-leaf sums read grads, params and the states the direction needs.
-    ("lamb", 16 + 28, lambda m: m.lamb(LR, weight_decay=0.1)),
-    ("lars", 8 + 20, lambda m: m.lars(LR, weight_decay=0.1)),
-]
-
 
 def thousand_leaves() -> list[tuple[int, ...]]:
   rng = np.random.default_rng(0)
   return [(int(rng.integers(100, 2000)),) for _ in range(1000)]
 
 
-def bench(label, shapes, family, bytes_per_param, make, rows, copy_bw):
+def bench(label, shapes, variant, rows, copy_bw):
   params = make_tree(shapes)
   grads = jax.tree.map(lambda x: x * 0.5 + 1e-3, params)
   n = sum(math.prod(s) for s in shapes)
@@ -58,7 +44,7 @@ def bench(label, shapes, family, bytes_per_param, make, rows, copy_bw):
     u, s = tx_optax.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  tx_optax, tx_jf = make(optax), make(jaxfuse)
+  tx_optax, tx_jf = variant.spec().optax_twin(), variant()
   fused = lambda p, s, g: jaxfuse.fused_step(tx_jf, g, s, p)
   times, reports = {}, {}
   for name, tx, fn in (("optax", tx_optax, optax_step), ("jaxfuse", tx_jf, fused)):
@@ -67,11 +53,11 @@ def bench(label, shapes, family, bytes_per_param, make, rows, copy_bw):
     s = tx.init(p)
     reports[name] = jaxfuse.report(step, p, s, grads)
     times[name] = time_step(step, p, s, grads)[0]
-  gbs = bytes_per_param * n / (times["jaxfuse"] * 1e-3) / 1e9
-  rows.append(f"| {label} | {family} | {times['optax']:.2f} | {times['jaxfuse']:.2f} | "
-              f"{times['optax'] / times['jaxfuse']:.2f}x | {bytes_per_param} | {gbs:.1f} | "
-              f"{100 * gbs * 1e9 / copy_bw:.0f}% | {reports['optax'].bytes_moved / n:.1f} | "
-              f"{reports['jaxfuse'].bytes_moved / n:.1f} | {reports['optax'].launches} | "
+  gbs = reports["jaxfuse"].bytes_moved / (times["jaxfuse"] * 1e-3) / 1e9
+  rows.append(f"| {label} | {variant.label} | {times['optax']:.2f} | {times['jaxfuse']:.2f} | "
+              f"{times['optax'] / times['jaxfuse']:.2f}x | "
+              f"{reports['optax'].bytes_moved / n:.1f} | {reports['jaxfuse'].bytes_moved / n:.1f} | "
+              f"{gbs:.1f} | {100 * gbs * 1e9 / copy_bw:.0f}% | {reports['optax'].launches} | "
               f"{reports['jaxfuse'].launches} |")
   print(rows[-1], file=sys.stderr, flush=True)
 
@@ -90,13 +76,14 @@ def main():
     copy_bw = 1e9 * copy_bandwidth(device, 4 * n * 5)  # B/s; the footprint of params, grads, 3 states
     copy_rates.append(f"{label}: copy rate {copy_bw / 1e9:.1f} GB/s")
     print(f"{label}: copy rate {copy_bw / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
-    for family, bytes_per_param, make in FAMILIES:
-      bench(label, shapes, family, bytes_per_param, make, rows, copy_bw)
+    for family in families.registered():
+      for variant in family.variants:
+        bench(label, shapes, variant, rows, copy_bw)
   header = [f"device: {device}; jax {jax.__version__}; " + "; ".join(copy_rates), "",
-            "| tree | family | optax ms | jaxfuse ms | speed-up | floor B/param | GB/s at floor "
-            "| % of copy rate | optax B/param moved | jaxfuse B/param moved | optax launches "
+            "| tree | family variant | optax ms | jaxfuse ms | speed-up | optax B/param moved "
+            "| jaxfuse B/param moved | jaxfuse GB/s | % of copy rate | optax launches "
             "| jaxfuse launches |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   emit_table("\n".join(header + rows), args.out)
 
 

@@ -497,7 +497,7 @@ def test_master_weights_with_fp32_leaves(device):
 def test_fused_step_over_several_calls(device, monkeypatch):
   """More leaves than one FFI call takes: every call updates its leaves in place, with clipping
   and the non-finite skip deciding for the whole tree. The calls are cut at 16 leaves here (the
-  same splitting at a size that compiles in seconds); test_report.py and test_trust_ratio.py step
+  same splitting at a size that compiles in seconds); test_report.py and families/test_trust_ratio.py step
   trees past the real MAX_LEAVES_PER_CALL."""
   monkeypatch.setattr(_kernel_path, "MAX_LEAVES_PER_CALL", 16)
   rng = np.random.default_rng(25)

@@ -20,11 +20,11 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse import adagrad
 from jaxfuse import sgd
 from jaxfuse._core import ffi as _ffi
 from jaxfuse._decode import generation
 from jaxfuse._optim import clip
+from jaxfuse._optim import families
 from helpers import (EMULATED, assert_bitwise_equal, assert_trees_close, emulated_cuda_module,
                      random_decoder_problem, random_tree, ulp)
 from test_generate import TIE_TOL, assert_follows_reference, prompts_for, random_model
@@ -488,65 +488,22 @@ def test_report_counts_what_the_handlers_enqueue(case):
   assert after["memsets"] - before["memsets"] == r.jaxfuse_cuda_memsets
 
 
-def sgd_adagrad_case(mode, dtypes, sizes=SIZES):
-  """An SGD or Adagrad optimizer, params, grads and a second step's state for one mode."""
-  master = mode.endswith("master")
-  if master:
+# Every family but Adam (whose modes have tests of their own above): each variant on mixed
+# dtypes; its first variant with a master copy, with non-finite skipping (a NaN in one leaf), and
+# on float64 and complex leaves (float64 alone where it takes real leaves only).
+OTHER_FAMILIES = [f for f in families.registered() if f.name != "adam"]
+VARIANTS = {v.label: v for f in OTHER_FAMILIES for v in f.variants}
+OPTIONS = {"plain": {}, "master": dict(master_weights=True), "skip": dict(skip_nonfinite=True)}
+
+
+def family_case(variant, option, dtypes):
+  """A family variant's optimizer with an option, params, grads and a second step's state."""
+  if option == "master":
     dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
-  make = {
-      "sgd": lambda: sgd(3e-2),
-      "momentum": lambda: sgd(3e-2, momentum=0.9, accumulator_dtype=jnp.bfloat16),
-      "nesterov": lambda: sgd(3e-2, momentum=0.9, nesterov=True),
-      "sgd_master": lambda: sgd(3e-2, momentum=0.9, master_weights=True),
-      "adagrad": lambda: adagrad(3e-2, eps=1e-6),
-      "adagrad_skip": lambda: adagrad(3e-2, skip_nonfinite=True),
-      "adagrad_master": lambda: adagrad(3e-2, master_weights=True),
-  }
-  tx = make[mode]()
-  params = random_tree(1, sizes, dtypes)
-  grads = random_tree(2, sizes, dtypes, scale=0.5)
-  if mode.endswith("skip"):
-    grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
-  state = tx.init(params)
-  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, sizes, dtypes), state, params)
-  return tx, params, grads, state
-
-
-SGD_ADAGRAD_CASES = ([(mode, "mixed") for mode in ("sgd", "momentum", "nesterov", "sgd_master",
-                                                    "adagrad", "adagrad_skip", "adagrad_master")] +
-                     [("nesterov", "wide"), ("adagrad", "f32")])
-
-
-@pytest.mark.parametrize("mode,mix,launch", on_two_launches(SGD_ADAGRAD_CASES),
-                         indirect=["launch"])
-def test_sgd_adagrad_bitwise(mode, mix, launch):
-  tx, params, grads, state = sgd_adagrad_case(mode, DTYPE_MIXES[mix])
-  fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(128.0))
-  native, emu = on_both(fn, grads, state, params)
-  assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
-
-
-def family_case(family, mode, dtypes):
-  """A Lion, RMSprop, LAMB or LARS, params, grads and a second step's state for one mode."""
-  if mode == "master":
-    dtypes = [jnp.bfloat16 if d == jnp.float32 else d for d in dtypes]
-  opts = dict(master_weights=mode == "master", skip_nonfinite=mode == "skip")
-  mask = lambda p: {k: i % 3 != 0 for i, k in enumerate(sorted(p))}
-  if family == "lion":
-    tx = jaxfuse.lion(3e-3, weight_decay=0.1, mask=mask, **opts)
-  elif family == "lamb":
-    tx = jaxfuse.lamb(3e-3, weight_decay=0.1, mask=mask, **opts)
-  elif family == "lars":
-    tx = jaxfuse.lars(0.1, weight_decay=0.01, trust_ratio_mask=mask, nesterov=mode == "nesterov",
-                      **opts)
-  else:
-    tx = jaxfuse.rmsprop(3e-3, centered=mode in ("centered", "skip"),
-                         momentum=None if mode == "plain" else 0.9, nesterov=mode == "nesterov",
-                         eps_in_sqrt=mode != "master",
-                         bias_correction=mode in ("nesterov", "master"), **opts)
+  tx = VARIANTS[variant](**OPTIONS[option])
   params = random_tree(1, SIZES, dtypes)
   grads = random_tree(2, SIZES, dtypes, scale=0.5)
-  if mode == "skip":
+  if option == "skip":
     grads["leaf0006"] = grads["leaf0006"].at[7].set(jnp.nan)
   state = tx.init(params)
   state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, SIZES, dtypes), state,
@@ -554,50 +511,51 @@ def family_case(family, mode, dtypes):
   return tx, params, grads, state
 
 
-FAMILY_CASES = [(f, "plain", mix) for f in ("lion", "rmsprop") for mix in ("f32", "mixed")] + \
-    [(f, mode, "mixed") for f in ("lion", "rmsprop") for mode in ("master", "skip")] + \
-    [("rmsprop", mode, "mixed") for mode in ("centered", "nesterov")] + \
-    [("lion", "plain", "f64"), ("rmsprop", "centered", "f64"), ("rmsprop", "nesterov", "wide")]
+def family_cases(trust_ratio):
+  """(variant, option, dtype mix) of the families with (or without) trust ratios."""
+  cases = []
+  for family in OTHER_FAMILIES:
+    if family.trust_ratio == trust_ratio:
+      first = family.variants[0].label
+      cases += [(v.label, "plain", "mixed") for v in family.variants]
+      cases += [(first, option, "mixed") for option in ("master", "skip")]
+      cases += [(first, "plain", "wide" if family.takes_complex else "f64")]
+  return cases
 
 
-@pytest.mark.parametrize("family,mode,mix,launch", on_two_launches(FAMILY_CASES),
-                         indirect=["launch"])
-def test_lion_rmsprop_bitwise(family, mode, mix, launch):
+def family_step(variant, option, mix):
+  """A family case's in-place step (loss-scaled) on the CPU handlers and the emulated CUDA ones."""
   dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
   with jax.enable_x64(mix in ("f64", "wide")):
-    tx, params, grads, state = family_case(family, mode, dtypes)
-    fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
-    native, emu = on_both(fn, grads, state, params)
+    tx, params, grads, state = family_case(variant, option, dtypes)
+    fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(128.0))
+    return on_both(fn, grads, state, params)
+
+
+@pytest.mark.parametrize("variant,option,mix,launch", on_two_launches(family_cases(False)),
+                         indirect=["launch"])
+def test_element_family_bitwise(variant, option, mix, launch):
+  native, emu = family_step(variant, option, mix)
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
 
 
-# The options' kernels are the other families' (the trust sums are what is new here): each once.
-TRUST_CASES = [(f, "plain", mix) for f in ("lamb", "lars") for mix in ("f32", "mixed", "f64")] + \
-    [("lamb", "master", "mixed"), ("lars", "skip", "mixed"), ("lars", "nesterov", "mixed")] + \
-    [("lamb", "plain", "wide")]
-
-
-@pytest.mark.parametrize("family,mode,mix,launch", on_two_launches(TRUST_CASES),
+@pytest.mark.parametrize("variant,option,mix,launch", on_two_launches(family_cases(True)),
                          indirect=["launch"])
-def test_lamb_lars(family, mode, mix, launch):
+def test_trust_ratio_family(variant, option, mix, launch):
   """Element-wise but for the per-leaf sums, which the GPU adds in another order (in float64):
   a ratio may then differ by an ulp of the compute type, and a 16-bit param round the other way;
   nothing more."""
-  dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
-  with jax.enable_x64(mix in ("f64", "wide")):
-    tx, params, grads, state = family_case(family, mode, dtypes)
-    fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
-    native, emu = on_both(fn, grads, state, params)
+  native, emu = family_step(variant, option, mix)
   # "wide": float64 leaves and complex ones in float32 (complex64) and float64 math.
-  rtol = {"f32": 2 * ulp(jnp.float32), "wide": 2 * ulp(jnp.float32),
-          "f64": 4 * ulp(jnp.float64)}.get(mix, ulp(jnp.bfloat16))
+  rtol = {"wide": 2 * ulp(jnp.float32), "f64": 4 * ulp(jnp.float64)}.get(mix, ulp(jnp.bfloat16))
   assert_trees_close(emu, native, rtol=rtol, atol=0, what="emulated CUDA vs CPU handlers")
 
 
 def test_trust_sums_same_bits_under_every_schedule(grid, monkeypatch):
   """The per-leaf sums have one partial per chunk, added in a fixed tree: the step's bits do not
   depend on the thread schedule or the grid size."""
-  tx, params, grads, state = family_case("lamb", "plain", DTYPE_MIXES["mixed"])
+  trust = next(f for f in OTHER_FAMILIES if f.trust_ratio)
+  tx, params, grads, state = family_case(trust.variants[0].label, "plain", DTYPE_MIXES["mixed"])
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p)
   assert_same_bits_under_schedules(monkeypatch, ("0", "99"), fn, grads, state, params)
 

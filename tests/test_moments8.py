@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxfuse
+from jaxfuse._optim import families
 from jaxfuse._optim import moments as _moments
 from helpers import assert_bitwise_equal, random_tree
 
@@ -243,13 +244,10 @@ def test_bad_configurations_raise():
     jaxfuse.fused_step(tx, params, state32, params)
 
 
-FAMILIES = {
-    "sgd": lambda: jaxfuse.sgd(1e-2, momentum=0.9, moment_bits=8),
-    "lion": lambda: jaxfuse.lion(1e-3, moment_bits=8),
-    "rmsprop": lambda: jaxfuse.rmsprop(1e-3, centered=True, momentum=0.9, moment_bits=8,
-                                       master_weights=True),  # 9 lists: the most
-    "adagrad": lambda: jaxfuse.adagrad(1e-2, moment_bits=8),
-}
+# Every family that takes moment_bits, in its variant with the most state lists, with a master
+# copy (the most lists a call carries); Adam's are the tests above.
+FAMILIES = {family.name: family.fullest() for family in families.registered()
+            if family.takes("moment_bits") and family.name != "adam"}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -257,7 +255,7 @@ def test_other_families(family):
   """Each family's state lists in 8 bits, signed where they take both signs: the fused step and
   the optax protocol agree to the codes' precision, and their initial state is optax's
   quantized (Adagrad's accumulator starts at 0.1)."""
-  tx = FAMILIES[family]()
+  tx = FAMILIES[family](moment_bits=8, master_weights=True)
   shapes = QUANTIZED + FLOAT
   params = random_tree(15, shapes, jnp.float32)
   state = tx.init(params)

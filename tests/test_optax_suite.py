@@ -10,9 +10,9 @@ import pytest
 
 import jaxfuse
 import optax_suite
+from jaxfuse._optim import families
 
-ADAMS = ("adam", "adamw", "nadam", "nadamw")
-OPTIMIZERS = ADAMS + ("sgd", "adagrad", "lion", "rmsprop", "lamb", "lars")
+OPTIMIZERS = tuple(f.__name__ for family in families.registered() for f in family.functions)
 
 # optax accepts a mu_dtype that is complex for real params or real for complex ones and casts
 # between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init.

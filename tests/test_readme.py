@@ -306,3 +306,24 @@ def test_api_page_signatures_are_the_functions():
   wrong = [f"docs: {name}({args})\nreal: {_signature_text(name)}" for name, args in spelled
            if f"{name}({args})" != _signature_text(name)]
   assert not wrong, "\n\n".join(wrong)
+
+
+def test_every_family_is_exported_and_documented():
+  """Every optimizer family's functions (the family list) are in jaxfuse.__all__, have a row on
+  docs/api.md, and each family's optax twin is named in the README's table."""
+  from jaxfuse._optim import families  # noqa: PLC0415
+
+  api = (ROOT / "docs" / "api.md").read_text()
+  rows = set(re.findall(r"^\| `(\w+)\(", api, re.M)) | set(re.findall(r"`(\w+)\(\.\.\.\)`", api))
+  readme = (ROOT / "README.md").read_text()
+  missing = []
+  for family in families.registered():
+    for fn in family.functions:
+      name = fn.__name__
+      if name not in jaxfuse.__all__ or getattr(jaxfuse, name) is not fn:
+        missing.append(f"jaxfuse.{name} is not exported")
+      if name not in rows:
+        missing.append(f"docs/api.md has no row for {name}")
+    if f"`optax.{family.functions[0].__name__}`" not in readme:
+      missing.append(f"README.md's table does not name optax.{family.functions[0].__name__}")
+  assert not missing, "\n".join(missing)

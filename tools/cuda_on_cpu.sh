@@ -28,7 +28,8 @@ STAGES="${STAGES:-driver emu}"
 BUILD=build/dev-sanitize        # shared with tools/sanitize.sh
 SMALL=build/dev-cuda-on-cpu-small
 SMALL_DEFINES="JAXFUSE_MT_CHUNK=128;JAXFUSE_MT_TABLE_BYTES=600;JAXFUSE_MT_MAX_SLICE_CHUNKS=3"
-# The small build holds the ops whose checks run on it (the emu stage's selection below).
+# The small build holds the ops whose checks run on it (the emu stage's selection below): Adam,
+# the clip, SGD (stochastic rounding) and the trust-ratio families with their first pass.
 SMALL_SOURCES="adam;sgd;clip;lamb;lars;trust_sums"
 # The controls' build runs no quantized decoder: its int8 / fp8 kernels are left out, two thirds
 # of decoder.cu's compile time.
@@ -67,12 +68,12 @@ if has_stage emu; then
   stamp "CUDA handlers vs CPU handlers ($SMALL)"
   # The decoder does not use the multi-tensor constants; the tables' and slices' boundaries do not
   # depend on the grid, so each case's shuffled launch covers this build (the default build runs
-  # each on two of the four launch shapes, in-order and shuffled). SGD, Adagrad, Lion and RMSprop
-  # are element functors on the driver whose tables, chunks and slices Adam's cases (up to five
-  # tensor lists, mixed dtypes) cross here; the default build runs them (SGD's stochastic
-  # rounding runs here too: SMALL_SOURCES).
+  # each on two of the four launch shapes, in-order and shuffled). The element-wise families
+  # (test_element_family_bitwise) are functors on the driver whose tables, chunks and slices
+  # Adam's cases (up to five tensor lists, mixed dtypes) cross here; the default build runs them.
+  # The trust-ratio families' first pass and SGD's stochastic rounding run here too.
   emu_tests "$SMALL" \
-    -k "not decoder and not sgd_adagrad and not lion_rmsprop and (shuffled or grid16x1)"
+    -k "not decoder and not element_family and (shuffled or grid16x1)"
 fi
 
 if has_stage suite; then

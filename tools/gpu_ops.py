@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 import jaxfuse
+from jaxfuse._optim import families
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 from helpers import random_decoder_problem, random_tree  # noqa: E402  (the tests' inputs)
@@ -76,52 +77,26 @@ ADAM_CASES = {
 }
 
 
-# The other families' kernels: each state layout (1 to 3 state lists), master copy or not.
-FAMILY_CASES = {
-    "sgd momentum f32": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw), {}, jnp.float32),
-    "sgd nesterov bf16 + master": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, nesterov=True, **kw),
-                                   dict(master_weights=True), jnp.bfloat16),
-    "lion f32": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw), {}, jnp.float32),
-    "lion bf16": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw), {}, jnp.bfloat16),
-    "adagrad f32": (lambda **kw: jaxfuse.adagrad(1e-2, **kw), {}, jnp.float32),
-    "adagrad f16 + master": (lambda **kw: jaxfuse.adagrad(1e-2, **kw), dict(master_weights=True),
-                             jnp.float16),
-    "rmsprop f32": (lambda **kw: jaxfuse.rmsprop(1e-2, **kw), {}, jnp.float32),
-    "rmsprop centered momentum f32": (
-        lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, **kw), {}, jnp.float32),
-    "rmsprop centered nesterov bf16 + master": (
-        lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, nesterov=True, **kw),
-        dict(master_weights=True), jnp.bfloat16),
-    "lamb f32": (lambda **kw: jaxfuse.lamb(1e-2, weight_decay=0.1, **kw), {}, jnp.float32),
-    "lamb bf16 + master": (lambda **kw: jaxfuse.lamb(1e-2, **kw), dict(master_weights=True),
-                           jnp.bfloat16),
-    "lars f32": (lambda **kw: jaxfuse.lars(0.1, weight_decay=0.01, **kw), {}, jnp.float32),
-    "lars nesterov bf16": (lambda **kw: jaxfuse.lars(0.1, nesterov=True, **kw), {}, jnp.bfloat16),
-    "sgd momentum bf16 + remainders": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw),
-                                       dict(master_weights="remainder"), jnp.bfloat16),
-    "lion bf16 stochastic rounding": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
-                                      dict(stochastic_rounding=True), jnp.bfloat16),
-    # 8-bit states (moment_bits=8) in every family that takes them, in each params mode.
-    "rmsprop centered momentum f32 8-bit": (
-        lambda **kw: jaxfuse.rmsprop(1e-2, centered=True, momentum=0.9, **kw),
-        dict(moment_bits=8), jnp.float32),
-    "rmsprop bf16 + master, 8-bit": (lambda **kw: jaxfuse.rmsprop(1e-2, **kw),
-                                     dict(master_weights=True, moment_bits=8), jnp.bfloat16),
-    "sgd momentum f32 8-bit": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw),
-                               dict(moment_bits=8), jnp.float32),
-    "sgd momentum bf16 + remainders, 8-bit": (lambda **kw: jaxfuse.sgd(1e-2, momentum=0.9, **kw),
-                                              dict(master_weights="remainder", moment_bits=8),
-                                              jnp.bfloat16),
-    "lion f32 8-bit": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
-                       dict(moment_bits=8), jnp.float32),
-    "lion bf16 + master, 8-bit": (lambda **kw: jaxfuse.lion(1e-3, weight_decay=0.1, **kw),
-                                  dict(master_weights=True, moment_bits=8), jnp.bfloat16),
-    "adagrad f32 8-bit": (lambda **kw: jaxfuse.adagrad(1e-2, **kw), dict(moment_bits=8),
-                          jnp.float32),
-    "adagrad bf16 + remainders, 8-bit": (lambda **kw: jaxfuse.adagrad(1e-2, **kw),
-                                         dict(master_weights="remainder", moment_bits=8),
-                                         jnp.bfloat16),
-}
+def family_cases():
+  """Every family but Adam (ADAM_CASES): each variant (state layout, flags) in float32; the first
+  with bf16 params and a master copy, and (element-wise families) stochastic rounding; the one
+  with the most state lists in 8 bits (where taken), in float32 and with bf16 params and their
+  remainders (a remainder for every leaf, 8-bit states for the large ones)."""
+  cases = {}
+  for family in families.registered():
+    if family.name == "adam":
+      continue
+    first, fullest = family.variants[0], family.fullest()
+    cases.update({f"{v.label} f32": (v, {}, jnp.float32) for v in family.variants})
+    cases[f"{first.label} bf16 + master"] = (first, dict(master_weights=True), jnp.bfloat16)
+    if not family.trust_ratio:
+      cases[f"{first.label} bf16 stochastic rounding"] = (first, dict(stochastic_rounding=True),
+                                                          jnp.bfloat16)
+    if family.takes("moment_bits"):
+      cases[f"{fullest.label} f32 8-bit"] = (fullest, dict(moment_bits=8), jnp.float32)
+      cases[f"{fullest.label} bf16 + remainders, 8-bit"] = (
+          fullest, dict(master_weights="remainder", moment_bits=8), jnp.bfloat16)
+  return cases
 
 
 def fused(tx):
@@ -149,7 +124,7 @@ def run_adam(gpu, cpu):
 
 def run_families(gpu, cpu):
   run_steps(gpu, cpu, [(f"{label}{' + clip' if clip else ''}", fused, make, kw, dt, clip)
-                       for label, (make, kw, dt) in FAMILY_CASES.items() for clip in (False, True)])
+                       for label, (make, kw, dt) in family_cases().items() for clip in (False, True)])
 
 
 def run_steps(gpu, cpu, cases):

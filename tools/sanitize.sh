@@ -6,9 +6,8 @@
 # tools/cuda_on_cpu.sh runs against this build), tests/test_dtypes.py, tests/test_frameworks.py,
 # tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py, tests/test_prefill.py,
 # tests/test_readme.py, tests/test_build.py, tests/test_report.py, tests/test_sharding.py,
-# tests/test_kernel_report.py and the
-# optimizer families' own files (test_sgd, test_lion, test_rmsprop, test_adagrad,
-# test_trust_ratio, test_precision, test_moments8), tests/test_fused.py and most of
+# tests/test_kernel_report.py, the optimizer families' own files (tests/families/),
+# tests/test_precision.py, tests/test_moments8.py, tests/test_fused.py and most of
 # tests/test_quantize.py's reference matrix.
 # Exit status 0 when every test passes with no sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
@@ -50,9 +49,8 @@ if [ $# -eq 0 ]; then
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_prefill.py \
     --ignore=tests/test_readme.py --ignore=tests/test_build.py --ignore=tests/test_report.py \
     --ignore=tests/test_sharding.py --ignore=tests/test_kernel_report.py \
-    --ignore=tests/test_sgd.py --ignore=tests/test_lion.py --ignore=tests/test_rmsprop.py \
-    --ignore=tests/test_adagrad.py --ignore=tests/test_trust_ratio.py \
-    --ignore=tests/test_precision.py --ignore=tests/test_moments8.py --ignore=tests/test_fused.py \
+    --ignore=tests/families --ignore=tests/test_precision.py --ignore=tests/test_moments8.py \
+    --ignore=tests/test_fused.py \
     -k "not (test_kernel_matches_reference and not splits)"
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"

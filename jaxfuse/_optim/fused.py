@@ -18,15 +18,14 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
   ``optax.apply_updates(params, updates), s``, computed by one optimizer kernel (plus the two
   global-norm kernels when clipping, skipping non-finite steps or returning the norm) that reads
   params, grads and the optimizer's state once and writes params and state in place: 28 bytes
-  per fp32 parameter for Adam (32 with clipping), 20 for SGD with momentum, Lion, Adagrad and
-  RMSprop; LAMB and LARS add a first pass that reads grads and params (and Adam's moments for
-  LAMB) for their trust ratios. Under ``jax.jit(step, donate_argnums=...)`` with params and
+  per fp32 parameter with two state lists (Adam; 32 with clipping), 20 with one (SGD with
+  momentum, Lion, Adagrad); trust-ratio families (LAMB, LARS) add a first pass that reads grads
+  and params (and the states their direction needs) for their ratios. Under ``jax.jit(step, donate_argnums=...)`` with params and
   opt_state donated (in the order they are returned), no new parameter or state buffers are
   allocated; without donation XLA copies them first.
 
-  ``tx`` is any transform whose last step is a jaxfuse optimizer (``adam``, ``adamw``,
-  ``nadam``, ``nadamw``, ``sgd``, ``lion``, ``adagrad``, ``rmsprop``, ``lamb``, ``lars``):
-  alone; in ``optax.chain``/``optax.named_chain`` (nested or not) after any transforms,
+  ``tx`` is any transform whose last step is a jaxfuse optimizer (any family: ``adamw``,
+  ``sgd``, ``lion``, ...): alone; in ``optax.chain``/``optax.named_chain`` (nested or not) after any transforms,
   ``jaxfuse.clip_by_global_norm`` directly before it folding into its kernels;
   ``optax.inject_hyperparams(jaxfuse.adamw)(...)`` (hyperparameters read from the state);
   ``jaxfuse.multi_steps(tx, k)`` (gradient accumulation). fused_step runs ``tx.update`` with

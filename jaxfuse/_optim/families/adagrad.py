@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.spec import ScalarOrSchedule
 
@@ -50,6 +50,7 @@ class AdagradSpec(_spec.Spec):
     return -k["learning_rate"] * (scale * g), [s]
 
 
+@_families.family(AdagradSpec, variants={"plain": dict(learning_rate=3e-2, eps=1e-6)})
 def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 0.1,
             eps: float = 1e-7, *, moment_bits: Optional[int] = None,
             master_weights: Union[bool, str] = False,
@@ -71,19 +72,7 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
     learning_rate: a float, or an optax schedule evaluated on the step count.
     initial_accumulator_value: the starting value of the sum of squares (>= 0).
     eps: added to the sum of squares inside the square root.
-    master_weights: True: keep an fp32 master copy of low-precision params in the state;
-      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
-    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
-      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
-  return _optimizer.transform(AdagradSpec(
-      learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value, eps=eps,
-      master_weights=master_weights, skip_nonfinite=skip_nonfinite,
-      stochastic_rounding=stochastic_rounding, seed=seed,
-      moment_bits=moment_bits))

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse._core import trees as _trees
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.spec import ExtraState, ScalarOrSchedule
 
@@ -167,6 +167,7 @@ def scaled_moment(k, g, p, states, decay: bool, nesterov: bool) -> tuple[jax.Arr
   return u, [new_m, new_v]
 
 
+@_families.family(AdamSpec, weight_decay=None, mask=None)
 def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: Optional[Any] = None, *, nesterov: bool = False,
          nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
@@ -183,27 +184,15 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     nesterov: use Nesterov momentum (NAdam, Dozat 2016), as optax does.
     nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
       stays in float32 and the stored value is rounded once.
-    moment_bits: 8: both moments of leaves of at least 4096 elements, a multiple of 128, kept
-      block-wise in 8 bits (``jaxfuse.QuantizedMoment``, about 2 bytes per param for both),
-      dequantized and requantized in the step; None or 32: as ``mu_dtype``/``nu_dtype``.
-    master_weights: True: keep an fp32 master copy of low-precision params in the state;
-      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
-  return _optimizer.transform(AdamSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                             eps_root=eps_root, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-                             weight_decay=None, mask=None, nesterov=nesterov,
-                             master_weights=master_weights,
-                             skip_nonfinite=skip_nonfinite,
-                             stochastic_rounding=stochastic_rounding, seed=seed,
-                             moment_bits=moment_bits))
 
 
+@_families.family(AdamSpec, variants={
+    "masked decay": dict(learning_rate=1e-3, weight_decay=0.1, mask=_families.some_leaves),
+})
 def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, mu_dtype: Optional[Any] = None,
           weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *, nesterov: bool = False,
@@ -225,27 +214,15 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
     nesterov: use Nesterov momentum (NAdamW), as optax does.
     nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
       stays in float32 and the stored value is rounded once.
-    moment_bits: 8: both moments of leaves of at least 4096 elements, a multiple of 128, kept
-      block-wise in 8 bits (``jaxfuse.QuantizedMoment``, about 2 bytes per param for both),
-      dequantized and requantized in the step; None or 32: as ``mu_dtype``/``nu_dtype``.
-    master_weights: True: keep an fp32 master copy of low-precision params in the state;
-      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
-  return _optimizer.transform(AdamSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                             eps_root=eps_root, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-                             weight_decay=weight_decay, mask=mask, nesterov=nesterov,
-                             master_weights=master_weights,
-                             skip_nonfinite=skip_nonfinite,
-                             stochastic_rounding=stochastic_rounding, seed=seed,
-                             moment_bits=moment_bits))
 
 
+@_families.family(AdamSpec, nesterov=True, weight_decay=None, mask=None, variants={
+    "nesterov": dict(learning_rate=1e-3),
+})
 def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None, *,
           nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
@@ -254,11 +231,9 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """NAdam (Dozat, 2016, https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ): ``adam`` with
   ``nesterov=True``, as ``optax.nadam``."""
-  return adam(learning_rate, b1, b2, eps, eps_root, mu_dtype, nesterov=True, nu_dtype=nu_dtype,
-              moment_bits=moment_bits, master_weights=master_weights, skip_nonfinite=skip_nonfinite,
-              stochastic_rounding=stochastic_rounding, seed=seed)
 
 
+@_families.family(AdamSpec, nesterov=True)
 def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            eps: float = 1e-8, eps_root: float = 0.0, mu_dtype: Optional[Any] = None,
            weight_decay: ScalarOrSchedule = 1e-4, mask: Any = None, *,
@@ -267,7 +242,3 @@ def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            stochastic_rounding: bool = False,
            seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
   """NAdamW: ``adamw`` with ``nesterov=True``, as ``optax.nadamw``."""
-  return adamw(learning_rate, b1, b2, eps, eps_root, mu_dtype, weight_decay, mask,
-               nesterov=True, nu_dtype=nu_dtype, moment_bits=moment_bits,
-               master_weights=master_weights,
-               skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed)

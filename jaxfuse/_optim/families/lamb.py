@@ -28,7 +28,7 @@ from typing import Any, Optional, Union
 
 import optax
 
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.families import adam as _adam
 from jaxfuse._optim.spec import ScalarOrSchedule
@@ -61,6 +61,9 @@ class LambSpec(_adam.AdamSpec):
     return (d * _spec.trust_ratio(p, d)) * -k["learning_rate"], new_states
 
 
+@_families.family(LambSpec, mu_dtype=None, nesterov=False, variants={
+    "masked decay": dict(learning_rate=3e-3, weight_decay=0.1, mask=_families.some_leaves),
+})
 def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
          eps_root: float = 0.0, weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, *,
          nu_dtype: Any = None, master_weights: Union[bool, str] = False,
@@ -86,11 +89,6 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
       decay applies. Must be static.
     nu_dtype: storage dtype of the second moment (None: the params' dtype, as optax); the math
       stays in float32 and the stored value is rounded once.
-    master_weights: keep an fp32 master copy of low-precision params in the state (the trust
-      ratio's param norm is then the master's).
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -99,9 +97,3 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
     You et al, `Large Batch Optimization for Deep Learning: Training BERT in 76 minutes
     <https://arxiv.org/abs/1904.00962>`_, 2019
   """
-  return _optimizer.transform(LambSpec(learning_rate=learning_rate, b1=b1, b2=b2, eps=eps,
-                                       eps_root=eps_root, mu_dtype=None, nu_dtype=nu_dtype,
-                                       weight_decay=weight_decay,
-                                       mask=mask, nesterov=False, master_weights=master_weights,
-                                       skip_nonfinite=skip_nonfinite,
-                                       stochastic_rounding=stochastic_rounding, seed=seed))

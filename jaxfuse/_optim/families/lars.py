@@ -27,7 +27,7 @@ import jax
 import optax
 
 from jaxfuse._core import trees as _trees
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.spec import ScalarOrSchedule
 
@@ -87,6 +87,11 @@ class LarsSpec(_spec.Spec):
     return (x + k["momentum"] * new_trace if self.nesterov else new_trace), [new_trace]
 
 
+@_families.family(LarsSpec, variants={
+    "decay, ratio mask": dict(learning_rate=0.1, weight_decay=0.01,
+                              trust_ratio_mask=_families.some_leaves),
+    "nesterov": dict(learning_rate=0.1, weight_decay=0.01, nesterov=True),
+})
 def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
          weight_decay_mask: Any = True, trust_coefficient: float = 0.001, eps: float = 0.0,
          trust_ratio_mask: Any = True, momentum: float = 0.9, nesterov: bool = False, *,
@@ -115,11 +120,6 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
     trust_ratio_mask: like ``weight_decay_mask``: where the trust ratio applies.
     momentum: decay rate of the momentum (``optax.trace``).
     nesterov: use Nesterov momentum.
-    master_weights: True: keep an fp32 master copy of low-precision params in the state;
-      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -128,9 +128,3 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
     You et al, `Large Batch Training of Convolutional Networks
     <https://arxiv.org/abs/1708.03888>`_, 2017
   """
-  return _optimizer.transform(LarsSpec(
-      learning_rate=learning_rate, weight_decay=weight_decay,
-      weight_decay_mask=weight_decay_mask, trust_coefficient=trust_coefficient, eps=eps,
-      trust_ratio_mask=trust_ratio_mask, momentum=momentum, nesterov=nesterov,
-      master_weights=master_weights, skip_nonfinite=skip_nonfinite,
-      stochastic_rounding=stochastic_rounding, seed=seed))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse._core import trees as _trees
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.spec import ScalarOrSchedule
 
@@ -94,6 +94,9 @@ class LionSpec(_spec.Spec):
     return u * -k["learning_rate"], [new_m]
 
 
+@_families.family(LionSpec, variants={
+    "masked decay": dict(learning_rate=3e-3, weight_decay=0.1, mask=_families.some_leaves),
+})
 def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mu_dtype: Optional[Any] = None, weight_decay: ScalarOrSchedule = 1e-3,
          mask: Any = None, *, moment_bits: Optional[int] = None,
@@ -119,13 +122,6 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
     weight_decay: decoupled weight decay rate (a float or a schedule).
     mask: pytree of bools (a prefix of params) or a callable returning one: True where weight
       decay applies. Must be static.
-    master_weights: True: keep an fp32 master copy of low-precision params in the state;
-      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
-    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
-      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -134,9 +130,3 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
     Chen et al, `Symbolic Discovery of Optimization Algorithms
     <https://arxiv.org/abs/2302.06675>`_, 2023
   """
-  return _optimizer.transform(LionSpec(learning_rate=learning_rate, b1=b1, b2=b2,
-                                       mu_dtype=mu_dtype, weight_decay=weight_decay, mask=mask,
-                                       master_weights=master_weights,
-                                       skip_nonfinite=skip_nonfinite,
-                                       stochastic_rounding=stochastic_rounding, seed=seed,
-                                       moment_bits=moment_bits))

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.spec import ScalarOrSchedule
 
@@ -118,6 +118,14 @@ class RmspropSpec(_spec.Spec):
     return u, new_states
 
 
+@_families.family(RmspropSpec, variants={
+    "plain": dict(learning_rate=3e-3),
+    "centered": dict(learning_rate=3e-3, centered=True),
+    "nesterov, bias-corrected": dict(learning_rate=3e-3, momentum=0.9, nesterov=True,
+                                      bias_correction=True),
+    "centered momentum, eps outside the root": dict(learning_rate=3e-3, centered=True,
+                                                     momentum=0.9, eps_in_sqrt=False),
+})
 def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e-8,
             initial_scale: float = 0.0, eps_in_sqrt: bool = True, centered: bool = False,
             momentum: Optional[float] = None, nesterov: bool = False,
@@ -150,13 +158,6 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
     momentum: decay of the trace of the updates (after the learning rate); None: no trace.
     nesterov: Nesterov momentum (with ``momentum`` only).
     bias_correction: divide the averages by ``1 - decay**t``.
-    master_weights: True: keep an fp32 master copy of low-precision params in the state;
-      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
-    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
-      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
@@ -167,9 +168,3 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
     Graves, `Generating Sequences With Recurrent Neural Networks
     <https://arxiv.org/abs/1308.0850>`_, 2013
   """
-  return _optimizer.transform(RmspropSpec(
-      learning_rate=learning_rate, decay=decay, eps=eps, initial_scale=initial_scale,
-      eps_in_sqrt=eps_in_sqrt, centered=centered, momentum=momentum, nesterov=nesterov,
-      bias_correction=bias_correction, master_weights=master_weights,
-      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed,
-      moment_bits=moment_bits))

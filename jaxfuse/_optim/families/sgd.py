@@ -13,9 +13,10 @@ import dataclasses
 from typing import Any, Optional, Union
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from jaxfuse._optim import optimizer as _optimizer
+from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.spec import ScalarOrSchedule
 
@@ -64,6 +65,12 @@ class SgdSpec(_spec.Spec):
     return -k["learning_rate"] * u, [t]
 
 
+@_families.family(SgdSpec, variants={
+    "momentum": dict(learning_rate=3e-2, momentum=0.9),
+    "nesterov, bf16 accumulator": dict(learning_rate=3e-2, momentum=0.9, nesterov=True,
+                                        accumulator_dtype=jnp.bfloat16),
+    "no momentum": dict(learning_rate=3e-2),
+})
 def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
         nesterov: bool = False, accumulator_dtype: Optional[Any] = None, *,
         moment_bits: Optional[int] = None,
@@ -89,19 +96,7 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
     momentum: decay rate of the trace of past gradients; None: no momentum (and no state).
     nesterov: use Nesterov momentum.
     accumulator_dtype: storage dtype of the trace (None: the params' dtype, as optax).
-    master_weights: True: keep an fp32 master copy of low-precision params in the state;
-      "remainder": keep bf16 params' int16 remainders instead, the fp32 master in 2 bytes.
-    skip_nonfinite: skip (and count) steps whose gradients are not all finite.
-    stochastic_rounding: store 16-bit params rounded stochastically, keyed on `seed`, so that
-      updates below half an ulp survive on average without a master copy.
-    moment_bits: 8: the state of leaves of at least 4096 elements, a multiple of 128, kept
-      block-wise in 8 bits (``jaxfuse.QuantizedMoment``); None or 32: in floats.
 
   Returns:
     An optax ``GradientTransformationExtraArgs``.
   """
-  return _optimizer.transform(SgdSpec(
-      learning_rate=learning_rate, momentum=momentum, nesterov=nesterov,
-      accumulator_dtype=accumulator_dtype, master_weights=master_weights,
-      skip_nonfinite=skip_nonfinite, stochastic_rounding=stochastic_rounding, seed=seed,
-      moment_bits=moment_bits))

@@ -1,4 +1,4 @@
-"""jaxfuse's Lion against optax.lion, in lockstep (tests/family_helpers.py), on fresh random trees.
+"""jaxfuse's Lion against optax.lion, in lockstep (family_helpers.py), on fresh random trees.
 
 Lion's update is sign(x), x = (1 - b1) * g + b1 * mu: where x is within a few roundings of zero,
 a multiply-add contracted differently (the kernels and XLA fuse as they see fit) may flip the
