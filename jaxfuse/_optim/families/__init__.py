@@ -61,7 +61,7 @@ class Variant:
 
   def spec(self, **options: Any) -> _spec.Spec:
     """The Spec this variant's transform runs."""
-    return self.function.spec_of(**self.kwargs, **options)
+    return self.function._spec_of(**self.kwargs, **options)
 
 
 @dataclasses.dataclass
@@ -162,7 +162,7 @@ def family(spec: type[_spec.Spec], *, variants: Optional[dict[str, dict[str, Any
       return _optimizer.transform(spec_of(*args, **kwargs))
 
     make.__doc__ = _with_option_docs(fn.__doc__, signature.parameters)
-    make.spec_of = spec_of
+    make._spec_of = spec_of  # for Variant.spec()
     entry = _FAMILIES.setdefault(spec, Family(spec, [], []))
     entry.functions.append(make)
     entry.variants += [Variant(entry.name, name, make, kwargs)
