@@ -71,6 +71,21 @@ inline constexpr int64_t kDecSamplePasses = 2 * kSelectPasses + 1;
 // order. A constant, so that results do not depend on the thread count.
 inline constexpr int64_t kDecCpuSplitRows = 512;
 
+// The bool attributes, each a field of DecoderAttrs and DecoderDims and a name in the contract.
+// The config's (DecoderConfig fields; JAXFUSE_DECODER_WEIGHTS names them as the flags of the
+// optional weights):
+//   qkv_bias    the q/k/v projections add a bias
+//   qk_norm     per-head RMSNorm of q and k before RoPE
+//   quantized   the matrices are int8 or fp8 with per-column scales
+// The whole-model step's (set by persistent_decoder's callers, not config fields):
+//   model_step  tokens in, embedding gathered, final norm and LM head of V rows after the last
+//               layer (V = 0 otherwise)
+//   sample      the next tokens drawn in the same call
+#define JAXFUSE_DECODER_FLAGS(X) X(qkv_bias) X(qk_norm) X(quantized)
+#define JAXFUSE_DECODER_STEP_FLAGS(X) X(model_step) X(sample)
+inline constexpr const char* kDecoderFlags[] = {JAXFUSE_DECODER_FLAGS(JF_VECTOR_NAME)};
+inline constexpr const char* kDecoderStepFlags[] = {JAXFUSE_DECODER_STEP_FLAGS(JF_VECTOR_NAME)};
+
 // The sizes of one call (DecoderAttrs and the batch), in the names of the operand shapes above.
 struct DecoderDims {
   int64_t L = 0;   // layers
@@ -82,13 +97,10 @@ struct DecoderDims {
   int64_t I = 0;   // intermediate (MLP) size
   int64_t S = 0;   // max_seq_len: cache positions
   float eps = 0.f;
-  bool qkv_bias = false;   // q/k/v projections add a bias
-  bool qk_norm = false;    // per-head RMSNorm of q and k before RoPE
-  bool quantized = false;  // the matrices are int8 or fp8 with per-column scales
-  // The whole-model step: tokens in, embedding gathered, final norm and LM head of V rows after
-  // the last layer (V = 0 otherwise); with `sample`, the next tokens drawn in the same call.
-  bool model_step = false;
-  bool sample = false;
+#define JF_DECODER_FLAG_FIELD(name) bool name = false;
+  JAXFUSE_DECODER_FLAGS(JF_DECODER_FLAG_FIELD)
+  JAXFUSE_DECODER_STEP_FLAGS(JF_DECODER_FLAG_FIELD)
+#undef JF_DECODER_FLAG_FIELD
   float temperature = 0.f;  // 0: greedy
   int64_t top_k = 0;        // 0: no top-k filter
   float top_p = 1.f;        // 1: no top-p filter
@@ -417,11 +429,10 @@ struct DecoderAttrs {
   JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_I64_FIELD)
 #undef JF_DECODER_I64_FIELD
   float rms_norm_eps;
-  bool qkv_bias;
-  bool qk_norm;
-  bool quantized;
-  bool model_step;
-  bool sample;
+#define JF_DECODER_FLAG_FIELD(name) bool name;
+  JAXFUSE_DECODER_FLAGS(JF_DECODER_FLAG_FIELD)
+  JAXFUSE_DECODER_STEP_FLAGS(JF_DECODER_FLAG_FIELD)
+#undef JF_DECODER_FLAG_FIELD
   float temperature;
   int64_t top_k;
   float top_p;
@@ -444,7 +455,10 @@ struct DecoderWeightShape {
 inline std::vector<DecoderWeightShape> decoder_weight_shapes(const DecoderDims& d) {
   // The names JAXFUSE_DECODER_WEIGHTS writes its dims, flags and kinds in.
   const int64_t L = d.L, D = d.D, I = d.I, hd = d.hd, q_dim = d.q_dim(), kv_dim = d.kv_dim();
-  const bool always = true, qkv_bias = d.qkv_bias, qk_norm = d.qk_norm, quantized = d.quantized;
+  const bool always = true;
+#define JF_DECODER_FLAG_LOCAL(name) const bool name = d.name;
+  JAXFUSE_DECODER_FLAGS(JF_DECODER_FLAG_LOCAL)
+#undef JF_DECODER_FLAG_LOCAL
   const DType model = d.dtype, matrix = d.wdtype, scale = DType::kF32;
 #define JF_DECODER_WEIGHT_SHAPE(name, flag, kind, ...)                                     \
   {#name, flag ? std::vector<int64_t>{L, __VA_ARGS__} : std::vector<int64_t>{L, 0}, kind},
@@ -553,11 +567,10 @@ inline DecoderDims dims_of(const DecoderAttrs& a, int64_t batch, DType dtype) {
   d.I = a.intermediate_size;
   d.S = a.max_seq_len;
   d.eps = a.rms_norm_eps;
-  d.qkv_bias = a.qkv_bias;
-  d.qk_norm = a.qk_norm;
-  d.quantized = a.quantized;
-  d.model_step = a.model_step;
-  d.sample = a.sample;
+#define JF_DECODER_FLAG_COPY(name) d.name = a.name;
+  JAXFUSE_DECODER_FLAGS(JF_DECODER_FLAG_COPY)
+  JAXFUSE_DECODER_STEP_FLAGS(JF_DECODER_FLAG_COPY)
+#undef JF_DECODER_FLAG_COPY
   d.temperature = a.temperature;
   d.top_k = a.top_k;
   d.top_p = a.top_p;
@@ -805,11 +818,11 @@ struct DecoderOp {
     c.names["weight_kinds"] = name_list(kDecoderWeightKinds);  // "model", "matrix", "scale"
     c.names["size_attrs"] = name_list(kDecoderSizeAttrs);
     c.names["f32_attrs"] = {"rms_norm_eps"};
-    c.names["bool_attrs"] = {"qkv_bias", "qk_norm", "quantized"};
+    c.names["bool_attrs"] = name_list(kDecoderFlags);
     // The whole-model step's operands (after the caches) and attributes (not config fields).
     c.names["model_operands"] = {"tokens",  "embed",         "final_norm",
                                  "lm_head", "lm_head_scale", "sample_key"};
-    c.names["step_bool_attrs"] = {"model_step", "sample"};
+    c.names["step_bool_attrs"] = name_list(kDecoderStepFlags);
     c.names["step_i64_attrs"] = {"top_k"};
     c.names["step_f32_attrs"] = {"temperature", "top_p"};
     // workspace(batch=, dtype_bytes=, sample_filter=, <size attrs>=) -> numbers["bytes"]
@@ -824,12 +837,12 @@ struct DecoderOp {
       v.numbers["bytes"] = decoder_layout(d).total;
       return v;
     };
-    // weight_shapes(<size attrs>=, qkv_bias=, qk_norm=, quantized=) -> shapes[weight name]
+    // weight_shapes(<size attrs>=, <bool attrs>=) -> shapes[weight name]
     c.functions["weight_shapes"] = [](const std::map<std::string, int64_t>& args) {
       DecoderAttrs a = contract_attrs(args);
-      a.qkv_bias = contract_arg(args, "qkv_bias") != 0;
-      a.qk_norm = contract_arg(args, "qk_norm") != 0;
-      a.quantized = contract_arg(args, "quantized") != 0;
+#define JF_DECODER_READ_FLAG(name) a.name = contract_arg(args, #name) != 0;
+      JAXFUSE_DECODER_FLAGS(JF_DECODER_READ_FLAG)
+#undef JF_DECODER_READ_FLAG
       ContractValues v;
       for (const DecoderWeightShape& s :
            decoder_weight_shapes(decoder_detail::dims_of(a, 0, DType::kF32))) {
@@ -891,15 +904,14 @@ struct DecoderOp {
 
 // Members in DecoderAttrs order (the struct is built from them in order).
 #define JF_DECODER_I64_MEMBER(name) ::xla::ffi::StructMember<int64_t>(#name),
+#define JF_DECODER_BOOL_MEMBER(name) ::xla::ffi::StructMember<bool>(#name),
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(::jaxfuse::DecoderAttrs,
                                       JAXFUSE_DECODER_SIZE_ATTRS(JF_DECODER_I64_MEMBER)
                                       ::xla::ffi::StructMember<float>("rms_norm_eps"),
-                                      ::xla::ffi::StructMember<bool>("qkv_bias"),
-                                      ::xla::ffi::StructMember<bool>("qk_norm"),
-                                      ::xla::ffi::StructMember<bool>("quantized"),
-                                      ::xla::ffi::StructMember<bool>("model_step"),
-                                      ::xla::ffi::StructMember<bool>("sample"),
+                                      JAXFUSE_DECODER_FLAGS(JF_DECODER_BOOL_MEMBER)
+                                      JAXFUSE_DECODER_STEP_FLAGS(JF_DECODER_BOOL_MEMBER)
                                       ::xla::ffi::StructMember<float>("temperature"),
                                       ::xla::ffi::StructMember<int64_t>("top_k"),
                                       ::xla::ffi::StructMember<float>("top_p"));
+#undef JF_DECODER_BOOL_MEMBER
 #undef JF_DECODER_I64_MEMBER

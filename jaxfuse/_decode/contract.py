@@ -39,8 +39,8 @@ def _weight_dtype(name: str, cfg: DecoderConfig, dtype) -> np.dtype:
 def _weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
   """:meth:`DecoderConfig.weight_shapes`: the contract's shapes of the weights ``cfg`` uses."""
   sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
-  shapes = _CONTRACT.call("weight_shapes", qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm,
-                          quantized=cfg.quantized, **sizes).shapes
+  flags = {name: getattr(cfg, name) for name in _CONTRACT.names["bool_attrs"]}
+  shapes = _CONTRACT.call("weight_shapes", **flags, **sizes).shapes
   return {name: shapes[name] for name, flag in _WEIGHT_FLAGS.items()
           if flag == "always" or getattr(cfg, flag)}
 

@@ -192,10 +192,10 @@ KernelDims kernel_dims(const DecoderDims& d) {
   k.mlp_tiles = int(d.tiles(d.I));
   k.rms_eps = d.eps;
   k.attn_scale = 1.0f / std::sqrt(float(d.hd));
-  k.qkv_bias = d.qkv_bias;
-  k.qk_norm = d.qk_norm;
-  k.model_step = d.model_step;
-  k.sample = d.sample;
+#define JF_KERNEL_FLAG_COPY(name) k.name = d.name;
+  JAXFUSE_DECODER_FLAGS(JF_KERNEL_FLAG_COPY)
+  JAXFUSE_DECODER_STEP_FLAGS(JF_KERNEL_FLAG_COPY)
+#undef JF_KERNEL_FLAG_COPY
   k.temperature = d.temperature;
   k.vocab = int(d.V);
   k.top_k = int(d.top_k);

@@ -55,12 +55,15 @@ struct KernelDims {
   int hidden_tiles, q_tiles, kv_tiles, mlp_tiles;  // GEMV column tiles of each output width
   float rms_eps;
   float attn_scale;  // 1 / sqrt(head_dim)
-  bool qkv_bias;     // q/k/v projections add a bias
-  bool qk_norm;      // per-head RMSNorm of q and k before RoPE
-  // The whole-model step (decoder_head.cuh): tokens in, logits of `vocab` rows out (vocab 0
-  // otherwise), and with `sample` the next tokens at `temperature` (0: greedy), from the scores
-  // top_k (0: all) and top_p (1: all) keep.
-  bool model_step, sample;
+  // The flags (decoder.h; the kernels take `quantized` from their matrices' type kW, a template
+  // argument, instead). The whole-model step
+  // (decoder_head.cuh): tokens in, logits of `vocab` rows out (vocab 0 otherwise), and with
+  // `sample` the next tokens at `temperature` (0: greedy), from the scores top_k (0: all) and
+  // top_p (1: all) keep.
+#define JF_KERNEL_FLAG_FIELD(name) bool name;
+  JAXFUSE_DECODER_FLAGS(JF_KERNEL_FLAG_FIELD)
+  JAXFUSE_DECODER_STEP_FLAGS(JF_KERNEL_FLAG_FIELD)
+#undef JF_KERNEL_FLAG_FIELD
   float temperature;
   int vocab;
   int top_k;
