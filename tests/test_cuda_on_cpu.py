@@ -76,16 +76,14 @@ LAUNCHES = [pytest.param((str(i), "0" if i % 2 == 0 else str(17 + i)),
             for i, spec in enumerate(GRID_SPECS)]
 
 
-def on_two_launches(cases):
-  """pytest params of each case (a tuple) with two consecutive LAUNCHES, one in-order and one
-  shuffled, the pair rotating from case to case: every launch shape runs with a share of the
-  modes (the grid's chunking is the driver's, the same for every mode), at half the cost of
-  every case on every launch."""
-  params = []
-  for k, case in enumerate(cases):
-    for launch in (LAUNCHES[k % len(LAUNCHES)], LAUNCHES[(k + 1) % len(LAUNCHES)]):
-      params.append(pytest.param(*case, launch.values[0], id=f"{'-'.join(case)}-{launch.id}"))
-  return params
+def on_launches(cases):
+  """pytest params of each case (a tuple) on one of LAUNCHES, in turn from case to case: every
+  launch shape, in-order and shuffled, runs with a share of the modes (the grid's chunking and
+  the blocks' order are the driver's, the same for every mode), at a quarter of the cost of every
+  case on every launch."""
+  return [pytest.param(*case, LAUNCHES[k % len(LAUNCHES)].values[0],
+                       id=f"{'-'.join(case)}-{LAUNCHES[k % len(LAUNCHES)].id}")
+          for k, case in enumerate(cases)]
 
 
 @pytest.fixture(params=LAUNCHES)
@@ -145,7 +143,7 @@ ADAM_CASES = ([("plain", mix) for mix in DTYPE_MIXES] + [("plain", "c64")] +
               [(mode, "wide") for mode in ("nesterov", "master", "adam")])
 
 
-@pytest.mark.parametrize("mode,mix,launch", on_two_launches(ADAM_CASES), indirect=["launch"])
+@pytest.mark.parametrize("mode,mix,launch", on_launches(ADAM_CASES), indirect=["launch"])
 def test_adam_bitwise(mode, mix, launch):
   # complex64 alone: the fp32 signature kernel, with its (re, im) pairs
   dtypes = [jnp.complex64] * len(SIZES) if mix == "c64" else DTYPE_MIXES[mix]
@@ -532,14 +530,14 @@ def family_step(variant, option, mix):
     return on_both(fn, grads, state, params)
 
 
-@pytest.mark.parametrize("variant,option,mix,launch", on_two_launches(family_cases(False)),
+@pytest.mark.parametrize("variant,option,mix,launch", on_launches(family_cases(False)),
                          indirect=["launch"])
 def test_element_family_bitwise(variant, option, mix, launch):
   native, emu = family_step(variant, option, mix)
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
 
 
-@pytest.mark.parametrize("variant,option,mix,launch", on_two_launches(family_cases(True)),
+@pytest.mark.parametrize("variant,option,mix,launch", on_launches(family_cases(True)),
                          indirect=["launch"])
 def test_trust_ratio_family(variant, option, mix, launch):
   """Element-wise but for the per-leaf sums, which the GPU adds in another order (in float64):
@@ -596,7 +594,7 @@ def precision_case(mode):
   return tx, params, grads, state
 
 
-@pytest.mark.parametrize("mode,launch", on_two_launches(
+@pytest.mark.parametrize("mode,launch", on_launches(
     [(m,) for m in ("stochastic", "stochastic_sgd", "remainder", "remainder_skip", "nu_bf16",
                     "moments_bf16", "moments8", "moments8_master", "moments8_sgd")]),
     indirect=["launch"])

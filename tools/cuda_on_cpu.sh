@@ -29,8 +29,8 @@ BUILD=build/dev-sanitize        # shared with tools/sanitize.sh
 SMALL=build/dev-cuda-on-cpu-small
 SMALL_DEFINES="JAXFUSE_MT_CHUNK=128;JAXFUSE_MT_TABLE_BYTES=600;JAXFUSE_MT_MAX_SLICE_CHUNKS=3"
 # The small build holds the ops whose checks run on it (the emu stage's selection below): Adam,
-# the clip, SGD (stochastic rounding) and the trust-ratio families with their first pass.
-SMALL_SOURCES="adam;sgd;clip;lamb;lars;trust_sums"
+# the clip, and LAMB with the trust-ratio families' first pass.
+SMALL_SOURCES="adam;clip;lamb;trust_sums"
 # The controls' build runs no quantized decoder: its int8 / fp8 kernels are left out, two thirds
 # of decoder.cu's compile time.
 UNQUANTIZED_DECODER="JAXFUSE_DECODER_QUANTIZED_KERNELS=0"
@@ -66,14 +66,16 @@ if has_stage emu; then
   stamp "CUDA handlers vs CPU handlers ($BUILD)"
   emu_tests "$BUILD"
   stamp "CUDA handlers vs CPU handlers ($SMALL)"
-  # The decoder does not use the multi-tensor constants; the tables' and slices' boundaries do not
-  # depend on the grid, so each case's shuffled launch covers this build (the default build runs
-  # each on two of the four launch shapes, in-order and shuffled). The element-wise families
-  # (test_element_family_bitwise) are functors on the driver whose tables, chunks and slices
-  # Adam's cases (up to five tensor lists, mixed dtypes) cross here; the default build runs them.
-  # The trust-ratio families' first pass and SGD's stochastic rounding run here too.
-  emu_tests "$SMALL" \
-    -k "not decoder and not element_family and (shuffled or grid16x1)"
+  # The decoder does not use the multi-tensor constants, and the tables' and slices' boundaries
+  # do not depend on the grid: each case runs here once, on its launch of the default build (a
+  # test run on every launch there, on its shuffled ones and the 16-block grid here). The
+  # element-wise families (test_element_family_bitwise, and SGD's precision modes) are functors
+  # on the driver whose tables, chunks and slices Adam's cases (up to five tensor lists, mixed
+  # dtypes, stochastic rounding, 8-bit states) cross here, and LAMB's cases the trust-ratio
+  # families' first pass; the default build runs them all.
+  small="not decoder and not element_family and not _sgd and (not trust_ratio_family or lamb)"
+  small+=" and (adam_bitwise or precision_modes or trust_ratio_family or shuffled or grid16x1)"
+  emu_tests "$SMALL" -k "$small"
 fi
 
 if has_stage suite; then
