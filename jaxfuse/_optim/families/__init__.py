@@ -34,7 +34,8 @@ OPTION_DOCS = {
                    "floats, in the state dtypes above.",
     "master_weights": "True: keep an fp32 master copy of low-precision params in the state; "
                       "\"remainder\": keep bf16 params' int16 remainders instead, the fp32 master "
-                      "in 2 bytes.",
+                      "in 2 bytes (trust-ratio families, LAMB and LARS: True only; their ratios "
+                      "then take the master's norm).",
     "skip_nonfinite": "skip (and count) steps whose gradients are not all finite.",
     "stochastic_rounding": "store 16-bit params rounded stochastically, keyed on `seed`, so that "
                            "updates below half an ulp survive on average without a master copy.",
@@ -119,7 +120,8 @@ def _with_option_docs(doc: Optional[str], parameters: Any) -> Optional[str]:
   """`doc` with the shared options this function takes appended to its Args section."""
   if not doc or "\n  Args:\n" not in doc:
     return doc
-  lines = [textwrap.fill(f"{name}: {text}", 98, initial_indent="    ", subsequent_indent="      ")
+  lines = [textwrap.fill(f"{name}: {text}", 98, initial_indent="    ", subsequent_indent="      ",
+                         break_on_hyphens=False)
            for name, text in OPTION_DOCS.items() if name in parameters]
   head, sep, tail = doc.partition("\n\n  Returns:")
   return head.rstrip() + "\n" + "\n".join(lines) + sep + tail
