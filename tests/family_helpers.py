@@ -1,5 +1,5 @@
 """Helpers for the tests of the optimizer families built on the generic driver (Lion, RMSprop):
-a lockstep comparison with the optax twin.
+a lockstep comparison with the optax twin, and a run under optax.inject_hyperparams.
 
 Lockstep: at every step optax gets jaxfuse's current params and state (16-bit leaves upcast to
 float32, the type jaxfuse computes in) and its result, rounded once to the storage dtypes, is
@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import jaxfuse
 from helpers import assert_trees_close, ulp
 # One copy of these for every family's tests (optimizer_cases.py); the names the Lion and
 # RMSprop tests use.
@@ -86,3 +87,25 @@ def lockstep(ours, ref, params, steps, *, path, seed=0, rtol, near_zero=None, gr
     assert_trees_close(_masked(p, p_r, masks), p_r, rtol=rtol, atol=rtol, what=f"step {t} params")
     assert_trees_close(s, s_r, rtol=rtol, atol=rtol, what=f"step {t} state")
   return p, s
+
+
+def inject_hyperparams_run(ours, ref, kwargs, changed, params):
+  """Six in-place steps of ``optax.inject_hyperparams(ours)(**kwargs)`` beside six optax steps
+  of ``inject_hyperparams(ref)``, the hyperparameters in `changed` set in both states after the
+  third (without recompiling). Returns (our params, optax's params, times the step was traced)."""
+  tf = optax.inject_hyperparams(ours)(**kwargs)
+  to = optax.inject_hyperparams(ref)(**kwargs)
+  traces = []
+  step = jax.jit(lambda p, s, g: (traces.append(1), jaxfuse.fused_step(tf, g, s, p))[1])
+  upd_o = jax.jit(to.update)
+  pf, sf, po, so = params, tf.init(params), params, to.init(params)
+  for t in range(6):
+    if t == 3:  # new hyperparameters mid-run, without recompiling
+      for s in (sf, so):
+        for name, value in changed.items():
+          s.hyperparams[name] = jnp.asarray(value, jnp.float32)
+    g = grads_like(15 + t, params)
+    pf, sf = step(pf, sf, g)
+    u, so = upd_o(g, so, po)
+    po = optax.apply_updates(po, u)
+  return pf, po, len(traces)

@@ -14,7 +14,8 @@ import pytest
 
 import jaxfuse
 from jaxfuse import lion
-from family_helpers import fused_step_fn, grads_like, lockstep, rtol_for, upcast
+from family_helpers import (fused_step_fn, grads_like, inject_hyperparams_run, lockstep,
+                            rtol_for, upcast)
 from helpers import assert_bitwise_equal, assert_trees_close, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (7, 5), (301,)]
@@ -195,24 +196,12 @@ def test_master_weights(device, path):
 
 def test_inject_hyperparams(device):
   params = random_tree(14, [(13,), (2, 5)], device=device)
-  tf = optax.inject_hyperparams(lion)(learning_rate=1e-2, b1=0.9, weight_decay=0.1)
-  to = optax.inject_hyperparams(optax.lion)(learning_rate=1e-2, b1=0.9, weight_decay=0.1)
-  traces = []
-  step = jax.jit(lambda p, s, g: (traces.append(1), jaxfuse.fused_step(tf, g, s, p))[1])
-  upd_o = jax.jit(to.update)
-  pf, sf, po, so = params, tf.init(params), params, to.init(params)
-  for t in range(6):
-    if t == 3:  # new hyperparameters mid-run, without recompiling
-      for s in (sf, so):
-        s.hyperparams["learning_rate"] = jnp.asarray(3e-3, jnp.float32)
-        s.hyperparams["b1"] = jnp.asarray(0.8, jnp.float32)
-    g = grads_like(15 + t, params)
-    pf, sf = step(pf, sf, g)
-    u, so = upd_o(g, so, po)
-    po = optax.apply_updates(po, u)
+  pf, po, traces = inject_hyperparams_run(
+      lion, optax.lion, dict(learning_rate=1e-2, b1=0.9, weight_decay=0.1),
+      dict(learning_rate=3e-3, b1=0.8), params)
   # Independent runs: with these seeds no x falls near zero (a flip would show as 2 * lr).
   assert_trees_close(pf, po, rtol=6 * rtol_for(jnp.float32), atol=0)
-  assert len(traces) == 1
+  assert traces == 1
 
 
 def test_multi_steps(device):

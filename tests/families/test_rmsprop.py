@@ -10,7 +10,8 @@ import pytest
 
 import jaxfuse
 from jaxfuse import rmsprop
-from family_helpers import fused_step_fn, grads_like, lockstep, rtol_for, upcast
+from family_helpers import (fused_step_fn, grads_like, inject_hyperparams_run, lockstep,
+                            rtol_for, upcast)
 from helpers import assert_bitwise_equal, assert_trees_close, random_tree, ulp
 
 SHAPES = [(), (0,), (1,), (3,), (7, 5), (301,)]
@@ -144,24 +145,11 @@ def test_master_weights(device, path):
 
 def test_inject_hyperparams(device):
   params = random_tree(14, [(13,), (2, 5)], device=device)
-  kwargs = dict(learning_rate=1e-2, decay=0.9, momentum=0.9)
-  tf = optax.inject_hyperparams(rmsprop)(**kwargs)
-  to = optax.inject_hyperparams(optax.rmsprop)(**kwargs)
-  traces = []
-  step = jax.jit(lambda p, s, g: (traces.append(1), jaxfuse.fused_step(tf, g, s, p))[1])
-  upd_o = jax.jit(to.update)
-  pf, sf, po, so = params, tf.init(params), params, to.init(params)
-  for t in range(6):
-    if t == 3:  # new hyperparameters mid-run, without recompiling
-      for s in (sf, so):
-        s.hyperparams["learning_rate"] = jnp.asarray(3e-3, jnp.float32)
-        s.hyperparams["decay"] = jnp.asarray(0.8, jnp.float32)
-    g = grads_like(15 + t, params)
-    pf, sf = step(pf, sf, g)
-    u, so = upd_o(g, so, po)
-    po = optax.apply_updates(po, u)
+  pf, po, traces = inject_hyperparams_run(
+      rmsprop, optax.rmsprop, dict(learning_rate=1e-2, decay=0.9, momentum=0.9),
+      dict(learning_rate=3e-3, decay=0.8), params)
   assert_trees_close(pf, po, rtol=6 * F32, atol=0)
-  assert len(traces) == 1
+  assert traces == 1
 
 
 def test_multi_steps(device):
