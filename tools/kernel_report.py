@@ -18,7 +18,7 @@ widths, local-memory instructions and traps. It fails (exit status 1) on
   print with their reasons; a gap that excuses nothing, an instance without exactly one budget, a kernel
   without __launch_bounds__ fail too.
 
-  python3 tools/kernel_report.py [MODULE.so | WHEEL.whl | FILE.cubin] [--markdown FILE]
+  python3 tools/kernel_report.py [MODULE.so | WHEEL.whl | NAME.sm_XX.cubin] [--markdown FILE]
   python3 tools/kernel_report.py --controls     # the planted bugs must each make it fail
 
 Without a path it reads the installed jaxfuse's CUDA module. The utilities come from the PATH,
@@ -35,6 +35,7 @@ import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -153,9 +154,12 @@ def extract_cubins(path, cuobjdump, workdir):
   return cubins
 
 
-def cubin_arch(cubin, elf_text):
-  m = re.search(r"EF_CUDA_(SM\d+)", elf_text) or re.search(r"\.(sm_\d+)\.cubin$", cubin)
-  return m.group(1).lower()
+def cubin_arch(cubin):
+  """sm_XX from the cubin's name (cuobjdump -xelf and compile_control name them so)."""
+  m = re.search(r"\.(sm_\d+)\.cubin$", cubin)
+  if not m:
+    sys.exit(f"kernel_report: {cubin}: the name says no architecture (NAME.sm_XX.cubin)")
+  return m.group(1)
 
 
 def resource_usage(cuobjdump, cubin):
@@ -166,15 +170,43 @@ def resource_usage(cuobjdump, cubin):
   return out
 
 
-def kernel_threads(elf_text):
-  """mangled kernel name -> its __launch_bounds__ threads (0 without); only kernels have an entry."""
+def elf_sections(path):
+  """Section name -> contents of an ELF64 file (a cubin)."""
+  with open(path, "rb") as f:
+    data = f.read()
+  shoff, = struct.unpack_from("<Q", data, 0x28)
+  shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+  headers = [struct.unpack_from("<IIQQQQ", data, shoff + i * shentsize) for i in range(shnum)]
+  names = headers[shstrndx][4]
   out = {}
-  for block in re.split(r"\n(?=\.nv\.info\.)", elf_text):
-    m = re.match(r"\.nv\.info\.(\S+)", block)
-    if not m:
+  for name, _, _, _, offset, size in headers:
+    name = data[names + name:data.index(b"\0", names + name)].decode()
+    out[name] = data[offset:offset + size]
+  return out
+
+
+# A kernel's .nv.info.NAME section is a list of attributes, each a 4-byte header (format, id,
+# and a 16-bit value, or for EIFMT_SVAL the size of the value that follows).
+EIFMT_SVAL = 0x04
+EIATTR_MAX_THREADS = 0x05  # SVAL: the x, y, z of __launch_bounds__ (or __maxnreg__'s block)
+
+
+def kernel_threads(cubin):
+  """mangled kernel name -> its __launch_bounds__ threads (0 without); only kernels have an
+  entry. Read from the cubin's ELF, not cuobjdump -elf, which prints tens of MB per cubin."""
+  out = {}
+  for section, info in elf_sections(cubin).items():
+    if not section.startswith(".nv.info."):
       continue
-    t = re.search(r"EIATTR_MAX_THREADS\s*\n\s*Format:\s*\S+\s*\n\s*Value:\s*(0x[0-9a-f]+)", block)
-    out[m.group(1)] = int(t.group(1), 16) if t else 0
+    threads, i = 0, 0
+    while i + 4 <= len(info):
+      fmt, attr, value = struct.unpack_from("<BBH", info, i)
+      i += 4
+      if fmt == EIFMT_SVAL:
+        if attr == EIATTR_MAX_THREADS:
+          threads, = struct.unpack_from("<I", info, i)
+        i += value
+    out[section[len(".nv.info."):]] = threads
   return out
 
 
@@ -189,36 +221,49 @@ def access_width(opcode):
   return 32
 
 
+SECTION = re.compile(r"\s*\.section\s+\.text\.([^,\s]+)")
+SUBROUTINE = re.compile(r"^(\$__internal_\d+_\$(\S+)):")
+SOURCE_LINE = re.compile(r'\s*//## File "([^"]+)", line (\d+)')
+
+
 def read_sass(nvdisasm, cubin):
   """mangled name -> [(where, predicated, opcode, subroutine, operands)] of its .text section;
-  `where` is
-  the instruction's source line, innermost inlined function first (nvdisasm prints it where it
-  changes: it holds until the next)."""
-  text = run(nvdisasm, "-c", "-gi", cubin)
+  `where` is the instruction's source line, innermost inlined function first (nvdisasm prints it
+  where it changes: it holds until the next). nvdisasm's output (hundreds of MB for the module,
+  mostly inlining lines) is read as it is written, each line tried against the one pattern its
+  first characters call for."""
   functions = {}
   current = None
   subroutine = None
   where, pending = (), []
-  for line in text.splitlines():
-    m = re.match(r"\s*\.section\s+\.text\.([^,\s]+)", line)
-    if m:
-      current, subroutine, where, pending = functions.setdefault(m.group(1), []), None, (), []
-      continue
-    if current is None:
-      continue
-    m = re.match(r"^(\$__internal_\d+_\$(\S+)):", line)
-    if m:
-      subroutine = m.group(2)
-      continue
-    m = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
-    if m:
-      pending.append((m.group(1), int(m.group(2))))
-      continue
-    m = INSTRUCTION.search(line)
-    if m:
-      if pending:
-        where, pending = tuple(pending), []
-      current.append((where, bool(m.group(1)), m.group(2), subroutine, m.group(3).strip()))
+  with tempfile.TemporaryFile(mode="w+") as errors, subprocess.Popen(
+      [nvdisasm, "-c", "-gi", cubin], stdout=subprocess.PIPE, stderr=errors, text=True) as proc:
+    for line in proc.stdout:
+      if "//##" in line:
+        if current is not None:
+          m = SOURCE_LINE.match(line)
+          if m:
+            pending.append((m.group(1), int(m.group(2))))
+        continue
+      if "/*" in line:
+        if current is not None:
+          m = INSTRUCTION.search(line)
+          if m:
+            if pending:
+              where, pending = tuple(pending), []
+            current.append((where, bool(m.group(1)), m.group(2), subroutine, m.group(3).strip()))
+        continue
+      m = SECTION.match(line)
+      if m:
+        current, subroutine, where, pending = functions.setdefault(m.group(1), []), None, (), []
+        continue
+      m = SUBROUTINE.match(line) if current is not None else None
+      if m:
+        subroutine = m.group(2)
+    proc.wait()
+    if proc.returncode != 0:
+      errors.seek(0)
+      sys.exit(f"kernel_report: {nvdisasm} -c -gi {cubin} failed:\n{errors.read()}")
   return functions
 
 
@@ -572,10 +617,9 @@ def report(path):
     rings = []
     budgets, gaps, floors = read_budgets(budget_sources(module), rings)
     for cubin in extract_cubins(module, cuobjdump, os.path.join(work, "cubins")):
-      elf = run(cuobjdump, "-elf", cubin)
-      arch = cubin_arch(cubin, elf)
+      arch = cubin_arch(cubin)
       usage = resource_usage(cuobjdump, cubin)
-      threads = kernel_threads(elf)
+      threads = kernel_threads(cubin)
       sass = read_sass(nvdisasm, cubin)
       for mangled, t in threads.items():
         u = usage.get(mangled, {})
