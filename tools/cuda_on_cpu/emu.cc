@@ -366,10 +366,9 @@ void make_fibers(Block& b, const dim3& block) {
     makecontext(&f.ctx, fiber_main, 0);
     // makecontext has laid out the stack; swapcontext does not read uc_stack. ASan's swapcontext
     // interceptor does: it clears the shadow of the target's whole uc_stack on every switch,
-    // which erases the redzones of the frames a suspended fiber holds and, at 32 KB of shadow
-    // per resume, was most of the emulator's time. ASan learns of fiber stacks from the
-    // start/finish_switch_fiber calls instead, and give_stack() clears a stack once, when its
-    // fiber is done with it.
+    // erasing the redzones of the frames a suspended fiber holds, at the cost of a memset of
+    // 1/8 of the stack per resume. ASan learns of fiber stacks from the start/finish_switch_fiber
+    // calls instead, and give_stack() clears a stack once, when its fiber is done with it.
     f.ctx.uc_stack = stack_t{};
   }
 }
