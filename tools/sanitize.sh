@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CPU handlers under AddressSanitizer + UndefinedBehaviorSanitizer: builds the extension in
-# Debug (asserts on, -O1) with both sanitizers into build/dev-sanitize and runs the test suite
+# Debug (asserts on, -O0) with both sanitizers into build/dev-sanitize and runs the test suite
 # against it, less the tests marked slow (hundreds of leaves, a large tensor: they stress XLA's
 # compiler, whose allocations ASan slows tenfold), tests/test_cuda_on_cpu.py (which
 # tools/cuda_on_cpu.sh runs against this build), tests/test_dtypes.py, tests/test_frameworks.py,
