@@ -213,7 +213,7 @@ struct Block {
   uint3 bid{};
   std::vector<Fiber> fibers;
   std::vector<WarpState> warps;
-  ucontext_t scheduler;
+  ucontext_t scheduler{};  // its uc_stack stays empty: see make_fibers()
   Fiber* current = nullptr;
   const void* scheduler_stack = nullptr;
   size_t scheduler_stack_size = 0;
