@@ -88,14 +88,28 @@ def find_tool(name):
   sys.exit(f"kernel_report: {name} not found after installing {' '.join(TOOL_PACKAGES)}")
 
 
-def run(*cmd, cwd=None):
+def tool_env(tool):
   env = dict(os.environ)
   # cuobjdump -sass and nvdisasm find each other on the PATH.
-  env["PATH"] = os.pathsep.join([os.path.dirname(cmd[0]), env.get("PATH", "")])
-  res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+  env["PATH"] = os.pathsep.join([os.path.dirname(tool), env.get("PATH", "")])
+  return env
+
+
+def run(*cmd, cwd=None):
+  res = subprocess.run(cmd, cwd=cwd, env=tool_env(cmd[0]), capture_output=True, text=True)
   if res.returncode != 0:
     sys.exit(f"kernel_report: {' '.join(cmd)} failed:\n{res.stderr}")
   return res.stdout
+
+
+def run_lines(*cmd):
+  """run()'s output line by line, as the command writes it (for outputs of hundreds of MB)."""
+  with tempfile.TemporaryFile(mode="w+") as errors, subprocess.Popen(
+      cmd, env=tool_env(cmd[0]), stdout=subprocess.PIPE, stderr=errors, text=True) as proc:
+    yield from proc.stdout
+    if proc.wait() != 0:
+      errors.seek(0)
+      sys.exit(f"kernel_report: {' '.join(cmd)} failed:\n{errors.read()}")
 
 
 # ---- reading the binary -------------------------------------------------------------------------
@@ -188,7 +202,7 @@ def elf_sections(path):
 # A kernel's .nv.info.NAME section is a list of attributes, each a 4-byte header (format, id,
 # and a 16-bit value, or for EIFMT_SVAL the size of the value that follows).
 EIFMT_SVAL = 0x04
-EIATTR_MAX_THREADS = 0x05  # SVAL: the x, y, z of __launch_bounds__ (or __maxnreg__'s block)
+EIATTR_MAX_THREADS = 0x05  # SVAL: x, y, z; the x is __launch_bounds__'s threads
 
 
 def kernel_threads(cubin):
@@ -236,34 +250,28 @@ def read_sass(nvdisasm, cubin):
   current = None
   subroutine = None
   where, pending = (), []
-  with tempfile.TemporaryFile(mode="w+") as errors, subprocess.Popen(
-      [nvdisasm, "-c", "-gi", cubin], stdout=subprocess.PIPE, stderr=errors, text=True) as proc:
-    for line in proc.stdout:
-      if "//##" in line:
-        if current is not None:
-          m = SOURCE_LINE.match(line)
-          if m:
-            pending.append((m.group(1), int(m.group(2))))
-        continue
-      if "/*" in line:
-        if current is not None:
-          m = INSTRUCTION.search(line)
-          if m:
-            if pending:
-              where, pending = tuple(pending), []
-            current.append((where, bool(m.group(1)), m.group(2), subroutine, m.group(3).strip()))
-        continue
-      m = SECTION.match(line)
-      if m:
-        current, subroutine, where, pending = functions.setdefault(m.group(1), []), None, (), []
-        continue
-      m = SUBROUTINE.match(line) if current is not None else None
-      if m:
-        subroutine = m.group(2)
-    proc.wait()
-    if proc.returncode != 0:
-      errors.seek(0)
-      sys.exit(f"kernel_report: {nvdisasm} -c -gi {cubin} failed:\n{errors.read()}")
+  for line in run_lines(nvdisasm, "-c", "-gi", cubin):
+    if "//##" in line:
+      if current is not None:
+        m = SOURCE_LINE.match(line)
+        if m:
+          pending.append((m.group(1), int(m.group(2))))
+      continue
+    if "/*" in line:
+      if current is not None:
+        m = INSTRUCTION.search(line)
+        if m:
+          if pending:
+            where, pending = tuple(pending), []
+          current.append((where, bool(m.group(1)), m.group(2), subroutine, m.group(3).strip()))
+      continue
+    m = SECTION.match(line)
+    if m:
+      current, subroutine, where, pending = functions.setdefault(m.group(1), []), None, (), []
+      continue
+    m = SUBROUTINE.match(line) if current is not None else None
+    if m:
+      subroutine = m.group(2)
   return functions
 
 
