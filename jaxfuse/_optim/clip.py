@@ -39,6 +39,7 @@ from jaxfuse._core import ffi as _ffi
 from jaxfuse._core import partition as _partition
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import inplace as _inplace
+from jaxfuse._optim import spec as _spec
 
 _CONTRACT = _ffi.contract("jaxfuse_global_norm")
 
@@ -192,6 +193,7 @@ def clip_by_global_norm(max_norm: Any, *,
     An optax ``GradientTransformationExtraArgs`` with optax's (empty) state. ``update`` accepts
     the extra argument ``grad_scale`` (see the module docstring).
   """
+  _spec.check_number("jaxfuse.clip_by_global_norm", "max_norm", max_norm)
   spec = ClipSpec(max_norm, axis_name)
 
   def init_fn(params):

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import jax
 import optax
 
+from jaxfuse._optim import donation as _donation
 from jaxfuse._optim import inplace as _inplace
 
 
@@ -47,6 +48,7 @@ def fused_step(tx: optax.GradientTransformation, grads: Any, opt_state: Any, par
   Returns:
     ``(new_params, new_opt_state)``, or ``(new_params, new_opt_state, grad_norm)``.
   """
+  params, opt_state = _donation.check(params, opt_state)
   step = _inplace.InPlaceStep(grad_scale=grad_scale, need_norm=return_grad_norm)
   with _inplace.active(step):
     updates, new_state = tx.update(grads, opt_state, params)

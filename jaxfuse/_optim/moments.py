@@ -13,11 +13,14 @@ their moments in floats, as bitsandbytes keeps small tensors' state in 32 bits.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxfuse._core import trees as _trees
 
 # Leaves with fewer elements keep float moments: their state is a small part of the total, and
 # biases and norms are where quantization error shows first (bitsandbytes' min_8bit_size).
@@ -59,6 +62,39 @@ def quantizable(shape: tuple[int, ...], dtype: Any, block: int) -> bool:
   math, at least MIN_QUANTIZED_SIZE elements, whole blocks."""
   return (jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16, jnp.float16)
           and math.prod(shape) >= MIN_QUANTIZED_SIZE and block_axis(shape, block) is not None)
+
+
+def float_leaves(params: Any, block: int) -> list[tuple[str, Any]]:
+  """(name, shape) of each params leaf whose states ``moment_bits=8`` keeps in floats."""
+  return [(name, p.shape) for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params))
+          if not quantizable(p.shape, p.dtype, block)]
+
+
+_warned: set[str] = set()
+
+
+def warn_float_leaves(owner: str, params: Any, block: int) -> None:
+  """Warns, once per message, which leaves ``moment_bits=8`` leaves in floats: the small ones by
+  count, the others (where a user expected to save) by name."""
+  kept = float_leaves(params, block)
+  if not kept:
+    return
+  small = [name for name, shape in kept if math.prod(shape) < MIN_QUANTIZED_SIZE]
+  other = [f"{name} {tuple(shape)}" for name, shape in kept if math.prod(shape) >= MIN_QUANTIZED_SIZE]
+  parts = []
+  if other:
+    parts.append(f"{len(other)} whose trailing dimensions hold no whole blocks of {block} "
+                 f"elements, or whose math is not float32: {', '.join(other[:10])}"
+                 + (", ..." if len(other) > 10 else ""))
+  if small:
+    parts.append(f"{len(small)} under {MIN_QUANTIZED_SIZE} elements (biases, norms: kept in "
+                 f"floats by design): {', '.join(small[:5])}" + (", ..." if len(small) > 5 else ""))
+  message = (f"{owner}: moment_bits=8 keeps the states of {len(kept)} of "
+             f"{len(jax.tree.leaves(params))} params leaves in floats: {'; '.join(parts)}. "
+             "jaxfuse.report(step, ...).float_state_leaves lists them.")
+  if message not in _warned:
+    _warned.add(message)
+    warnings.warn(message, stacklevel=2)
 
 
 def split_block_dims(x: Any, block: int) -> list[int]:

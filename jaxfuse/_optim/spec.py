@@ -42,6 +42,27 @@ class ExtraState(NamedTuple):
   param_remainders: Any = None
 
 
+def check_number(owner: str, name: str, value: Any, *, schedule: bool = False) -> None:
+  """Raises unless hyperparameter `name` of `owner` is a real number, a real scalar array (a
+  tracer under ``optax.inject_hyperparams``) or, where `schedule`, a callable. A string would
+  otherwise reach the kernels' vectors as a number (numpy reads '1e-3' as 0.001)."""
+  expected = "a float, an array or a schedule" if schedule else "a float or an array"
+  if schedule and callable(value):
+    return
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{owner}: {name}={value!r} is a bool; expected {expected}")
+  if isinstance(value, (int, float, np.integer, np.floating)):
+    return
+  dtype = getattr(value, "dtype", None)
+  if dtype is None or not hasattr(value, "shape"):
+    raise TypeError(f"{owner}: {name}={value!r} is a {type(value).__name__}; expected {expected}")
+  if not (jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+    raise TypeError(f"{owner}: {name} is a {jnp.dtype(dtype).name} array; expected a real "
+                    "number (integer or floating dtype)")
+  if np.ndim(value) != 0:
+    raise TypeError(f"{owner}: {name} is an array of shape {np.shape(value)}; expected a scalar")
+
+
 def scalar(value: Any, count: jax.Array) -> Any:
   """A hyperparameter's value at this step: schedules evaluated on the count."""
   return value(count) if callable(value) else value
@@ -278,6 +299,7 @@ class Spec:
                            f"{split}, which its 8-bit blocks of {block} elements run along "
                            "(moment_bits=8); shard it along a dimension before those, or "
                            "replicate it")
+      _moments.warn_float_leaves(self.name, params, block)
       quantized = lambda signed: lambda p, x: _moments.quantize(x, signed, block) \
           if _moments.quantizable(p.shape, p.dtype, block) else x
       trees = [jax.tree.map(quantized(signed), params, t)

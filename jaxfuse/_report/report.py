@@ -77,6 +77,7 @@ class Report:
   memory: dict[str, int]
   params: Optional[int]
   state_bytes: Optional[int]
+  float_state_leaves: list[str]  # with moment_bits=8, the params leaves whose states stay floats
   exact: bool
   rows: list[Row]
   cuda_graph_ready: bool  # XLA may capture the jaxfuse calls into CUDA graphs
@@ -141,6 +142,7 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
   jf = [r for r in rows if r.jaxfuse]
   memory = _memory(compiled)
   params, state_bytes = _optimizer_state(args, kwargs)
+  float_leaves = _float_state_leaves(args, kwargs)
   graph_ready, graphs = _cuda_graphs(bool(jf))
   return Report(
       platform=platform,
@@ -157,6 +159,7 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
       memory=memory,
       params=params,
       state_bytes=state_bytes,
+      float_state_leaves=float_leaves,
       exact=exact,
       rows=rows,
       cuda_graph_ready=graph_ready,
@@ -305,6 +308,21 @@ def _optimizer_state(args: tuple, kwargs: dict) -> tuple[Optional[int], Optional
   return params, state_bytes
 
 
+def _float_state_leaves(args: tuple, kwargs: dict) -> list[str]:
+  """The leaves (paths within a state field such as ``mu``) kept in floats beside 8-bit ones in
+  the optimizer states among the arguments (moment_bits=8), each path once."""
+  states = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_optimizer_state)
+            if _is_optimizer_state(x)]
+  names: dict[str, None] = {}
+  for state in states:
+    for field in state:
+      leaves = jax.tree_util.tree_flatten_with_path(field, is_leaf=_moments.is_quantized)[0]
+      if any(_moments.is_quantized(leaf) for _, leaf in leaves):
+        names.update((jax.tree_util.keystr(path), None) for path, leaf in leaves
+                     if not _moments.is_quantized(leaf))
+  return list(names)
+
+
 def _nbytes(leaf: Any) -> int:
   return math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
 
@@ -386,7 +404,12 @@ def _format(r: Report) -> str:
     lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                            for i, (c, w) in enumerate(zip(row, widths))))
   for x in reports:
-    lines += ["", f"{x.label}: CUDA graphs: {x.cuda_graphs}", _format_rows(x)]
+    lines += ["", f"{x.label}: CUDA graphs: {x.cuda_graphs}"]
+    if x.float_state_leaves:
+      names = x.float_state_leaves
+      lines.append(f"{x.label}: states kept in floats beside 8-bit ones (moment_bits=8): "
+                   f"{len(names)} leaves: {', '.join(names[:8])}" + (", ..." if len(names) > 8 else ""))
+    lines.append(_format_rows(x))
   return "\n".join(lines)
 
 

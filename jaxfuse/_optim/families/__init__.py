@@ -140,6 +140,26 @@ def _check_options(fn: Callable, parameters: Any, spec: type[_spec.Spec]) -> Non
                       f"default {defaults[name]!r}, as in every family")
 
 
+# The annotations of the numeric hyperparameters: checked when a transform is made (a string
+# would otherwise be read as a number); those that take schedules are marked True.
+_NUMBER_ANNOTATIONS = {"float": False, "Optional[float]": False, "ScalarOrSchedule": True,
+                       "Optional[ScalarOrSchedule]": True}
+
+
+def _check_arguments(fn: Callable, parameters: Any, arguments: dict[str, Any]) -> None:
+  """Raises unless each numeric hyperparameter is a number, a scalar array or (where its type
+  allows) a schedule, and each flag is not a string, naming the argument."""
+  owner = f"jaxfuse.{fn.__name__}"
+  for name, value in arguments.items():
+    annotation = parameters[name].annotation
+    if value is None and annotation.startswith("Optional["):
+      continue
+    if annotation in _NUMBER_ANNOTATIONS:
+      _spec.check_number(owner, name, value, schedule=_NUMBER_ANNOTATIONS[annotation])
+    elif annotation == "bool" and isinstance(value, (str, bytes)):
+      raise TypeError(f"{owner}: {name}={value!r} is a {type(value).__name__}; expected a bool")
+
+
 def family(spec: type[_spec.Spec], *, variants: Optional[dict[str, dict[str, Any]]] = None,
            **fixed: Any) -> Callable[[Callable], Callable]:
   """Declares a family's public function: its signature (keyword-only shared options last) and
@@ -157,6 +177,7 @@ def family(spec: type[_spec.Spec], *, variants: Optional[dict[str, dict[str, Any
     def spec_of(*args: Any, **kwargs: Any) -> _spec.Spec:
       bound = signature.bind(*args, **kwargs)
       bound.apply_defaults()
+      _check_arguments(fn, signature.parameters, bound.arguments)
       return spec(**bound.arguments, **fixed)
 
     @functools.wraps(fn)
