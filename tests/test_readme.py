@@ -142,8 +142,18 @@ def test_every_python_block_is_run_or_marked_no_run():
   unmarked = [f"{_rel(p)}:{b.line}: ```{b.info}" for p in PAGES for b in python_blocks(p)[2]]
   assert not unmarked, (f"Python blocks neither ```{RUN} (run by this test) nor ```{NO_RUN}: "
                         f"{unmarked}")
-  # The README's Quick start is what this file exists for: it must keep running blocks.
-  assert len(python_blocks(ROOT / "README.md")[0]) >= 2
+  # The README's use and the guide's Quick start are what this file exists for: they must keep
+  # running blocks.
+  assert len(python_blocks(ROOT / "README.md")[0]) >= 1
+  assert len(python_blocks(ROOT / "docs" / "guide.md")[0]) >= 2
+
+
+def test_readme_first_screen():
+  """The README from its title to the two commands (what it is, install, use) fits one screen."""
+  text = (ROOT / "README.md").read_text()
+  first = text[:text.index("## The two commands")].splitlines()
+  assert len(first) <= 45, f"the README's first screen is {len(first)} lines (at most 45)"
+  assert "## Install" in text and "python -m jaxfuse" in text
 
 
 @pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=_rel)
@@ -234,7 +244,8 @@ def test_relative_links_resolve(page):
 def test_links_are_found():
   """The link check sees the README's links to docs/ (a regex that found nothing would pass)."""
   links = relative_links(ROOT / "README.md")
-  assert "docs/optimizers.md" in links and "docs/decoder.md#trying-it-without-a-checkpoint" in links
+  assert "docs/optimizers.md" in links and "docs/guide.md" in links
+  assert "decoder.md#trying-it-without-a-checkpoint" in relative_links(ROOT / "docs" / "guide.md")
   assert "optimizers.md#which-path" in relative_links(ROOT / "docs" / "api.md")
   assert "which-path" in heading_anchors(ROOT.joinpath("docs", "optimizers.md").read_text())
   assert "what-fusion-saves-jaxfusereport" in heading_anchors(
@@ -310,12 +321,12 @@ def test_api_page_signatures_are_the_functions():
 
 def test_every_family_is_exported_and_documented():
   """Every optimizer family's functions (the family list) are in jaxfuse.__all__, have a row on
-  docs/api.md, and each family's optax twin is named in the README's table."""
+  docs/api.md, and each family's optax twin is named in the guide's table."""
   from jaxfuse._optim import families  # noqa: PLC0415
 
   api = (ROOT / "docs" / "api.md").read_text()
   rows = set(re.findall(r"^\| `(\w+)\(", api, re.M)) | set(re.findall(r"`(\w+)\(\.\.\.\)`", api))
-  readme = (ROOT / "README.md").read_text()
+  guide = (ROOT / "docs" / "guide.md").read_text()
   missing = []
   for family in families.registered():
     for fn in family.functions:
@@ -324,6 +335,6 @@ def test_every_family_is_exported_and_documented():
         missing.append(f"jaxfuse.{name} is not exported")
       if name not in rows:
         missing.append(f"docs/api.md has no row for {name}")
-    if f"`optax.{family.functions[0].__name__}`" not in readme:
-      missing.append(f"README.md's table does not name optax.{family.functions[0].__name__}")
+    if f"`optax.{family.functions[0].__name__}`" not in guide:
+      missing.append(f"docs/guide.md's table does not name optax.{family.functions[0].__name__}")
   assert not missing, "\n".join(missing)
