@@ -2,9 +2,11 @@
 decided by tools/build_version.py, held to by CMakeLists.txt, and agrees with jaxfuse.backends().
 """
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -81,15 +83,29 @@ def test_label_refuses_what_cmake_would_refuse(build_version, monkeypatch, tmp_p
 @pytest.mark.skipif(bool(os.environ.get("JAXFUSE_EXTENSION_DIR")),
                     reason="the modules come from a developer build, not from the installed package")
 def test_installed_label_matches_backends():
+  """jaxfuse's label says what jaxfuse itself holds; a CUDA package's, what it holds."""
   if jaxfuse.__version__ == "unknown":
     pytest.skip("jaxfuse is not installed (source tree on sys.path)")
-  label = jaxfuse.__version__.partition("+")[2]
   cuda = jaxfuse.backends()["cuda"]
+  label = jaxfuse.__version__.partition("+")[2]
   if not label:  # built with JAXFUSE_PLAIN_VERSION=1: nothing to check against
     pytest.skip(f"version {jaxfuse.__version__} has no local label")
-  assert (label != "cpu") == cuda["built"], (jaxfuse.__version__, cuda)
-  if cuda["built"]:  # the runtime jaxfuse links statically comes with the nvcc that built it
+  assert (label != "cpu") == (cuda["package"] == "jaxfuse"), (jaxfuse.__version__, cuda)
+  if cuda["built"] and cuda["package"] != "jaxfuse":
+    package = importlib.metadata.version(cuda["package"].replace("_", "-"))
+    assert package.split("+")[0] == jaxfuse.__version__.split("+")[0], (package, jaxfuse.__version__)
+    label = package.partition("+")[2]
+  if cuda["built"]:  # the runtime jaxfuse links statically comes with the toolkit that built it
     assert label == "cu" + cuda["runtime_version"].replace(".", ""), (jaxfuse.__version__, cuda)
+
+
+def test_the_cuda_extras_pin_this_version():
+  """`pip install 'jaxfuse[cuda13]'` brings the CUDA package of the same version, and jax's
+  plugin for the same CUDA major."""
+  text = (ROOT / "pyproject.toml").read_text()
+  base = re.search(r'^base = "(.*)"$', text, re.M)[1]
+  for major in (12, 13):
+    assert f'cuda{major} = ["jaxfuse-cuda{major}=={base}", "jax[cuda{major}]"]' in text
 
 
 def cmake_configure(tmp_path, version, *defines):

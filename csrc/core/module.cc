@@ -9,6 +9,7 @@
 
 #include "core/module.h"
 #include "core/op.h"
+#include "xla/ffi/api/c_api.h"
 #ifdef JAXFUSE_CUDA_MODULE
 #include "core/cuda/cuda_info.h"
 #endif
@@ -108,6 +109,13 @@ void define_module(nb::module_& m) {
   m.def("contract", []() {
     nb::dict d;
     for (const RegisteredOp& op : registered_ops()) d[op.name] = to_dict(op.contract());
+    return d;
+  });
+  // What the module was built against: checked at import against the running jaxlib.
+  m.def("build_info", []() {
+    nb::dict d;
+    d["ffi_api"] = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
+    d["jaxlib"] = JAXFUSE_JAXLIB_VERSION;
     return d;
   });
   m.def("call_cost", &call_cost, nb::arg("target"), nb::arg("operands"), nb::arg("results"),

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxfuse._core import install as _install
+
 
 def load_native_module(name: str) -> Optional[ModuleType]:
   """The native module ``name`` (e.g. "_jaxfuse_cpu") from ``JAXFUSE_EXTENSION_DIR`` when it is
@@ -46,7 +48,8 @@ _jaxfuse_cpu = load_native_module("_jaxfuse_cpu")
 if _jaxfuse_cpu is None:
   raise ImportError("jaxfuse: the native module _jaxfuse_cpu is missing (JAXFUSE_EXTENSION_DIR="
                     f"{os.environ.get('JAXFUSE_EXTENSION_DIR')!r})")
-_jaxfuse_cuda = load_native_module("_jaxfuse_cuda")  # present when the build found a CUDA compiler
+# A source build's, or a CUDA package's (jaxfuse-cuda13, ...): see install.py.
+_jaxfuse_cuda, _cuda_package = _install.find_cuda_module(load_native_module)
 
 CUDA_BUILT = _jaxfuse_cuda is not None
 
@@ -87,7 +90,9 @@ def add_cpu_handlers(name: str, module: ModuleType, cuda_kernels: bool) -> None:
 
 
 def target(name: str) -> str:
-  """The XLA target name for handler `name` under the current CPU handler set."""
+  """The XLA target name for handler `name` under the current CPU handler set (called as each
+  op is traced)."""
+  tell_if_gpu_unused()
   return name + _cpu_sets[_cpu_set].suffix
 
 
@@ -236,26 +241,87 @@ def _version(v: int) -> Optional[str]:
   return f"{v // 1000}.{v % 1000 // 10}" if v else None
 
 
+def _module_info(module: ModuleType, package: str) -> dict[str, Any]:
+  info = module.build_info()
+  return {"package": package, "jaxlib": info["jaxlib"],
+          "ffi_api": ".".join(str(v) for v in info["ffi_api"])}
+
+
+@functools.cache
+def _cpu_status() -> dict[str, Any]:
+  problem = _install.ffi_problem("CPU module", _jaxfuse_cpu, _install.runtime_ffi_api())
+  return {"built": True, "usable": problem is None, "problem": problem,
+          **_module_info(_jaxfuse_cpu, "jaxfuse")}
+
+
 @functools.cache
 def _cuda_status() -> dict[str, Any]:
   if _jaxfuse_cuda is None:
     return {"built": False, "usable": False, "runtime_version": None, "driver_version": None,
-            "problem": "jaxfuse was built without CUDA (no CUDA compiler at build time)"}
+            "problem": "no CUDA handlers in this install: pip install 'jaxfuse[cuda13]' (or "
+                       "[cuda12], as jax's CUDA plugin), or build from source with a CUDA compiler",
+            "package": None, "jaxlib": None, "ffi_api": None}
   info = _jaxfuse_cuda.cuda_info()
-  problem = info["driver_problem"] or None
+  problems = _cuda_install_problems()
+  problem = "; ".join(problems) or info["driver_problem"] or None
   if problem is None and not _cuda_devices_present():
     problem = "jax sees no CUDA device (is the jax CUDA plugin installed?)"
   return {"built": True, "usable": problem is None,
           "runtime_version": _version(info["runtime_version"]),
-          "driver_version": _version(info["driver_version"]), "problem": problem}
+          "driver_version": _version(info["driver_version"]), "problem": problem,
+          **_module_info(_jaxfuse_cuda, _cuda_package)}
+
+
+def _cuda_install_problems() -> list[str]:
+  """What does not fit in the CUDA module's install (install.py), and a driver that exists but
+  is too old for its runtime."""
+  if _jaxfuse_cuda is None:
+    return []
+  info = _jaxfuse_cuda.cuda_info()
+  problems = [p for p in [_install.ffi_problem("CUDA module", _jaxfuse_cuda,
+                                               _install.runtime_ffi_api())] if p]
+  problems += _install.cuda_package_problems(_cuda_package, info["runtime_version"] // 1000)
+  if info["driver_version"] and info["driver_problem"]:
+    problems.append(info["driver_problem"])
+  return problems
+
+
+def check_install() -> None:
+  """Warns once about each problem of this install (install.py), at import: cheap (files and
+  package metadata; no compile, no device)."""
+  problem = _cpu_status()["problem"]
+  for p in ([problem] if problem else []) + _cuda_install_problems():
+    _install.warn(p)
+
+
+_told_no_cuda = False
+
+
+def tell_if_gpu_unused() -> None:
+  """Once per process, at the first trace of a jaxfuse op: a GPU that jax sees and this install
+  has no CUDA handlers for is worth a warning (a computation on it would fail with XLA's "No
+  FFI handler registered")."""
+  global _told_no_cuda
+  if _told_no_cuda or CUDA_BUILT:
+    return
+  _told_no_cuda = True
+  if _cuda_devices_present():
+    _install.warn("jax sees a CUDA GPU, but this jaxfuse install has no CUDA handlers, so its "
+                  "ops cannot run there: pip install 'jaxfuse[cuda13]' (or [cuda12], as jax's "
+                  "CUDA plugin)")
 
 
 def backends() -> dict[str, dict[str, Any]]:
   """Which jaxfuse backends were built into this install and which can run now.
 
-  Returns ``{"cpu": {...}, "cuda": {...}}``; each has ``built`` and ``usable``. The CUDA entry also
-  has ``runtime_version`` (the CUDA toolkit jaxfuse was built with, e.g. ``"13.0"``),
-  ``driver_version`` (the newest CUDA the NVIDIA driver supports, ``None`` without a driver) and
-  ``problem`` (why it is not usable, e.g. a driver too old for the runtime, or ``None``).
+  Returns ``{"cpu": {...}, "cuda": {...}}``; each has ``built``, ``usable``, ``problem`` (why it
+  is not usable, or ``None``), ``package`` (where its handlers come from: ``"jaxfuse"``, or a
+  CUDA package such as ``"jaxfuse_cuda13"``), ``jaxlib`` and ``ffi_api`` (what they were built
+  against). The CUDA entry also has ``runtime_version`` (the CUDA toolkit jaxfuse was built
+  with, e.g. ``"13.0"``) and ``driver_version`` (the newest CUDA the NVIDIA driver supports,
+  ``None`` without a driver). ``python -m jaxfuse`` prints them and runs each usable backend.
   """
-  return {"cpu": {"built": True, "usable": True}, "cuda": dict(_cuda_status())}
+  return {"cpu": dict(_cpu_status()), "cuda": dict(_cuda_status())}
+
+
+check_install()

@@ -29,13 +29,23 @@ struct Cuda {
   static constexpr bool kCommandBufferCompatible = true;
 };
 
-// Lowest NVIDIA driver branch for a CUDA major version (CUDA minor-version compatibility).
-inline int min_driver_branch(int cuda_major) { return cuda_major >= 13 ? 580 : 525; }
-
 struct CudaVersions {
   int runtime = CUDART_VERSION;  // the toolkit jaxfuse was built with, e.g. 13000 for 13.0
   int driver = 0;                // the newest CUDA the installed driver supports; 0: no driver
 };
+
+// The oldest driver that runs these kernels: the CUDA version it must support (CUDA's
+// minor-version compatibility: any driver of the runtime's major) and that driver's branch. CUDA
+// 12 builds need 12.1's driver (R530): the multi-tensor tables are kernel parameters over 4 KB,
+// which CUDA 12.1 introduced.
+struct DriverNeed {
+  int cuda_version;
+  int branch;
+};
+inline DriverNeed driver_need(int runtime) {
+  if (runtime / 1000 >= 13) return {runtime / 1000 * 1000, 580};
+  return {12010, 530};
+}
 
 inline CudaVersions cuda_versions() {
   CudaVersions v;
@@ -45,13 +55,13 @@ inline CudaVersions cuda_versions() {
 
 // Why the driver cannot run these kernels, or "" when it can.
 inline std::string driver_problem(const CudaVersions& v) {
-  const int need = v.runtime / 1000;
   if (v.driver == 0) return "no NVIDIA driver found";
-  if (v.driver / 1000 < need) {
+  const DriverNeed need = driver_need(v.runtime);
+  if (v.driver < need.cuda_version) {
     return str_cat("the NVIDIA driver supports CUDA ", v.driver / 1000, ".", v.driver % 1000 / 10,
-                   " but jaxfuse's CUDA kernels were built with CUDA ", need, ".",
-                   v.runtime % 1000 / 10, ": install driver ", min_driver_branch(need),
-                   " or newer (or build jaxfuse with an older CUDA toolkit)");
+                   " but jaxfuse's CUDA kernels were built with CUDA ", v.runtime / 1000, ".",
+                   v.runtime % 1000 / 10, ": install driver ", need.branch,
+                   " or newer (or jaxfuse's package for an older CUDA)");
   }
   return "";
 }
