@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Builds jaxfuse's wheels into dist/, packaged as jax's are:
 #   cpu     jaxfuse-VERSION+cpu: the Python package and the CPU handlers
-#   cuda13  jaxfuse_cuda13-VERSION+cu13X: the CUDA 13 handlers, compiled by the nvcc on the PATH
-#   cuda12  jaxfuse_cuda12-VERSION+cu12X: the CUDA 12 handlers (tools/cuda12_toolchain.sh)
+#   cuda13  jaxfuse_cuda13-VERSION+cu13X: the CUDA 13 handlers
+#   cuda12  jaxfuse_cuda12-VERSION+cu12X: the CUDA 12 handlers (12.1 or later)
+# A CUDA package is compiled by the CUDA compiler CMake finds ($CUDACXX, else nvcc on the PATH,
+# else $CUDA_PATH/bin), which must be of its major: CUDACXX=/usr/local/cuda-12.8/bin/nvcc for
+# cuda12 where the PATH's nvcc is CUDA 13's.
 # A user installs jaxfuse and the handlers for jax's CUDA: `pip install --find-links dist
 # 'jaxfuse[cuda13]'`. Each wheel has nanobind's stable ABI on Python 3.12 (one cp312-abi3 wheel
 # serves 3.12 and later), the CUDA runtime linked statically (a GPU machine needs only the NVIDIA
@@ -56,7 +59,6 @@ build() {  # build PACKAGE: its wheel, repaired into dist/
     cuda*)
       local major=${package#cuda}
       export JAXFUSE_CUDA=ON
-      if [ "$major" = 12 ]; then source tools/cuda12_toolchain.sh; cuda12_toolchain; fi
       source=build/cuda-package-$major
       mkdir -p "$source"
       sed -e "s|@CUDA_MAJOR@|$major|g" -e "s|@ROOT@|$root|g" -e "s|@BASE@|$base|g" \
