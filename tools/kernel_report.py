@@ -142,12 +142,16 @@ class Instance:
 
 def module_path(arg, workdir):
   """The CUDA module (or cubin) to read: the argument, the one inside a wheel (extracted into
-  workdir), or the installed jaxfuse's."""
-  if arg is None:  # where `import jaxfuse._jaxfuse_cuda` finds it (an editable install too)
-    spec = importlib.util.find_spec("jaxfuse._jaxfuse_cuda")
-    if spec is None or not spec.origin:
-      sys.exit("kernel_report: the installed jaxfuse has no CUDA module (built without nvcc?)")
-    return spec.origin
+  workdir), or the installed one (a source build's, else a CUDA package's)."""
+  if arg is None:
+    for package in ("jaxfuse", "jaxfuse_cuda13", "jaxfuse_cuda12"):
+      if importlib.util.find_spec(package) is None:
+        continue
+      spec = importlib.util.find_spec(f"{package}._jaxfuse_cuda")
+      if spec is not None and spec.origin:
+        return spec.origin
+    sys.exit("kernel_report: no CUDA module installed (jaxfuse built without nvcc, and no "
+             "jaxfuse-cuda12/13 package)")
   if arg.endswith(".whl"):
     with zipfile.ZipFile(arg) as z:
       names = [n for n in z.namelist() if re.search(r"/_jaxfuse_cuda[^/]*\.so$", n)]

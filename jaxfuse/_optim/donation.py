@@ -35,11 +35,14 @@ def check(params: Any, opt_state: Any) -> tuple[Any, Any]:
   """``(params, opt_state)`` unchanged, checked for donation when the step is lowered (see the
   module docstring)."""
   leaves, treedef = jax.tree.flatten((params, opt_state))
-  if not leaves:
+  arrays = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]  # tracers too
+  if not arrays:
     return params, opt_state
-  n_params = len(jax.tree.leaves(params))
-  out = _probe.bind(*leaves, n_params=n_params)
-  return jax.tree.unflatten(treedef, out)
+  n_params = sum(i < len(jax.tree.leaves(params)) for i in arrays)
+  out = _probe.bind(*(leaves[i] for i in arrays), n_params=n_params)
+  for i, leaf in zip(arrays, out):
+    leaves[i] = leaf
+  return jax.tree.unflatten(treedef, leaves)
 
 
 def _impl(*leaves: Any, n_params: int) -> list:
