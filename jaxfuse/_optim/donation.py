@@ -105,9 +105,11 @@ def _jvp(primals: Any, tangents: Any, *, n_params: int) -> tuple[list, Any]:
   return _probe.bind(*primals, n_params=n_params), tangents
 
 
-def _dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+def _dce(used_outputs: list[bool], *args: Any) -> tuple[list[bool], Any]:
   # Leaves the step does not read stay unread: jit drops them from the executable (and from its
-  # donations), as it would without the check.
+  # donations), as it would without the check. The equation comes last (jax 0.12 passes the
+  # live inputs before it).
+  eqn = args[-1]
   if not any(used_outputs):
     return used_outputs, None
   n_params = sum(used_outputs[:eqn.params["n_params"]])
