@@ -82,11 +82,10 @@ build() {  # build PACKAGE: its wheel, repaired into dist/
   tr '\n' ' ' < "$raw/show.txt" | grep -o 'consistent with the following platform tag: *"[^"]*"' \
     || { cat "$raw/show.txt"; exit 1; }
   stamp "$package: built $wheel ($(du -k "$wheel" | cut -f1) KiB)"
-  wheels+=("$wheel")
+  echo "$wheel" > "build/wheel-raw/$package.path"
 }
 
-wheels=()
 for package in "$@"; do
-  ( build "$package"; echo "${wheels[@]}" > "build/wheel-raw/$package.path" )
+  ( build "$package" )  # a subshell each: the packages' settings (JAXFUSE_CUDA) stay apart
 done
 for package in "$@"; do cat "build/wheel-raw/$package.path"; done
