@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse._optim import donation as _donation
+from jaxfuse._core import notices
 from jaxfuse._optim.families import registered
 
 
@@ -76,7 +76,7 @@ def test_moment_bits_8_names_the_leaves_it_keeps_in_floats():
 
 
 def _donation_warnings(fn, *args):
-  _donation._warned.clear()
+  notices.forget()
   with warnings.catch_warnings(record=True) as seen:
     warnings.simplefilter("always")
     fn(*args)
@@ -107,14 +107,27 @@ def test_fused_step_says_when_params_or_state_are_not_donated():
 
 def test_the_donation_check_changes_nothing_jit_sees():
   """Unread state leaves stay out of the executable (a schedule's count beside Adam's, which the
-  in-place step replaces), so passing a state whose leaves share a buffer works as before."""
-  params = {"w": jnp.linspace(-1.0, 1.0, 12)}
+  in-place step replaces), so passing a state whose leaves share a buffer works as before, and
+  the steps are optax's."""
+  params = {"w": jax.random.normal(jax.random.key(1), (3, 40)),
+            "b": jax.random.uniform(jax.random.key(2), (7,), minval=-1.0)}
   tx = optax.chain(jaxfuse.clip_by_global_norm(1.0),
-                   jaxfuse.adamw(optax.linear_schedule(1e-3, 0.0, 10)))
+                   jaxfuse.adamw(optax.linear_schedule(1e-2, 0.0, 10)))
+  reference = optax.chain(optax.clip_by_global_norm(1.0),
+                          optax.adamw(optax.linear_schedule(1e-2, 0.0, 10)))
+  grads = lambda p: jax.tree.map(lambda x: jnp.cos(3.0 * x), p)
   state = tx.init(params)
-  _, state = tx.update(params, state, params)  # the optax protocol: one count for both
+  updates, state = tx.update(grads(params), state, params)  # the optax protocol: one count for both
+  ours = optax.apply_updates(params, updates)
+  ref_updates, ref_state = reference.update(grads(params), reference.init(params), params)
+  expected = optax.apply_updates(params, ref_updates)
   step = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(1, 2))
   for _ in range(2):
-    params, state = step(jax.tree.map(jnp.cos, params), state, params)
+    ours, state = step(grads(ours), state, ours)
+    ref_updates, ref_state = reference.update(grads(expected), ref_state, expected)
+    expected = optax.apply_updates(expected, ref_updates)
+  for name in params:  # float32 steps; the clip's norm is summed in float64 by jaxfuse
+    np.testing.assert_allclose(ours[name], expected[name], rtol=1e-6, atol=1e-6)
   vmapped = jax.vmap(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), in_axes=(0, None, None))
-  assert vmapped({"w": jnp.ones((2, 12))}, state, params)[0]["w"].shape == (2, 12)
+  batch = jax.tree.map(lambda p: jnp.stack([p, -p]), grads(ours))
+  assert vmapped(batch, state, ours)[0]["w"].shape == (2, 3, 40)

@@ -15,7 +15,7 @@ import pytest
 
 import jaxfuse
 from jaxfuse._core import ffi as _ffi
-from jaxfuse._core import install
+from jaxfuse._core import install, notices
 
 
 def test_backends_say_what_each_backend_was_built_from():
@@ -38,7 +38,7 @@ def test_a_module_built_against_a_newer_ffi_than_the_running_jaxlib_is_named(mon
   assert install.ffi_problem("CPU module", _ffi._jaxfuse_cpu, (major, minor + 3)) is None
   # as import would: one InstallWarning, and the backend reported unusable
   monkeypatch.setattr(install, "runtime_ffi_api", lambda: (major, minor - 1))
-  monkeypatch.setattr(install, "_warned", set())
+  notices.forget()
   _ffi._cpu_status.cache_clear()
   try:
     with pytest.warns(install.InstallWarning, match="CPU module was built against jaxlib"):
@@ -98,7 +98,7 @@ def test_a_gpu_without_cuda_handlers_is_told_once(monkeypatch):
   monkeypatch.setattr(_ffi, "CUDA_BUILT", False)
   monkeypatch.setattr(_ffi, "_told_no_cuda", False)
   monkeypatch.setattr(_ffi, "_cuda_devices_present", lambda: True)
-  monkeypatch.setattr(install, "_warned", set())
+  notices.forget()
   with pytest.warns(install.InstallWarning, match=r"jax sees a CUDA GPU, but this jaxfuse install "
                                                   r"has no CUDA handlers.*jaxfuse\[cuda13\]"):
     _ffi.target("jaxfuse_adam")

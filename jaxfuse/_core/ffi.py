@@ -272,25 +272,26 @@ def _cuda_status() -> dict[str, Any]:
           **_module_info(_jaxfuse_cuda, _cuda_package)}
 
 
-def _cuda_install_problems() -> list[str]:
+@functools.cache
+def _cuda_install_problems() -> tuple[str, ...]:
   """What does not fit in the CUDA module's install (install.py), and a driver that exists but
   is too old for its runtime."""
   if _jaxfuse_cuda is None:
-    return []
+    return ()
   info = _jaxfuse_cuda.cuda_info()
   problems = [p for p in [_install.ffi_problem("CUDA module", _jaxfuse_cuda,
                                                _install.runtime_ffi_api())] if p]
   problems += _install.cuda_package_problems(_cuda_package, info["runtime_version"] // 1000)
   if info["driver_version"] and info["driver_problem"]:
     problems.append(info["driver_problem"])
-  return problems
+  return tuple(problems)
 
 
 def check_install() -> None:
   """Warns once about each problem of this install (install.py), at import: cheap (files and
   package metadata; no compile, no device)."""
   problem = _cpu_status()["problem"]
-  for p in ([problem] if problem else []) + _cuda_install_problems():
+  for p in ([problem] if problem else []) + list(_cuda_install_problems()):
     _install.warn(p)
 
 

@@ -17,16 +17,18 @@ usable backend's handlers once.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 import re
-import warnings
 from importlib import metadata
 from types import ModuleType
 from typing import Any, Callable, Optional
 
 import jax
+
+from jaxfuse._core import notices as _notices
 
 # The CUDA handler packages by CUDA major, the newest first.
 CUDA_PACKAGES = {13: "jaxfuse_cuda13", 12: "jaxfuse_cuda12"}
@@ -72,6 +74,7 @@ def find_cuda_module(load: Callable[[str], Optional[ModuleType]]
   return importlib.import_module(f"{package}._jaxfuse_cuda"), package
 
 
+@functools.cache
 def runtime_ffi_api() -> Optional[tuple[int, int]]:
   """The XLA FFI API version (major, minor) of the running jaxlib, from the headers it ships;
   None where they are missing."""
@@ -123,14 +126,9 @@ def cuda_package_problems(package: Optional[str], cuda_major: int) -> list[str]:
   return problems
 
 
-_warned: set[str] = set()
-
-
 def warn(problem: str) -> None:
   """One InstallWarning per distinct problem in a process."""
-  if problem not in _warned:
-    _warned.add(problem)
-    warnings.warn(f"jaxfuse: {problem}", InstallWarning, stacklevel=3)
+  _notices.warn_once(f"jaxfuse: {problem}", InstallWarning, stacklevel=3)
 
 
 def summary(backends: dict[str, dict[str, Any]]) -> str:

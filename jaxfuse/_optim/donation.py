@@ -14,7 +14,6 @@ function) are not judged. The primitive adds no operation to the program.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import jax
@@ -23,12 +22,13 @@ from jax.extend import core as _jex_core
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
 
+from jaxfuse._core import notices as _notices
+
 ir = mlir.ir
 
 _probe = _jex_core.Primitive("jaxfuse_donation_check")
 _probe.multiple_results = True
 _DONATION_ATTRIBUTES = ("tf.aliasing_output", "jax.buffer_donor")
-_warned: set[str] = set()
 
 
 def check(params: Any, opt_state: Any) -> tuple[Any, Any]:
@@ -46,9 +46,9 @@ def check(params: Any, opt_state: Any) -> tuple[Any, Any]:
 
 
 def _impl(*leaves: Any, n_params: int) -> list:
-  _warn_once("jaxfuse.fused_step runs outside jax.jit here, so each of its calls copies params "
-             "and state before updating them: jit the step, donating params and opt_state "
-             "(jax.jit(step, donate_argnums=...)).")
+  _notices.warn_once("jaxfuse.fused_step runs outside jax.jit here, so each of its calls copies "
+                     "params and state before updating them: jit the step, donating params and "
+                     "opt_state (jax.jit(step, donate_argnums=...)).")
   return list(leaves)
 
 
@@ -86,7 +86,7 @@ def _lowering(ctx: Any, *operands: ir.Value, n_params: int) -> list:
            if sizes]
   if parts:
     total = sum(sum(sizes) for sizes in undonated.values())
-    _warn_once(
+    _notices.warn_once(
         f"jaxfuse.fused_step: {' and '.join(parts)} are not donated to the jitted step, so XLA "
         f"copies them ({total / 1e6:.3g} MB) before updating them in place, every step. Donate "
         "them, in the order the step returns them: jax.jit(step, donate_argnums=...). A donated "
@@ -116,12 +116,6 @@ def _dce(used_outputs: list[bool], *args: Any) -> tuple[list[bool], Any]:
   keep = lambda xs: [x for x, used in zip(xs, used_outputs) if used]
   return used_outputs, eqn.replace(invars=keep(eqn.invars), outvars=keep(eqn.outvars),
                                    params={**eqn.params, "n_params": n_params})
-
-
-def _warn_once(message: str) -> None:
-  if message not in _warned:
-    _warned.add(message)
-    warnings.warn(message, stacklevel=3)
 
 
 _probe.def_impl(_impl)

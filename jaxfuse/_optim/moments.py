@@ -13,13 +13,13 @@ their moments in floats, as bitsandbytes keeps small tensors' state in 32 bits.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxfuse._core import notices as _notices
 from jaxfuse._core import trees as _trees
 
 # Leaves with fewer elements keep float moments: their state is a small part of the total, and
@@ -70,9 +70,6 @@ def float_leaves(params: Any, block: int) -> list[tuple[str, Any]]:
           if not quantizable(p.shape, p.dtype, block)]
 
 
-_warned: set[str] = set()
-
-
 def warn_float_leaves(owner: str, params: Any, block: int) -> None:
   """Warns, once per message, which leaves ``moment_bits=8`` leaves in floats: the small ones by
   count, the others (where a user expected to save) by name."""
@@ -92,9 +89,7 @@ def warn_float_leaves(owner: str, params: Any, block: int) -> None:
   message = (f"{owner}: moment_bits=8 keeps the states of {len(kept)} of "
              f"{len(jax.tree.leaves(params))} params leaves in floats: {'; '.join(parts)}. "
              "jaxfuse.report(step, ...).float_state_leaves lists them.")
-  if message not in _warned:
-    _warned.add(message)
-    warnings.warn(message, stacklevel=2)
+  _notices.warn_once(message)
 
 
 def split_block_dims(x: Any, block: int) -> list[int]:

@@ -141,8 +141,9 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
   rows, exact = _rows(module, platform)
   jf = [r for r in rows if r.jaxfuse]
   memory = _memory(compiled)
-  params, state_bytes = _optimizer_state(args, kwargs)
-  float_leaves = _float_state_leaves(args, kwargs)
+  states = _optimizer_states(args, kwargs)
+  params, state_bytes = _state_size(states)
+  float_leaves = _float_state_leaves(states)
   graph_ready, graphs = _cuda_graphs(bool(jf))
   return Report(
       platform=platform,
@@ -291,11 +292,15 @@ def _is_optimizer_state(x: Any) -> bool:
   return hasattr(x, "_fields") and module.split(".")[0] in ("optax", "jaxfuse")
 
 
-def _optimizer_state(args: tuple, kwargs: dict) -> tuple[Optional[int], Optional[int]]:
-  """(parameters, bytes of optimizer state) when an argument holds optax or jaxfuse states; the
-  parameter count is the size of the first Adam-style ``mu`` tree."""
-  states = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_optimizer_state)
-            if _is_optimizer_state(x)]
+def _optimizer_states(args: tuple, kwargs: dict) -> list[Any]:
+  """The optax and jaxfuse states among a step's arguments."""
+  return [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_optimizer_state)
+          if _is_optimizer_state(x)]
+
+
+def _state_size(states: list[Any]) -> tuple[Optional[int], Optional[int]]:
+  """(parameters, bytes of optimizer state) of the step's optimizer states, (None, None) without
+  one; the parameter count is the size of the first Adam-style ``mu`` tree."""
   if not states:
     return None, None
   state_bytes = sum(_nbytes(leaf) for leaf in jax.tree.leaves(states))
@@ -308,11 +313,9 @@ def _optimizer_state(args: tuple, kwargs: dict) -> tuple[Optional[int], Optional
   return params, state_bytes
 
 
-def _float_state_leaves(args: tuple, kwargs: dict) -> list[str]:
+def _float_state_leaves(states: list[Any]) -> list[str]:
   """The leaves (paths within a state field such as ``mu``) kept in floats beside 8-bit ones in
-  the optimizer states among the arguments (moment_bits=8), each path once."""
-  states = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_optimizer_state)
-            if _is_optimizer_state(x)]
+  the optimizer states (moment_bits=8), each path once."""
   names: dict[str, None] = {}
   for state in states:
     for field in state:
