@@ -13,6 +13,8 @@ Optimizer side (optax-compatible):
   master_params,       the full-precision params a state keeps (master copy, remainders), and
   convert_state        a state moved to another transform's dtypes and master layout
   QuantizedMoment      one leaf of an 8-bit moment (moment_bits=8): codes and block scales
+  pack, unpack, Packed a tree's arrays as one flat buffer per dtype (packed params; the
+                       optimizers' packed=True states), and back
 
 Reporting:
   report               what a jitted step launches, moves and holds, beside a baseline
@@ -29,6 +31,7 @@ import importlib as _importlib
 from importlib import metadata as _metadata
 
 from jaxfuse._core.ffi import backends, export_safety_checks
+from jaxfuse._core.packing import Packed, pack, unpack
 from jaxfuse._decode.config import DecoderConfig, DecoderWeights, KVCache, RopeScaling
 from jaxfuse._decode.generation import decode_step, generate, init_cache, prefill
 from jaxfuse._decode.hf import load_hf
@@ -80,6 +83,7 @@ __all__ = [
     "DecoderWeights",
     "ExtraState",
     "KVCache",
+    "Packed",
     "QuantizedMoment",
     "Report",
     "RopeScaling",
@@ -104,6 +108,7 @@ __all__ = [
     "nadam",
     "multi_steps",
     "nadamw",
+    "pack",
     "persistent_decoder",
     "prefill",
     "quantize",
@@ -111,4 +116,5 @@ __all__ = [
     "report",
     "rmsprop",
     "sgd",
+    "unpack",
 ]

@@ -19,7 +19,10 @@ from typing import Any
 
 import flax.nnx as nnx
 from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT
+from flax.nnx.training.optimizer import to_opt_state
 from flax.training import train_state
+
+from jaxfuse._core import packing as _packing
 
 from jaxfuse._optim.fused import fused_step
 
@@ -52,6 +55,14 @@ class Optimizer(nnx.Optimizer):
 
   ``jaxfuse.flax.Optimizer(model, jaxfuse.adamw(...), wrt=nnx.Param)`` as with nnx's.
   """
+
+  def __init__(self, model, tx, *, wrt, **kwargs) -> None:
+    super().__init__(model, tx, wrt=wrt, **kwargs)
+    if _packing.contains_packed(self.opt_state):
+      # update() hands the transform plain arrays (no Variables); a packed state's layout,
+      # made by init, must describe that tree.
+      params = nnx.as_pure(nnx.state(model, wrt, graph=self.graph))
+      self.opt_state = nnx.data(to_opt_state(tx.init(params)))
 
   def update(self, model, grads, /, *, grad_scale: Any = None) -> None:
     """Updates the model's ``wrt`` variables and the optimizer state in place from ``grads``

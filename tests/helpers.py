@@ -40,6 +40,11 @@ def emulated_cuda_module():
   return module
 
 
+# The attributes of an optimizer or trust-sums call with no packed list (tensor_lists.h).
+UNPACKED = dict(packed_lists=np.int64(0), packed_offsets=np.zeros(0, np.int64),
+                tensor_sizes=np.zeros(0, np.int64))
+
+
 def stable_seed(*parts):
   """A random seed derived from `parts` (strings, numbers) that is the same in every run.
 

@@ -536,3 +536,24 @@ def test_moments8_on_sharded_params(kind):
   for specs in ([P(), P(None, "fsdp"), P(), P(), P()], [P(), P(), P(), P(), P("fsdp")]):
     with pytest.raises(Exception, match="which its 8-bit blocks of 128 elements run along"):
       sharded(specs)
+
+
+def test_packed_state_on_replicated_params(kind):
+  """Data parallelism: params replicated on the mesh, the packed state too; the fused step runs
+  whole on every device, no collective, the unsharded step's bits. Params split over devices
+  are refused, naming the leaf (their states stay per leaf)."""
+  mesh = make_mesh("fsdp", kind)
+  params = random_tree(40, [(64, 32), (40,), ()])
+  grads = random_tree(41, [(64, 32), (40,), ()])
+  tx = jaxfuse.adamw(LR, weight_decay=WD, packed=True)
+  step = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p))
+  expected = step(grads, tx.init(params), params)
+  with jax.set_mesh(mesh):
+    p, g = jax.device_put((params, grads), NamedSharding(mesh, P()))
+    state = tx.init(p)
+    assert collectives(step.lower(g, state, p).compile().as_text()) == (0, 0)
+    assert_bitwise_equal(step(g, state, p), expected, "replicated packed step")
+    split = put(params, mesh, {"leaf0000": P("fsdp"), "leaf0001": P(), "leaf0002": P()})
+    with pytest.raises(ValueError, match=r"leaf \['leaf0000'\] is split over mesh axes "
+                                         r"\('fsdp',\)"):
+      tx.init(split)

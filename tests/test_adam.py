@@ -9,7 +9,8 @@ import pytest
 import jaxfuse
 from jaxfuse._core import ffi as _ffi
 from jaxfuse._optim import kernel_path as _kernel_path
-from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
+from helpers import (UNPACKED, assert_trees_close, count_custom_calls, init_beside, random_tree,
+                     ulp)
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5), (2, 0, 4)]
 F32_EPS = ulp(jnp.float32)
@@ -431,10 +432,11 @@ def test_handler_rejects_inconsistent_calls():
   results = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct((4,), jnp.float32)] * 3
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, vmap_method="sequential")
   attrs = dict(flags=np.int64(0), master=False, remainders=False, stochastic_rounding=False,
-               quantized_states=False, tensor_flags=np.zeros(1, np.uint8))
+               quantized_states=False, tensor_flags=np.zeros(1, np.uint8), **UNPACKED)
   one = dict(attrs, num_tensors=np.int64(1))
   with pytest.raises(Exception, match="do not fit num_tensors=2"):
-    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, num_tensors=np.int64(2), **attrs))
+    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, num_tensors=np.int64(2),
+                               **dict(attrs, tensor_flags=np.zeros(2, np.uint8))))
   with pytest.raises(Exception, match="hyper has 3 elements"):
     jax.block_until_ready(call(count, jnp.zeros((3,)), grad_ctrl, *xs, **one))
   with pytest.raises(Exception, match="not aliased"):  # params, mu, nu updated in place

@@ -582,26 +582,34 @@ def precision_case(mode):
       "moments8": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1, moment_bits=8),
       "moments8_master": lambda: jaxfuse.adamw(3e-3, moment_bits=8, master_weights=True,
                                                skip_nonfinite=True),
+      # packed states and params: every tensor's lists at offsets in a few buffers
+      "packed": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1, packed=True, master_weights=True),
+      "moments8_packed": lambda: jaxfuse.adamw(3e-3, moment_bits=8, packed=True),
+      "packed_params": lambda: jaxfuse.adamw(3e-3, weight_decay=0.1),
   }
   tx = make[mode]()
   params = random_tree(1, sizes, dtypes)
   grads = random_tree(2, sizes, dtypes, scale=0.5)
+  warm = random_tree(3, sizes, dtypes)
+  if mode == "packed_params":
+    params, grads, warm = jaxfuse.pack(params), jaxfuse.pack(grads), jaxfuse.pack(warm)
   if mode.endswith("skip") or mode == "stochastic_sgd":
     grads["leaf0007"] = grads["leaf0007"].at[0, 7].set(jnp.inf)
   state = tx.init(params)
-  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(random_tree(3, sizes, dtypes), state,
-                                                         params)
+  state = jax.jit(lambda g, s, p: tx.update(g, s, p)[1])(warm, state, params)
   return tx, params, grads, state
 
 
 @pytest.mark.parametrize("mode,launch", on_launches(
     [(m,) for m in ("stochastic", "stochastic_sgd", "remainder", "remainder_skip", "nu_bf16",
-                    "moments_bf16", "moments8", "moments8_master", "moments8_sgd")]),
+                    "moments_bf16", "moments8", "moments8_master", "moments8_sgd", "packed",
+                    "moments8_packed", "packed_params")]),
     indirect=["launch"])
 def test_precision_modes_bitwise(mode, launch):
   """Stochastic rounding's bits come from each element's index in its tensor (also across the
   slices a huge tensor is split into), remainders are integer words, and 8-bit moments' block
-  maxima are exact (a warp's on the GPU, a tile's blocks on the CPU): the same bits on both."""
+  maxima are exact (a warp's on the GPU, a tile's blocks on the CPU), and packed lists only
+  move where each tensor's elements are: the same bits on both."""
   tx, params, grads, state = precision_case(mode)
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(4.0))
   native, emu = on_both(fn, grads, state, params)

@@ -31,6 +31,7 @@ import pytest
 from jaxfuse._core import ffi as _ffi
 from jaxfuse._decode.config import DecoderConfig, DecoderWeights
 from jaxfuse._decode.contract import _WEIGHT_KINDS, _workspace_bytes
+from helpers import UNPACKED
 
 S = jax.ShapeDtypeStruct
 F32, BF16, I32, U8 = jnp.float32, jnp.bfloat16, jnp.int32, jnp.uint8
@@ -84,7 +85,7 @@ def _put(device, *arrays):
 def _adam_attrs(n=1, **over):
   attrs = dict(num_tensors=np.int64(n), flags=np.int64(0), master=False, remainders=False,
                stochastic_rounding=False, quantized_states=False,
-               tensor_flags=np.zeros(n, np.uint8))
+               tensor_flags=np.zeros(n, np.uint8), **UNPACKED)
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
 
@@ -358,17 +359,63 @@ def test_adam_attribute_types(device):
     _adam_call(ops, res, aliases, tensor_flags=np.uint8(0))
   with xla_error("Unsupported array element type for attribute: tensor_flags"):
     _adam_call(ops, res, aliases, tensor_flags=np.zeros(1, bool))
-  with xla_error(r"Wrong number of attributes: expected 7 but got 6"):
+  with xla_error(r"Wrong number of attributes: expected 10 but got 9"):
     _adam_call(ops, res, aliases, flags=None)
+  with xla_error("Wrong array data type: expected S64 but got S32"):
+    _adam_call(ops, res, aliases, packed_offsets=np.zeros(0, np.int32))
+
+
+def test_adam_packed_lists(device):
+  """Packed mu and nu (tensor_lists.h's PackedLists): one buffer each, tensor t's elements at its
+  offset. A good call equals the per-tensor call on those elements and leaves the gaps alone;
+  offsets outside the buffer, overlapping tensors and mismatched attributes are refused."""
+  ops, res, aliases = _adam_in_place(device, {}, {})  # tensors of 4 and 3 elements
+  reference = [np.asarray(x) for x in _adam_call(ops, res, aliases, 2)]
+  offsets = [1, 9]
+  packed = []
+  for k in (2, 3):  # mu, nu: their two tensors at the offsets, the rest 7s
+    buf = np.full((13,), 7.0, np.float32)
+    for t, at in enumerate(offsets):
+      buf[at:at + 4 - t] = np.asarray(ops[3 + 2 * k + t])
+    packed.append(buf)
+  operands = ops[:7] + _put(device, *packed)
+  results = res[:3] + [S((13,), F32)] * 2
+  attrs = dict(packed_lists=np.int64(0b1100), tensor_sizes=np.array([4, 3], np.int64))
+  call = lambda offs, **over: _adam_call(operands, results, {5: 1, 6: 2, 7: 3, 8: 4}, 2,
+                                         **{**attrs, "packed_offsets": np.array(offs, np.int64),
+                                            **over})
+  out = [np.asarray(x) for x in call(offsets * 2)]
+  for i in range(3):
+    np.testing.assert_array_equal(out[i], reference[i])
+  for k, buf in enumerate(out[3:]):
+    for t, at in enumerate(offsets):
+      np.testing.assert_array_equal(buf[at:at + 4 - t], reference[3 + 2 * k + t])
+    assert (np.delete(buf, np.r_[1:5, 9:12]) == 7.0).all()
+  with jaxfuse_error("jaxfuse_adam", r"packed list 'mu' tensor 1: elements \[11, 14\) outside its "
+                                     r"buffer of 13"):
+    call([1, 11, 1, 9])
+  with jaxfuse_error("jaxfuse_adam", "packed list 'nu': two tensors overlap at element 3"):
+    call([1, 9, 0, 3])
+  with jaxfuse_error("jaxfuse_adam", "packed_offsets has 2 entries and tensor_sizes 2, expected 4"):
+    call([1, 9])
+  with jaxfuse_error("jaxfuse_adam", "tensor 0: list 'grads' has 4 elements, tensor_sizes says 5"):
+    call(offsets * 2, tensor_sizes=np.array([5, 3], np.int64))
+  with jaxfuse_error("jaxfuse_adam", "packed_lists 16 names lists beyond the call's 4"):
+    call(offsets * 2, packed_lists=np.int64(16))
 
 
 @pytest.mark.parametrize("n", [-1, 0, 3, -(2**62), 2**62, 2**63 - 1])  # 2: test_adam.py
 def test_adam_num_tensors_inconsistent(device, n):
-  """num_tensors is checked against the operand count before anything is sized by it."""
+  """num_tensors is checked against tensor_flags' entries, then the operand count, before
+  anything is sized by it."""
   ops, res, aliases = _adam_in_place(device)
+  if n < 0 or n > 3:
+    with jaxfuse_error("jaxfuse_adam", f"tensor_flags has 1 entries, expected num_tensors={n}"):
+      _adam_call(ops, res, aliases, num_tensors=np.int64(n))
+    return
   with jaxfuse_error("jaxfuse_adam", rf"4 tensor operands and 3 tensor results do not fit "
                                      rf"num_tensors={n} \(expected 4 and 3 per tensor\)"):
-    _adam_call(ops, res, aliases, num_tensors=np.int64(n))
+    _adam_call(ops, res, aliases, num_tensors=np.int64(n), tensor_flags=np.zeros(n, np.uint8))
 
 
 # ---- trust-ratio families: jaxfuse_lamb (Adam's operands, then trust_sums u32[rows, n, 4]) and
@@ -407,7 +454,7 @@ def test_lamb_trust_sums_workspace(device):
     c = jax.ffi.ffi_call(_ffi.target("jaxfuse_lamb_trust_sums"),
                          [S((1, words), jnp.uint32), S((workspace_bytes,), U8)])
     return _run(c, ops, dict(num_tensors=np.int64(1), flags=np.int64(0),
-                             tensor_flags=np.zeros(1, np.uint8)))
+                             tensor_flags=np.zeros(1, np.uint8), **UNPACKED))
 
   sums, _ = call(partial)  # one tensor of 4 elements: one chunk
   assert np.asarray(sums).any()

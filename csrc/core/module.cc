@@ -75,13 +75,20 @@ std::vector<CallShape::Buffer> to_buffers(const nb::list& buffers) {
   return out;
 }
 
-// CallCost of a call of op `target`; attrs: the call's integer and boolean attributes.
+// CallCost of a call of op `target`; attrs: the call's integer and boolean attributes, and its
+// integer arrays as lists.
 nb::dict call_cost(const std::string& target, const nb::list& operands, const nb::list& results,
                    const nb::dict& attrs) {
   CallShape shape;
   shape.operands = to_buffers(operands);
   shape.results = to_buffers(results);
-  for (auto [k, v] : attrs) shape.attrs[nb::cast<std::string>(k)] = nb::cast<int64_t>(v);
+  for (auto [k, v] : attrs) {
+    if (nb::isinstance<nb::list>(v)) {
+      shape.arrays[nb::cast<std::string>(k)] = nb::cast<std::vector<int64_t>>(v);
+    } else {
+      shape.attrs[nb::cast<std::string>(k)] = nb::cast<int64_t>(v);
+    }
+  }
   for (const RegisteredOp& op : registered_ops()) {
     if (target != op.name) continue;
     const CallCost cost = op.cost(shape);

@@ -111,6 +111,13 @@ struct CallShape {
   std::vector<Buffer> operands;
   std::vector<Buffer> results;
   std::map<std::string, int64_t> attrs;
+  std::map<std::string, std::vector<int64_t>> arrays;  // integer array attributes
+
+  // The integer array attribute `name`, empty where the call has none.
+  std::vector<int64_t> array(const std::string& name) const {
+    const auto it = arrays.find(name);
+    return it == arrays.end() ? std::vector<int64_t>{} : it->second;
+  }
 
   // Scalars of operands [first, first + count), in order (the tensors of a multi-tensor list).
   // A shape the op cannot have is a programming error on the Python side (an exception).

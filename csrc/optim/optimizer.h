@@ -422,7 +422,10 @@ struct OptimizerOp {
         .template Attr<bool>("remainders")
         .template Attr<bool>("stochastic_rounding")
         .template Attr<bool>("quantized_states")
-        .template Attr<ffi::Span<const uint8_t>>("tensor_flags");
+        .template Attr<ffi::Span<const uint8_t>>("tensor_flags")
+        .template Attr<int64_t>("packed_lists")
+        .template Attr<ffi::Span<const int64_t>>("packed_offsets")
+        .template Attr<ffi::Span<const int64_t>>("tensor_sizes");
   }
 
   static OptimizerLists lists_of(uint32_t flags, bool master, bool remainders, bool quantized) {
@@ -445,7 +448,9 @@ struct OptimizerOp {
                            ffi::RemainingArgs args, ffi::Result<CountBuffer> new_count,
                            ffi::RemainingRets rets, int64_t n, int64_t flags, bool master,
                            bool remainders, bool stochastic_rounding, bool quantized_states,
-                           ffi::Span<const uint8_t> tensor_flags, Call* call);
+                           ffi::Span<const uint8_t> tensor_flags, int64_t packed_lists,
+                           ffi::Span<const int64_t> packed_offsets,
+                           ffi::Span<const int64_t> tensor_sizes, Call* call);
 
   template <typename Platform>
   static ffi::Error run(typename Platform::Arg ctx, const Call& call);
@@ -494,7 +499,8 @@ struct OptimizerOp {
   }
 
   // Multi-tensor kernels over the call's lists, one per signature of its tensors
-  // (optimizer_signatures.h), every buffer read or written once.
+  // (optimizer_signatures.h), every tensor's elements read or written once (of a packed list,
+  // the call's tensors' elements, not the whole buffer).
   static CallCost cost(const CallShape& shape) {
     const int64_t n = contract_arg(shape.attrs, "num_tensors");
     const int64_t fixed = 3;  // count, hyper, grad_ctrl; the grads are the first list
@@ -502,13 +508,35 @@ struct OptimizerOp {
                                           contract_arg(shape.attrs, "master") != 0,
                                           contract_arg(shape.attrs, "remainders") != 0,
                                           contract_arg(shape.attrs, "quantized_states") != 0);
+    const std::vector<int64_t> offsets = shape.array("packed_offsets");
+    const std::vector<int64_t> sizes = shape.array("tensor_sizes");
+    const PackedLists packed{static_cast<uint32_t>(contract_arg(shape.attrs, "packed_lists")),
+                             offsets, sizes};
+    auto buffer = [&](int k, int64_t t) -> const CallShape::Buffer& {
+      return shape.operands.at(fixed + packed.first_buffer(0, k, n) + (packed.has(k) ? 0 : t));
+    };
     std::vector<std::array<DType, kMaxLists>> rows(n);
+    std::vector<int64_t> scalars(n);
     for (int64_t t = 0; t < n; ++t) {
       for (int k = 0; k < lists.count(); ++k) {
-        rows[t][k] = hlo_float_dtype(shape.operands.at(fixed + k * n + t).element_type);
+        rows[t][k] = hlo_float_dtype(buffer(k, t).element_type);
       }
+      scalars[t] = packed.has(0) ? sizes.at(t) * (buffer(0, t).complex ? 2 : 1)
+                                 : buffer(0, t).scalars();
     }
-    return streaming_cost(shape, signature_launches(lists, rows, shape.scalars(fixed, n)));
+    CallCost c = streaming_cost(shape, signature_launches(lists, rows, scalars));
+    for (int k = 0; k < lists.count(); ++k) {
+      if (!packed.has(k)) continue;
+      const CallShape::Buffer& b = buffer(k, 0);
+      const ListKind kind =
+          k >= lists.unscaled_count() ? ListKind::kBlockValues : ListKind::kFloats;
+      int64_t touched = 0;
+      for (int64_t t = 0; t < n; ++t) touched += list_elements(kind, scalars[t], b.complex);
+      const int64_t unread = b.bytes() - touched * b.element_bytes;
+      c.bytes_read -= unread;
+      if (k != OptimizerLists::kGrads) c.bytes_written -= unread;
+    }
+    return c;
   }
 };
 
@@ -519,7 +547,10 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
                                        ffi::RemainingRets rets, int64_t n, int64_t flags,
                                        bool master, bool remainders, bool stochastic_rounding,
                                        bool quantized_states,
-                                       ffi::Span<const uint8_t> tensor_flags, Call* call) {
+                                       ffi::Span<const uint8_t> tensor_flags,
+                                       int64_t packed_lists,
+                                       ffi::Span<const int64_t> packed_offsets,
+                                       ffi::Span<const int64_t> tensor_sizes, Call* call) {
   using namespace optimizer_detail;
   StepOperands step;
   JF_RETURN_IF_ERROR(decode_step_operands<Family>(hyper, grad_ctrl, flags, &step));
@@ -527,14 +558,23 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
   JF_RETURN_IF_ERROR(check_params_mode(master, remainders, stochastic_rounding,
                                        kHasTrustRatio<Family>));
   const OptimizerLists lists = lists_of(op_flags, master, remainders, quantized_states);
-  // n is bounded by the operand count before any product is formed (no overflow).
+  // n is bounded by the tensor flags' count before any product is formed (no overflow).
+  JF_RETURN_IF_ERROR(
+      check_tensor_flags(tensor_flags, n, bit_limit(Family::kTensorFlagNames)));
+  if (packed_lists < 0 || packed_lists >= (int64_t(1) << lists.count())) {
+    return invalid_argument("packed_lists ", packed_lists, " names lists beyond the call's ",
+                            lists.count());
+  }
+  const PackedLists packed{static_cast<uint32_t>(packed_lists), packed_offsets, tensor_sizes};
   const int64_t trailing = num_trailing(stochastic_rounding);
   const int64_t num_args = static_cast<int64_t>(args.size()) - trailing;
-  if (n < 0 || n > num_args || num_args != lists.count() * n ||
-      static_cast<int64_t>(rets.size()) != (lists.count() - 1) * n) {
+  const int64_t list_buffers = packed.first_buffer(0, lists.count(), n);
+  if (num_args != list_buffers ||
+      static_cast<int64_t>(rets.size()) != list_buffers - packed.buffers(0, n)) {
     return invalid_argument(args.size(), " tensor operands and ", rets.size(),
                             " tensor results do not fit num_tensors=", n, " (expected ",
                             lists.count(), " and ", lists.count() - 1, " per tensor",
+                            packed_lists != 0 ? ", one per packed list" : "",
                             trailing_names(stochastic_rounding), ")");
   }
   int64_t next = num_args;
@@ -558,23 +598,23 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
     }
     call->rounding_keys = keys->typed_data();
   }
-  JF_RETURN_IF_ERROR(
-      check_tensor_flags(tensor_flags, n, bit_limit(Family::kTensorFlagNames)));
   std::string names[kMaxLists];
   ListSource sources[kMaxLists];
   for (int k = 0; k < lists.count(); ++k) {
     names[k] = list_name(op_flags, lists, k);
     const bool state = k >= OptimizerLists::state(0) && k < OptimizerLists::state(lists.num_states);
-    sources[k] = {names[k].c_str(), false, k * n,
+    sources[k] = {names[k].c_str(), false, packed.first_buffer(0, k, n),
                   k == lists.remainders                      ? ListKind::kWords
                   : k >= lists.unscaled_count()              ? ListKind::kBlockValues
                   : (state && lists.quantized)               ? ListKind::kCodes
                                                              : ListKind::kFloats};
     if (k == OptimizerLists::kGrads) continue;
-    JF_RETURN_IF_ERROR(check_aliased(args, rets, k * n, (k - 1) * n, n, names[k].c_str()));
+    JF_RETURN_IF_ERROR(check_aliased(args, rets, packed.first_buffer(0, k, n),
+                                     packed.first_buffer(1, k, n), packed.buffers(k, n),
+                                     names[k].c_str()));
   }
-  JF_RETURN_IF_ERROR(
-      collect_lists(args, &rets, sources, lists.count(), n, tensor_flags, &call->tensors));
+  JF_RETURN_IF_ERROR(collect_lists(args, &rets, sources, lists.count(), n, tensor_flags,
+                                   &call->tensors, packed));
   JF_RETURN_IF_ERROR(check_uniform_complex(call->tensors, Family::kComplex));
   call->f64 = call->tensors.computes_in_double();
   if (master) {

@@ -7,9 +7,11 @@
 // mixed dtypes); all lists of a tensor have the same element count. A complex tensor (all of its
 // lists complex) is seen as its real and imaginary parts interleaved: 2 scalars per element,
 // counted and addressed as scalars of its real dtype. A list of block values (the scales of
-// 8-bit moments) holds one float32 per kBlockElements elements of its tensor.
+// 8-bit moments) holds one float32 per kBlockElements elements of its tensor. A packed list
+// (PackedLists) holds every tensor's elements in one buffer, each at its own offset.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <optional>
@@ -84,6 +86,50 @@ inline const char* list_kind_dtypes(ListKind kind) {
   return "float32, bfloat16, float16, float64, complex64, complex128";
 }
 
+// Which lists of a call are packed: all their tensors in one buffer, tensor t's elements at its
+// own offset (jaxfuse's packed optimizer state and packed params, jaxfuse/_optim/packing.py: a
+// handful of buffers whatever the tree). `lists`: bit k set when list k is packed. `offsets`:
+// for each packed list in list order, one offset per tensor, in the buffer's elements (a
+// block-value list's in block values). `sizes`: each tensor's element count (a complex element
+// counted once), given whenever a list is packed.
+struct PackedLists {
+  uint32_t lists = 0;
+  ffi::Span<const int64_t> offsets;
+  ffi::Span<const int64_t> sizes;
+
+  bool has(int k) const { return ((lists >> k) & 1) != 0; }
+  // The call's buffers of list k: one when it is packed, else one per tensor.
+  int64_t buffers(int k, int64_t num_tensors) const { return has(k) ? 1 : num_tensors; }
+  // The operand (or result) index of list `k`'s first buffer, lists [first, k) before it.
+  int64_t first_buffer(int first, int k, int64_t num_tensors) const {
+    int64_t at = 0;
+    for (int j = first; j < k; ++j) at += buffers(j, num_tensors);
+    return at;
+  }
+};
+
+// Checks the packed-list attributes against the call's lists and tensors.
+inline ffi::Error check_packed(const PackedLists& packed, int num_lists, int64_t num_tensors) {
+  if (packed.lists >> num_lists != 0) {
+    return invalid_argument("packed_lists ", packed.lists, " names lists beyond the call's ",
+                            num_lists);
+  }
+  int count = 0;
+  for (int k = 0; k < num_lists; ++k) count += packed.has(k) ? 1 : 0;
+  const size_t sizes = count == 0 ? 0 : static_cast<size_t>(num_tensors);
+  if (packed.offsets.size() != static_cast<size_t>(count * num_tensors) ||
+      packed.sizes.size() != sizes) {
+    return invalid_argument("packed_offsets has ", packed.offsets.size(), " entries and "
+                            "tensor_sizes ", packed.sizes.size(), ", expected ",
+                            count * num_tensors, " (", count, " packed lists of ", num_tensors,
+                            " tensors) and ", sizes);
+  }
+  for (size_t t = 0; t < packed.sizes.size(); ++t) {
+    if (packed.sizes[t] < 0) return invalid_argument("tensor_sizes entry ", t, " is negative");
+  }
+  return ffi::Error::Success();
+}
+
 // The buffer behind a decoded result (results decode as Result<AnyBuffer>).
 inline ffi::ErrorOr<ffi::AnyBuffer> buffer_of(ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> r) {
   if (r.has_error()) return ffi::Unexpected<ffi::Error>(r.error());
@@ -110,33 +156,96 @@ inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
   return decoded;
 }
 
+// The elements tensor t has in list `k` of this kind: its block values for a block-value list.
+inline int64_t list_elements(ListKind kind, int64_t scalars, bool complex) {
+  if (kind == ListKind::kBlockValues) return (scalars + kBlockElements - 1) / kBlockElements;
+  return complex ? scalars / 2 : scalars;
+}
+
+// Tensor t's place in packed list `src`: checked to lie inside the buffer and to overlap no
+// other tensor's (two tensors writing one element would race, and corrupt each other).
+inline ffi::Error place_packed(const ListSource& src, ffi::AnyBuffer buffer,
+                               ffi::Span<const int64_t> offsets, int k, TensorLists* tensors) {
+  const int64_t available = static_cast<int64_t>(buffer.element_count());
+  const int64_t bytes = static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
+  std::vector<std::pair<int64_t, int64_t>> spans;  // (offset, elements)
+  for (int64_t t = 0; t < tensors->num_tensors(); ++t) {
+    const int64_t elements = list_elements(src.kind, tensors->size[t], tensors->complex[t] != 0);
+    const int64_t offset = offsets[t];
+    if (offset < 0 || elements > available || offset > available - elements) {
+      return invalid_argument("packed list '", src.name, "' tensor ", t, ": elements [", offset,
+                              ", ", offset + elements, ") outside its buffer of ", available);
+    }
+    if (elements > 0) spans.emplace_back(offset, elements);
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i - 1].first + spans[i - 1].second > spans[i].first) {
+      return invalid_argument("packed list '", src.name, "': two tensors overlap at element ",
+                              spans[i].first);
+    }
+  }
+  char* base = static_cast<char*>(buffer.untyped_data());
+  for (int64_t t = 0; t < tensors->num_tensors(); ++t) {
+    tensors->ptr[t][k] = base + offsets[t] * bytes;
+  }
+  return ffi::Error::Success();
+}
+
 // Decodes the buffers of each list, checking dtypes and that every list of a tensor has the
 // same element count and is complex or real alike. `mask` may be empty (all zero); `rets` may
-// be null when no list comes from the results.
+// be null when no list comes from the results. A packed list (`packed`) takes one buffer, its
+// source's `offset`, for all tensors.
 inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::RemainingRets* rets,
                                 const ListSource* sources, int num_lists, int64_t num_tensors,
-                                ffi::Span<const uint8_t> mask, TensorLists* out) {
+                                ffi::Span<const uint8_t> mask, TensorLists* out,
+                                const PackedLists& packed = {}) {
   if (num_lists > kMaxLists) return internal_error("too many tensor lists");
   if (mask.size() != 0 && static_cast<int64_t>(mask.size()) != num_tensors) {
     return invalid_argument("per-tensor mask has ", mask.size(), " entries for ", num_tensors,
                             " tensors");
   }
+  JF_RETURN_IF_ERROR(check_packed(packed, num_lists, num_tensors));
   out->num_lists = num_lists;
   out->ptr.assign(num_tensors, {});
   out->dtype.assign(num_tensors, {});
   out->size.assign(num_tensors, 0);
   out->mask.assign(num_tensors, 0);
   out->complex.assign(num_tensors, 0);
+  int64_t packed_seen = 0;
   for (int k = 0; k < num_lists; ++k) {
     const ListSource& src = sources[k];
     out->per_block[k] = src.kind == ListKind::kBlockValues;
     if (src.from_rets && rets == nullptr) return internal_error("list '", src.name, "': no results");
     const int64_t available = src.from_rets ? static_cast<int64_t>(rets->size())
                                             : static_cast<int64_t>(args.size());
-    if (src.offset + num_tensors > available) {
-      return invalid_argument("list '", src.name, "' needs ", num_tensors, " buffers from ",
+    const int64_t buffers = packed.buffers(k, num_tensors);
+    if (src.offset + buffers > available) {
+      return invalid_argument("list '", src.name, "' needs ", buffers, " buffers from ",
                               src.from_rets ? "results" : "operands", " at ", src.offset,
                               ", the call has ", available);
+    }
+    if (packed.has(k)) {
+      ffi::ErrorOr<ffi::AnyBuffer> buf = list_buffer(args, rets, src, 0);
+      if (buf.has_error()) return buf.error();
+      const ElementType type = *list_element_type(src.kind, buf->element_type());
+      for (int64_t t = 0; t < num_tensors; ++t) {
+        const int64_t n = packed.sizes[t] * (type.complex ? 2 : 1);
+        if (k == 0) {
+          out->size[t] = n;
+          out->complex[t] = type.complex;
+        } else if (src.kind != ListKind::kBlockValues &&
+                   (n != out->size[t] || type.complex != (out->complex[t] != 0))) {
+          return invalid_argument("tensor ", t, ": packed list '", src.name, "' does not match "
+                                  "list '", sources[0].name, "' (size or complex)");
+        }
+        out->dtype[t][k] = type.dtype;
+      }
+      const ffi::Span<const int64_t> offsets(packed.offsets.begin() + packed_seen * num_tensors,
+                                             num_tensors);
+      ++packed_seen;
+      JF_RETURN_IF_ERROR(place_packed(src, *buf, offsets, k, out));
+      continue;
     }
     for (int64_t t = 0; t < num_tensors; ++t) {
       ffi::ErrorOr<ffi::AnyBuffer> buf = list_buffer(args, rets, src, t);
@@ -167,6 +276,10 @@ inline ffi::Error collect_lists(const ffi::RemainingArgs& args, const ffi::Remai
         return invalid_argument("tensor ", t, ": list '", src.name, "' has ", n / per_element,
                                 " elements, list '", sources[0].name, "' has ",
                                 out->size[t] / per_element);
+      }
+      if (k == 0 && packed.sizes.size() != 0 && n != packed.sizes[t] * (type.complex ? 2 : 1)) {
+        return invalid_argument("tensor ", t, ": list '", src.name, "' has ", count,
+                                " elements, tensor_sizes says ", packed.sizes[t]);
       }
       out->ptr[t][k] = buf->untyped_data();
     }

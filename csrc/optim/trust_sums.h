@@ -69,23 +69,36 @@ struct TrustSumsOp {
         .template Ret<BytesBuffer>()               // workspace
         .template Attr<int64_t>("num_tensors")
         .template Attr<int64_t>("flags")
-        .template Attr<ffi::Span<const uint8_t>>("tensor_flags");
+        .template Attr<ffi::Span<const uint8_t>>("tensor_flags")
+        .template Attr<int64_t>("packed_lists")
+        .template Attr<ffi::Span<const int64_t>>("packed_offsets")
+        .template Attr<ffi::Span<const int64_t>>("tensor_sizes");
   }
 
   static ffi::Error decode(CountBuffer count, ffi::AnyBuffer hyper, ffi::AnyBuffer grad_ctrl,
                            ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::U32, 2>> sums,
                            ffi::Result<BytesBuffer> workspace, int64_t n, int64_t flags,
-                           ffi::Span<const uint8_t> tensor_flags, Call* call) {
+                           ffi::Span<const uint8_t> tensor_flags, int64_t packed_lists,
+                           ffi::Span<const int64_t> packed_offsets,
+                           ffi::Span<const int64_t> tensor_sizes, Call* call) {
     optimizer_detail::StepOperands step;
     JF_RETURN_IF_ERROR(
         optimizer_detail::decode_step_operands<Family>(hyper, grad_ctrl, flags, &step));
     const uint32_t op_flags = step.flags;
     const OptimizerLists lists = OptimizerLists::of(Family::kDirectionStates, false);
     const int64_t num_args = static_cast<int64_t>(args.size());
-    if (n < 0 || n > kMaxTensorsPerCall || num_args != lists.count() * n) {
+    if (n < 0 || n > kMaxTensorsPerCall) {
+      return invalid_argument("num_tensors=", n, ", expected at most ", kMaxTensorsPerCall);
+    }
+    if (packed_lists < 0 || packed_lists >= (int64_t(1) << lists.count())) {
+      return invalid_argument("packed_lists ", packed_lists, " names lists beyond the call's ",
+                              lists.count());
+    }
+    const PackedLists packed{static_cast<uint32_t>(packed_lists), packed_offsets, tensor_sizes};
+    if (num_args != packed.first_buffer(0, lists.count(), n)) {
       return invalid_argument(num_args, " tensor operands do not fit num_tensors=", n,
-                              " (expected ", lists.count(), " per tensor, at most ",
-                              kMaxTensorsPerCall, " tensors)");
+                              " (expected ", lists.count(), " per tensor",
+                              packed_lists != 0 ? ", one per packed list)" : ")");
     }
     JF_RETURN_IF_ERROR(optimizer_detail::check_tensor_flags(
         tensor_flags, n, optimizer_detail::bit_limit(Family::kTensorFlagNames)));
@@ -93,10 +106,10 @@ struct TrustSumsOp {
     ListSource sources[kMaxLists];
     for (int k = 0; k < lists.count(); ++k) {
       names[k] = OptimizerOp<Family>::list_name(op_flags, lists, k);
-      sources[k] = {names[k].c_str(), false, k * n};
+      sources[k] = {names[k].c_str(), false, packed.first_buffer(0, k, n)};
     }
-    JF_RETURN_IF_ERROR(
-        collect_lists(args, nullptr, sources, lists.count(), n, tensor_flags, &call->tensors));
+    JF_RETURN_IF_ERROR(collect_lists(args, nullptr, sources, lists.count(), n, tensor_flags,
+                                     &call->tensors, packed));
     JF_RETURN_IF_ERROR(optimizer_detail::check_uniform_complex(call->tensors, Family::kComplex));
     if (sums->dimensions()[0] != n || sums->dimensions()[1] != kTrustSumWords) {
       return invalid_argument("sums is u32[", sums->dimensions()[0], ", ", sums->dimensions()[1],
@@ -137,14 +150,32 @@ struct TrustSumsOp {
     return c;
   }
 
-  // One multi-tensor kernel reading every list once and writing a partial per chunk, then one
-  // finishing kernel reading the partials back and writing the sums.
+  // One multi-tensor kernel reading every list once (of a packed list, the call's tensors'
+  // elements) and writing a partial per chunk, then one finishing kernel reading the partials
+  // back and writing the sums.
   static CallCost cost(const CallShape& shape) {
     const int64_t n = contract_arg(shape.attrs, "num_tensors");
     const int64_t fixed = 3;
-    const int64_t lists = n > 0 ? (static_cast<int64_t>(shape.operands.size()) - fixed) / n : 0;
-    CallCost c = streaming_cost(shape, multi_tensor_launches(static_cast<int>(lists),
-                                                             shape.scalars(fixed, n)) + 1);
+    const std::vector<int64_t> offsets = shape.array("packed_offsets");
+    const std::vector<int64_t> sizes = shape.array("tensor_sizes");
+    const PackedLists packed{static_cast<uint32_t>(contract_arg(shape.attrs, "packed_lists")),
+                             offsets, sizes};
+    const int lists = OptimizerLists::of(Family::kDirectionStates, false).count();
+    std::vector<int64_t> scalars(n);
+    for (int64_t t = 0; t < n; ++t) {
+      const CallShape::Buffer& g = shape.operands.at(fixed + (packed.has(0) ? 0 : t));
+      scalars[t] = packed.has(0) ? sizes.at(t) * (g.complex ? 2 : 1) : g.scalars();
+    }
+    CallCost c = streaming_cost(shape, multi_tensor_launches(lists, scalars) + 1);
+    for (int k = 0; k < lists; ++k) {
+      if (!packed.has(k)) continue;
+      const CallShape::Buffer& b = shape.operands.at(fixed + packed.first_buffer(0, k, n));
+      int64_t touched = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        touched += list_elements(ListKind::kFloats, scalars[t], b.complex);
+      }
+      c.bytes_read -= b.bytes() - touched * b.element_bytes;
+    }
     c.bytes_read += shape.results.at(1).bytes();  // the partials, read back
     return c;
   }

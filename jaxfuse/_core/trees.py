@@ -41,7 +41,7 @@ def nonempty(leaves: list[Any]) -> list[int]:
   their kernels. A zero-size leaf has nothing to read or update, so the op makes its results
   directly. That also keeps it out of the shard_map or custom_partitioning that runs the kernels
   on sharded leaves: a zero-size shard_map operand segfaults jaxlib 0.11.2's compiler."""
-  return [i for i, x in enumerate(leaves) if np.size(x)]
+  return [i for i, x in enumerate(leaves) if (x.size if hasattr(x, "size") else np.size(x))]
 
 
 def leaf_names(tree: Any) -> list[str]:

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 
 from jaxfuse._core import ffi as _ffi
+from jaxfuse._core import packing as _packing
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import moments as _moments
 
@@ -148,6 +149,7 @@ class Spec:
   seed: Optional[int] = None  # None: 0 (a default of 0 would be a hyperparameter to optax's
                               # inject_hyperparams, and change its state's structure)
   moment_bits: Optional[int] = None  # None: 32, for the same reason
+  packed: bool = False
 
   def check_options(self) -> None:
     """Raises on a combination of the generic options that this family cannot run."""
@@ -169,6 +171,9 @@ class Spec:
                        "(their first pass reads the states as floats)")
     if self.moment_bits == 8 and not self.state_signs():
       raise ValueError(f"{self.name}: moment_bits=8, but this configuration keeps no state")
+    if not isinstance(self.packed, (bool, np.bool_)):
+      raise TypeError(f"{self.name}: packed={self.packed!r}; expected a bool (static: under "
+                      "optax.inject_hyperparams, static_args=('packed',))")
     seed = self.rounding_seed
     seed_ok = 0 <= seed < 2**32 if isinstance(seed, (int, np.integer)) else (
         jnp.shape(seed) == () and jnp.issubdtype(jnp.result_type(seed), jnp.integer))
@@ -307,7 +312,27 @@ class Spec:
     return self.with_states(state, trees)
 
   def init(self, params: Any) -> Any:
+    """The state for `params`: the optax twin's, plus ExtraState; with ``packed`` (or packed
+    params) each state list, the master copy and the remainders as a Packed tree."""
     params = _trees.as_arrays(params)
+    if _packing.is_packed(params):
+      return self.pack_state(self.unpacked_init(params.unpack()))
+    state = self.unpacked_init(params)
+    return self.pack_state(state) if self.packed else state
+
+  def pack_state(self, state: Any) -> Any:
+    """`state` (of unpacked params) with its state lists, master copy and remainders packed."""
+    core = state[:-1] if self.has_extra_state else state
+    core = self.with_states(core, [_packing.pack(t) for t in self.states(state)])
+    if not self.has_extra_state:
+      return core
+    extra = state[-1]
+    pack = lambda t: None if t is None else _packing.pack(t)
+    return (*core, extra._replace(master_params=pack(extra.master_params),
+                                  param_remainders=pack(extra.param_remainders)))
+
+  def unpacked_init(self, params: Any) -> Any:
+    """The state of (unpacked) `params`, every list a tree like them."""
     self.check(params)
     skipped = jnp.zeros([], jnp.int32) if self.skip_nonfinite else None
     if self.keeps_remainders:
@@ -328,7 +353,9 @@ class Spec:
 
   def check(self, params: Any) -> list[int]:
     """Trace-time checks of params against this spec, naming the leaf. Returns the per-leaf
-    tensor flags as the op's bits."""
+    tensor flags as the op's bits. Packed params are checked as the tree they pack."""
+    if _packing.is_packed(params):
+      params = params.layout.shapes()
     _trees.check_float_leaves(params, "params")
     self.check_params(params)
     if self.keeps_remainders:

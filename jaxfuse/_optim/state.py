@@ -9,6 +9,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxfuse._core import packing as _packing
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import moments as _moments
 from jaxfuse._optim import rounding as _rounding
@@ -43,15 +44,22 @@ def master_params(params: Any, state: Any) -> Any:
 
 
 def _cast(state: Any, target: Any) -> Any:
-  """`state` leaf by leaf in `target`'s dtypes, 8-bit moments (either side) through float32."""
-  state = _moments.dequantize_tree(state)
-  if jax.tree.structure(state) != jax.tree.structure(target, is_leaf=_moments.is_quantized):
+  """`state` leaf by leaf in `target`'s dtypes, 8-bit moments through float32 (kept as they are
+  where the target keeps the same format)."""
+  quantized = _moments.is_quantized
+  if jax.tree.structure(state, is_leaf=quantized) != jax.tree.structure(target, is_leaf=quantized):
     raise ValueError("jaxfuse.convert_state: the state is not one of this transform's optimizer "
                      f"for these params\n  state:  {jax.tree.structure(state)}\n"
                      f"  target: {jax.tree.structure(target)}")
-  return jax.tree.map(lambda t, x: _moments.like(x, t) if _moments.is_quantized(t)
-                      else jnp.asarray(x).astype(t.dtype), target, state,
-                      is_leaf=_moments.is_quantized)
+
+  def cast(t, x):
+    if quantized(t) and quantized(x) and jax.tree.map(jnp.shape, t) == jax.tree.map(
+        jnp.shape, x) and t.codes.dtype == x.codes.dtype:
+      return x
+    x = _moments.dequantize(x) if quantized(x) else x
+    return _moments.like(x, t) if quantized(t) else jnp.asarray(x).astype(t.dtype)
+
+  return jax.tree.map(cast, target, state, is_leaf=quantized)
 
 
 def _convert_optimizer(state: Any, target: Any, master: Any,
@@ -112,14 +120,20 @@ def convert_state(state: Any, params: Any, tx: Any, dtype: Any = None) -> tuple[
   nearest (for remainders with ties away from zero, as remainders need). The optax part of the
   state is cast leaf by leaf to `tx`'s dtypes for those params. E.g. float32 training onward in
   bf16 with remainders: ``convert_state(state, params, tx16, jnp.bfloat16)``; and back:
-  ``convert_state(state16, params16, optax.adamw(...), jnp.float32)``.
+  ``convert_state(state16, params16, optax.adamw(...), jnp.float32)``. Packed and per-leaf
+  layouts convert both ways, bit for bit (a ``packed=True`` state to optax's and back); packed
+  params (:func:`jaxfuse.pack`) come back packed.
   """
-  params = _trees.as_arrays(params)
+  packed_params = _packing.is_packed(params)
+  params = _packing.unpack(_trees.as_arrays(params))
+  state = _packing.unpack(state)
   master = master_params(params, state)
   target_params = jax.tree.map(lambda m, t: jax.ShapeDtypeStruct(m.shape, t.dtype), master,
                                _target_params(params, dtype))
-  new_state, new_params = _convert(state, jax.eval_shape(tx.init, target_params), master,
-                                   target_params)
+  target = jax.eval_shape(lambda p: tx.init(_packing.pack(p) if packed_params else p),
+                          target_params)
+  new_state, new_params = _convert(state, _packing.unpack_shapes(target), master, target_params)
   if new_params is None:
     new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, target_params)
-  return new_params, new_state
+  new_state = _packing.repack(new_state, target)
+  return (_packing.pack(new_params) if packed_params else new_params), new_state

@@ -12,10 +12,29 @@ import numpy as np
 import optax
 
 from jaxfuse._core import ffi as _ffi
+from jaxfuse._core import packing as _packing
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import clip as _clip
 from jaxfuse._optim import moments as _moments
 from jaxfuse._optim.spec import ExtraState, Spec
+
+
+def _check_packed_state(spec: Spec, expected: Any, state: Any) -> None:
+  """Raises, naming the leaf, where `state` holds a packed tree laid out for other params than
+  the `expected` state's, or is packed where it is not expected to be or the reverse."""
+  packed = _packing.is_packed
+  exp = jax.tree.leaves(expected, is_leaf=packed)
+  got = jax.tree.leaves(state, is_leaf=packed)
+  expect_packed, got_packed = any(map(packed, exp)), any(map(packed, got))
+  if expect_packed != got_packed:
+    raise ValueError(
+        f"jaxfuse: opt_state is {'' if got_packed else 'not '}packed, this {spec.name} "
+        f"transform's state for these params is{'' if expect_packed else ' not'} (packed=True, "
+        "or packed params); jaxfuse.convert_state moves a state between the two")
+  for e, g in zip(exp, got):
+    if packed(e) and packed(g) and e.layout != g.layout:
+      raise ValueError("jaxfuse: opt_state was packed for other params: "
+                       + _packing.layout_difference(e.layout, g.layout))
 
 
 def _check_state(spec: Spec, state: Any, params: Any) -> None:
@@ -23,6 +42,7 @@ def _check_state(spec: Spec, state: Any, params: Any) -> None:
   expected = jax.eval_shape(spec.init, params)
   exp_def, got_def = jax.tree.structure(expected), jax.tree.structure(state)
   if exp_def != got_def:
+    _check_packed_state(spec, expected, state)
     raise ValueError(
         f"jaxfuse: opt_state does not match the state of this {spec.name} transform for these "
         "params (a state from another optimizer, or from init() on other params?)\n"
@@ -35,11 +55,30 @@ def _check_state(spec: Spec, state: Any, params: Any) -> None:
           f"{list(jnp.shape(g))}, expected {e.dtype.name}{list(e.shape)}")
 
 
+class Slot:
+  """A leaf of a packed tree in the fused step (:mod:`jaxfuse._core.packing`): the index of its
+  buffer in the step's buffer table (Leaves.buffers) and its place there."""
+
+  def __init__(self, buffer: int, place: _packing.Place):
+    self.buffer, self.place = buffer, place
+    self.shape, self.dtype, self.size = place.shape, jnp.dtype(place.dtype), place.size
+    self.offset = place.offset
+
+
+def is_slot(x: Any) -> bool:
+  return isinstance(x, Slot)
+
+
+def _size(x: Any) -> int:
+  return x.size if hasattr(x, "size") else np.size(x)
+
+
 class Leaves(NamedTuple):
   """The flat per-leaf lists of one step: grads, params (None in the optax protocol called
   without params), one list per state list, master params (None without master weights),
   param remainders (None without them; a leaf's is empty where it has none), and each leaf's
-  place in the params tree (the rounding keys')."""
+  place in the params tree (the rounding keys'). In the fused step a leaf of a packed tree is a
+  Slot into `buffers`, the step's packed buffers (a call replaces the ones it updates)."""
 
   grads: list
   params: Optional[list]
@@ -47,21 +86,29 @@ class Leaves(NamedTuple):
   master_params: Optional[list]
   remainders: Optional[list]
   positions: list[int]
+  buffers: Optional[list] = None
 
   def select(self, idx: list[int]) -> "Leaves":
     pick = lambda x: None if x is None else [x[i] for i in idx]
     remainders = pick(self.remainders)
-    if remainders is not None and not any(np.size(r) for r in remainders):
+    if remainders is not None and not any(_size(r) for r in remainders):
       remainders = None
     return Leaves(pick(self.grads), pick(self.params), [pick(s) for s in self.states],
-                   pick(self.master_params), remainders, pick(self.positions))
+                   pick(self.master_params), remainders, pick(self.positions), self.buffers)
+
+  def buffer_key(self, i: int) -> tuple:
+    """The packed buffers leaf i's lists live in: leaves of one call share them."""
+    items = [x[i] for x in (self.grads, self.params, self.master_params, self.remainders)
+             if x is not None] + [s[i] for s in self.states]
+    items = [y for x in items for y in (x if _moments.is_quantized(x) else [x])]
+    return tuple(x.buffer if is_slot(x) else None for x in items)
 
   def family(self, i: int) -> tuple[bool, bool, bool, bool]:
     """(computed in double, complex, has remainders, 8-bit states) for leaf i: leaves of one
     family share FFI calls."""
     dtypes = [state_dtype(x[i]) for x in (self.grads, self.params, *self.states,
                                            self.master_params) if x is not None]
-    remainder = self.remainders is not None and np.size(self.remainders[i]) > 0
+    remainder = self.remainders is not None and _size(self.remainders[i]) > 0
     return (any(_trees.is_wide(d) for d in dtypes), _trees.is_complex(self.grads[i].dtype),
             remainder, self.quantized(i))
 
@@ -85,23 +132,69 @@ def _stand_in_params(spec: Spec, grads: Any, state: Any) -> Any:
            spec.states(state)[-1]))])
 
 
+def _per_leaf(tree: Any, treedef: Any, buffers: list) -> list:
+  """`tree` (like the params) as one entry per params leaf; a Packed tree's leaves are Slots into
+  `buffers`, to which its buffers are appended."""
+  if _packing.is_packed(tree):
+    base = len(buffers)
+    buffers.extend(tree.buffers)
+    tree = tree.layout.treedef.unflatten([Slot(base + p.buffer, p) for p in tree.layout.places])
+  return treedef.flatten_up_to(tree)
+
+
 def checked_leaves(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[Leaves, list[int]]:
   """Checks one step's arguments (naming the leaf at fault) and flattens them: the per-leaf
-  lists and the tensor flags. All leaves are JAX arrays (as_arrays)."""
+  lists and the tensor flags. All leaves are JAX arrays (as_arrays); packed trees (params and
+  grads, the state's lists) give Slots into the Leaves' buffers."""
   _trees.check_float_leaves(grads, "grads")
   reference = _stand_in_params(spec, grads, state) if params is None else params
   flags = spec.check(reference)
+  _check_packed_grads(reference, grads)
   _trees.check_same_structure(reference, grads, "params", "grads")
   _check_state(spec, state, reference)
-  treedef = jax.tree.structure(grads)
-  leaves = Leaves(jax.tree.leaves(grads), None if params is None else jax.tree.leaves(params),
-                   [treedef.flatten_up_to(s) for s in spec.states(state)],
-                   treedef.flatten_up_to(state[-1].master_params) if spec.keeps_master
-                   else None,
-                   treedef.flatten_up_to(state[-1].param_remainders) if spec.keeps_remainders
-                   else None,
-                   list(range(treedef.num_leaves)))
+  treedef = reference.layout.treedef if _packing.is_packed(reference) \
+      else jax.tree.structure(grads)
+  buffers: list = []
+  leaf = lambda tree: None if tree is None else _per_leaf(tree, treedef, buffers)
+  grads_, params_, *states, master, remainders = [
+      leaf(t) for t in _packed_trees(spec, grads, state, params)]
+  leaves = Leaves(grads_, params_, states, master, remainders, list(range(treedef.num_leaves)),
+                  buffers)
   return leaves, flags
+
+
+def _packed_trees(spec: Spec, grads: Any, state: Any, params: Any) -> list:
+  """The trees checked_leaves flattens, in its order."""
+  return [grads, params, *spec.states(state),
+          state[-1].master_params if spec.keeps_master else None,
+          state[-1].param_remainders if spec.keeps_remainders else None]
+
+
+def packed_results(spec: Spec, grads: Any, state: Any, params: Any, buffers: list) -> list:
+  """For each of params, the state lists, master params and remainders: the Packed tree with
+  its buffers now at its place in `buffers` (the table checked_leaves filled), or None where
+  the tree is not packed."""
+  out, at = [], 0
+  for tree in _packed_trees(spec, grads, state, params):
+    if _packing.is_packed(tree):
+      out.append(_packing.Packed(buffers[at:at + len(tree.buffers)], tree.layout))
+      at += len(tree.buffers)
+    else:
+      out.append(None)
+  return out[1:]
+
+
+def _check_packed_grads(params: Any, grads: Any) -> None:
+  """Raises unless packed params get grads packed alike (the gradient of the packed params)."""
+  if not _packing.is_packed(params):
+    return
+  if not _packing.is_packed(grads):
+    raise TypeError("jaxfuse: the params are packed (jaxfuse.pack) and the grads are not; take "
+                    "the gradient with respect to the packed params (jax.grad(lambda p: "
+                    "loss(jaxfuse.unpack(p)))(packed)) so that it is packed alike")
+  if grads.layout != params.layout:
+    raise ValueError(f"jaxfuse: the grads are packed as {grads.layout!r}, the params as "
+                     f"{params.layout!r}: not the gradient of these params")
 
 
 def step_count(state: Any) -> jax.Array:
@@ -111,19 +204,19 @@ def step_count(state: Any) -> jax.Array:
   return counts[0][1] if counts else jnp.zeros([], jnp.int32)
 
 
-def new_state(spec: Spec, state: Any, treedef: Any, states: list[list],
-              master_params: Optional[list], remainders: Optional[list], count: jax.Array,
-              skip: jax.Array) -> Any:
-  """The state after a step: state lists, master params, remainders and skip count replaced,
-  and every optax `count` in it (the family's, the schedules') advanced together."""
+def new_state(spec: Spec, state: Any, states: list, master_params: Any, remainders: Any,
+              count: jax.Array, skip: jax.Array) -> Any:
+  """The state after a step: its state-list trees, master params and remainders (trees like the
+  params, or Packed ones; None where the spec keeps none) replaced, the skip count advanced, and
+  every optax `count` in it (the family's, the schedules') advanced together."""
   core = state[:-1] if spec.has_extra_state else state
-  core = spec.with_states(core, [treedef.unflatten(s) for s in states])
+  core = spec.with_states(core, states)
   if spec.has_extra_state:
     extra = state[-1]
     core = (*core, ExtraState(
-        treedef.unflatten(master_params) if spec.keeps_master else None,
+        master_params if spec.keeps_master else None,
         extra.skipped_steps + skip.astype(jnp.int32) if spec.skip_nonfinite else None,
-        treedef.unflatten(remainders) if spec.keeps_remainders else None))
+        remainders if spec.keeps_remainders else None))
   if optax.tree_utils.tree_get_all_with_path(core, "count"):
     core = optax.tree_utils.tree_set(core, count=count)
   return core

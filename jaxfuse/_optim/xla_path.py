@@ -4,12 +4,14 @@ step is."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxfuse._core import packing as _packing
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import moments as _moments
 from jaxfuse._optim import rounding as _rounding
@@ -121,8 +123,15 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
   operations, so that XLA fuses it with what consumes the updates (``optax.apply_updates``):
   the step then reads and writes each buffer once, as optax's does, on every backend. The math
   is the kernels' (16-bit leaves computed in float32 and rounded once, master weights, loss
-  scale); with ``skip_nonfinite`` one global-norm call decides the skip."""
+  scale); with ``skip_nonfinite`` one global-norm call decides the skip. Packed trees (a
+  ``packed`` state, packed params and grads) are unpacked into views and the results packed
+  again: XLA fuses the math into the concatenation, one pass as without packing."""
   grads, state, params = _trees.as_arrays((grads, state, params))
+  if _packing.contains_packed((grads, state, params)):
+    _step.checked_leaves(spec, grads, state, params)  # the checks of the packed trees
+    updates, new = xla_updates(dataclasses.replace(spec, packed=False), _packing.unpack(grads),
+                               _packing.unpack(state), _packing.unpack(params), grad_scale)
+    return _packing.repack(updates, grads), _packing.repack(new, state)
   leaves, flags = _step.checked_leaves(spec, grads, state, params)
   names = spec.contract.names["tensor_flags"]
   skip = None
@@ -148,7 +157,9 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
       s[i] = x
   t = optax.safe_increment(count)
   treedef = jax.tree.structure(grads)
+  tree = lambda x: None if x is None else treedef.unflatten(x)
   return treedef.unflatten(outputs), _step.new_state(
-      spec, state, treedef, states, masters if spec.keeps_master else None, remainders,
+      spec, state, [treedef.unflatten(s) for s in states],
+      tree(masters if spec.keeps_master else None), tree(remainders),
       t if skip is None else jnp.where(skip, count, t),
       jnp.bool_(False) if skip is None else skip)

@@ -18,6 +18,9 @@ the compiled HLO:
 * Peak memory: the compiled executable's arguments, results and temporaries, less what aliasing
   (donation) shares (``memory_analysis()``).
 * Optimizer-state bytes per parameter, when an argument holds optax or jaxfuse state.
+* Arrays: those the step takes as arguments (jit flattens, checks and hands over each on every
+  call: a many-leaf step's host cost), and those of its optimizer states (``packed=True``
+  keeps them a handful for any tree).
 
 ``python3 benchmarks/report_gpt2.py`` prints the report of a GPT-2-small step: jaxfuse's fused
 clip+AdamW against optax's chain.
@@ -35,6 +38,7 @@ import jax
 import numpy as np
 
 from jaxfuse._core import ffi as _ffi
+from jaxfuse._core import packing as _packing
 from jaxfuse._optim import moments as _moments
 from jaxfuse._report import hlo as _hlo
 
@@ -78,6 +82,8 @@ class Report:
   params: Optional[int]
   state_bytes: Optional[int]
   float_state_leaves: list[str]  # with moment_bits=8, the params leaves whose states stay floats
+  argument_arrays: int  # the step's argument arrays (pytree leaves)
+  state_arrays: Optional[int]  # the arrays of its optimizer states (None: no state argument)
   exact: bool
   rows: list[Row]
   cuda_graph_ready: bool  # XLA may capture the jaxfuse calls into CUDA graphs
@@ -144,6 +150,7 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
   states = _optimizer_states(args, kwargs)
   params, state_bytes = _state_size(states)
   float_leaves = _float_state_leaves(states)
+  state_arrays = len(jax.tree.leaves(states)) if states else None
   graph_ready, graphs = _cuda_graphs(bool(jf))
   return Report(
       platform=platform,
@@ -161,6 +168,8 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
       params=params,
       state_bytes=state_bytes,
       float_state_leaves=float_leaves,
+      argument_arrays=len(jax.tree.leaves((args, kwargs))),
+      state_arrays=state_arrays,
       exact=exact,
       rows=rows,
       cuda_graph_ready=graph_ready,
@@ -244,10 +253,11 @@ def _buffer(a: _hlo.Array) -> tuple[list[int], int, bool, str]:
   return list(a.dims), a.element_bytes, a.complex, a.element_type
 
 
-def _int_attrs(config: Optional[str]) -> dict[str, int]:
+def _int_attrs(config: Optional[str]) -> dict[str, Any]:
   """The integer and boolean attributes of an FFI call's backend_config
-  (``{num_tensors = 2 : i64, clip = true, ...}``)."""
-  out: dict[str, int] = {}
+  (``{num_tensors = 2 : i64, clip = true, sizes = dense<[3, 4]> : tensor<2xi64>, ...}``), int64
+  arrays as lists."""
+  out: dict[str, Any] = {}
   if not config:
     return out
   for part in _hlo._split_top(config.strip()[1:-1]):
@@ -256,6 +266,10 @@ def _int_attrs(config: Optional[str]) -> dict[str, int]:
       out[key] = int(value == "true")
     elif m := re.fullmatch(r"(-?\d+) : [iu]\d+", value):
       out[key] = int(m.group(1))
+    elif m := re.fullmatch(r"dense<\[?([-\d, ]*)\]?> : tensor<(\d+)xi64>", value):
+      values = [int(v) for v in m.group(1).split(",") if v.strip()]
+      n = int(m.group(2))
+      out[key] = values * n if len(values) == 1 and n != 1 else values  # a splat: one value
   return out
 
 
@@ -306,9 +320,10 @@ def _state_size(states: list[Any]) -> tuple[Optional[int], Optional[int]]:
   state_bytes = sum(_nbytes(leaf) for leaf in jax.tree.leaves(states))
   has_mu = lambda x: _is_optimizer_state(x) and hasattr(x, "mu")
   mu = next((x.mu for x in jax.tree.leaves(states, is_leaf=has_mu) if has_mu(x)), None)
+  mu = _packing.unpack_shapes(mu)
   codes = lambda leaf: leaf.codes if _moments.is_quantized(leaf) else leaf
   params = None if mu is None else sum(
-      math.prod(np.shape(codes(leaf)))
+      math.prod(jax.numpy.shape(codes(leaf)))
       for leaf in jax.tree.leaves(mu, is_leaf=_moments.is_quantized))
   return params, state_bytes
 
@@ -319,6 +334,7 @@ def _float_state_leaves(states: list[Any]) -> list[str]:
   names: dict[str, None] = {}
   for state in states:
     for field in state:
+      field = _packing.unpack_shapes(field)
       leaves = jax.tree_util.tree_flatten_with_path(field, is_leaf=_moments.is_quantized)[0]
       if any(_moments.is_quantized(leaf) for _, leaf in leaves):
         names.update((jax.tree_util.keystr(path), None) for path, leaf in leaves
@@ -387,6 +403,8 @@ def _summary_lines(r: Report) -> list[tuple[str, Callable, Callable, bool]]:
       ("peak memory", lambda x: x.peak_bytes, _bytes, True),
       ("optimizer state per param", lambda x: x.state_bytes_per_param,
        lambda v: "-" if v is None else f"{v:.2f} B", False),
+      ("arrays passed to the step", lambda x: x.argument_arrays, count, True),
+      ("  of optimizer state", lambda x: x.state_arrays, count, True),
   ]
 
 

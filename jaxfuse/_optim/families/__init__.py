@@ -40,6 +40,12 @@ OPTION_DOCS = {
     "stochastic_rounding": "store 16-bit params rounded stochastically, keyed on `seed`, so that "
                            "updates below half an ulp survive on average without a master copy.",
     "seed": "the stochastic rounding's key, an int in [0, 2**32) (None: 0).",
+    "packed": "keep each state list (and the master copy or remainders) as one flat buffer per "
+              "dtype (``jaxfuse.Packed``), so that the state is a handful of arrays for any "
+              "number of leaves and a step's host cost does not grow with them; the fused step "
+              "updates the buffers in place. ``jaxfuse.convert_state`` moves a state between "
+              "packed and per-leaf layouts (optax's). Packed params (``jaxfuse.pack``) always "
+              "get a packed state.",
 }
 
 

@@ -55,7 +55,8 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
             eps: float = 1e-7, *, moment_bits: Optional[int] = None,
             master_weights: Union[bool, str] = False,
             skip_nonfinite: bool = False, stochastic_rounding: bool = False,
-            seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+            seed: Optional[int] = None,
+            packed: bool = False) -> optax.GradientTransformationExtraArgs:
   """Adagrad as one fused kernel; same arguments, state and math as ``optax.adagrad``.
 
   Per element, with lr the learning rate::

@@ -173,7 +173,8 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
          nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
          master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
          stochastic_rounding: bool = False,
-         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+         seed: Optional[int] = None,
+         packed: bool = False) -> optax.GradientTransformationExtraArgs:
   """Adam (Kingma & Ba, 2015) as one fused kernel; same arguments and math as ``optax.adam``.
 
   Args:
@@ -199,7 +200,8 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
           nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
           master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
           stochastic_rounding: bool = False,
-          seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+          seed: Optional[int] = None,
+          packed: bool = False) -> optax.GradientTransformationExtraArgs:
   """AdamW (Loshchilov & Hutter, 2019) as one fused kernel; same arguments and math as
   ``optax.adamw``.
 
@@ -228,7 +230,8 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
           master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
           stochastic_rounding: bool = False,
-          seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+          seed: Optional[int] = None,
+          packed: bool = False) -> optax.GradientTransformationExtraArgs:
   """NAdam (Dozat, 2016, https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ): ``adam`` with
   ``nesterov=True``, as ``optax.nadam``."""
 
@@ -240,5 +243,6 @@ def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            nu_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
            master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
            stochastic_rounding: bool = False,
-           seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+           seed: Optional[int] = None,
+           packed: bool = False) -> optax.GradientTransformationExtraArgs:
   """NAdamW: ``adamw`` with ``nesterov=True``, as ``optax.nadamw``."""

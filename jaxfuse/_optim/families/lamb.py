@@ -68,7 +68,8 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
          eps_root: float = 0.0, weight_decay: ScalarOrSchedule = 0.0, mask: Any = None, *,
          nu_dtype: Any = None, master_weights: Union[bool, str] = False,
          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
-         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+         seed: Optional[int] = None,
+         packed: bool = False) -> optax.GradientTransformationExtraArgs:
   r"""LAMB (You et al., 2019) fused; same arguments and math as ``optax.lamb``.
 
   With :math:`\hat m_t, \hat v_t` Adam's bias-corrected moments, :math:`\lambda` the weight

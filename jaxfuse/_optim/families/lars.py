@@ -97,7 +97,8 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
          trust_ratio_mask: Any = True, momentum: float = 0.9, nesterov: bool = False, *,
          master_weights: Union[bool, str] = False,
          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
-         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+         seed: Optional[int] = None,
+         packed: bool = False) -> optax.GradientTransformationExtraArgs:
   r"""LARS (You et al., 2017) fused; same arguments and math as ``optax.lars``.
 
   With :math:`\lambda` the weight decay, :math:`\eta` the trust coefficient and :math:`\theta_t`

@@ -102,7 +102,8 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          mask: Any = None, *, moment_bits: Optional[int] = None,
          master_weights: Union[bool, str] = False,
          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
-         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+         seed: Optional[int] = None,
+         packed: bool = False) -> optax.GradientTransformationExtraArgs:
   r"""Lion (Chen et al., 2023) as one fused kernel; same arguments and math as ``optax.lion``.
 
   With :math:`\alpha_t` the learning rate, :math:`\lambda` the weight decay and

@@ -132,7 +132,8 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
             bias_correction: bool = False, *, moment_bits: Optional[int] = None,
             master_weights: Union[bool, str] = False,
             skip_nonfinite: bool = False, stochastic_rounding: bool = False,
-            seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+            seed: Optional[int] = None,
+            packed: bool = False) -> optax.GradientTransformationExtraArgs:
   r"""RMSprop as one fused kernel; same arguments and math as ``optax.rmsprop``.
 
   With :math:`\alpha_t` the learning rate, :math:`\rho` the decay, :math:`\epsilon` the eps and

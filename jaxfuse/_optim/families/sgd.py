@@ -76,7 +76,8 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
         moment_bits: Optional[int] = None,
         master_weights: Union[bool, str] = False,
         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
-        seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+        seed: Optional[int] = None,
+        packed: bool = False) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic gradient descent, with optional (Nesterov) momentum, as one fused kernel; same
   arguments, state and math as ``optax.sgd``.
 
