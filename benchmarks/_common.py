@@ -60,6 +60,14 @@ def device_arguments(doc: str, quick_help: str) -> argparse.ArgumentParser:
   return ap
 
 
+def versions_line() -> str:
+  """What a train-step table was measured with: the device, jax, optax and jaxfuse."""
+  import optax
+  import jaxfuse
+  return (f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax "
+          f"{jax.__version__}, optax {optax.__version__}, jaxfuse {jaxfuse.__version__}")
+
+
 def emit_table(table: str, out_path=None) -> None:
   """Prints a result table and, if asked, writes it to a file (for RESULTS.md)."""
   print(table)

@@ -11,6 +11,9 @@ and the same with clipping, optax.chain(clip_by_global_norm(1.0), adamw):
 and, for the state precisions users pick to save memory:
   optax bf16-mu  optax.adamw(mu_dtype=bfloat16)                (fp32 params, bf16 first moment)
   jf-fused 8-bit jaxfuse.adamw(moment_bits=8), fused           (~16 B/param fp32)
+and for many leaves (the step's host cost grows with its arrays):
+  jf-fused packed         jaxfuse.adamw(packed=True), fused (a buffer per moment)
+  jf-fused packed params  the same on jaxfuse.pack(params) and packed grads (7 arrays in all)
 and on a bf16 copy of each tree (bf16 params and grads):
   optax bf16       optax.adamw on bf16 params (bf16 moments)
   jf-fused master  jaxfuse.adamw(master_weights=True), fused (fp32 master and moments)
@@ -29,6 +32,7 @@ same memory footprint. Usage:
   python3 benchmarks/bench_optim.py                 # default device, default set of trees
   python3 benchmarks/bench_optim.py --quick         # small trees only (smoke test)
   python3 benchmarks/bench_optim.py --trees "GPT-2 small,1000 leaves"   # some of the trees
+  python3 benchmarks/bench_optim.py --trees "1000 leaves" --variants "optax,jf-fused packed"
   python3 benchmarks/bench_optim.py --out results.md --plot bandwidth.png
 """
 
@@ -115,7 +119,15 @@ def variants():
       # fused 8-bit step (g, p read and p written: 12; both moments' codes read and written: 4)
       ("optax bf16-mu", 24, optax_step(optax.adamw(lr, weight_decay=wd, mu_dtype=jnp.bfloat16))),
       ("jf-fused 8-bit", 16, fused(jaxfuse.adamw(lr, weight_decay=wd, moment_bits=8))),
+      # The state packed (a buffer per moment), then the params and grads too (PACKED_PARAMS):
+      # the step's arrays from 3 per leaf to 3 + 1 per leaf to 7.
+      ("jf-fused packed", 28, fused(jaxfuse.adamw(lr, weight_decay=wd, packed=True))),
+      ("jf-fused packed params", 28, fused(jaxfuse.adamw(lr, weight_decay=wd))),
   ]
+
+
+# Variants whose params and grads are packed (jaxfuse.pack) before the step.
+PACKED_PARAMS = {"jf-fused packed params"}
 
 
 def bf16_variants():
@@ -125,24 +137,29 @@ def bf16_variants():
           ("jf-fused master", 28, fused(jaxfuse.adamw(LR, weight_decay=WD, master_weights=True)))]
 
 
-def bench_tree(label, shapes, copy_bw, rows, progress, dtype=jnp.float32):
+def bench_tree(label, shapes, copy_bw, rows, progress, dtype=jnp.float32, chosen=None):
   params = make_tree(shapes, dtype=dtype)
   n = sum(math.prod(s) for s in shapes)
   grads = jax.tree.map(lambda x: x * 0.5 + 1e-3, params)
   base = {}
   for name, bytes_per_param, (tx, fn) in (variants() if dtype == jnp.float32
                                           else bf16_variants()):
+    if chosen is not None and name not in chosen:
+      continue
     progress(f"  {label}: {name} ...")
     p = jax.tree.map(jnp.copy, params)
+    g = grads
+    if name in PACKED_PARAMS:
+      p, g = jaxfuse.pack(p), jaxfuse.pack(grads)
     s = tx.init(p)
     step = jax.jit(fn, donate_argnums=(0, 1))
-    report = jaxfuse.report(step, p, s, grads)
-    ms, device_ms, p, s = time_step(step, p, s, grads)
+    report = jaxfuse.report(step, p, s, g)
+    ms, device_ms, p, s = time_step(step, p, s, g)
     del p, s
     base[name] = ms
     # Against optax's same computation: the clipped chain, else plain (fp32 or bf16) AdamW.
-    baseline = next(v for v in ("optax+clip", "optax bf16", "optax")
-                    if v in base and (v != "optax+clip" or name.endswith("+clip")))
+    baseline = next((v for v in ("optax+clip", "optax bf16", "optax")
+                     if v in base and (v != "optax+clip" or name.endswith("+clip"))), name)
     min_bytes = bytes_per_param * n
     gbs = min_bytes / (ms * 1e-3) / 1e9
     rows.append({
@@ -187,6 +204,9 @@ def main(argv=None):
   ap.add_argument("--trees", type=str, default=None,
                   help="comma-separated beginnings of tree labels to keep, e.g. 'GPT-2 small,256M' "
                        "(GPT-2 small fp32 and bf16, the 256M tensor: tools/gpu_check.sh quick)")
+  ap.add_argument("--variants", type=str, default=None,
+                  help="comma-separated variant names to run (default: all), e.g. "
+                       "'optax,jf-fused,jf-fused packed,jf-fused packed params'")
   ap.add_argument("--compile-times", action="store_true",
                   help="only time compiling the clipped step for 1000 and 3000 leaves")
   ap.add_argument("--out", type=str, default=None, help="also write the markdown table here")
@@ -217,7 +237,7 @@ def main(argv=None):
         trees.append(("GPT-2 medium", gpt2_medium_shapes()))
     if not args.tensors_only:
       trees.append(("1000 leaves x 4K", [(64, 64)] * 1000))
-      if on_gpu:
+      if on_gpu or "10000" in (args.trees or ""):  # on the CPU when asked for: minutes to compile
         trees.append(("10000 leaves x 1K", [(32, 32)] * 10000))
     sizes = args.sizes or ("0.0625,0.25,1,4,16,64,256" if on_gpu else "0.0625,0.25,1,4,16,64")
     for m in sizes.split(","):
@@ -230,7 +250,8 @@ def main(argv=None):
   rows = []
   for label, shapes, *dtype in trees:
     progress(f"{label}: {len(shapes)} leaves")
-    bench_tree(label, shapes, copy_bw, rows, progress, *dtype)
+    chosen = None if args.variants is None else set(args.variants.split(","))
+    bench_tree(label, shapes, copy_bw, rows, progress, *dtype, chosen=chosen)
   emit_table(format_table(rows, copy_bw, f"{device.device_kind} ({device.platform})"), args.out)
   plot_bandwidth(rows, device, args.plot or os.path.join(
       os.path.dirname(os.path.abspath(__file__)), f"optim_bandwidth_{device.platform}.png"),

@@ -33,7 +33,7 @@ import numpy as np
 import optax
 
 import jaxfuse
-from _common import device_ms_per_call, emit_table, gpt2_small_shapes
+from _common import device_ms_per_call, emit_table, gpt2_small_shapes, versions_line
 
 try:
   from flax.training import train_state as flax_train_state
@@ -155,8 +155,7 @@ def main(argv=None) -> None:
   parser.add_argument("--out", default=None, help="also write the table to this file")
   args = parser.parse_args(argv)
   min_time = 0.5 if args.quick else 6.0
-  print(f"# device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}"
-        f", optax {optax.__version__}, jaxfuse {jaxfuse.__version__}", flush=True)
+  print(versions_line(), flush=True)
   rows = ["| model | params | leaves | variant | ms/step | device ms/step | vs optax "
           "| device vs optax | bytes moved (report) | XLA kernels | custom calls |",
           "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
