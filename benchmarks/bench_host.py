@@ -67,15 +67,12 @@ def packed_loss_fn(packed, x):
 
 def variants():
   """(name, TrainState class, tx, pack the params) of each way to run the step."""
-  out = [("optax", flax_train_state.TrainState, optax.adamw(LR, weight_decay=WD), False),
-         ("drop-in", flax_train_state.TrainState, jaxfuse.adamw(LR, weight_decay=WD), False),
-         ("fused", jf_flax.TrainState, jaxfuse.adamw(LR, weight_decay=WD), False)]
-  if hasattr(jaxfuse, "pack"):
-    out += [("fused packed", jf_flax.TrainState, jaxfuse.adamw(LR, weight_decay=WD, packed=True),
-             False),
-            ("packed params", jf_flax.TrainState,
-             jaxfuse.adamw(LR, weight_decay=WD, packed=True), True)]
-  return out
+  return [("optax", flax_train_state.TrainState, optax.adamw(LR, weight_decay=WD), False),
+          ("drop-in", flax_train_state.TrainState, jaxfuse.adamw(LR, weight_decay=WD), False),
+          ("fused", jf_flax.TrainState, jaxfuse.adamw(LR, weight_decay=WD), False),
+          ("fused packed", jf_flax.TrainState, jaxfuse.adamw(LR, weight_decay=WD, packed=True),
+           False),
+          ("packed params", jf_flax.TrainState, jaxfuse.adamw(LR, weight_decay=WD), True)]
 
 
 def make_step(loss):

@@ -94,6 +94,12 @@ def test_optax_protocol_matches_optax():
     p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
   assert_trees_close(p, q, rtol=1e-5, atol=1e-6)
   assert_trees_close(jaxfuse.unpack(s), r, rtol=1e-5, atol=1e-7)
+  # update() without params (Adam has no weight decay to read them for), packed params too
+  packed = jaxfuse.pack(params)
+  for tx, x in ((jaxfuse.adam(1e-2, packed=True), params), (jaxfuse.adam(1e-2), packed)):
+    u, _ = tx.update(x, tx.init(x))
+    v, _ = optax.adam(1e-2).update(params, optax.adam(1e-2).init(params))
+    assert_trees_close(jaxfuse.unpack(u), v, rtol=1e-6, atol=0)
 
 
 @jax.jit

@@ -124,12 +124,15 @@ def state_dtype(x: Any) -> Any:
 
 def _stand_in_params(spec: Spec, grads: Any, state: Any) -> Any:
   """Shapes and dtypes of the params for checks when update() gets none: the grads' shapes with
-  the dtypes of the state that init() would make from them (the optax twin's)."""
+  the dtypes of the state that init() would make from them (the optax twin's); packed grads
+  stand for packed params of their own layout."""
   shapes = jax.tree.map(lambda g: jax.ShapeDtypeStruct(jnp.shape(g), g.dtype), grads)
-  return shapes if not spec.states(state) else jax.tree.structure(grads).unflatten(
+  if _packing.is_packed(grads) or not spec.states(state):
+    return shapes
+  last = _packing.unpack_shapes(spec.states(state)[-1])
+  return jax.tree.structure(grads).unflatten(
       [jax.ShapeDtypeStruct(jnp.shape(g), state_dtype(s)) for g, s in
-       zip(jax.tree.leaves(grads), jax.tree.structure(grads).flatten_up_to(
-           spec.states(state)[-1]))])
+       zip(jax.tree.leaves(grads), jax.tree.structure(grads).flatten_up_to(last))])
 
 
 def _per_leaf(tree: Any, treedef: Any, buffers: list) -> list:
