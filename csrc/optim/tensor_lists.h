@@ -87,7 +87,7 @@ inline const char* list_kind_dtypes(ListKind kind) {
 }
 
 // Which lists of a call are packed: all their tensors in one buffer, tensor t's elements at its
-// own offset (jaxfuse's packed optimizer state and packed params, jaxfuse/_optim/packing.py: a
+// own offset (jaxfuse's packed optimizer state and packed params, jaxfuse/_core/packing.py: a
 // handful of buffers whatever the tree). `lists`: bit k set when list k is packed. `offsets`:
 // for each packed list in list order, one offset per tensor, in the buffer's elements (a
 // block-value list's in block values). `sizes`: each tensor's element count (a complex element
@@ -156,14 +156,16 @@ inline ffi::ErrorOr<ffi::AnyBuffer> list_buffer(const ffi::RemainingArgs& args,
   return decoded;
 }
 
-// The elements tensor t has in list `k` of this kind: its block values for a block-value list.
+// The elements a tensor of `scalars` scalars has in a list of this kind (of a block-value list,
+// its block values).
 inline int64_t list_elements(ListKind kind, int64_t scalars, bool complex) {
   if (kind == ListKind::kBlockValues) return (scalars + kBlockElements - 1) / kBlockElements;
   return complex ? scalars / 2 : scalars;
 }
 
-// Tensor t's place in packed list `src`: checked to lie inside the buffer and to overlap no
-// other tensor's (two tensors writing one element would race, and corrupt each other).
+// Each tensor's address in packed list `src` (list k), at its offset: checked to lie inside the
+// buffer and to overlap no other tensor (two tensors writing one element would race, and
+// corrupt each other).
 inline ffi::Error place_packed(const ListSource& src, ffi::AnyBuffer buffer,
                                ffi::Span<const int64_t> offsets, int k, TensorLists* tensors) {
   const int64_t available = static_cast<int64_t>(buffer.element_count());
