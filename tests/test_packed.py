@@ -249,3 +249,7 @@ def test_bad_inputs_name_the_leaf():
     jaxfuse.adamw(1e-2, packed="yes")
   with pytest.raises(ValueError, match="cannot be packed as"):
     jaxfuse.pack(other, packed.layout)
+  bf16 = jaxfuse.pack(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+  rounded = jaxfuse.adamw(1e-2, stochastic_rounding=True)
+  with pytest.raises(ValueError, match="run in jaxfuse.fused_step only"):
+    rounded.update(bf16, rounded.init(bf16), bf16)

@@ -129,6 +129,11 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
   grads, state, params = _trees.as_arrays((grads, state, params))
   if _packing.contains_packed((grads, state, params)):
     _step.checked_leaves(spec, grads, state, params)  # the checks of the packed trees
+    if _packing.is_packed(grads) and (spec.keeps_remainders or spec.stochastic_rounding):
+      raise ValueError(
+          f"{spec.name}: with packed params, master_weights='remainder' and stochastic_rounding "
+          "run in jaxfuse.fused_step only (their exact updates are float32, which a tree packed "
+          "like the 16-bit params cannot hold)")
     updates, new = xla_updates(dataclasses.replace(spec, packed=False), _packing.unpack(grads),
                                _packing.unpack(state), _packing.unpack(params), grad_scale)
     return _packing.repack(updates, grads), _packing.repack(new, state)
