@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxfuse._core import partition as _partition
 from jaxfuse._core import trees as _trees
 
 # Every leaf starts at a multiple of this many elements: 16-byte vector access for any dtype
@@ -127,23 +128,11 @@ class Packed:
     return _unpack(self.layout, self.buffers)
 
 
-def split_axes(x: Any) -> tuple:
-  """The mesh axes an array is split over, as far as its type (explicit sharding) or its
-  placement (a committed array) says; () where it is whole on every device."""
-  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-    spec = getattr(x.sharding, "spec", None)
-  else:
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-  axes = [a for entry in (spec or ()) if entry is not None
-          for a in (entry if isinstance(entry, tuple) else (entry,))]
-  return tuple(axes)
-
-
 def check_not_split(tree: Any) -> None:
   """Raises, naming the leaf, unless every leaf is whole on every device: a packed buffer keeps
   whole leaves (params split over devices keep their states per leaf)."""
   for name, x in zip(_trees.leaf_names(tree), jax.tree.leaves(tree)):
-    if axes := split_axes(x):
+    if axes := _partition.split_axes(x):
       raise ValueError(
           f"jaxfuse: leaf {name} is split over mesh axes {axes}; a packed tree (packed=True, "
           "jaxfuse.pack) keeps whole leaves, replicated (data parallelism). Keep the state of "

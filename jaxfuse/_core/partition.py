@@ -65,6 +65,16 @@ def _entry_axes(entry: Any) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
+def split_axes(x: Any) -> tuple[str, ...]:
+  """The mesh axes an array is split over, as far as its placement (a concrete array) or its
+  type (explicit sharding, under a trace) says; () where it is whole on every device."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    spec = getattr(x.sharding, "spec", None)
+  else:
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+  return tuple(a for entry in (spec or ()) for a in _entry_axes(entry))
+
+
 def _spec_axes(spec: P, ndim: int) -> Axes:
   return tuple(_entry_axes(spec[d]) if d < len(spec) else () for d in range(ndim))
 

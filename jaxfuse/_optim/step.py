@@ -149,12 +149,7 @@ def checked_leaves(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[Lea
   """Checks one step's arguments (naming the leaf at fault) and flattens them: the per-leaf
   lists and the tensor flags. All leaves are JAX arrays (as_arrays); packed trees (params and
   grads, the state's lists) give Slots into the Leaves' buffers."""
-  _trees.check_float_leaves(grads, "grads")
-  reference = _stand_in_params(spec, grads, state) if params is None else params
-  flags = spec.check(reference)
-  _check_packed_grads(reference, grads)
-  _trees.check_same_structure(reference, grads, "params", "grads")
-  _check_state(spec, state, reference)
+  reference, flags = check_arguments(spec, grads, state, params)
   treedef = reference.layout.treedef if _packing.is_packed(reference) \
       else jax.tree.structure(grads)
   buffers: list = []
@@ -164,6 +159,18 @@ def checked_leaves(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[Lea
   leaves = Leaves(grads_, params_, states, master, remainders, list(range(treedef.num_leaves)),
                   buffers)
   return leaves, flags
+
+
+def check_arguments(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[Any, list[int]]:
+  """Checks one step's arguments, naming the leaf at fault: (the params, or a stand-in for them
+  with their shapes and dtypes when update() got none; the tensor flags)."""
+  _trees.check_float_leaves(grads, "grads")
+  reference = _stand_in_params(spec, grads, state) if params is None else params
+  flags = spec.check(reference)
+  _check_packed_grads(reference, grads)
+  _trees.check_same_structure(reference, grads, "params", "grads")
+  _check_state(spec, state, reference)
+  return reference, flags
 
 
 def _packed_trees(spec: Spec, grads: Any, state: Any, params: Any) -> list:

@@ -128,7 +128,7 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
   again: XLA fuses the math into the concatenation, one pass as without packing."""
   grads, state, params = _trees.as_arrays((grads, state, params))
   if _packing.contains_packed((grads, state, params)):
-    _step.checked_leaves(spec, grads, state, params)  # the checks of the packed trees
+    _step.check_arguments(spec, grads, state, params)  # the packed trees' checks
     if _packing.is_packed(grads) and (spec.keeps_remainders or spec.stochastic_rounding):
       raise ValueError(
           f"{spec.name}: with packed params, master_weights='remainder' and stochastic_rounding "
