@@ -557,3 +557,189 @@ def test_packed_state_on_replicated_params(kind):
     with pytest.raises(ValueError, match=r"leaf \['leaf0000'\] is split over mesh axes "
                                          r"\('fsdp',\)"):
       tx.init(split)
+
+
+# ---- a packed state split over the data-parallel devices (packed="fsdp": ZeRO's first stage) ---
+
+SPLIT_SHAPES = [(64, 128), (5, 7), (), (33,), (16, 24), (40,), (0, 3)]
+SPLIT_VARIANTS = [v for family in jaxfuse._optim.families.registered() for v in family.variants]
+
+
+def _split_problem(seed, dtypes=None):
+  dtypes = dtypes or [jnp.float32] * 4 + [jnp.bfloat16] * 3
+  params = random_tree(seed, SPLIT_SHAPES, dtypes)
+  grads = [random_tree(seed + 1 + t, SPLIT_SHAPES, dtypes) for t in range(2)]
+  return params, grads
+
+
+def _fused(tx):
+  return jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p))
+
+
+def _run(step, tx, params, grads, mesh=None):
+  """Two steps from tx.init, on replicated arrays of `mesh` (or one device): (params, state)."""
+  put_all = (lambda t: jax.device_put(t, NamedSharding(mesh, P()))) if mesh else (lambda t: t)
+  params = put_all(params)
+  state = tx.init(params)
+  for g in grads:
+    params, state = step(put_all(g), state, params)
+  return params, state
+
+
+def _split_buffers(state):
+  return [x for x in jax.tree.leaves(state) if x.ndim == 1 and x.size > 64]
+
+
+@pytest.mark.parametrize("variant", SPLIT_VARIANTS, ids=[v.label for v in SPLIT_VARIANTS])
+def test_split_packed_state_every_family(variant):
+  """Every variant of every family, its packed state split over 8 devices: the fused step gives
+  the unsplit per-leaf step's params and state bit for bit; each device holds an eighth of the
+  state; the step's collectives are one all-gather per params dtype of the new params' segments
+  (never the state) and, for the trust-ratio families, one all-reduce of the per-leaf sums."""
+  mesh = make_mesh("fsdp", "auto")
+  params, grads = _split_problem(50)
+  ref_params, ref_state = _run(_fused(variant()), variant(), params, grads)
+  tx = variant(packed="fsdp")
+  with jax.set_mesh(mesh):
+    new_params, state = _run(_fused(tx), tx, params, grads, mesh)
+    text = _fused(tx).lower(*jax.device_put((grads[0], state, new_params),
+                                            NamedSharding(mesh, P()))).compile().as_text()
+    converted = jaxfuse.convert_state(state, new_params, variant())[1]
+  assert_bitwise_equal(new_params, ref_params, variant.label)
+  assert_bitwise_equal(converted, ref_state, variant.label)
+  for b in _split_buffers(state):
+    assert b.sharding.spec == P("fsdp") and b.addressable_shards[0].data.size * 8 == b.size
+  trust = "trust_sums_op" in variant.spec().contract.names
+  assert collectives(text) == (2, 1 if trust else 0)  # float32 and bfloat16 params
+  # The gathers' sizes are the params' buffers (XLA:CPU gathers bf16 as f32), not the state's.
+  spec = variant.spec(packed="fsdp")
+  layout = jaxfuse._core.packing.layout_of(params, 8, ("fsdp",), spec.split_chunks(params, 8))
+  gathered = re.findall(r"= \w+\[(\d+)\]\S* all-gather\(", text)
+  assert sorted(map(int, gathered)) == sorted(layout.buffer_sizes), (gathered, layout)
+
+
+def test_split_packed_state_optax_protocol():
+  """tx.update on a split state: every device's updates of its chunks, gathered (one all-gather
+  per updates dtype), as the unsplit protocol's within an ulp (XLA may contract a multiply and
+  an add in one program and not the other); the new state stays split and converts to the
+  per-leaf one."""
+  mesh = make_mesh("fsdp", "explicit")
+  params, grads = _split_problem(60)
+
+  def protocol(tx):
+    return jax.jit(lambda g, s, p: tx.update(g, s, p))
+
+  for make in (lambda **o: jaxfuse.adamw(LR, weight_decay=WD, **o),
+               lambda **o: jaxfuse.lamb(LR, weight_decay=WD, **o)):
+    ref, tx = make(), make(packed="fsdp")
+    ref_updates, ref_state = protocol(ref)(grads[0], ref.init(params), params)
+    with jax.set_mesh(mesh):
+      p, g = jax.device_put((params, grads[0]), NamedSharding(mesh, P()))
+      state = tx.init(p)
+      updates, new_state = protocol(tx)(g, state, p)
+      assert collectives(protocol(tx).lower(g, state, p).compile().as_text())[0] == 2
+      converted = jaxfuse.convert_state(new_state, params, ref)[1]
+    assert specs_of(updates) == jax.tree.map(lambda x: full_spec(P(), x.ndim), params)
+    wide = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+    for tree, want in ((updates, ref_updates), (converted, ref_state)):
+      assert_trees_close(wide(tree), wide(want), rtol=8 * ulp(jnp.float32), atol=0)
+
+
+SPLIT_OPTIONS = {
+    "master weights": dict(master_weights=True),
+    "remainders": dict(master_weights="remainder"),
+    "8-bit moments": dict(moment_bits=8),
+    "skip non-finite": dict(skip_nonfinite=True),
+}
+
+
+@pytest.mark.parametrize("option", SPLIT_OPTIONS)
+def test_split_packed_state_options(option, kind):
+  """AdamW with the clip folded in and each opt-in on a split state (bf16 params, a non-finite
+  second step): bit for bit with the unsplit per-leaf step; the master copy, remainders and
+  8-bit codes and scales split alike (8-bit blocks whole in each segment); the state's
+  donated buffers updated in place."""
+  mesh = make_mesh("fsdp", kind)
+  params, grads = _split_problem(70, [jnp.bfloat16] * 7)
+  grads[1]["leaf0001"] = grads[1]["leaf0001"].at[2, 3].set(jnp.inf)
+  make = lambda **o: optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM),
+                                 jaxfuse.adamw(LR, weight_decay=WD, **SPLIT_OPTIONS[option], **o))
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # 8-bit: the small leaves' float states
+    ref_params, ref_state = _run(_fused(make()), make(), params, grads)
+    tx = make(packed="fsdp")
+    with jax.set_mesh(mesh):
+      step = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(1, 2))
+      new_params, state = _run(step, tx, params, grads, mesh)
+      converted = jaxfuse.convert_state(state, new_params, make())[1]
+  assert_bitwise_equal(new_params, ref_params, option)
+  assert_bitwise_equal(converted, ref_state, option)
+  assert all(b.sharding.spec == P("fsdp") for b in _split_buffers(state))
+
+
+def test_split_packed_state_where_steps_run():
+  """The split step over two mesh axes, inside the caller's shard_map, under
+  optax.inject_hyperparams and jaxfuse.multi_steps, with packed params, and with stochastic
+  rounding (one stream per chunk: deterministic, not the unsplit step's bits)."""
+  params, grads = _split_problem(80, [jnp.float32] * 7)
+  ref = jaxfuse.lamb(LR, weight_decay=WD)
+  ref_params, _ = _run(_fused(ref), ref, params, grads)
+  mesh = make_mesh("data_model", "auto")
+  with jax.set_mesh(mesh):
+    for axes in (("data", "model"), "model"):
+      tx = jaxfuse.lamb(LR, weight_decay=WD, packed=axes)
+      assert_bitwise_equal(_run(_fused(tx), tx, params, grads, mesh)[0], ref_params, str(axes))
+  mesh = make_mesh("fsdp", "auto")
+  adamw = lambda **o: jaxfuse.adamw(LR, weight_decay=WD, **o)
+  ref_params, _ = _run(_fused(adamw()), adamw(), params, grads)
+  tx = adamw(packed="fsdp")
+  with jax.set_mesh(mesh):
+    specs = jax.tree.map(lambda x: x.sharding.spec, tx.init(jax.device_put(params, NamedSharding(mesh, P()))))
+    manual = jax.jit(jax.shard_map(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p),
+                                   in_specs=(P(), specs, P()), out_specs=(P(), specs),
+                                   check_vma=False))
+    assert_bitwise_equal(_run(manual, tx, params, grads, mesh)[0], ref_params, "shard_map")
+    inject = lambda **o: optax.inject_hyperparams(jaxfuse.adamw, static_args=("packed",))(
+        learning_rate=LR, weight_decay=WD, **o)
+    assert_bitwise_equal(_run(_fused(inject(packed="fsdp")), inject(packed="fsdp"), params, grads,
+                              mesh)[0],
+                         _run(_fused(inject()), inject(), params, grads)[0], "inject_hyperparams")
+    ref_multi, multi = jaxfuse.multi_steps(adamw(), 2), jaxfuse.multi_steps(tx, 2)
+    assert_bitwise_equal(_run(_fused(multi), multi, params, grads, mesh)[0],
+                         _run(_fused(ref_multi), ref_multi, params, grads)[0], "multi_steps")
+    packed = jax.jit(lambda g, s, p: jaxfuse.fused_step(
+        tx, jaxfuse.pack(g), s, p))
+    new_packed, _ = _run(packed, tx, jaxfuse.pack(params), grads, mesh)
+    assert_bitwise_equal(new_packed.unpack(), ref_params, "packed params")
+    bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    rounded = adamw(stochastic_rounding=True, packed="fsdp")
+    first, second = (_run(_fused(rounded), rounded, bf16, grads, mesh)[0] for _ in range(2))
+  assert_bitwise_equal(first, second, "stochastic rounding")
+  unsplit = _run(_fused(adamw(stochastic_rounding=True)), adamw(stochastic_rounding=True), bf16,
+                 grads)[0]
+  assert_trees_close(jax.tree.map(lambda x: x.astype(jnp.float32), first),
+                     jax.tree.map(lambda x: x.astype(jnp.float32), unsplit),
+                     rtol=2 * ulp(jnp.bfloat16), atol=0)
+
+
+def test_split_packed_state_errors():
+  """Clear errors: no mesh with the axis, params split over devices, a state split otherwise than
+  the transform says, a `packed` that is no axis name."""
+  params = random_tree(90, [(16, 8), (8,)])
+  tx = jaxfuse.adamw(LR, packed="fsdp")
+  with pytest.raises(ValueError, match=r"packed='fsdp' splits the state over mesh axes "
+                                       r"\('fsdp',\), and no mesh has them"):
+    tx.init(params)
+  with pytest.raises(TypeError, match=r"packed=3; expected a bool, or the name of a mesh axis"):
+    jaxfuse.adamw(LR, packed=3)
+  mesh = make_mesh("data_model", "auto")
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    split = dict(p, leaf0000=jax.device_put(params["leaf0000"], NamedSharding(mesh, P("model"))))
+    with pytest.raises(ValueError, match=r"leaf \['leaf0000'\] is split over mesh axes "
+                                         r"\('model',\)"):
+      jaxfuse.adamw(LR, packed="data").init(split)
+    state = jaxfuse.adamw(LR, packed="data").init(p)
+    with pytest.raises(ValueError, match=r"opt_state was packed for other params: it is split "
+                                         r"over \('data',\) in 4 segments"):
+      _fused(jaxfuse.adamw(LR, packed="model"))(p, state, p)

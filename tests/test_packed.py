@@ -245,8 +245,10 @@ def test_bad_inputs_name_the_leaf():
   packed = jaxfuse.pack(params)
   with pytest.raises(TypeError, match="the params are packed .* and the grads are not"):
     jaxfuse.fused_step(tx, params, tx.init(packed), packed)
-  with pytest.raises(TypeError, match="packed='yes' is a str"):
-    jaxfuse.adamw(1e-2, packed="yes")
+  with pytest.raises(TypeError, match="packed=1.5; expected a bool, or the name of a mesh axis"):
+    jaxfuse.adamw(1e-2, packed=1.5)
+  with pytest.raises(ValueError, match=r"splits the state over mesh axes \('yes',\), and no mesh"):
+    jaxfuse.adamw(1e-2, packed="yes").init(params)
   with pytest.raises(ValueError, match="cannot be packed as"):
     jaxfuse.pack(other, packed.layout)
   bf16 = jaxfuse.pack(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))

@@ -8,6 +8,13 @@ leaves a step takes as views (:func:`unpack`) inside the jit. The layout (the tr
 each leaf's shape, dtype, buffer and offset) is static, part of the pytree's structure, so a
 packed tree checkpoints and restores like any other pytree, and a state packed for other params
 is refused by structure.
+
+A *split* layout (``layout_of(..., shards=N, axes=...)``, the optimizers' ``packed="data"``)
+divides every leaf into N equal chunks, device d's segment of each buffer holding chunk d of
+every leaf, at offsets that are the same on every device: a buffer of N segments sharded over the
+mesh axes ``axes`` is one device's share of the state (ZeRO's first stage, Rajbhandari et al.,
+2020, https://arxiv.org/abs/1910.02054) laid out so that one SPMD program updates every segment.
+Seen whole (:meth:`Packed.unpack`, :func:`pack`), it is the same tree.
 """
 
 from __future__ import annotations
@@ -33,12 +40,15 @@ def _aligned(n: int) -> int:
 
 
 class Place(NamedTuple):
-  """Where one leaf lives in a packed tree: its buffer, element offset, shape and dtype."""
+  """Where one leaf lives in a packed tree: its buffer, element offset, shape and dtype; in a
+  split layout its chunk (elements per segment, the last ones padded) at that offset of every
+  segment."""
 
   buffer: int
   offset: int
   shape: tuple[int, ...]
   dtype: Any
+  chunk: Optional[int] = None
 
   @property
   def size(self) -> int:
@@ -48,24 +58,39 @@ class Place(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """The static part of a packed tree: the unpacked tree's structure, and per leaf its Place;
-  per buffer its dtype and element count."""
+  per buffer its dtype and element count; for a split layout the number of segments and the
+  mesh axes they are sharded over."""
 
   treedef: Any
   places: tuple[Place, ...]
   buffer_dtypes: tuple[Any, ...]
   buffer_sizes: tuple[int, ...]
+  shards: int = 1
+  axes: tuple[str, ...] = ()
 
   def __hash__(self) -> int:  # once: jit hashes the treedefs of its arguments on every call
     return self._hash
 
   @functools.cached_property
   def _hash(self) -> int:
-    return hash((self.treedef, self.places, self.buffer_dtypes, self.buffer_sizes))
+    return hash((self.treedef, self.places, self.buffer_dtypes, self.buffer_sizes, self.shards,
+                 self.axes))
 
   def __repr__(self) -> str:  # short: it shows inside every treedef that holds it
     buffers = ", ".join(f"{jnp.dtype(d).name}[{n}]"
                         for d, n in zip(self.buffer_dtypes, self.buffer_sizes))
-    return f"Layout({len(self.places)} leaves in {buffers})"
+    split = f", split over {self.axes} in {self.shards}" if self.split else ""
+    return f"Layout({len(self.places)} leaves in {buffers}{split})"
+
+  @property
+  def split(self) -> bool:
+    return bool(self.axes)
+
+  def local(self) -> "Layout":
+    """The layout of one segment of a split layout: each leaf its chunk, a vector."""
+    return Layout(self.treedef, tuple(Place(p.buffer, p.offset, (p.chunk,), p.dtype)
+                                      for p in self.places),
+                  self.buffer_dtypes, tuple(n // self.shards for n in self.buffer_sizes))
 
   @property
   def num_leaves(self) -> int:
@@ -79,9 +104,23 @@ class Layout:
     return self.treedef.unflatten([jax.ShapeDtypeStruct(p.shape, p.dtype) for p in self.places])
 
 
-def layout_of(tree: Any) -> Layout:
+def layout_of(tree: Any, shards: int = 1, axes: tuple[str, ...] = (),
+              chunks: Optional[list[int]] = None) -> Layout:
   """The layout that :func:`pack` gives `tree` (arrays or ShapeDtypeStructs): leaves in tree
-  order, one buffer per dtype in order of first appearance."""
+  order, one buffer per dtype in order of first appearance. With `axes`, split in `shards`
+  segments, leaf i's chunk `chunks[i]` (at least its size over `shards`), each segment laid out
+  as the tree of chunks would be."""
+  if axes:
+    leaves, treedef = jax.tree.flatten(tree)
+    if len(chunks) != len(leaves) or any(c * shards < math.prod(jnp.shape(x))
+                                         for c, x in zip(chunks, leaves)):
+      raise AssertionError(f"chunks {chunks} do not cover {len(leaves)} leaves in {shards}")
+    local = layout_of(treedef.unflatten(
+        [jax.ShapeDtypeStruct((c,), x.dtype) for c, x in zip(chunks, leaves)]))
+    return Layout(treedef, tuple(Place(p.buffer, p.offset, tuple(jnp.shape(x)), p.dtype, p.size)
+                                 for p, x in zip(local.places, leaves)),
+                  local.buffer_dtypes, tuple(n * shards for n in local.buffer_sizes),
+                  shards, tuple(axes))
   leaves, treedef = jax.tree.flatten(tree)
   dtypes: list[Any] = []
   sizes: list[int] = []
@@ -140,16 +179,31 @@ def check_not_split(tree: Any) -> None:
 
 
 def _checked_layout(tree: Any, layout: Layout) -> Layout:
-  own = layout_of(tree)
+  own = layout_of(tree, layout.shards, layout.axes, [p.chunk for p in layout.places])
   if own != layout:
     raise ValueError(f"jaxfuse: a tree laid out as {own!r} cannot be packed as {layout!r}")
   return layout
 
 
 def _slices(layout: Layout, buffers: tuple) -> Any:
+  if layout.split:  # leaf = its chunks from every segment, in order, less the padding
+    n = layout.shards
+    segments = [_gathered(b).reshape(n, -1) for b in buffers]
+    return layout.treedef.unflatten([
+        segments[p.buffer][:, p.offset:p.offset + p.chunk].reshape(-1)[:p.size].reshape(p.shape)
+        for p in layout.places])
   return layout.treedef.unflatten([
       jax.lax.slice(buffers[p.buffer], (p.offset,), (p.offset + p.size,)).reshape(p.shape)
       for p in layout.places])
+
+
+def _gathered(buffer: jax.Array) -> jax.Array:
+  """`buffer`, whole on every device where its type splits it (explicit sharding, whose
+  indexing would otherwise need its result's sharding spelled out)."""
+  mesh = _partition.mesh_with(_partition.split_axes(buffer), buffer)
+  if mesh is None or not set(_partition.split_axes(buffer)) & set(mesh.explicit_axes):
+    return buffer
+  return _partition.constrain(buffer, mesh, jax.sharding.PartitionSpec())
 
 
 # A slice's own transpose pads its cotangent to the whole buffer: one buffer-sized add per
@@ -180,14 +234,41 @@ def pack(tree: Any, layout: Optional[Layout] = None) -> Packed:
   tree = _trees.as_arrays(tree)
   layout = layout_of(tree) if layout is None else _checked_layout(tree, layout)
   check_not_split(tree)
-  parts: list[list[jax.Array]] = [[] for _ in layout.buffer_dtypes]
+  if layout.split:
+    return Packed(_concatenate(layout, [_chunked(x, p, layout.shards) for x, p in
+                                        zip(jax.tree.leaves(tree), layout.places)]), layout)
+  return Packed(_concatenate(layout, [jnp.ravel(x) for x in jax.tree.leaves(tree)]), layout)
+
+
+def _chunked(x: jax.Array, place: Place, shards: int) -> jax.Array:
+  """Leaf `x` as [shards, chunk], zero-padded."""
+  flat = jnp.ravel(x)
+  return jnp.pad(flat, (0, shards * place.chunk - place.size)).reshape(shards, place.chunk)
+
+
+def _concatenate(layout: Layout, parts: list[jax.Array]) -> list[jax.Array]:
+  """The buffers of `layout` from each leaf's `parts`: a vector of its elements, or for a split
+  layout [shards, chunk] (a whole buffer) or a chunk (one segment); zeros between."""
+  lead = parts[0].shape[:-1] if parts else ()
+  pieces: list[list[jax.Array]] = [[] for _ in layout.buffer_dtypes]
+  for x, p in zip(parts, layout.places):
+    pieces[p.buffer].append(x)
+    length = x.shape[-1]
+    if _aligned(length) > length:
+      pieces[p.buffer].append(jnp.zeros((*lead, _aligned(length) - length), p.dtype))
+  return [jnp.concatenate(x, axis=-1).reshape(-1) if x else jnp.zeros((0,), d)
+          for x, d in zip(pieces, layout.buffer_dtypes)]
+
+
+def local_segment(tree: Any, layout: Layout, index: jax.Array) -> Packed:
+  """Segment `index` (a traced device index) of `tree` packed in the split `layout`, as a Packed
+  tree of layout.local(): each leaf's chunk taken from the whole leaf, no other chunk read."""
+  chunks = []
   for x, p in zip(jax.tree.leaves(tree), layout.places):
-    parts[p.buffer].append(jnp.ravel(x))
-    gap = _aligned(p.size) - p.size
-    if gap:
-      parts[p.buffer].append(jnp.zeros((gap,), p.dtype))
-  return Packed([jnp.concatenate(x) if x else jnp.zeros((0,), d)
-                 for x, d in zip(parts, layout.buffer_dtypes)], layout)
+    flat = jnp.pad(jnp.ravel(x), (0, layout.shards * p.chunk - p.size))
+    chunks.append(jax.lax.dynamic_slice(flat, (index * p.chunk,), (p.chunk,)))
+  local = layout.local()
+  return Packed(_concatenate(local, chunks), local)
 
 
 def unpack(tree: Any) -> Any:
@@ -217,6 +298,9 @@ def unpack_shapes(tree: Any) -> Any:
 
 def layout_difference(expected: Layout, got: Layout) -> str:
   """What differs between two layouts, naming the first leaf at fault."""
+  if (expected.axes, expected.shards) != (got.axes, got.shards):
+    where = lambda x: f"split over {x.axes} in {x.shards} segments" if x.split else "not split"
+    return f"it is {where(got)}, this transform's state is {where(expected)}"
   names, got_names = expected.leaf_names(), got.leaf_names()
   if expected.treedef != got.treedef:
     missing = [n for n in names if n not in got_names]

@@ -75,6 +75,69 @@ def split_axes(x: Any) -> tuple[str, ...]:
   return tuple(a for entry in (spec or ()) for a in _entry_axes(entry))
 
 
+def mesh_with(axes: Sequence[str], *trees: Any) -> Any:
+  """The (abstract) mesh that has the mesh axes `axes`: the one set by ``jax.set_mesh``, else
+  the one an array of `trees` is placed on (its type's); None where neither has them."""
+  meshes = [jax.sharding.get_abstract_mesh()]
+  for x in jax.tree.leaves(trees):
+    meshes.append(getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+                  if isinstance(x, jax.Array) else None)
+  for mesh in meshes:
+    if mesh is not None and not mesh.empty and set(axes) <= set(mesh.axis_names):
+      return mesh
+  return None
+
+
+def manual_call(body: Callable[..., Sequence[jax.Array]], mesh: Any, axes: Sequence[str],
+                operands: Sequence[jax.Array], in_specs: Sequence[P],
+                results: Sequence[jax.ShapeDtypeStruct], out_specs: Sequence[P]) -> list:
+  """``body`` on every device's shards of `operands` (`in_specs`), under ``jax.shard_map`` over
+  `mesh` (directly where `axes` are already manual: inside the caller's shard_map), returning
+  the arrays `results` describes (global shapes), sharded as `out_specs`. Zero-size arrays stay
+  out of the shard_map, in and out (they crash jaxlib 0.11.2's compiler): ``body`` gets them,
+  and the caller its zero-size results, as zeros."""
+  manual = set(axes) <= set(jax.sharding.get_abstract_mesh().manual_axes)
+
+  def run(*nonempty):
+    it = iter(nonempty)
+    local = [next(it) if x.size else jnp.zeros(
+        x.shape if manual else _local_shape(x.shape, spec, mesh), x.dtype)
+        for x, spec in zip(operands, in_specs)]
+    return [x for x in body(*local) if x.size]
+
+  kept = [x for x in operands if x.size]
+  if manual:
+    nonempty = run(*kept)
+  else:
+    # Jitted: an eager shard_map would compile its body's operations one by one.
+    nonempty = jax.jit(jax.shard_map(
+        run, mesh=mesh, in_specs=tuple(s for s, x in zip(in_specs, operands) if x.size),
+        out_specs=[s for s, x in zip(out_specs, results) if math.prod(x.shape)],
+        check_vma=False))(*kept)
+  it = iter(nonempty)
+  return [next(it) if math.prod(x.shape) else jnp.zeros(x.shape, x.dtype) for x in results]
+
+
+def _local_shape(shape: tuple[int, ...], spec: P, mesh: Any) -> tuple[int, ...]:
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  return tuple(n // math.prod(sizes[a] for a in _entry_axes(spec[d])) if d < len(spec) else n
+               for d, n in enumerate(shape))
+
+
+def constrain(x: jax.Array, mesh: Any, spec: P) -> jax.Array:
+  """`x` sharded as `spec` on `mesh` (abstract), eagerly or under a trace, on Explicit axes
+  (jax.sharding.reshard) or Auto ones (a sharding constraint); kept as it is on Manual ones
+  (inside a shard_map, `x` is one device's)."""
+  axes = {a for entry in spec for a in _entry_axes(entry)}
+  if axes & set(mesh.manual_axes):
+    return x
+  sharding = NamedSharding(mesh, spec)
+  axes |= set(split_axes(x))
+  if any(a in mesh.explicit_axes for a in axes):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
 def _spec_axes(spec: P, ndim: int) -> Axes:
   return tuple(_entry_axes(spec[d]) if d < len(spec) else () for d in range(ndim))
 

@@ -7,6 +7,7 @@ split a leaf, one small all-reduce), then steps with each leaf's ratio."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -20,6 +21,7 @@ from jaxfuse._core import partition as _partition
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import inplace as _inplace
 from jaxfuse._optim import moments as _moments
+from jaxfuse._optim import split as _split
 from jaxfuse._optim import step as _step
 from jaxfuse._optim.spec import Spec
 
@@ -132,13 +134,14 @@ def _check_whole_blocks(spec: Spec, local: tuple, plan: dict, state: str,
           f"its first {scales.ndim - 1} dimensions, or replicate it")
 
 
-def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _step.Leaves,
-              flags: list[int]) -> tuple[jax.Array, dict[str, list]]:
+def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _step.Leaves, flags: list[int],
+              segment: Optional[_partition.Shards]) -> tuple[jax.Array, dict[str, list]]:
   """One FFI call of the family's op over `leaves`, in place, on every device's own shards when
   they are sharded. A list whose leaves are Slots of one packed buffer passes that buffer and
   their offsets (a call with packed lists runs whole on every device), and its new buffer
-  replaces the old in ``leaves.buffers``. Returns (new count, the other lists' result leaves
-  by list name)."""
+  replaces the old in ``leaves.buffers``. With `segment` (a split state's step, in its
+  shard_map) the leaves are this device's chunks of leaves split over `segment`'s axes. Returns
+  (new count, the other lists' result leaves by list name)."""
   n = len(leaves.grads)
   master = leaves.master_params is not None
   remainders = leaves.remainders is not None
@@ -200,9 +203,14 @@ def _ffi_call(spec: Spec, count, hyper, grad_ctrl, leaves: _step.Leaves,
                 tensor_flags=np.asarray(flags, np.uint8),
                 **_packed_attrs(plan, operand_lists, sizes))
 
-  partition = _layout(leaves, plan, operand_lists, result_lists, state_names, operands,
-                      num_list_operands, fixed_names)
-  out = _partition.partitioned_call(spec.name, body, partition, operands)
+  if segment is not None:  # every operand is this device's chunks of leaves split over it
+    segment = dataclasses.replace(
+        segment, operand_axes=((segment.axis_names,),) * (len(operands) + n))
+    out = body(segment, *operands)
+  else:
+    partition = _layout(leaves, plan, operand_lists, result_lists, state_names, operands,
+                        num_list_operands, fixed_names)
+    out = _partition.partitioned_call(spec.name, body, partition, operands)
   lists = {}
   for name, at in result_plan.items():
     if plan[name].offsets is None:
@@ -271,13 +279,32 @@ def in_place(spec: Spec, grads: Any, state: Any, params: Any,
   grads, state, params = _trees.as_arrays((grads, state, params))
   if params is None:
     raise ValueError("jaxfuse.fused_step: params are required")
-  leaves, flags = _step.checked_leaves(spec, grads, state, params)
-  if leaves.buffers:  # packed lists index whole leaves
-    _packing.check_not_split((params, grads))
   if grad_ctrl is None:
     if spec.skip_nonfinite:
       raise ValueError("jaxfuse: skip_nonfinite needs the control vector of a norm call")
     grad_ctrl = _step.default_grad_ctrl()
+  if spec.split_axes:
+    _, flags = _step.check_arguments(spec, grads, state, params)
+
+    def segment_step(spec, grads, state, params, shards, grad_ctrl):
+      leaves = _step.flat_leaves(spec, grads, state, params)
+      return _step_leaves(spec, leaves, flags, grads, state, params, grad_ctrl, shards)
+
+    dtypes = [p.dtype for p in jax.tree.leaves(_packing.unpack(params))]
+    new_params, new_state = _split.run(spec, grads, state, params, segment_step, dtypes,
+                                       grad_ctrl)
+    return _packing.repack(new_params, params), new_state
+  leaves, flags = _step.checked_leaves(spec, grads, state, params)
+  if leaves.buffers:  # packed lists index whole leaves
+    _packing.check_not_split((params, grads))
+  return _step_leaves(spec, leaves, flags, grads, state, params, grad_ctrl, None)
+
+
+def _step_leaves(spec: Spec, leaves: _step.Leaves, flags: list[int], grads: Any, state: Any,
+                 params: Any, grad_ctrl: jax.Array,
+                 segment: Optional[_partition.Shards]) -> tuple[Any, Any]:
+  """in_place() on the flattened `leaves` of (grads, state, params); `segment` as _ffi_call
+  takes it."""
   count = _step.step_count(state)
   hyper = _ffi.device_vector(spec.contract.names["hyper"], **spec.hyper(count))
   new_params = list(leaves.params)  # a zero-size leaf is its own result: no call
@@ -287,7 +314,8 @@ def in_place(spec: Spec, grads: Any, state: Any, params: Any,
   new_count = None
   state_lists = spec.lists()["operands"][2:]
   for idx in _calls(leaves, _trees.nonempty(leaves.grads)):
-    c, out = _ffi_call(spec, count, hyper, grad_ctrl, leaves.select(idx), [flags[i] for i in idx])
+    c, out = _ffi_call(spec, count, hyper, grad_ctrl, leaves.select(idx), [flags[i] for i in idx],
+                       segment)
     new_count = c if new_count is None else new_count
     for k, i in enumerate(idx):  # the lists not packed, leaf by leaf
       if "params" in out:

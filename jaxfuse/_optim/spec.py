@@ -8,7 +8,9 @@ step (kernel_path.py), both on one step's checked and flattened arguments (step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 from typing import Any, Callable, ClassVar, NamedTuple, Optional, Union
 
 import jax
@@ -20,8 +22,11 @@ from jaxfuse._core import ffi as _ffi
 from jaxfuse._core import packing as _packing
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import moments as _moments
+from jaxfuse._optim import split as _split
 
 ScalarOrSchedule = Union[float, jax.Array, Callable[[jax.Array], jax.Array]]
+# The `packed` option: False, True, or the mesh axis (or axes) the packed state is split over.
+Packing = Union[bool, str, tuple[str, ...]]
 
 
 class ExtraState(NamedTuple):
@@ -81,13 +86,33 @@ def abs_sq(x: jax.Array) -> jax.Array:
   return (jnp.conj(x) * x).real if jnp.iscomplexobj(x) else x * x
 
 
+# The mesh axes over which leaf_math's leaves are chunks of whole leaves (a split state's
+# step, in its shard_map): a leaf's sums add the chunks' over them. Set by sums_over().
+_chunk_axes: list[tuple[str, ...]] = [()]
+
+
+@contextlib.contextmanager
+def sums_over(axes: tuple[str, ...]):
+  """Within it (at trace time), trust_ratio()'s leaves are chunks split over mesh `axes`."""
+  _chunk_axes.append(tuple(axes))
+  try:
+    yield
+  finally:
+    _chunk_axes.pop()
+
+
+def _leaf_sum(x: jax.Array) -> jax.Array:
+  total = jnp.sum(x)
+  return jax.lax.psum(total, _chunk_axes[-1]) if _chunk_axes[-1] else total
+
+
 def trust_ratio(p: jax.Array, d: jax.Array, trust_coefficient: Any = 1.0,
                 eps: Any = 0.0) -> jax.Array:
   """optax.scale_by_trust_ratio's ratio (min_norm 0) for one whole leaf as XLA operations, in
   the compute type (the kernels sum the squares in float64; optax in the leaf's dtype); real,
-  also for complex leaves (their |x| norms)."""
-  param_norm = jnp.sqrt(jnp.sum(abs_sq(p)))
-  update_norm = jnp.sqrt(jnp.sum(abs_sq(d)))
+  also for complex leaves (their |x| norms). Under sums_over(), `p` and `d` are chunks."""
+  param_norm = jnp.sqrt(_leaf_sum(abs_sq(p)))
+  update_norm = jnp.sqrt(_leaf_sum(abs_sq(d)))
   ratio = trust_coefficient * param_norm / (update_norm + eps)
   return jnp.where((param_norm == 0) | (update_norm == 0), jnp.ones_like(ratio), ratio)
 
@@ -149,7 +174,7 @@ class Spec:
   seed: Optional[int] = None  # None: 0 (a default of 0 would be a hyperparameter to optax's
                               # inject_hyperparams, and change its state's structure)
   moment_bits: Optional[int] = None  # None: 32, for the same reason
-  packed: bool = False
+  packed: Packing = False
 
   def check_options(self) -> None:
     """Raises on a combination of the generic options that this family cannot run."""
@@ -171,9 +196,12 @@ class Spec:
                        "(their first pass reads the states as floats)")
     if self.moment_bits == 8 and not self.state_signs():
       raise ValueError(f"{self.name}: moment_bits=8, but this configuration keeps no state")
-    if not isinstance(self.packed, (bool, np.bool_)):
-      raise TypeError(f"{self.name}: packed={self.packed!r}; expected a bool (static: under "
-                      "optax.inject_hyperparams, static_args=('packed',))")
+    axes = (self.packed,) if isinstance(self.packed, str) else self.packed
+    if not isinstance(self.packed, (bool, np.bool_)) and not (
+        isinstance(axes, tuple) and axes and all(isinstance(a, str) for a in axes)):
+      raise TypeError(f"{self.name}: packed={self.packed!r}; expected a bool, or the name of a "
+                      "mesh axis (or a tuple of names) to split the packed state over (static: "
+                      "under optax.inject_hyperparams, static_args=('packed',))")
     seed = self.rounding_seed
     seed_ok = 0 <= seed < 2**32 if isinstance(seed, (int, np.integer)) else (
         jnp.shape(seed) == () and jnp.issubdtype(jnp.result_type(seed), jnp.integer))
@@ -242,6 +270,13 @@ class Spec:
   # ---- derived ---------------------------------------------------------------------------
 
   @property
+  def split_axes(self) -> tuple[str, ...]:
+    """The mesh axes a packed state is split over (``packed="data"``), () for none."""
+    if isinstance(self.packed, str):
+      return (self.packed,)
+    return tuple(self.packed) if isinstance(self.packed, tuple) else ()
+
+  @property
   def rounding_seed(self) -> Any:
     return 0 if self.seed is None else self.seed
 
@@ -284,9 +319,10 @@ class Spec:
                               stochastic_rounding=self.stochastic_rounding,
                               quantized_states=quantized).names
 
-  def twin_init(self, params: Any) -> Any:
+  def twin_init(self, params: Any, quantized: Optional[list[bool]] = None) -> Any:
     """The optax twin's state for `params`, with the state dtypes of state_dtypes(), and with
-    ``moment_bits=8`` each quantizable leaf's states quantized."""
+    ``moment_bits=8`` each quantizable leaf's states quantized (`quantized`, when given, says
+    which: `params` are then chunks of the leaves, checked whole)."""
     state = self.optax_twin().init(params)
     trees = self.states(state)
     dtypes = self.state_dtypes() + [None] * (len(trees) - len(self.state_dtypes()))
@@ -294,7 +330,13 @@ class Spec:
       return state
     trees = [t if d is None else jax.tree.map(lambda x: x.astype(d), t)
              for t, d in zip(trees, dtypes)]
-    if self.quantizes_states:
+    if self.quantizes_states and quantized is not None:
+      block = self.moment_block
+      quantize = lambda signed: lambda q, x: _moments.quantize(x, signed, block) if q else x
+      trees = [jax.tree.structure(params).unflatten(
+          [quantize(signed)(q, x) for q, x in zip(quantized, jax.tree.leaves(t))])
+          for t, signed in zip(trees, self.state_signs())]
+    elif self.quantizes_states:
       block = self.moment_block
       for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
         split = _moments.quantizable(p.shape, p.dtype, block) and \
@@ -311,28 +353,44 @@ class Spec:
                for t, signed in zip(trees, self.state_signs())]
     return self.with_states(state, trees)
 
-  def init(self, params: Any) -> Any:
+  def init(self, params: Any, mesh: Any = None) -> Any:
     """The state for `params`: the optax twin's, plus ExtraState; with ``packed`` (or packed
-    params) each state list, the master copy and the remainders as a Packed tree."""
+    params) each state list, the master copy and the remainders as a Packed tree, split over
+    the mesh axes ``packed`` names (of `mesh`, else the mesh set or the params' own)."""
     params = _trees.as_arrays(params)
-    if _packing.is_packed(params):
-      return self.pack_state(self.unpacked_init(params.unpack()))
+    packed_params = _packing.is_packed(params)
+    params = params.unpack() if packed_params else params
+    if self.split_axes:
+      return _split.init(self, params, mesh)
     state = self.unpacked_init(params)
-    return self.pack_state(state) if self.packed else state
+    return self.pack_state(state) if self.packed or packed_params else state
 
-  def pack_state(self, state: Any) -> Any:
-    """`state` (of unpacked params) with its state lists, master copy and remainders packed."""
+  def pack_state(self, state: Any, pack: Callable[[Any], Any] = _packing.pack) -> Any:
+    """`state` (of unpacked params) with its state lists, master copy and remainders each
+    `pack`ed."""
     core = state[:-1] if self.has_extra_state else state
-    core = self.with_states(core, [_packing.pack(t) for t in self.states(state)])
+    core = self.with_states(core, [pack(t) for t in self.states(state)])
     if not self.has_extra_state:
       return core
     extra = state[-1]
-    pack = lambda t: None if t is None else _packing.pack(t)
-    return (*core, extra._replace(master_params=pack(extra.master_params),
-                                  param_remainders=pack(extra.param_remainders)))
+    maybe = lambda t: None if t is None else pack(t)
+    return (*core, extra._replace(master_params=maybe(extra.master_params),
+                                  param_remainders=maybe(extra.param_remainders)))
 
-  def unpacked_init(self, params: Any) -> Any:
-    """The state of (unpacked) `params`, every list a tree like them."""
+  def split_chunks(self, params: Any, shards: int) -> list[int]:
+    """Per params leaf, its chunk in a state split in `shards`: a `shards`-th of it, rounded up
+    to whole 8-bit blocks where its states are quantized (no block crosses two segments)."""
+    chunks = []
+    for p in jax.tree.leaves(params):
+      unit = self.moment_block if self.quantizes_states and _moments.quantizable(
+          jnp.shape(p), p.dtype, self.moment_block) else 1
+      share = -(-math.prod(jnp.shape(p)) // shards)
+      chunks.append(-(-share // unit) * unit)
+    return chunks
+
+  def unpacked_init(self, params: Any, quantized: Optional[list[bool]] = None) -> Any:
+    """The state of (unpacked) `params`, every list a tree like them (`quantized` as
+    twin_init() takes it)."""
     self.check(params)
     skipped = jnp.zeros([], jnp.int32) if self.skip_nonfinite else None
     if self.keeps_remainders:
@@ -341,15 +399,15 @@ class Spec:
       remainders = jax.tree.map(
           lambda p: jnp.zeros(p.shape if p.dtype == jnp.bfloat16 else (0,), jnp.int16), params)
       wide = jax.tree.map(lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32)), params)
-      return (*self.twin_init(wide), ExtraState(None, skipped, remainders))
+      return (*self.twin_init(wide, quantized), ExtraState(None, skipped, remainders))
     if not self.master_weights:
-      state = self.twin_init(params)
+      state = self.twin_init(params, quantized)
       return (*state, ExtraState(None, skipped)) if self.skip_nonfinite else state
     # A copy even where the dtype stays: the master must not be the params' buffer (both are
     # donated). The state as if the params were the master.
     wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
     master = jax.tree.map(lambda p: jnp.array(p, dtype=wide(p), copy=True), params)
-    return (*self.twin_init(master), ExtraState(master, skipped))
+    return (*self.twin_init(master, quantized), ExtraState(master, skipped))
 
   def check(self, params: Any) -> list[int]:
     """Trace-time checks of params against this spec, naming the leaf. Returns the per-leaf

@@ -4,6 +4,7 @@ protocol (xla_path.py) and the fused in-place step (kernel_path.py) share."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -13,6 +14,7 @@ import optax
 
 from jaxfuse._core import ffi as _ffi
 from jaxfuse._core import packing as _packing
+from jaxfuse._core import partition as _partition
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import clip as _clip
 from jaxfuse._optim import moments as _moments
@@ -39,7 +41,8 @@ def _check_packed_state(spec: Spec, expected: Any, state: Any) -> None:
 
 def _check_state(spec: Spec, state: Any, params: Any) -> None:
   """Raises unless `state` is what spec.init(params) makes (structure, shapes, dtypes)."""
-  expected = jax.eval_shape(spec.init, params)
+  mesh = _partition.mesh_with(spec.split_axes, state, params) if spec.split_axes else None
+  expected = jax.eval_shape(functools.partial(spec.init, mesh=mesh), params)
   exp_def, got_def = jax.tree.structure(expected), jax.tree.structure(state)
   if exp_def != got_def:
     _check_packed_state(spec, expected, state)
@@ -150,15 +153,19 @@ def checked_leaves(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[Lea
   lists and the tensor flags. All leaves are JAX arrays (as_arrays); packed trees (params and
   grads, the state's lists) give Slots into the Leaves' buffers."""
   reference, flags = check_arguments(spec, grads, state, params)
-  treedef = reference.layout.treedef if _packing.is_packed(reference) \
-      else jax.tree.structure(grads)
+  return flat_leaves(spec, grads, state, params), flags
+
+
+def flat_leaves(spec: Spec, grads: Any, state: Any, params: Any) -> Leaves:
+  """The per-leaf lists of one step's (checked) arguments; packed trees give Slots into the
+  Leaves' buffers."""
+  treedef = grads.layout.treedef if _packing.is_packed(grads) else jax.tree.structure(grads)
   buffers: list = []
   leaf = lambda tree: None if tree is None else _per_leaf(tree, treedef, buffers)
   grads_, params_, *states, master, remainders = [
       leaf(t) for t in _packed_trees(spec, grads, state, params)]
-  leaves = Leaves(grads_, params_, states, master, remainders, list(range(treedef.num_leaves)),
-                  buffers)
-  return leaves, flags
+  return Leaves(grads_, params_, states, master, remainders, list(range(treedef.num_leaves)),
+                buffers)
 
 
 def check_arguments(spec: Spec, grads: Any, state: Any, params: Any) -> tuple[Any, list[int]]:

@@ -12,9 +12,12 @@ import jax.numpy as jnp
 import optax
 
 from jaxfuse._core import packing as _packing
+from jaxfuse._core import partition as _partition
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import moments as _moments
 from jaxfuse._optim import rounding as _rounding
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim import split as _split
 from jaxfuse._optim import step as _step
 from jaxfuse._optim.spec import Spec
 
@@ -104,15 +107,16 @@ def _leaf_update(spec: Spec, h: dict, g, leaf: _LeafParams, states: list, flags:
           keep(new_remainder, leaf.remainder))
 
 
-def _leaf_params(spec: Spec, leaves: "_step.Leaves", i: int, count: jax.Array) -> _LeafParams:
+def _leaf_params(spec: Spec, leaves: "_step.Leaves", i: int, count: jax.Array,
+                 shard: Any) -> _LeafParams:
   """How leaf i's params are kept, in the optax protocol (one device's view: a leaf's stream
-  is its shard 0's)."""
+  is its shard 0's, or with a split state this device's chunk's, `shard`)."""
   pick = lambda x: None if x is None else x[i]
   p = pick(leaves.params)
   remainder = pick(leaves.remainders)
   stream = None
   if spec.stochastic_rounding and p is not None and p.dtype in _rounding.ROUNDED_DTYPES:
-    stream = _rounding.stream(spec.rounding_seed, leaves.positions[i], 0, count)
+    stream = _rounding.stream(spec.rounding_seed, leaves.positions[i], shard, count)
   return _LeafParams(p, pick(leaves.master_params),
                      remainder if remainder is not None and remainder.size else None, stream)
 
@@ -127,21 +131,59 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
   ``packed`` state, packed params and grads) are unpacked into views and the results packed
   again: XLA fuses the math into the concatenation, one pass as without packing."""
   grads, state, params = _trees.as_arrays((grads, state, params))
-  if _packing.contains_packed((grads, state, params)):
-    _step.check_arguments(spec, grads, state, params)  # the packed trees' checks
+  if _packing.contains_packed((grads, state, params)) or spec.split_axes:
+    _, flags = _step.check_arguments(spec, grads, state, params)  # the packed trees' checks
     if _packing.is_packed(grads) and (spec.keeps_remainders or spec.stochastic_rounding):
       raise ValueError(
           f"{spec.name}: with packed params, master_weights='remainder' and stochastic_rounding "
           "run in jaxfuse.fused_step only (their exact updates are float32, which a tree packed "
           "like the 16-bit params cannot hold)")
+    if spec.split_axes:
+      return _split_updates(spec, flags, grads, state, params, grad_scale)
     updates, new = xla_updates(dataclasses.replace(spec, packed=False), _packing.unpack(grads),
                                _packing.unpack(state), _packing.unpack(params), grad_scale)
     return _packing.repack(updates, grads), _packing.repack(new, state)
   leaves, flags = _step.checked_leaves(spec, grads, state, params)
-  names = spec.contract.names["tensor_flags"]
   skip = None
   if spec.skip_nonfinite:
     skip = _step.skip_flag(_step.grad_ctrl_for(spec, grads, grad_scale)[1])
+  return _updates(spec, leaves, flags, grads, state, grad_scale, skip, 0)
+
+
+def _split_updates(spec: Spec, flags: list[int], grads: Any, state: Any, params: Any,
+                   grad_scale: Any) -> tuple[Any, Any]:
+  """The optax protocol on a state split over devices (split.py), with checked arguments:
+  each device's updates of its chunks, gathered."""
+  replicated = [] if grad_scale is None else [jnp.asarray(grad_scale)]
+  if spec.skip_nonfinite:
+    replicated.append(_step.skip_flag(_step.grad_ctrl_for(spec, grads, grad_scale)[1]))
+  whole_grads = jax.tree.leaves(_packing.unpack(grads))
+  states = [jax.tree.leaves(_packing.unpack_shapes(t), is_leaf=_moments.is_quantized)
+            for t in spec.states(state)]
+  dtypes = [_output_dtype(spec, g, [jax.ShapeDtypeStruct((), _step.state_dtype(s[i]))
+                                    for s in states])
+            for i, g in enumerate(whole_grads)]
+
+  def segment_step(spec, grads, state, params, segment, *replicated):
+    plain = dataclasses.replace(spec, packed=False)
+    scale = replicated[0] if grad_scale is not None else None
+    skip = replicated[-1] if spec.skip_nonfinite else None
+    grads, views, params = _packing.unpack((grads, state, params))
+    leaves = _step.flat_leaves(plain, grads, views, params)
+    with _spec.sums_over(segment.axis_names):
+      updates, new = _updates(plain, leaves, flags, grads, views, scale, skip,
+                              _partition.linear_index(segment, segment.axis_names))
+    return _packing.pack(updates), _packing.repack(new, state)
+
+  updates, new_state = _split.run(spec, grads, state, params, segment_step, dtypes, *replicated)
+  return _packing.repack(updates, grads), new_state
+
+
+def _updates(spec: Spec, leaves: "_step.Leaves", flags: list[int], grads: Any, state: Any,
+             grad_scale: Any, skip: Any, shard: Any) -> tuple[Any, Any]:
+  """xla_updates() on the flattened `leaves` of (grads, state, params); `shard` is this
+  device's place for the rounding streams."""
+  names = spec.contract.names["tensor_flags"]
   count = _step.step_count(state)
   h = spec.xla_hyper(count)
   if grad_scale is not None:
@@ -152,7 +194,7 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
   states = [[None] * n for _ in leaves.states]
   for i in range(n):
     u, new_states, new_master, new_remainder = _leaf_update(
-        spec, h, leaves.grads[i], _leaf_params(spec, leaves, i, count),
+        spec, h, leaves.grads[i], _leaf_params(spec, leaves, i, count, shard),
         [s[i] for s in leaves.states],
         {name: bool(flags[i] >> b & 1) for b, name in enumerate(names)}, skip)
     outputs[i], masters[i] = u, new_master

@@ -45,7 +45,9 @@ OPTION_DOCS = {
               "number of leaves and a step's host cost does not grow with them; the fused step "
               "updates the buffers in place. ``jaxfuse.convert_state`` moves a state between "
               "packed and per-leaf layouts (optax's). Packed params (``jaxfuse.pack``) always "
-              "get a packed state.",
+              "get a packed state. A mesh axis name (or a tuple of names), e.g. ``\"data\"``: "
+              "packed and split evenly over that axis (ZeRO's first stage), each device keeping "
+              "and updating 1/N of the state, params replicated.",
 }
 
 

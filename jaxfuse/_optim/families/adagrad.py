@@ -17,7 +17,7 @@ import optax
 
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
-from jaxfuse._optim.spec import ScalarOrSchedule
+from jaxfuse._optim.spec import Packing, ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -56,7 +56,7 @@ def adagrad(learning_rate: ScalarOrSchedule, initial_accumulator_value: float = 
             master_weights: Union[bool, str] = False,
             skip_nonfinite: bool = False, stochastic_rounding: bool = False,
             seed: Optional[int] = None,
-            packed: bool = False) -> optax.GradientTransformationExtraArgs:
+            packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   """Adagrad as one fused kernel; same arguments, state and math as ``optax.adagrad``.
 
   Per element, with lr the learning rate::

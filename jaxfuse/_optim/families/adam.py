@@ -61,7 +61,7 @@ import optax
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
-from jaxfuse._optim.spec import ExtraState, ScalarOrSchedule
+from jaxfuse._optim.spec import ExtraState, Packing, ScalarOrSchedule
 
 AdamExtraState = ExtraState  # the name this state had before the other families came
 
@@ -174,7 +174,7 @@ def adam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
          master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
          stochastic_rounding: bool = False,
          seed: Optional[int] = None,
-         packed: bool = False) -> optax.GradientTransformationExtraArgs:
+         packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   """Adam (Kingma & Ba, 2015) as one fused kernel; same arguments and math as ``optax.adam``.
 
   Args:
@@ -201,7 +201,7 @@ def adamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, e
           master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
           stochastic_rounding: bool = False,
           seed: Optional[int] = None,
-          packed: bool = False) -> optax.GradientTransformationExtraArgs:
+          packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   """AdamW (Loshchilov & Hutter, 2019) as one fused kernel; same arguments and math as
   ``optax.adamw``.
 
@@ -231,7 +231,7 @@ def nadam(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
           master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
           stochastic_rounding: bool = False,
           seed: Optional[int] = None,
-          packed: bool = False) -> optax.GradientTransformationExtraArgs:
+          packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   """NAdam (Dozat, 2016, https://openreview.net/forum?id=OM0jvwB8jIp57ZJjtNEZ): ``adam`` with
   ``nesterov=True``, as ``optax.nadam``."""
 
@@ -244,5 +244,5 @@ def nadamw(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999,
            master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
            stochastic_rounding: bool = False,
            seed: Optional[int] = None,
-           packed: bool = False) -> optax.GradientTransformationExtraArgs:
+           packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   """NAdamW: ``adamw`` with ``nesterov=True``, as ``optax.nadamw``."""

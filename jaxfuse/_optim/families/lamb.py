@@ -31,7 +31,7 @@ import optax
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim.families import adam as _adam
-from jaxfuse._optim.spec import ScalarOrSchedule
+from jaxfuse._optim.spec import Packing, ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -69,7 +69,7 @@ def lamb(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.999, ep
          nu_dtype: Any = None, master_weights: Union[bool, str] = False,
          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
          seed: Optional[int] = None,
-         packed: bool = False) -> optax.GradientTransformationExtraArgs:
+         packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   r"""LAMB (You et al., 2019) fused; same arguments and math as ``optax.lamb``.
 
   With :math:`\hat m_t, \hat v_t` Adam's bias-corrected moments, :math:`\lambda` the weight

@@ -29,7 +29,7 @@ import optax
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
-from jaxfuse._optim.spec import ScalarOrSchedule
+from jaxfuse._optim.spec import Packing, ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -98,7 +98,7 @@ def lars(learning_rate: ScalarOrSchedule, weight_decay: ScalarOrSchedule = 0.0,
          master_weights: Union[bool, str] = False,
          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
          seed: Optional[int] = None,
-         packed: bool = False) -> optax.GradientTransformationExtraArgs:
+         packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   r"""LARS (You et al., 2017) fused; same arguments and math as ``optax.lars``.
 
   With :math:`\lambda` the weight decay, :math:`\eta` the trust coefficient and :math:`\theta_t`

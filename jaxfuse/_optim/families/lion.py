@@ -28,7 +28,7 @@ import optax
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
-from jaxfuse._optim.spec import ScalarOrSchedule
+from jaxfuse._optim.spec import Packing, ScalarOrSchedule
 
 
 def check_moment_dtype(dtype: Any) -> None:
@@ -103,7 +103,7 @@ def lion(learning_rate: ScalarOrSchedule, b1: float = 0.9, b2: float = 0.99,
          master_weights: Union[bool, str] = False,
          skip_nonfinite: bool = False, stochastic_rounding: bool = False,
          seed: Optional[int] = None,
-         packed: bool = False) -> optax.GradientTransformationExtraArgs:
+         packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   r"""Lion (Chen et al., 2023) as one fused kernel; same arguments and math as ``optax.lion``.
 
   With :math:`\alpha_t` the learning rate, :math:`\lambda` the weight decay and

@@ -35,7 +35,7 @@ import optax
 
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
-from jaxfuse._optim.spec import ScalarOrSchedule
+from jaxfuse._optim.spec import Packing, ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -133,7 +133,7 @@ def rmsprop(learning_rate: ScalarOrSchedule, decay: float = 0.9, eps: float = 1e
             master_weights: Union[bool, str] = False,
             skip_nonfinite: bool = False, stochastic_rounding: bool = False,
             seed: Optional[int] = None,
-            packed: bool = False) -> optax.GradientTransformationExtraArgs:
+            packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   r"""RMSprop as one fused kernel; same arguments and math as ``optax.rmsprop``.
 
   With :math:`\alpha_t` the learning rate, :math:`\rho` the decay, :math:`\epsilon` the eps and

@@ -18,7 +18,7 @@ import optax
 
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
-from jaxfuse._optim.spec import ScalarOrSchedule
+from jaxfuse._optim.spec import Packing, ScalarOrSchedule
 
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
@@ -77,7 +77,7 @@ def sgd(learning_rate: ScalarOrSchedule, momentum: Optional[float] = None,
         master_weights: Union[bool, str] = False,
         skip_nonfinite: bool = False, stochastic_rounding: bool = False,
         seed: Optional[int] = None,
-        packed: bool = False) -> optax.GradientTransformationExtraArgs:
+        packed: Packing = False) -> optax.GradientTransformationExtraArgs:
   r"""Stochastic gradient descent, with optional (Nesterov) momentum, as one fused kernel; same
   arguments, state and math as ``optax.sgd``.
 
