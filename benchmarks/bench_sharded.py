@@ -103,6 +103,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
   trees = [("MLP 25M", mlp_shapes())] + ([("GPT-2 small", gpt2_small_shapes())] if args.gpt2
                                           else [])
+  if args.data_parallel:  # many small leaves: one all-gather per dtype
+    trees.append(("1000 leaves x 4K", [(64, 64)] * 1000))
   rows = []
   for label, shapes in trees:
     for kind in ("auto", "explicit"):

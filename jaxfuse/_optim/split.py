@@ -7,8 +7,8 @@ updates 1/N of the state, whatever the leaves' shapes. Everything runs under ``j
 ``init`` makes each device's segment from its chunks of the params (no device ever holds the
 whole state); a step takes each device's chunks of the whole (replicated) grads and params,
 updates its segment with the ordinary step over packed lists (the same kernels, or the same XLA
-math), and all-gathers the new params (or the updates), one all-gather per dtype; the state
-never moves. Every element's math is the unsplit step's, so the results are its bits, except
+math), and all-gathers the new params (or the updates): large leaves one by one, the small ones
+packed, one all-gather per dtype; the state never moves. Every element's math is the unsplit step's, so the results are its bits, except
 for what depends on where an element sits: stochastic rounding draws one stream per chunk (as
 for any leaf split over devices), and the trust ratios of LAMB and LARS add each leaf's sums
 over its chunks (one small all-reduce) in another order.
@@ -64,7 +64,8 @@ class _Split:
 
 
 def _mesh(spec: Any, *trees: Any, mesh: Any = None) -> Any:
-  mesh = mesh or _partition.mesh_with(spec.split_axes, *trees)
+  if mesh is None:
+    mesh = _partition.mesh_with(spec.split_axes, *trees)
   if mesh is None:
     raise ValueError(
         f"{spec.name}: packed={spec.packed!r} splits the state over mesh axes {spec.split_axes}, "
@@ -95,6 +96,12 @@ def _localized(state: Any) -> Any:
   return jax.tree.map(local, state, is_leaf=_packing.is_packed)
 
 
+def _shapes(layout: _packing.Layout) -> _packing.Packed:
+  """A Packed tree of `layout` whose buffers are ShapeDtypeStructs."""
+  return _packing.Packed([jax.ShapeDtypeStruct((n,), d) for n, d in
+                          zip(layout.buffer_sizes, layout.buffer_dtypes)], layout)
+
+
 def init(spec: Any, params: Any, mesh: Any = None) -> Any:
   """spec.init(params) (unpacked params) split over `mesh` (None: the mesh set or the params'):
   every device makes only its segment, the state of its chunks of the params."""
@@ -104,10 +111,7 @@ def init(spec: Any, params: Any, mesh: Any = None) -> Any:
   states = spec.states(whole)
   quantized = [_moments.is_quantized(x) for x in
                jax.tree.structure(params).flatten_up_to(states[0])] if states else None
-  shapes = lambda t: (lambda layout: _packing.Packed(
-      [jax.ShapeDtypeStruct((n,), d) for n, d in zip(layout.buffer_sizes, layout.buffer_dtypes)],
-      layout))(split.layout(t))
-  target = spec.pack_state(whole, shapes)
+  target = spec.pack_state(whole, lambda tree: _shapes(split.layout(tree)))
   leaves, params_def = jax.tree.flatten(params)
   params_layout = split.layout(params)
   names, arrays = _arrays(spec)
@@ -148,6 +152,7 @@ def run(spec: Any, grads: Any, state: Any, params: Any, segment_step: SegmentSte
   state_specs = _specs(state, split.axes)
   cut = list(itertools.accumulate([len(grads_leaves), len(state_leaves), len(params_leaves),
                                    len(traced)]))
+  gather = _Gather(out_layout, split)
 
   def body(*local):
     index = split.index()
@@ -159,14 +164,49 @@ def run(spec: Any, grads: Any, state: Any, params: Any, segment_step: SegmentSte
         split.segment, *local[cut[3]:])
     if out.layout != out_layout.local():
       raise AssertionError(f"{spec.name}: a segment's {out.layout!r}, not {out_layout!r}'s")
-    gathered = [jax.lax.all_gather(b, split.axes, tiled=True) for b in out.buffers]
-    return gathered + jax.tree.leaves(new_state)
+    return gather.gathered(out, split.axes) + jax.tree.leaves(new_state)
 
-  results = [jax.ShapeDtypeStruct((n,), d)
-             for n, d in zip(out_layout.buffer_sizes, out_layout.buffer_dtypes)] + state_leaves
   out = _partition.manual_call(
       body, split.mesh, split.axes, operands,
       [P()] * len(grads_leaves) + state_specs + [P()] * (len(params_leaves) + len(replicated)),
-      results, [P()] * len(out_layout.buffer_sizes) + state_specs)
-  n = len(out_layout.buffer_sizes)
-  return _packing.Packed(out[:n], out_layout).unpack(), state_def.unflatten(out[n:])
+      gather.results + state_leaves, [P()] * len(gather.results) + state_specs)
+  n = len(gather.results)
+  return gather.tree(out[:n]), state_def.unflatten(out[n:])
+
+
+class _Gather:
+  """How a step's out (new params or updates: Packed chunks of `layout`) is gathered whole:
+  leaves of GATHERED_ALONE elements or more each in an all-gather of their own, which lands
+  them whole and in place (XLA's all-gather combiner, where it runs, merges such gathers); the
+  smaller ones packed, one all-gather per dtype, then copied out of the gathered segments."""
+
+  GATHERED_ALONE = 1 << 16
+
+  def __init__(self, layout: _packing.Layout, split: _Split):
+    self.layout = layout
+    places = layout.places
+    self.alone = [i for i, p in enumerate(places) if p.size >= self.GATHERED_ALONE]
+    self.small = [i for i, p in enumerate(places) if p.size < self.GATHERED_ALONE]
+    self.small_layout = _packing.layout_of(
+        [jax.ShapeDtypeStruct(places[i].shape, places[i].dtype) for i in self.small],
+        split.shards, split.axes, [places[i].chunk for i in self.small])
+    self.results = [jax.ShapeDtypeStruct((places[i].chunk * split.shards,), places[i].dtype)
+                    for i in self.alone] + list(_shapes(self.small_layout).buffers)
+
+  def gathered(self, out: _packing.Packed, axes: tuple[str, ...]) -> list[jax.Array]:
+    """In the shard_map: the all-gathers of this device's `out`, as `results` lists them."""
+    chunks = jax.tree.leaves(out.unpack())
+    small = _packing.pack([chunks[i] for i in self.small], self.small_layout.local())
+    return [jax.lax.all_gather(x, axes, tiled=True)
+            for x in [chunks[i] for i in self.alone] + list(small.buffers)]
+
+  def tree(self, gathered: list[jax.Array]) -> Any:
+    """The whole tree from the gathered arrays."""
+    leaves: list[Any] = [None] * len(self.layout.places)
+    for i, x in zip(self.alone, gathered):
+      p = self.layout.places[i]
+      leaves[i] = x[:p.size].reshape(p.shape)
+    small = _packing.Packed(gathered[len(self.alone):], self.small_layout).unpack()
+    for i, x in zip(self.small, small):
+      leaves[i] = x
+    return self.layout.treedef.unflatten(leaves)
