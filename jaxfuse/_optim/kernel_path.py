@@ -290,7 +290,7 @@ def in_place(spec: Spec, grads: Any, state: Any, params: Any,
       leaves = _step.flat_leaves(spec, grads, state, params)
       return _step_leaves(spec, leaves, flags, grads, state, params, grad_ctrl, shards)
 
-    dtypes = [p.dtype for p in jax.tree.leaves(_packing.unpack(params))]
+    dtypes = [p.dtype for p in jax.tree.leaves(_packing.unpack_shapes(params))]
     new_params, new_state = _split.run(spec, grads, state, params, segment_step, dtypes,
                                        grad_ctrl)
     return _packing.repack(new_params, params), new_state

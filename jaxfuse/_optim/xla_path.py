@@ -157,7 +157,7 @@ def _split_updates(spec: Spec, flags: list[int], grads: Any, state: Any, params:
   replicated = [] if grad_scale is None else [jnp.asarray(grad_scale)]
   if spec.skip_nonfinite:
     replicated.append(_step.skip_flag(_step.grad_ctrl_for(spec, grads, grad_scale)[1]))
-  whole_grads = jax.tree.leaves(_packing.unpack(grads))
+  whole_grads = jax.tree.leaves(_packing.unpack_shapes(grads))
   states = [jax.tree.leaves(_packing.unpack_shapes(t), is_leaf=_moments.is_quantized)
             for t in spec.states(state)]
   dtypes = [_output_dtype(spec, g, [jax.ShapeDtypeStruct((), _step.state_dtype(s[i]))
