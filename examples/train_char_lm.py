@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from optax.contrib import MuonDimensionNumbers
 
 import jaxfuse
 
@@ -261,16 +262,31 @@ def eval_batches(val: np.ndarray, batch: int, seq_len: int, max_batches: int) ->
 # ---------------------------------------------------------------------------------------------
 
 
-def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.1):
-  """Global-norm clipping at 1.0, then AdamW with linear warmup and cosine decay to lr / 10.
+def muon_dimension_numbers(params: Params) -> Params:
+  """Muon's matrices: the layers' stacked [n_layers, in, out] weights, each layer's matrix
+  orthogonalized on its own (the layer axis is a batch axis); None (AdamW) for the embedding,
+  the LM head and the norm gains, as Muon's authors train them. (optax also calls this on trees
+  whose other group's leaves are masked out: it reads only shapes.)"""
+  layer_matrix = MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+  return {k: jax.tree.map(lambda x: layer_matrix if len(getattr(x, "shape", ())) == 3 else None,
+                          v) if k == "layers" else None for k, v in params.items()}
+
+
+def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.1,
+                   optimizer: str = "adamw"):
+  """Global-norm clipping at 1.0, then AdamW (or Muon for the layers' matrices, AdamW for the
+  rest) with linear warmup and cosine decay to lr / 10. Muon's updates are scaled to AdamW's
+  RMS (consistent_rms=0.2, Liu et al., 2025), so one learning rate serves both groups.
   Returns (tx, schedule)."""
   schedule = optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=lr, warmup_steps=warmup, decay_steps=steps, end_value=lr / 10)
-  tx = optax.chain(
-      jaxfuse.clip_by_global_norm(1.0),
-      jaxfuse.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,
-                    mask=weight_decay_mask))
-  return tx, schedule
+  if optimizer == "muon":
+    inner = jaxfuse.muon(schedule, weight_decay=weight_decay, adam_b2=0.95, consistent_rms=0.2,
+                         muon_weight_dimension_numbers=muon_dimension_numbers)
+  else:
+    inner = jaxfuse.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay,
+                          mask=weight_decay_mask)
+  return optax.chain(jaxfuse.clip_by_global_norm(1.0), inner), schedule
 
 
 def split_corpus(corpus: bytes, batch: int, seq_len: int, eval_max_batches: int,
@@ -318,8 +334,10 @@ def record_steps(history: dict[str, Any], pending: list, step: int, lrs: np.ndar
 def train(cfg: ModelConfig, corpus: bytes, *, steps: int, batch: int, seq_len: int,
           lr: float = 3e-3, warmup: int | None = None, log_every: int = 25,
           eval_every: int | None = None, eval_max_batches: int = 16, val_fraction: float = 0.05,
-          seed: int = 0, device: jax.Device | None = None) -> tuple[Params, dict[str, Any]]:
-  """Trains from scratch; returns (params, history).
+          seed: int = 0, device: jax.Device | None = None,
+          optimizer: str = "adamw") -> tuple[Params, dict[str, Any]]:
+  """Trains from scratch with `optimizer` ("adamw" or "muon": make_optimizer); returns (params,
+  history).
 
   history holds, for every step, "step", "loss" and "grad_norm" (computed in that step, before
   its update) and "lr" (used by its update); "val_step"/"val_loss" (after that many updates;
@@ -334,7 +352,7 @@ def train(cfg: ModelConfig, corpus: bytes, *, steps: int, batch: int, seq_len: i
   eval_every = eval_every or log_every * max(1, round(steps / 8 / log_every))
   train_data, val_sets = split_corpus(corpus, batch, seq_len, eval_max_batches, val_fraction,
                                       device)
-  tx, schedule = make_optimizer(lr, steps, warmup)
+  tx, schedule = make_optimizer(lr, steps, warmup, optimizer=optimizer)
   lrs = np.asarray(jax.jit(jax.vmap(schedule))(jnp.arange(steps)))  # step s uses lrs[s - 1]
   # Commit everything the step takes to the device: an uncommitted input (tx.init's step count
   # is one) would make the second call compile again for the committed outputs of the first.
@@ -485,6 +503,8 @@ def main() -> None:
   parser.add_argument("--eval-every", type=int,
                       help="steps between validation evals (default: about steps / 8)")
   parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (3e-3)")
+  parser.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                      help="jaxfuse.adamw, or jaxfuse.muon for the layers' matrices (adamw)")
   parser.add_argument("--tie-embeddings", action="store_true",
                       help="use embed.T as the LM head instead of a separate lm_head")
   parser.add_argument("--corpus-mb", type=float, default=4.0, help="corpus size cap in MiB (4)")
@@ -515,7 +535,8 @@ def main() -> None:
   t0 = time.perf_counter()
   params, history = train(cfg, corpus, steps=args.steps, batch=args.batch,
                           seq_len=args.seq_len, lr=args.lr, log_every=args.log_every,
-                          eval_every=args.eval_every, seed=args.seed, device=device)
+                          eval_every=args.eval_every, seed=args.seed, device=device,
+                          optimizer=args.optimizer)
   total_s = time.perf_counter() - t0
 
   print(f"done in {total_s:.1f} s (first step, with compilation: {history['compile_s']:.1f} s)")
@@ -526,7 +547,7 @@ def main() -> None:
         f"{history['val_loss'][-1]:.3f}")
   title = (f"char LM on Python stdlib: {n_params / 1e6:.2f}M params, L={cfg.n_layers} "
            f"D={cfg.dim} H={cfg.n_heads} KV={cfg.n_kv_heads}, {args.batch}x{args.seq_len} "
-           f"tokens/step, jaxfuse AdamW on {device.platform}")
+           f"tokens/step, jaxfuse {args.optimizer} on {device.platform}")
   print(f"loss plot: {plot_history(history, os.path.join(args.out_dir, 'loss.png'), title)}")
   print(f"params:    {save_params(params, cfg, args.out_dir)}")
 

@@ -6,6 +6,8 @@ Optimizer side (optax-compatible):
   sgd, lion, adagrad,  SGD (momentum, Nesterov), Lion, Adagrad and RMSprop (centered,
   rmsprop              momentum), as optax's, fused the same way
   lamb, lars           LAMB and LARS (per-leaf trust ratios), as optax's: two fused passes
+  muon                 Muon, as optax.contrib.muon: matrices orthogonalized in batches by shape,
+                       element passes fused, AdamW for the other leaves
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
@@ -46,6 +48,7 @@ from jaxfuse._optim.families.adam import AdamExtraState, adam, adamw, nadam, nad
 from jaxfuse._optim.families.lamb import lamb
 from jaxfuse._optim.families.lars import lars
 from jaxfuse._optim.families.lion import lion
+from jaxfuse._optim.families.muon import muon
 from jaxfuse._optim.families.rmsprop import rmsprop
 from jaxfuse._optim.families.sgd import sgd
 from jaxfuse._optim.fused import fused_step
@@ -103,6 +106,7 @@ __all__ = [
     "lamb",
     "lars",
     "lion",
+    "muon",
     "load_hf",
     "master_params",
     "nadam",

@@ -614,3 +614,21 @@ def test_precision_modes_bitwise(mode, launch):
   fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(4.0))
   native, emu = on_both(fn, grads, state, params)
   assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")
+
+
+MUON_SIZES = [(40, 24), (24, 40), (16, 16), (3, 5, 7), (33,), (4097,)]
+
+
+@pytest.mark.parametrize("option,launch", on_launches([("plain",), ("master",)]),
+                         indirect=["launch"])
+def test_muon_bitwise(option, launch):
+  """jaxfuse.muon's in-place step (its element pass over the matrices, AdamW's over the rest)
+  on the CPU handlers and the emulated CUDA ones: the Newton-Schulz chains are the same XLA
+  program on both, so every bit matches; bf16 matrices with a float32 master."""
+  dtypes = [jnp.bfloat16 if option == "master" else jnp.float32] * 3 + [jnp.float32] * 3
+  tx = jaxfuse.muon(1e-2, weight_decay=0.1, **OPTIONS[option])
+  params = random_tree(1, MUON_SIZES, dtypes)
+  state = tx.init(params)
+  fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(128.0))
+  native, emu = on_both(fn, random_tree(2, MUON_SIZES, dtypes, scale=0.5), state, params)
+  assert_bitwise_equal(emu, native, "emulated CUDA vs CPU handlers")

@@ -87,12 +87,29 @@ def _float64_suite():
   ).Float64Test
 
 
+def _muon_suite():
+  """optax's Muon tests with jaxfuse.muon as `_muon.muon`: the updates, the state's structure
+  (which leaves Muon's momentum masks out) and convergence. Its tests of optax's private
+  reshape and orthogonalization functions (and their preconditionings' first iterations) stay
+  optax's; jaxfuse's batched ones are compared with them in tests/test_muon.py."""
+  module = optax_suite.load(
+      "contrib/_muon_test.py",
+      {"MuonTest": ["test_callable_weight_dim_nums",
+                    "test_reshape_update_for_square_parameter_matches_muon_without_dim_nums",
+                    "test_reshape_and_update_single_param", "test_dim_nums_combinations",
+                    "test_complex_mixed_target", "test_muon_orthogonalization_modes",
+                    "test_aol_numerical_difference", "test_orthogonality"]},
+      overrides={"_muon": {"muon": jaxfuse.muon}})
+  return module.MuonTest
+
+
 # pytest collects unittest classes under the names they have here. The alias suite takes ~10 s
 # on a CPU (test_optimization's 10000 jitted steps are tiny), so it is not marked slow.
 OptaxAliasTest = _alias_suite()
 OptaxClippingTest = _clipping_suite()
 OptaxLinearAlgebraTest = _linear_algebra_suite()
 OptaxFloat64Test = _float64_suite()
+OptaxMuonTest = _muon_suite()
 
 
 @pytest.fixture(autouse=True)

@@ -337,4 +337,9 @@ def test_every_family_is_exported_and_documented():
         missing.append(f"docs/api.md has no row for {name}")
     if f"`optax.{family.functions[0].__name__}`" not in guide:
       missing.append(f"docs/guide.md's table does not name optax.{family.functions[0].__name__}")
+  for fn in families.composites():
+    if fn.__name__ not in jaxfuse.__all__ or fn.__name__ not in rows:
+      missing.append(f"jaxfuse.{fn.__name__} is not exported, or has no row on docs/api.md")
+    if f"`optax.contrib.{fn.__name__}`" not in guide:
+      missing.append(f"docs/guide.md's table does not name optax.contrib.{fn.__name__}")
   assert not missing, "\n".join(missing)

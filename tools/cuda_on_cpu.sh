@@ -73,7 +73,8 @@ if has_stage emu; then
   # on the driver whose tables, chunks and slices Adam's cases (up to five tensor lists, mixed
   # dtypes, stochastic rounding, 8-bit states) cross here, and LAMB's cases the trust-ratio
   # families' first pass; the default build runs them all.
-  small="not decoder and not element_family and not _sgd and (not trust_ratio_family or lamb)"
+  small="not decoder and not element_family and not _sgd and not muon"
+  small+=" and (not trust_ratio_family or lamb)"
   small+=" and (adam_bitwise or precision_modes or trust_ratio_family or shuffled or grid16x1)"
   emu_tests "$SMALL" -k "$small"
 fi

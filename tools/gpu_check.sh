@@ -12,6 +12,7 @@
 #   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_families             # never run on a GPU yet
 #   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_long bench_quantized # never run on a GPU yet
 #   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_generate             # never run on a GPU yet
+#   STAGE_LIMIT_S=120 bash tools/gpu_check.sh bench_muon                 # never run on a GPU yet
 #   STAGE_LIMIT_S=400 bash tools/gpu_check.sh variants
 #   DEADLINE_S=3600 bash tools/gpu_check.sh all    # all, in that order, where no 10-minute limit is
 # (times measured on an H100 on 2026-11-24, from a carried build).
@@ -213,6 +214,11 @@ stage_bench_families() {
   step bench_precision python3 benchmarks/bench_precision.py $Q --out "$OUT/bench_precision.md"
 }
 
+stage_bench_muon() {
+  use_extension
+  step bench_muon python3 benchmarks/bench_muon.py --out "$OUT/bench_muon.md"
+}
+
 stage_bench_decoder() {
   use_extension
   step bench_decoder python3 benchmarks/bench_decoder.py $Q --out "$OUT/bench_decoder.md"
@@ -299,6 +305,9 @@ stage_variants() {
 #   bench_packed          the 1000-leaf tree's AdamW step fused per leaf, with the state
 #                         packed, with params and state packed (the host's share; optax's
 #                         half-minute compile of this tree is left to stage bench_optim)
+#   bench_muon            jaxfuse.muon on GPT-2 small beside optax.contrib.muon and the fused
+#                         AdamW step (fp32 and bf16 Newton-Schulz), and the Gram iteration
+#                         beside the standard one on the largest stack
 #   bench_quantized       int8 / fp8 layers beside bf16, batch 1 and 4; the head alone in XLA
 #   memcheck_decoder      compute-sanitizer memcheck over the decoder's and whole step's cases
 #   racecheck_decoder     compute-sanitizer racecheck over the same (shared-memory hazards: the
@@ -323,6 +332,7 @@ stage_quick() {
   LIMIT=45 step bench_packed python3 benchmarks/bench_optim.py --trees "1000 leaves" \
     --variants "jf-fused,jf-fused packed,jf-fused packed params" \
     --out "$OUT/bench_packed.md" --plot "$OUT/unused.png"
+  LIMIT=90 step bench_muon python3 benchmarks/bench_muon.py --out "$OUT/bench_muon.md"
   LIMIT=60 step bench_quantized python3 benchmarks/bench_decoder.py --quantized --quick \
     --out "$OUT/bench_quantized.md"
   LIMIT=30 step memcheck_decoder compute-sanitizer --tool memcheck "${SANITIZER_FLAGS[@]}" \
@@ -342,7 +352,7 @@ stage_report() {
 if [ "${1:-}" = _run ]; then shift; use_extension; "$@"; exit; fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && { echo "usage: $0 STAGE... | all (see the header)"; exit 2; }
-[ "${stages[0]}" = all ] && stages=(env build graphs tests bench_optim bench_families bench_decoder
+[ "${stages[0]}" = all ] && stages=(env build graphs tests bench_optim bench_families bench_muon bench_decoder
                                     bench_generate bench_long bench_quantized sanitize report
                                     bench_train profile bench_leaves variants)
 for s in "${stages[@]}"; do

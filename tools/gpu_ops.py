@@ -81,8 +81,13 @@ def family_cases():
   """Every family but Adam (ADAM_CASES): each variant (state layout, flags) in float32; the first
   with bf16 params and a master copy, and (element-wise families) stochastic rounding; the one
   with the most state lists in 8 bits (where taken), in float32 and with bf16 params and their
-  remainders (a remainder for every leaf, 8-bit states for the large ones)."""
-  cases = {}
+  remainders (a remainder for every leaf, 8-bit states for the large ones); and Muon (its
+  matrices' element pass beside AdamW's, the Newton-Schulz chains XLA's on each device)."""
+  muon = lambda **kw: jaxfuse.muon(1e-2, weight_decay=0.1, **kw)
+  cases = {"muon f32": (muon, {}, jnp.float32),
+           "muon bf16 + master": (muon, dict(master_weights=True), jnp.bfloat16),
+           "muon bf16 stochastic rounding, gram": (
+               muon, dict(stochastic_rounding=True, ns_method="gram"), jnp.bfloat16)}
   for family in families.registered():
     if family.name == "adam":
       continue

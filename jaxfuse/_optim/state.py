@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from jaxfuse._core import packing as _packing
 from jaxfuse._core import trees as _trees
@@ -21,26 +22,52 @@ def _is_optimizer_state(x: Any) -> bool:
   return isinstance(x, tuple) and bool(x) and isinstance(x[-1], ExtraState)
 
 
+def _extras(state: Any) -> list[ExtraState]:
+  """The ExtraStates in `state` (a transform's, or those inside a chain or partition)."""
+  return [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ExtraState))
+          if isinstance(x, ExtraState)]
+
+
 def _extra(state: Any) -> ExtraState:
-  """The first ExtraState in `state` (a transform's, or one inside a chain), or an empty one."""
-  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, ExtraState))
-           if isinstance(x, ExtraState)]
+  """The first ExtraState in `state`, or an empty one."""
+  found = _extras(state)
   return found[0] if found else ExtraState()
 
 
 def master_params(params: Any, state: Any) -> Any:
   """The full-precision params that `state` (of a jaxfuse or optax transform, or a chain ending
   in one) keeps for `params`: its master copy, the params joined to their remainders
-  (``master_weights="remainder"``), or else the params themselves, in float32 or wider."""
-  extra = _extra(state)
+  (``master_weights="remainder"``), or else the params themselves, in float32 or wider. A state
+  whose groups each keep theirs (``jaxfuse.muon``'s, an ``optax.partition`` of jaxfuse
+  optimizers) gives each leaf its group's."""
+  extras = _extras(state) or [ExtraState()]
+  groups = [_kept(params, extra) for extra in extras]
+  return groups[0] if len(groups) == 1 else _merged(params, groups)
+
+
+def _kept(params: Any, extra: ExtraState) -> Any:
+  """master_params() of one optimizer's ExtraState: a tree like `params`, with MaskedNodes
+  where the optimizer is one group of a partition and a leaf is not its."""
   if extra.master_params is not None:
     return extra.master_params
   wide = lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32))
   if extra.param_remainders is None:
     return jax.tree.map(wide, params)
-  return jax.tree.map(
-      lambda p, r: _rounding.join_remainder(p.astype(jnp.bfloat16), r) if r.size else wide(p),
-      params, extra.param_remainders)
+  join = lambda r, p: r if _is_masked(r) else \
+      _rounding.join_remainder(p.astype(jnp.bfloat16), r) if r.size else wide(p)
+  return jax.tree.map(join, extra.param_remainders, params, is_leaf=_is_masked)
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _merged(params: Any, groups: list) -> Any:
+  """Per params leaf, the first of the `groups`' trees (like `params`, MaskedNodes where a leaf
+  is not the group's) that holds it."""
+  treedef = jax.tree.structure(params)
+  columns = [treedef.flatten_up_to(g) for g in groups]
+  return treedef.unflatten([next(c for c in leaf if not _is_masked(c)) for leaf in zip(*columns)])
 
 
 def _cast(state: Any, target: Any) -> Any:

@@ -122,14 +122,16 @@ def _leaf_params(spec: Spec, leaves: "_step.Leaves", i: int, count: jax.Array,
 
 
 def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
-                grad_scale: Any = None) -> tuple[Any, Any]:
+                grad_scale: Any = None, skip: Any = None) -> tuple[Any, Any]:
   """The optax protocol: (updates, new_state), params untouched, with the element math as XLA
   operations, so that XLA fuses it with what consumes the updates (``optax.apply_updates``):
   the step then reads and writes each buffer once, as optax's does, on every backend. The math
   is the kernels' (16-bit leaves computed in float32 and rounded once, master weights, loss
   scale); with ``skip_nonfinite`` one global-norm call decides the skip. Packed trees (a
   ``packed`` state, packed params and grads) are unpacked into views and the results packed
-  again: XLA fuses the math into the concatenation, one pass as without packing."""
+  again: XLA fuses the math into the concatenation, one pass as without packing. `skip`: with
+  ``skip_nonfinite``, the skip flag a caller decided on more gradients than these (a composite
+  transform's whole tree); None: decided on these."""
   grads, state, params = _trees.as_arrays((grads, state, params))
   if _packing.contains_packed((grads, state, params)) or spec.split_axes:
     _, flags = _step.check_arguments(spec, grads, state, params)  # the packed trees' checks
@@ -144,8 +146,9 @@ def xla_updates(spec: Spec, grads: Any, state: Any, params: Any,
                                _packing.unpack(state), _packing.unpack(params), grad_scale)
     return _packing.repack(updates, grads), _packing.repack(new, state)
   leaves, flags = _step.checked_leaves(spec, grads, state, params)
-  skip = None
-  if spec.skip_nonfinite:
+  if not spec.skip_nonfinite:
+    skip = None
+  elif skip is None:
     skip = _step.skip_flag(_step.grad_ctrl_for(spec, grads, grad_scale)[1])
   return _updates(spec, leaves, flags, grads, state, grad_scale, skip, 0)
 

@@ -77,6 +77,7 @@ class Report:
   bytes_read: int
   bytes_written: int
   xla_cost_bytes: Optional[float]
+  xla_flops: Optional[float]  # XLA's cost analysis: its matmuls and element math
   peak_bytes: int
   memory: dict[str, int]
   params: Optional[int]
@@ -163,6 +164,7 @@ def _analyze(fn: Callable, args: tuple, kwargs: dict, label: str) -> Report:
       bytes_read=sum(r.bytes_read for r in rows),
       bytes_written=sum(r.bytes_written for r in rows),
       xla_cost_bytes=_xla_cost_bytes(compiled),
+      xla_flops=_xla_flops(compiled),
       peak_bytes=memory.get("peak", 0),
       memory=memory,
       params=params,
@@ -286,14 +288,28 @@ def _memory(compiled) -> dict[str, int]:
   return out
 
 
-def _xla_cost_bytes(compiled) -> Optional[float]:
-  """XLA's cost-analysis bytes, or None where it has none (custom calls make it negative)."""
+def _xla_cost(compiled) -> Optional[dict]:
+  """XLA's cost analysis of the compiled step, or None where the backend has none."""
   try:
     cost = compiled.cost_analysis()
   except Exception:  # not every backend implements it
     return None
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
+  return cost or None
+
+
+def _xla_flops(compiled) -> Optional[float]:
+  """XLA's count of the floating-point operations of its own instructions (matmuls, element
+  math; custom calls count none), or None where it has none."""
+  cost = _xla_cost(compiled)
+  flops = None if cost is None else cost.get("flops")
+  return None if flops is None or flops < 0 else float(flops)
+
+
+def _xla_cost_bytes(compiled) -> Optional[float]:
+  """XLA's cost-analysis bytes, or None where it has none (custom calls make it negative)."""
+  cost = _xla_cost(compiled)
   if not cost or "bytes accessed" not in cost:
     return None
   if any(v < 0 for k, v in cost.items() if k.startswith("bytes accessed")):
@@ -314,17 +330,23 @@ def _optimizer_states(args: tuple, kwargs: dict) -> list[Any]:
 
 def _state_size(states: list[Any]) -> tuple[Optional[int], Optional[int]]:
   """(parameters, bytes of optimizer state) of the step's optimizer states, (None, None) without
-  one; the parameter count is the size of the first Adam-style ``mu`` tree."""
+  one; the parameter count is the size of the first Adam-style ``mu`` tree, or of every group's
+  where the state partitions the params (``optax.partition``, ``jaxfuse.muon``)."""
   if not states:
     return None, None
   state_bytes = sum(_nbytes(leaf) for leaf in jax.tree.leaves(states))
   has_mu = lambda x: _is_optimizer_state(x) and hasattr(x, "mu")
-  mu = next((x.mu for x in jax.tree.leaves(states, is_leaf=has_mu) if has_mu(x)), None)
-  mu = _packing.unpack_shapes(mu)
+  partition = lambda x: type(x).__name__ == "PartitionState"
+  groups = [g for x in jax.tree.leaves(states, is_leaf=partition) if partition(x)
+            for g in x.inner_states.values()] or [states]
   codes = lambda leaf: leaf.codes if _moments.is_quantized(leaf) else leaf
-  params = None if mu is None else sum(
-      math.prod(jax.numpy.shape(codes(leaf)))
-      for leaf in jax.tree.leaves(mu, is_leaf=_moments.is_quantized))
+  params = None
+  for group in groups:
+    mu = next((x.mu for x in jax.tree.leaves(group, is_leaf=has_mu) if has_mu(x)), None)
+    if mu is not None:
+      params = (params or 0) + sum(
+          math.prod(jax.numpy.shape(codes(leaf)))
+          for leaf in jax.tree.leaves(_packing.unpack_shapes(mu), is_leaf=_moments.is_quantized))
   return params, state_bytes
 
 
@@ -400,6 +422,8 @@ def _summary_lines(r: Report) -> list[tuple[str, Callable, Callable, bool]]:
       ("  read", lambda x: x.bytes_read, _bytes, False),
       ("  written", lambda x: x.bytes_written, _bytes, False),
       ("  XLA cost analysis", lambda x: x.xla_cost_bytes, _bytes, False),
+      ("XLA flops per step (matmuls, element math)", lambda x: x.xla_flops,
+       lambda v: "-" if v is None else f"{v / 1e9:.3f} G", False),
       ("peak memory", lambda x: x.peak_bytes, _bytes, True),
       ("optimizer state per param", lambda x: x.state_bytes_per_param,
        lambda v: "-" if v is None else f"{v:.2f} B", False),

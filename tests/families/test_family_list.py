@@ -12,8 +12,9 @@ from jaxfuse._optim.families.lion import LionSpec
 
 def test_every_public_optimizer_is_registered():
   """Every public function that builds a jaxfuse optimizer (it takes master_weights) is in the
-  list, once, with at least one variant."""
+  list, once, with at least one variant, or declared a composite of families (jaxfuse.muon)."""
   registered = [f for family in families.registered() for f in family.functions]
+  registered += families.composites()
   public = [getattr(jaxfuse, name) for name in jaxfuse.__all__
             if callable(getattr(jaxfuse, name)) and not inspect.isclass(getattr(jaxfuse, name))
             and "master_weights" in inspect.signature(getattr(jaxfuse, name)).parameters]
@@ -22,8 +23,9 @@ def test_every_public_optimizer_is_registered():
 
 
 def test_options_documented_once_in_every_function():
-  for family in families.registered():
-    for fn in family.functions:
+  for functions in [family.functions for family in families.registered()] + [
+      families.composites()]:
+    for fn in functions:
       doc = fn.__doc__
       if "\n  Args:\n" in doc:
         for option in families.OPTION_DOCS:

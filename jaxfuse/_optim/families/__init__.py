@@ -6,7 +6,9 @@ themselves), and its Python module here, whose public functions are declared wit
 :func:`family`. Importing ``jaxfuse`` imports every family module (``jaxfuse/__init__.py`` names
 them, the public namespace being the one list), and :func:`registered` returns them: the tests,
 tools and benchmarks that cover every family take their cases from it, and the documentation's
-tables are checked against it (``tests/test_readme.py``).
+tables are checked against it (``tests/test_readme.py``). A public optimizer made of families
+(``jaxfuse.muon``: its own element family for the matrices, AdamW for the other leaves) is
+declared with :func:`composite` and listed by :func:`composites`.
 """
 
 from __future__ import annotations
@@ -110,11 +112,17 @@ class Family:
 
 
 _FAMILIES: dict[type[_spec.Spec], Family] = {}
+_COMPOSITES: list[Callable[..., optax.GradientTransformationExtraArgs]] = []
 
 
 def registered() -> tuple[Family, ...]:
   """Every family, in the order ``jaxfuse/__init__.py`` imports them."""
   return tuple(_FAMILIES.values())
+
+
+def composites() -> tuple[Callable[..., optax.GradientTransformationExtraArgs], ...]:
+  """Every public optimizer made of families (declared with :func:`composite`)."""
+  return tuple(_COMPOSITES)
 
 
 def some_leaves(params: Any) -> Any:
@@ -166,6 +174,20 @@ def _check_arguments(fn: Callable, parameters: Any, arguments: dict[str, Any]) -
       _spec.check_number(owner, name, value, schedule=_NUMBER_ANNOTATIONS[annotation])
     elif annotation == "bool" and isinstance(value, (str, bytes)):
       raise TypeError(f"{owner}: {name}={value!r} is a {type(value).__name__}; expected a bool")
+
+
+def composite(spec: type[_spec.Spec]) -> Callable[[Callable], Callable]:
+  """Declares a public optimizer made of families, whose shared options are `spec`'s: checked
+  and documented as in every family (:func:`family`), and listed by :func:`composites`."""
+
+  def declare(fn: Callable) -> Callable:
+    parameters = inspect.signature(fn).parameters
+    _check_options(fn, parameters, spec)
+    fn.__doc__ = _with_option_docs(fn.__doc__, parameters)
+    _COMPOSITES.append(fn)
+    return fn
+
+  return declare
 
 
 def family(spec: type[_spec.Spec], *, variants: Optional[dict[str, dict[str, Any]]] = None,

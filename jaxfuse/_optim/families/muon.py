@@ -1,0 +1,433 @@
+"""Muon, optax-compatible: ``optax.contrib.muon``'s arguments, math and state, its matrices
+orthogonalized in batches by shape and its element passes fused.
+
+``muon`` partitions the params as optax's does: matrices (2-D leaves, or those
+``muon_weight_dimension_numbers`` selects) get Muon, every other leaf AdamW. A step is
+
+1. the momentum of every Muon leaf, ``mu = beta * mu + (1 - beta) * g``, and its
+   bias-corrected (Nesterov) value, computed in float32 (float64 or complex where the leaf is) as
+   XLA operations that write the stacks of step 2 directly;
+2. Newton-Schulz on those values, the matrices of one shape and dtype stacked and orthogonalized
+   by one chain of batched matmuls (``jaxfuse/_optim/newton_schulz.py``; ``ns_method="gram"``
+   for the Gram iteration), each stack's matrices split over the devices of a multi-device mesh
+   (owner compute: every device orthogonalizes whole matrices, no collective inside the
+   iterations), then optax's adaptive and shape scaling;
+3. one multi-tensor pass over every Muon leaf (the ``jaxfuse_muon`` op, optim/families/muon.h):
+   decoupled weight decay and the learning rate, params updated;
+4. the AdamW leaves through ``jaxfuse.adamw``'s kernels (``nesterov`` as given).
+
+Under :func:`jaxfuse.fused_step` passes 3 and 4 are the families' in-place kernels, one launch
+each for the whole tree, and a ``jaxfuse.clip_by_global_norm`` directly before ``muon`` folds
+into them (and into step 1's reads of the gradients) from one global-norm call; the optax
+protocol runs the same math as XLA operations. The state is optax's (a ``PartitionState`` with
+the ``'adam'`` and ``'muon'`` groups), so checkpoints move between ``optax.contrib.muon`` and
+``jaxfuse.muon`` both ways; ``master_weights`` and ``skip_nonfinite`` append a
+``jaxfuse.ExtraState`` to each group's state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import operator
+from typing import Any, Callable, Optional, Union
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax.transforms import _masking
+
+from jaxfuse._core import trees as _trees
+from jaxfuse._optim import clip as _clip
+from jaxfuse._optim import families as _families
+from jaxfuse._optim import inplace as _inplace
+from jaxfuse._optim import kernel_path as _kernel_path
+from jaxfuse._optim import newton_schulz as _ns
+from jaxfuse._optim import spec as _spec
+from jaxfuse._optim import step as _step
+from jaxfuse._optim import xla_path as _xla_path
+from jaxfuse._optim.families import adam as _adam
+from jaxfuse._optim.spec import ScalarOrSchedule
+
+# Published coefficient rows (a, b, c) of the quintic iteration, by the names optax takes:
+# Jordan's (2024) and Dion's per-iteration rows (Ahn et al., 2025).
+NS_PRESETS = {
+    "standard": (3.4445, -4.7750, 2.0315),
+    "dion": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377), (3.7418, -5.5913, 2.3037),
+             (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
+}
+
+WeightDimNumOrFn = Union[Any, Callable[[Any], Any]]  # optax.contrib.MuonDimensionNumbers
+
+
+def _optax_muon() -> Any:
+  """optax.contrib, where its Muon is the one jaxfuse.muon follows (dimension numbers,
+  preconditionings: optax 0.2.8); raises otherwise."""
+  contrib = optax.contrib
+  if not (hasattr(contrib, "MuonDimensionNumbers") and "preconditioning" in
+          inspect.signature(contrib.scale_by_muon).parameters):
+    raise ImportError(f"jaxfuse.muon follows optax.contrib.muon of optax >= 0.2.8 (its "
+                      f"arguments and state); this is optax {optax.__version__}")
+  return contrib
+
+
+def _is_dims(x: Any) -> bool:
+  return x is None or isinstance(x, optax.contrib.MuonDimensionNumbers)
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class MuonSpec(_spec.Spec):
+  """The element pass of jaxfuse.muon's Muon leaves (optim/families/muon.h): the orthogonalized
+  momentum, scaled by shape, read as the gradient; its state is the ``'muon'`` group's chain of
+  optax.contrib.muon (the momentum there is updated before the pass, which keeps no state
+  list)."""
+
+  op = "jaxfuse_muon"
+  name = "jaxfuse.muon"
+  weight_decay: ScalarOrSchedule
+  weight_decay_mask: Any
+  twin: optax.GradientTransformation
+
+  @property
+  def needs_params(self) -> bool:
+    return True  # optax's add_decayed_weights asks for params even with no decay
+
+  def optax_twin(self) -> optax.GradientTransformation:
+    return self.twin
+
+  def tensor_flags(self, params: Any) -> list[dict[str, bool]]:
+    return _spec.decay_flags(self.weight_decay, self.weight_decay_mask, params)
+
+  def states(self, state: Any) -> list[Any]:
+    return []
+
+  def with_states(self, state: Any, trees: list[Any]) -> Any:
+    return state
+
+  def hyper(self, count: jax.Array) -> dict[str, Any]:
+    wd = self.weight_decay if _spec.decays(self.weight_decay) else 0.0
+    return {"learning_rate": _spec.scalar(self.learning_rate, count),
+            "weight_decay": _spec.scalar(wd, count)}
+
+  def leaf_math(self, k, g, p, states, flags):
+    d = g + k["weight_decay"] * p if flags["decay"] else g
+    return -k["learning_rate"] * d, []
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Muon:
+  """One jaxfuse.muon transform's configuration: its two groups' specs and the orthogonalization."""
+
+  muon: MuonSpec
+  adam: _adam.AdamSpec
+  dims: Any  # muon_weight_dimension_numbers as given (None: every 2-D leaf)
+  ns_coeffs: Any
+  ns_steps: Any
+  beta: Any
+  eps: Any
+  nesterov: bool
+  adaptive: bool
+  preconditioning: str
+  consistent_rms: Any
+  ns_method: str
+  ns_dtype: Any
+
+  def leaf_dims(self, params: Any) -> list[Optional[Any]]:
+    """Per params leaf, its dimension numbers if Muon orthogonalizes it, else None (Adam)."""
+    leaves = jax.tree.leaves(params)
+    if self.dims is None:
+      return [optax.contrib.MuonDimensionNumbers() if jnp.ndim(x) == 2 else None for x in leaves]
+    dims = self.dims(params) if callable(self.dims) else self.dims
+    out: list = []
+    try:
+      jax.tree.map(lambda d, sub: out.extend([d] * len(jax.tree.leaves(sub))), dims, params,
+                   is_leaf=_is_dims)
+    except ValueError as e:
+      raise ValueError("jaxfuse.muon: muon_weight_dimension_numbers is not a prefix of the "
+                       f"params tree: {e}") from None
+    return out
+
+  def labels(self, params: Any) -> Any:
+    return jax.tree.structure(params).unflatten(
+        ["adam" if d is None else "muon" for d in self.leaf_dims(params)])
+
+  def init(self, params: Any) -> Any:
+    params = _trees.as_arrays(params)
+    self.matrices(params)  # raises, naming the leaf, where a Muon leaf cannot be a matrix
+    groups = {"muon": optax.GradientTransformation(self.muon.init, None),
+              "adam": optax.GradientTransformation(self.adam.init, None)}
+    return optax.partition(groups, self.labels).init(params)
+
+  def matrices(self, params: Any) -> list[Optional[_ns.Matrices]]:
+    names = _trees.leaf_names(params)
+    return [None if d is None else _ns.matrices(jnp.shape(x), d, name)
+            for x, d, name in zip(jax.tree.leaves(params), self.leaf_dims(params), names)]
+
+  # ---- a step --------------------------------------------------------------------------------
+
+  def orthogonalized(self, grads: list, mu: list, shapes: list, count: jax.Array,
+                     coeffs: jax.Array, scale: Callable[[jax.Array], jax.Array],
+                     skip: Optional[jax.Array]) -> tuple[list, list]:
+    """Steps 1 and 2 of the module docstring for the Muon leaves: (their updates scaled by
+    shape, in the grads' dtypes; their new momentum). `scale` maps a gradient, in the compute
+    type, to what the optimizer sees (loss scale, clip)."""
+    beta = self.beta
+    count_inc = optax.safe_increment(count)
+    new_mu, hats = [], []
+    for g, m in zip(grads, mu):
+      c = _xla_path._compute_dtype(g.dtype, m.dtype)
+      g, m_c = scale(g.astype(c)), m.astype(c)
+      m_new = (1 - beta) * g + beta * m_c  # optax.tree.update_moment, order 1
+      if self.nesterov:
+        hat = beta * (m_new / (1 - beta ** optax.safe_increment(count_inc)).astype(c)) + \
+            (1 - beta) * (g / (1 - beta ** count_inc).astype(c))
+      else:
+        hat = m_new / (1 - beta ** count_inc).astype(c)
+      stored = m_new.astype(m.dtype)
+      new_mu.append(stored if skip is None else jnp.where(skip, m, stored))
+      hats.append(hat)
+    outs = _ns.orthogonalize_leaves(hats, shapes, coeffs, self.ns_steps, self.preconditioning,
+                                    self.eps, self.ns_method, self.ns_dtype)
+    updates = []
+    for g, hat, o, m in zip(grads, hats, outs, shapes):
+      if self.adaptive:
+        o = jnp.sum(hat.conj() * o) * o
+      fan_in, fan_out = m.flat[1], m.flat[2]
+      if self.consistent_rms is not None:
+        factor = jnp.sqrt(jnp.maximum(fan_in, fan_out)) * self.consistent_rms
+      else:
+        factor = jnp.sqrt(jnp.maximum(1, fan_out / fan_in))
+      updates.append((factor * o).astype(g.dtype))
+    return updates, new_mu
+
+  def update(self, grads: Any, state: Any, params: Any, grad_scale: Any) -> tuple[Any, Any]:
+    if params is None:
+      raise ValueError("jaxfuse.muon: update() needs params (for weight decay), as optax's does")
+    grads, state, params = _trees.as_arrays((grads, state, params))
+    _trees.check_same_structure(params, grads, "params", "grads")
+    shapes = self.matrices(params)
+    groups = state.inner_states
+    muon_state, adam_state = groups["muon"].inner_state, groups["adam"].inner_state
+    step = _inplace.current()
+    norm = None
+    if step is not None:
+      clip = step.take_clip(grads)
+      norm, grad_ctrl = _step.grad_ctrl_for(
+          self.adam, grads, step.grad_scale,
+          clip_max_norm=None if clip is None else clip.max_norm, need_norm=step.need_norm,
+          axis_name=None if clip is None else clip.axis_name)
+      skip = _step.skip_flag(grad_ctrl) if self.adam.skip_nonfinite else None
+      scale = _gradient_scaling(grad_ctrl)
+    else:
+      skip = None
+      if self.adam.skip_nonfinite:
+        skip = _step.skip_flag(_step.grad_ctrl_for(self.adam, grads, grad_scale)[1])
+      scale = (lambda g: g) if grad_scale is None else \
+          (lambda g: g / jnp.asarray(grad_scale, jnp.finfo(g.dtype).dtype))
+
+    leaves, treedef = jax.tree.flatten(grads)
+    mine = [i for i, m in enumerate(shapes) if m is not None]
+    core = muon_state[:-1] if self.muon.has_extra_state else muon_state
+    muon_core = core[0]
+    updates, new_mu = self.orthogonalized(
+        [leaves[i] for i in mine], jax.tree.leaves(muon_core.mu), [shapes[i] for i in mine],
+        muon_core.count, muon_core.ns_coeffs, scale, skip)
+    by_leaf = dict(zip(mine, updates))
+    new_mu_by_leaf = dict(zip(mine, new_mu))
+    masked = lambda tree_leaves, group: treedef.unflatten(
+        [x if (shapes[i] is not None) == (group == "muon") else _masking.MaskedNode()
+         for i, x in enumerate(tree_leaves)])
+    p_leaves = treedef.flatten_up_to(params)
+    muon_grads = masked([by_leaf.get(i) for i in range(len(leaves))], "muon")
+    muon_params, adam_params = masked(p_leaves, "muon"), masked(p_leaves, "adam")
+    adam_grads = masked(leaves, "adam")
+    mu_tree = masked([new_mu_by_leaf.get(i) for i in range(len(leaves))], "muon")
+    muon_state = (core[0]._replace(mu=mu_tree), *core[1:], *muon_state[len(core):])
+
+    if step is not None:
+      ctrl = _step.default_grad_ctrl().at[_clip.GRAD_CTRL_NAMES.index("skip")].set(
+          grad_ctrl[_clip.GRAD_CTRL_NAMES.index("skip")])
+      new_pm, new_muon = _kernel_path.in_place(self.muon, muon_grads, muon_state, muon_params,
+                                               ctrl)
+      new_pa, new_adam = _kernel_path.in_place(self.adam, adam_grads, adam_state, adam_params,
+                                               grad_ctrl)
+      new_params = _merge(treedef, shapes, new_pm, new_pa)
+      placeholders = jax.tree.map(jnp.zeros_like, grads)
+      step.record_step(self.muon.name, new_params, norm, placeholders)
+      out = placeholders
+    else:
+      u_m, new_muon = _xla_path.xla_updates(self.muon, muon_grads, muon_state, muon_params,
+                                            skip=skip)
+      u_a, new_adam = _xla_path.xla_updates(self.adam, adam_grads, adam_state, adam_params,
+                                            grad_scale, skip=skip)
+      out = _merge(treedef, shapes, u_m, u_a)
+    new_groups = {"muon": groups["muon"]._replace(inner_state=new_muon),
+                  "adam": groups["adam"]._replace(inner_state=new_adam)}
+    return out, state._replace(inner_states=new_groups)
+
+
+def _gradient_scaling(grad_ctrl: jax.Array) -> Callable[[jax.Array], jax.Array]:
+  """A gradient as the kernels read it under `grad_ctrl` (norm_math.h's GradScaling): unscaled
+  by the loss scale, then clipped as optax does, ``(g / norm) * max_norm``. Dividing and
+  multiplying by 1 is exact, so the factors apply unconditionally."""
+  at = _clip.GRAD_CTRL_NAMES.index
+  def scale(g):
+    real = jnp.finfo(g.dtype).dtype
+    factor = lambda name: grad_ctrl[at(name)].astype(real)
+    return (g / factor("loss_scale") / factor("clip_div")) * factor("clip_mul")
+  return scale
+
+
+def _merge(treedef: Any, shapes: list, muon_tree: Any, adam_tree: Any) -> Any:
+  """The tree like the params whose Muon leaves are `muon_tree`'s, the others `adam_tree`'s."""
+  mu, ad = iter(jax.tree.leaves(muon_tree)), iter(jax.tree.leaves(adam_tree))
+  return treedef.unflatten([next(ad) if m is None else next(mu) for m in shapes])
+
+
+def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype,
+           preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype) -> Any:
+  """Raises on an argument jaxfuse.muon cannot run, naming it; returns the coefficients (a
+  preset's name resolved)."""
+  owner = "jaxfuse.muon"
+  _spec.check_number(owner, "learning_rate", learning_rate, schedule=True)
+  _spec.check_number(owner, "weight_decay", weight_decay, schedule=True)
+  for name, value in dict(beta=beta, eps=eps, **adam_numbers).items():
+    if name == "adam_learning_rate":
+      if value is not None:
+        _spec.check_number(owner, name, value, schedule=True)
+    else:
+      _spec.check_number(owner, name, value)
+  if consistent_rms is not None:
+    _spec.check_number(owner, "consistent_rms", consistent_rms)
+  if isinstance(ns_coeffs, str):
+    if ns_coeffs not in NS_PRESETS:
+      raise ValueError(f"{owner}: ns_coeffs={ns_coeffs!r}; the presets are "
+                       f"{', '.join(map(repr, NS_PRESETS))}")
+    ns_coeffs = NS_PRESETS[ns_coeffs]
+  shape = jnp.shape(jnp.asarray(ns_coeffs))
+  if len(shape) not in (1, 2) or shape[-1] != 3:
+    raise ValueError(f"{owner}: ns_coeffs has shape {shape}; expected (3,) or (n, 3)")
+  try:
+    steps = operator.index(ns_steps)
+  except TypeError:
+    steps = None  # traced (optax.inject_hyperparams): a loop of the one row
+  else:
+    if steps < 1:
+      raise ValueError(f"{owner}: ns_steps={ns_steps!r}; expected an int >= 1")
+  if steps is None and (len(shape) == 2 or ns_method == "gram"):
+    raise ValueError(f"{owner}: ns_steps is traced; with per-iteration coefficients or "
+                     "ns_method='gram' it must be static (optax.inject_hyperparams(..., "
+                     "static_args=('ns_steps',)))")
+  if preconditioning not in _ns.PRECONDITIONINGS:
+    raise ValueError(f"{owner}: preconditioning={preconditioning!r}; expected one of "
+                     f"{', '.join(map(repr, _ns.PRECONDITIONINGS))}")
+  if ns_method not in _ns.METHODS:
+    raise ValueError(f"{owner}: ns_method={ns_method!r}; expected one of "
+                     f"{', '.join(map(repr, _ns.METHODS))}")
+  for name, dtype in (("mu_dtype", mu_dtype), ("ns_dtype", ns_dtype)):
+    if dtype is not None and jnp.dtype(dtype) not in _trees.KERNEL_DTYPES:
+      raise ValueError(f"{owner}: {name} {jnp.dtype(dtype).name} is not supported; use None or "
+                       f"one of {', '.join(t.name for t in _trees.KERNEL_DTYPES)}")
+  return ns_coeffs
+
+
+@_families.composite(MuonSpec)
+def muon(learning_rate: ScalarOrSchedule,
+         ns_coeffs: Any = NS_PRESETS["standard"], ns_steps: int = 5, beta: float = 0.95,
+         eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0,
+         weight_decay_mask: Any = None, mu_dtype: Optional[Any] = None, *,
+         nesterov: bool = True, adaptive: bool = False, preconditioning: str = "frobenius",
+         adam_b1: float = 0.9, adam_b2: float = 0.999, adam_eps_root: float = 0.0,
+         adam_weight_decay: ScalarOrSchedule = 0.0,
+         adam_learning_rate: Optional[ScalarOrSchedule] = None,
+         muon_weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
+         consistent_rms: Optional[float] = None, ns_method: str = "standard",
+         ns_dtype: Optional[Any] = None,
+         master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
+         stochastic_rounding: bool = False,
+         seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
+  r"""Muon (Jordan et al., 2024): momentum orthogonalized by Newton-Schulz iterations for the
+  matrices, AdamW for the other leaves; same arguments, defaults, math and state as
+  ``optax.contrib.muon``, with the matrices orthogonalized in batches by shape and the element
+  passes fused (see ``jaxfuse/_optim/families/muon.py``).
+
+  For a matrix leaf, with :math:`eta` the momentum, :math:`\lambda` the weight decay and
+  :math:`s` the shape scale (``sqrt(max(1, fan_out / fan_in))``, or
+  ``sqrt(max(fan_in, fan_out)) * consistent_rms``):
+
+  .. math::
+
+    m_t &\leftarrow eta m_{t-1} + (1 - eta) g_t \
+    \hat m_t &\leftarrow rac{eta m_t}{1 - eta^{t+1}} + rac{(1 - eta) g_t}{1 - eta^t}
+      \quad (	ext{without Nesterov: } m_t / (1 - eta^t)) \
+    O_t &\leftarrow \mathrm{NewtonSchulz}(\hat m_t) pprox U V^	op
+      	ext{ where } \hat m_t = U \Sigma V^	op \
+    u_t &\leftarrow -lpha_t (s\, O_t + \lambda 	heta_t)
+
+  Args:
+    learning_rate: a float, or an optax schedule evaluated on the step count.
+    ns_coeffs: the quintic's coefficients (a, b, c), one row for every iteration or one row per
+      iteration (shape (n, 3), n <= ns_steps), or a preset's name: "standard" (Jordan's) or
+      "dion" (Ahn et al., 2025).
+    ns_steps: the number of Newton-Schulz iterations (with one row of coefficients).
+    beta: decay rate of the momentum.
+    eps: added to the preconditioning's norm, and Adam's epsilon.
+    weight_decay: decoupled weight decay of the Muon leaves, multiplied by the learning rate.
+    weight_decay_mask: pytree of bools (a prefix of params) or a callable returning one: where
+      the Muon leaves' weight decay applies. Must be static.
+    mu_dtype: storage dtype of both groups' momentum (None: the params' dtype).
+    nesterov: Nesterov momentum, in both groups (Adam's is NAdamW).
+    adaptive: scale each orthogonalized update by its dual norm, ``<m_hat, O>``
+      (Bernstein and Newhouse, 2024).
+    preconditioning: how each matrix is scaled before the iterations: "frobenius" (its norm),
+      "spectral" (its largest singular value), "aol" or "schatten" (their first iteration),
+      as optax.
+    adam_b1, adam_b2, adam_eps_root, adam_weight_decay: the AdamW group's.
+    adam_learning_rate: the AdamW group's learning rate (None: ``learning_rate``).
+    muon_weight_dimension_numbers: ``optax.contrib.MuonDimensionNumbers`` per leaf (a pytree, a
+      prefix of params, or a callable returning one), None where a leaf goes to AdamW; None: every
+      2-D leaf gets Muon as a (fan_in, fan_out) matrix.
+    consistent_rms: if set, the shape scale is ``sqrt(max(fan_in, fan_out)) * consistent_rms``
+      (Liu et al., 2025; 0.2 matches AdamW's update RMS).
+    ns_method: "standard": the iteration as optax runs it; "gram": the Gram Newton-Schulz
+      iteration (Zhang et al., 2026), the same polynomial with fewer flops for rectangular
+      matrices (restarted once, before the third iteration).
+    ns_dtype: the dtype the iterations run in (None: the momentum's compute type, float32 for
+      16- and 32-bit leaves); jnp.bfloat16 runs them at bfloat16 matmul speed.
+
+  Returns:
+    An optax ``GradientTransformationExtraArgs``.
+
+  References:
+    Jordan, `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_, 2024
+
+    Liu et al., `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_, 2025
+  """
+  contrib = _optax_muon()
+  adam_numbers = dict(adam_b1=adam_b1, adam_b2=adam_b2, adam_eps_root=adam_eps_root,
+                      adam_weight_decay=adam_weight_decay, adam_learning_rate=adam_learning_rate)
+  coeffs = _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype,
+                  preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype)
+  options = dict(master_weights=master_weights, skip_nonfinite=skip_nonfinite,
+                 stochastic_rounding=stochastic_rounding, seed=seed)
+  twin = optax.chain(
+      contrib.scale_by_muon(coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov,
+                                  adaptive=adaptive, preconditioning=preconditioning),
+      optax.identity(),  # scale_by_shape's (empty) state
+      optax.add_decayed_weights(weight_decay, weight_decay_mask),
+      optax.scale_by_learning_rate(learning_rate))
+  muon_spec = MuonSpec(learning_rate=learning_rate, weight_decay=weight_decay,
+                       weight_decay_mask=weight_decay_mask, twin=twin, **options)
+  adam_spec = _adam.adamw._spec_of(
+      learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2,
+      eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov, **options)
+  muon_spec.check_options()
+  config = _Muon(muon_spec, adam_spec, muon_weight_dimension_numbers, coeffs, ns_steps, beta,
+                 eps, nesterov, adaptive, preconditioning, consistent_rms, ns_method, ns_dtype)
+
+  def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
+    del extra_args
+    return config.update(updates, state, params, grad_scale)
+
+  return optax.GradientTransformationExtraArgs(config.init, update_fn)
