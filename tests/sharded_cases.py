@@ -767,6 +767,8 @@ def _muon_collectives(tx, grads, state, params, fused=True):
   return (*collectives(text), len(re.findall(r"\ball-to-all(-start)?\(", text)))
 
 
+@pytest.mark.parametrize("mesh_name,kind", [("fsdp", "auto"), ("fsdp", "explicit"),
+                                            ("data_model", "explicit")])
 def test_muon_owner_compute(mesh_name, kind):
   """jaxfuse.muon with a folded clip on sharded matrices: each stack's matrices split over the
   mesh's devices, each device orthogonalizing whole matrices of its own, equal to the unsharded

@@ -71,8 +71,15 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("path", ["optax", "fused"])
-@pytest.mark.parametrize("option", OPTIONS)
+# Each option through one path (the element passes are the same math on both; the defaults on
+# both).
+CASES = [("defaults", "optax"), ("defaults", "fused"),
+         ("no nesterov, decay masked, adaptive", "fused"),
+         ("dion rows, consistent rms, adam group's own", "optax"),
+         ("3-D leaves by dimension numbers", "fused")]
+
+
+@pytest.mark.parametrize("option,path", CASES)
 def test_matches_optax(device, option, path):
   kwargs = {"learning_rate": 2e-2, **OPTIONS[option]}
   params = _params(device)
@@ -145,6 +152,28 @@ def test_master_weights_and_gram_in_bf16(device):
                      atol=0, what="fused vs protocol")
 
 
+def test_8bit_momentum(device):
+  """moment_bits=8: the large matrices' momentum (and AdamW's moments) in 8 bits; three fused
+  steps move the params as the float steps do, to the codes' rounding."""
+  params = _params(device)
+  params["big"] = random_tree(5, [(64, 128)], device=device)["leaf0000"]
+  with pytest.warns(UserWarning, match="moment_bits=8"):
+    tx = jaxfuse.muon(2e-2, moment_bits=8)
+    state = tx.init(params)
+  mu = state.inner_states["muon"].inner_state[0].mu
+  assert mu["big"].codes.dtype == jnp.int8 and mu["a"].dtype == jnp.float32
+  floats = jaxfuse.muon(2e-2)
+  step, ref = jit_step(tx), jit_step(floats)
+  p, s, p_f, s_f = (jax.tree.map(jnp.copy, params), state, jax.tree.map(jnp.copy, params),
+                    floats.init(params))
+  for t in range(3):
+    g = grads(40 + t, params)
+    p, s = step(p, s, g)
+    p_f, s_f = ref(p_f, s_f, g)
+  moved = lambda new: jax.tree.map(lambda a, b: a - b, new, params)
+  assert_trees_close(moved(p), moved(p_f), rtol=0.05, atol=0, what="8-bit vs float momentum")
+
+
 def test_inject_hyperparams_and_multi_steps(device):
   """The learning rate and beta read from optax.inject_hyperparams' state (changed mid-run
   without a retrace), inside jaxfuse.multi_steps: equal to optax's Muon under the same
@@ -155,10 +184,11 @@ def test_inject_hyperparams_and_multi_steps(device):
   tx = jaxfuse.multi_steps(make(jaxfuse.muon), 2)
   ref = optax.MultiSteps(make(optax.contrib.muon), 2)
   traces = []
-  step = jax.jit(lambda p, s, g: (traces.append(1), jaxfuse.fused_step(tx, g, s, p))[1])
-  p, s, p_r, s_r = params, tx.init(params), params, ref.init(params)
-  for t in range(6):
-    if t == 3:
+  step = jax.jit(lambda p, s, g: (traces.append(1), jaxfuse.fused_step(tx, g, s, p))[1],
+                 donate_argnums=(0, 1))
+  p, s, p_r, s_r = jax.tree.map(jnp.copy, params), tx.init(params), params, ref.init(params)
+  for t in range(4):
+    if t == 2:
       for state in (s.inner_opt_state, s_r.inner_opt_state):
         state.hyperparams["learning_rate"] = jnp.asarray(1e-2, jnp.float32)
     g = grads(30 + t, params)
@@ -177,6 +207,7 @@ def test_inject_hyperparams_and_multi_steps(device):
     (dict(ns_coeffs=((1.0, 2.0),)), r"ns_coeffs has shape \(1, 2\)"),
     (dict(ns_steps=0), r"ns_steps=0"),
     (dict(mu_dtype=jnp.int8), r"mu_dtype int8 is not supported"),
+    (dict(moment_bits=4), r"moment_bits=4"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
   with pytest.raises((TypeError, ValueError), match=match):

@@ -42,6 +42,7 @@ from jaxfuse._optim import clip as _clip
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import inplace as _inplace
 from jaxfuse._optim import kernel_path as _kernel_path
+from jaxfuse._optim import moments as _moments
 from jaxfuse._optim import newton_schulz as _ns
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim import step as _step
@@ -87,6 +88,20 @@ class MuonSpec(_spec.Spec):
   weight_decay: ScalarOrSchedule
   weight_decay_mask: Any
   twin: optax.GradientTransformation
+  momentum_bits: Optional[int] = None  # 8: the momentum of large leaves kept in 8 bits
+
+  def twin_init(self, params: Any, quantized: Optional[list[bool]] = None) -> Any:
+    """optax's state of the Muon group, its momentum in 8 bits where ``momentum_bits=8`` and
+    the leaf is quantizable (the other families' format, signed: moments.py)."""
+    state = super().twin_init(params, quantized)
+    if self.momentum_bits != 8:
+      return state
+    block = self.moment_block
+    _moments.warn_float_leaves(self.name, params, block)
+    mu = jax.tree.map(lambda p, m: _moments.quantize(m, True, block)
+                      if _moments.quantizable(jnp.shape(p), p.dtype, block) else m,
+                      params, state[0].mu)
+    return (state[0]._replace(mu=mu), *state[1:])
 
   @property
   def needs_params(self) -> bool:
@@ -175,16 +190,18 @@ class _Muon:
     count_inc = optax.safe_increment(count)
     new_mu, hats = [], []
     for g, m in zip(grads, mu):
-      c = _xla_path._compute_dtype(g.dtype, m.dtype)
-      g, m_c = scale(g.astype(c)), m.astype(c)
+      c = _xla_path._compute_dtype(g.dtype, _step.state_dtype(m))
+      m_c = (_moments.dequantize(m) if _moments.is_quantized(m) else m).astype(c)
+      g = scale(g.astype(c))
       m_new = (1 - beta) * g + beta * m_c  # optax.tree.update_moment, order 1
       if self.nesterov:
         hat = beta * (m_new / (1 - beta ** optax.safe_increment(count_inc)).astype(c)) + \
             (1 - beta) * (g / (1 - beta ** count_inc).astype(c))
       else:
         hat = m_new / (1 - beta ** count_inc).astype(c)
-      stored = m_new.astype(m.dtype)
-      new_mu.append(stored if skip is None else jnp.where(skip, m, stored))
+      stored = _moments.like(m_new, m) if _moments.is_quantized(m) else m_new.astype(m.dtype)
+      new_mu.append(stored if skip is None else
+                    jax.tree.map(lambda n, o: jnp.where(skip, o, n), stored, m))
       hats.append(hat)
     outs = _ns.orthogonalize_leaves(hats, shapes, coeffs, self.ns_steps, self.preconditioning,
                                     self.eps, self.ns_method, self.ns_dtype)
@@ -230,7 +247,8 @@ class _Muon:
     core = muon_state[:-1] if self.muon.has_extra_state else muon_state
     muon_core = core[0]
     updates, new_mu = self.orthogonalized(
-        [leaves[i] for i in mine], jax.tree.leaves(muon_core.mu), [shapes[i] for i in mine],
+        [leaves[i] for i in mine], jax.tree.leaves(muon_core.mu, is_leaf=_moments.is_quantized),
+        [shapes[i] for i in mine],
         muon_core.count, muon_core.ns_coeffs, scale, skip)
     by_leaf = dict(zip(mine, updates))
     new_mu_by_leaf = dict(zip(mine, new_mu))
@@ -285,7 +303,8 @@ def _merge(treedef: Any, shapes: list, muon_tree: Any, adam_tree: Any) -> Any:
 
 
 def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype,
-           preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype) -> Any:
+           preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype,
+           moment_bits) -> Any:
   """Raises on an argument jaxfuse.muon cannot run, naming it; returns the coefficients (a
   preset's name resolved)."""
   owner = "jaxfuse.muon"
@@ -299,6 +318,8 @@ def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype
       _spec.check_number(owner, name, value)
   if consistent_rms is not None:
     _spec.check_number(owner, "consistent_rms", consistent_rms)
+  if moment_bits not in (None, 8, 32):
+    raise ValueError(f"{owner}: moment_bits={moment_bits!r}; expected 8 or 32 (None: 32)")
   if isinstance(ns_coeffs, str):
     if ns_coeffs not in NS_PRESETS:
       raise ValueError(f"{owner}: ns_coeffs={ns_coeffs!r}; the presets are "
@@ -342,7 +363,7 @@ def muon(learning_rate: ScalarOrSchedule,
          adam_learning_rate: Optional[ScalarOrSchedule] = None,
          muon_weight_dimension_numbers: Optional[WeightDimNumOrFn] = None,
          consistent_rms: Optional[float] = None, ns_method: str = "standard",
-         ns_dtype: Optional[Any] = None,
+         ns_dtype: Optional[Any] = None, moment_bits: Optional[int] = None,
          master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
          stochastic_rounding: bool = False,
          seed: Optional[int] = None) -> optax.GradientTransformationExtraArgs:
@@ -408,7 +429,8 @@ def muon(learning_rate: ScalarOrSchedule,
   adam_numbers = dict(adam_b1=adam_b1, adam_b2=adam_b2, adam_eps_root=adam_eps_root,
                       adam_weight_decay=adam_weight_decay, adam_learning_rate=adam_learning_rate)
   coeffs = _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype,
-                  preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype)
+                  preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype,
+                  moment_bits)
   options = dict(master_weights=master_weights, skip_nonfinite=skip_nonfinite,
                  stochastic_rounding=stochastic_rounding, seed=seed)
   twin = optax.chain(
@@ -418,10 +440,12 @@ def muon(learning_rate: ScalarOrSchedule,
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate))
   muon_spec = MuonSpec(learning_rate=learning_rate, weight_decay=weight_decay,
-                       weight_decay_mask=weight_decay_mask, twin=twin, **options)
+                       weight_decay_mask=weight_decay_mask, twin=twin, momentum_bits=moment_bits,
+                       **options)
   adam_spec = _adam.adamw._spec_of(
       learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2,
-      eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov, **options)
+      eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov,
+      moment_bits=moment_bits, **options)
   muon_spec.check_options()
   config = _Muon(muon_spec, adam_spec, muon_weight_dimension_numbers, coeffs, ns_steps, beta,
                  eps, nesterov, adaptive, preconditioning, consistent_rms, ns_method, ns_dtype)
