@@ -224,3 +224,7 @@ def test_bad_leaves_are_refused_by_name():
     tx.update(params, tx.init(params))
   with pytest.raises(ValueError, match="grads"):
     tx.update({"w": jnp.ones((4, 6))}, tx.init(params), params)
+  with pytest.raises(ValueError, match="opt_state is not a Muon state"):
+    tx.update(params, optax.adam(1e-3).init(params), params)
+  with pytest.raises(ValueError, match="momentum has 1 leaves, these params 2 matrices"):
+    tx.update({**params, "u": jnp.ones((3, 3))}, tx.init(params), {**params, "u": jnp.ones((3, 3))})

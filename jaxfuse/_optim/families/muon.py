@@ -218,70 +218,83 @@ class _Muon:
     return updates, new_mu
 
   def update(self, grads: Any, state: Any, params: Any, grad_scale: Any) -> tuple[Any, Any]:
+    """The optax protocol's (updates, new state), or under fused_step (placeholders, new
+    state) with the new params recorded."""
     if params is None:
       raise ValueError("jaxfuse.muon: update() needs params (for weight decay), as optax's does")
     grads, state, params = _trees.as_arrays((grads, state, params))
     _trees.check_same_structure(params, grads, "params", "grads")
     shapes = self.matrices(params)
-    groups = state.inner_states
-    muon_state, adam_state = groups["muon"].inner_state, groups["adam"].inner_state
+    groups = _groups(state)
     step = _inplace.current()
-    norm = None
-    if step is not None:
-      clip = step.take_clip(grads)
-      norm, grad_ctrl = _step.grad_ctrl_for(
-          self.adam, grads, step.grad_scale,
-          clip_max_norm=None if clip is None else clip.max_norm, need_norm=step.need_norm,
-          axis_name=None if clip is None else clip.axis_name)
-      skip = _step.skip_flag(grad_ctrl) if self.adam.skip_nonfinite else None
-      scale = _gradient_scaling(grad_ctrl)
+    norm, grad_ctrl, skip, scale = self.grad_control(grads, grad_scale, step)
+    leaves, treedef = jax.tree.flatten(grads)
+    mine = [i for i, m in enumerate(shapes) if m is not None]
+    muon_state = groups["muon"].inner_state
+    core = muon_state[:-1] if self.muon.has_extra_state else muon_state
+    mu = jax.tree.leaves(core[0].mu, is_leaf=_moments.is_quantized)
+    if len(mu) != len(mine):
+      raise ValueError(f"jaxfuse.muon: opt_state's momentum has {len(mu)} leaves, these params "
+                       f"{len(mine)} matrices for Muon (a state from init() on other params?)")
+    updates, new_mu = self.orthogonalized([leaves[i] for i in mine], mu,
+                                          [shapes[i] for i in mine], core[0].count,
+                                          core[0].ns_coeffs, scale, skip)
+    # A group's trees: its leaves where they are, MaskedNodes elsewhere (optax.partition's).
+    place = lambda values, group: treedef.unflatten(
+        [next(values) if (m is not None) == (group == "muon") else _masking.MaskedNode()
+         for m in shapes])
+    pick = lambda full, group: place(
+        iter([x for x, m in zip(full, shapes) if (m is not None) == (group == "muon")]), group)
+    p_leaves = treedef.flatten_up_to(params)
+    muon_args = (place(iter(updates), "muon"),
+                 (core[0]._replace(mu=place(iter(new_mu), "muon")), *core[1:],
+                  *muon_state[len(core):]),
+                 pick(p_leaves, "muon"))
+    adam_args = (pick(leaves, "adam"), groups["adam"].inner_state, pick(p_leaves, "adam"))
+    if step is None:
+      u_m, new_muon = _xla_path.xla_updates(self.muon, *muon_args, skip=skip)
+      u_a, new_adam = _xla_path.xla_updates(self.adam, *adam_args, grad_scale, skip=skip)
+      out = _merge(treedef, shapes, u_m, u_a)
     else:
+      # The matrices' pass reads the orthogonalized updates: no loss scale or clip, the skip.
+      at = _clip.GRAD_CTRL_NAMES.index("skip")
+      ctrl = _step.default_grad_ctrl().at[at].set(grad_ctrl[at])
+      new_pm, new_muon = _kernel_path.in_place(self.muon, *muon_args, ctrl)
+      new_pa, new_adam = _kernel_path.in_place(self.adam, *adam_args, grad_ctrl)
+      out = jax.tree.map(jnp.zeros_like, grads)
+      step.record_step(self.muon.name, _merge(treedef, shapes, new_pm, new_pa), norm, out)
+    new_groups = {"muon": groups["muon"]._replace(inner_state=new_muon),
+                  "adam": groups["adam"]._replace(inner_state=new_adam)}
+    return out, state._replace(inner_states=new_groups)
+
+  def grad_control(self, grads: Any, grad_scale: Any, step: Optional[_inplace.InPlaceStep]):
+    """(global norm or None, gradient-control vector or None, skip flag or None, the gradient
+    as the optimizer sees it): under fused_step from one global-norm call over the whole tree
+    that folds a jaxfuse clip directly before (both groups' kernels read its vector); in the
+    optax protocol the loss scale alone, and the skip decided on the whole tree."""
+    if step is None:
       skip = None
       if self.adam.skip_nonfinite:
         skip = _step.skip_flag(_step.grad_ctrl_for(self.adam, grads, grad_scale)[1])
       scale = (lambda g: g) if grad_scale is None else \
           (lambda g: g / jnp.asarray(grad_scale, jnp.finfo(g.dtype).dtype))
+      return None, None, skip, scale
+    clip = step.take_clip(grads)
+    norm, grad_ctrl = _step.grad_ctrl_for(
+        self.adam, grads, step.grad_scale, clip_max_norm=None if clip is None else clip.max_norm,
+        need_norm=step.need_norm, axis_name=None if clip is None else clip.axis_name)
+    skip = _step.skip_flag(grad_ctrl) if self.adam.skip_nonfinite else None
+    return norm, grad_ctrl, skip, _gradient_scaling(grad_ctrl)
 
-    leaves, treedef = jax.tree.flatten(grads)
-    mine = [i for i, m in enumerate(shapes) if m is not None]
-    core = muon_state[:-1] if self.muon.has_extra_state else muon_state
-    muon_core = core[0]
-    updates, new_mu = self.orthogonalized(
-        [leaves[i] for i in mine], jax.tree.leaves(muon_core.mu, is_leaf=_moments.is_quantized),
-        [shapes[i] for i in mine],
-        muon_core.count, muon_core.ns_coeffs, scale, skip)
-    by_leaf = dict(zip(mine, updates))
-    new_mu_by_leaf = dict(zip(mine, new_mu))
-    masked = lambda tree_leaves, group: treedef.unflatten(
-        [x if (shapes[i] is not None) == (group == "muon") else _masking.MaskedNode()
-         for i, x in enumerate(tree_leaves)])
-    p_leaves = treedef.flatten_up_to(params)
-    muon_grads = masked([by_leaf.get(i) for i in range(len(leaves))], "muon")
-    muon_params, adam_params = masked(p_leaves, "muon"), masked(p_leaves, "adam")
-    adam_grads = masked(leaves, "adam")
-    mu_tree = masked([new_mu_by_leaf.get(i) for i in range(len(leaves))], "muon")
-    muon_state = (core[0]._replace(mu=mu_tree), *core[1:], *muon_state[len(core):])
 
-    if step is not None:
-      ctrl = _step.default_grad_ctrl().at[_clip.GRAD_CTRL_NAMES.index("skip")].set(
-          grad_ctrl[_clip.GRAD_CTRL_NAMES.index("skip")])
-      new_pm, new_muon = _kernel_path.in_place(self.muon, muon_grads, muon_state, muon_params,
-                                               ctrl)
-      new_pa, new_adam = _kernel_path.in_place(self.adam, adam_grads, adam_state, adam_params,
-                                               grad_ctrl)
-      new_params = _merge(treedef, shapes, new_pm, new_pa)
-      placeholders = jax.tree.map(jnp.zeros_like, grads)
-      step.record_step(self.muon.name, new_params, norm, placeholders)
-      out = placeholders
-    else:
-      u_m, new_muon = _xla_path.xla_updates(self.muon, muon_grads, muon_state, muon_params,
-                                            skip=skip)
-      u_a, new_adam = _xla_path.xla_updates(self.adam, adam_grads, adam_state, adam_params,
-                                            grad_scale, skip=skip)
-      out = _merge(treedef, shapes, u_m, u_a)
-    new_groups = {"muon": groups["muon"]._replace(inner_state=new_muon),
-                  "adam": groups["adam"]._replace(inner_state=new_adam)}
-    return out, state._replace(inner_states=new_groups)
+def _groups(state: Any) -> dict:
+  """The 'muon' and 'adam' groups of a Muon state (optax.partition's); raises otherwise."""
+  groups = getattr(state, "inner_states", None)
+  if not isinstance(groups, dict) or set(groups) != {"muon", "adam"}:
+    raise ValueError("jaxfuse.muon: opt_state is not a Muon state (optax.contrib.muon's or "
+                     f"jaxfuse.muon's, a partition into 'muon' and 'adam'); got "
+                     f"{type(state).__name__}")
+  return groups
 
 
 def _gradient_scaling(grad_ctrl: jax.Array) -> Callable[[jax.Array], jax.Array]:
