@@ -42,13 +42,15 @@ def test_batched_newton_schulz_matches_optax_per_matrix(preconditioning):
   dims = MuonDimensionNumbers()
   shapes = [newton_schulz.matrices(x.shape, dims, name) for x, name in ((wide, "w"), (tall, "t"))]
   coeffs = jnp.asarray(jaxfuse._optim.families.muon.NS_PRESETS["standard"])
+  # eps 1e-3: optax reads it where it preconditions by a norm, and not in AOL's and Schatten's
+  # first iterations.
   ours = newton_schulz.orthogonalize_leaves([wide, tall], shapes, coeffs, 5, preconditioning,
-                                            1e-8, "standard")
+                                            1e-3, "standard")
   for x, o in zip((wide, tall), ours):
-    ref = optax_muon.orthogonalize_via_newton_schulz(x, coeffs, 5, preconditioning, 1e-8, dims)
+    ref = optax_muon.orthogonalize_via_newton_schulz(x, coeffs, 5, preconditioning, 1e-3, dims)
     assert_trees_close(o, ref, rtol=NS_RTOL, atol=0, what=preconditioning)
   gram = newton_schulz.orthogonalize_leaves([wide, tall], shapes, coeffs, 5, preconditioning,
-                                            1e-8, "gram")
+                                            1e-3, "gram")
   for o, g in zip(ours, gram):
     assert_trees_close(g, o, rtol=1e-4, atol=0, what=f"{preconditioning} gram")
     sv_o, sv_g = (np.linalg.svd(np.asarray(x), compute_uv=False) for x in (o, g))
@@ -62,7 +64,8 @@ OPTIONS = {
         nesterov=False, weight_decay=0.1, adaptive=True,
         weight_decay_mask=lambda p: {k: k != "a" for k in p}),
     "dion rows, consistent rms, adam group's own": dict(
-        ns_coeffs="dion", consistent_rms=0.2, adam_learning_rate=3e-3, adam_weight_decay=0.01,
+        ns_coeffs="dion", consistent_rms=0.2, adam_learning_rate=3e-3,
+        adam_weight_decay=optax.constant_schedule(0.01),
         adam_b2=0.99, learning_rate=optax.linear_schedule(2e-2, 1e-2, 10)),
     "3-D leaves by dimension numbers": dict(
         muon_weight_dimension_numbers=lambda p: {
@@ -208,6 +211,8 @@ def test_inject_hyperparams_and_multi_steps(device):
     (dict(ns_steps=0), r"ns_steps=0"),
     (dict(mu_dtype=jnp.int8), r"mu_dtype int8 is not supported"),
     (dict(moment_bits=4), r"moment_bits=4"),
+    (dict(ns_dtype=jnp.complex64), r"ns_dtype complex64 is not a real float dtype"),
+    (dict(seed=-1), r"seed=-1"),
 ])
 def test_bad_arguments_are_refused_by_name(kwargs, match):
   with pytest.raises((TypeError, ValueError), match=match):

@@ -5,7 +5,8 @@ dozens of chains per model. Here the matrices of one shape (a tall one transpose
 form first, so a (768, 3072) and a (3072, 768) matrix share a stack) and dtype are stacked and
 orthogonalized by one chain of batched matmuls, which XLA runs as one dot per product on tensor
 cores. The math is optax's, operation for operation (its preconditionings, coefficient rows,
-``c2 * a @ a`` association), so the standard iteration gives optax's result; ``method="gram"``
+``c2 * a @ a`` association; for complex matrices the Schatten preconditioning's Gram matrix is
+Hermitian, where optax's is x @ x.T), so the standard iteration gives optax's result; ``method="gram"``
 runs the same polynomial through the Gram matrix instead (Zhang, Amsel, Chen and Dao, "Gram
 Newton-Schulz", 2026): for a wide r x c matrix each iteration works on r x r matrices and the
 long c dimension is touched only at the start, at a restart, and at the end, so it needs fewer
@@ -87,20 +88,30 @@ def _norm(x: jax.Array) -> jax.Array:
   return jnp.sqrt(jnp.sum(jnp.real(x * x.conj()), axis=(-2, -1), keepdims=True)).astype(x.dtype)
 
 
+# The floor optax's AOL and Schatten first iterations clip their norms at (they do not take the
+# transform's eps).
+_FIRST_ITERATION_EPS = 1e-8
+
+
 def precondition(x: jax.Array, kind: str, eps: Any) -> tuple[jax.Array, Optional[jax.Array]]:
   """optax's preconditioning of each matrix of the stack: (x scaled, and for 'aol' and
-  'schatten' its Gram matrix scaled alike, which their first iteration reads; else None)."""
+  'schatten' its Gram matrix scaled alike, which their first iteration reads; else None). `eps`
+  is cast to the stack's precision, so that a traced one (optax.inject_hyperparams) does not
+  promote a bf16 stack to float32."""
+  eps = jnp.asarray(eps, jnp.finfo(x.dtype).dtype)
+  floor = jnp.asarray(_FIRST_ITERATION_EPS, jnp.finfo(x.dtype).dtype)
   if kind == "frobenius":
     return x / (_norm(x) + eps), None
   if kind == "spectral":
     return x / (jnp.linalg.norm(x, ord=2, axis=(-2, -1), keepdims=True) + eps), None
   a = _gram(x)
   if kind == "aol":
-    s = jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-1), min=eps))[..., None]
+    s = jax.lax.rsqrt(jnp.clip(jnp.abs(a).sum(axis=-1), min=floor))[..., None]
     return x * s, a * s * jnp.swapaxes(s, -1, -2)
-  # schatten: the Gram matrix's Frobenius norm (real, a matrix of x.dtype for complex x)
+  # schatten: the Gram matrix's Frobenius norm. (optax forms x @ x.T without the conjugate, the
+  # same for real x; for complex x this is the Hermitian Gram matrix, as in every iteration.)
   s = jax.lax.rsqrt(jnp.clip(jnp.linalg.norm(a, ord="fro", axis=(-2, -1), keepdims=True),
-                             min=eps))
+                             min=floor))
   return x * s, a * s ** 2
 
 
@@ -145,14 +156,21 @@ def orthogonalize(x: jax.Array, coeffs: jax.Array, steps: int, preconditioning: 
   same row `steps` times) or (k, 3) (one row per iteration; `steps` unread)."""
   coeffs = coeffs.astype(x.dtype)
   x, a0 = precondition(x, preconditioning, eps)
-  try:
-    rows = _rows(coeffs, operator.index(steps))
-  except TypeError:  # a traced count (optax.inject_hyperparams): one row, looped
-    first = _standard(x, a0, [coeffs])
-    return jax.lax.fori_loop(1, steps, lambda i, x: _standard(x, None, [coeffs]), first)
+  if coeffs.ndim == 2:
+    rows = _rows(coeffs, coeffs.shape[0])
+  else:
+    try:
+      rows = _rows(coeffs, operator.index(steps))
+    except TypeError:  # a traced count (optax.inject_hyperparams): one row, looped
+      first = _standard(x, a0, [coeffs])
+      return jax.lax.fori_loop(1, steps, lambda i, x: _standard(x, None, [coeffs]), first)
   if method == "gram" and x.shape[-2] < x.shape[-1]:
     return _gram_iterations(x, a0, rows, restarts)
   return _standard(x, a0, rows)
+
+
+def _is_complex(dtype: Any) -> bool:
+  return jnp.issubdtype(dtype, jnp.complexfloating)
 
 
 def owner_mesh(leaves: list[jax.Array]) -> Any:
@@ -205,7 +223,8 @@ def _orthogonalize_stacks(leaves, shapes, coeffs, steps, preconditioning, eps, m
   out = [jnp.zeros_like(x) for x in leaves]  # an empty leaf stays empty
   for (_, leaf_dtype), idx in groups.items():
     stack = owners(jnp.concatenate([to_stack(leaves[i], shapes[i]) for i in idx]))
-    work = stack.astype(dtype) if dtype is not None else stack
+    work = stack if dtype is None else stack.astype(
+        jnp.promote_types(dtype, jnp.complex64) if _is_complex(stack.dtype) else dtype)
     result = owners(orthogonalize(work, coeffs, steps, preconditioning, eps, method)
                     .astype(leaf_dtype))
     at = 0

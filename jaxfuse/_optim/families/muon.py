@@ -58,6 +58,10 @@ NS_PRESETS = {
              (2.8769, -3.1427, 1.2046), (2.8366, -3.0525, 1.2012)),
 }
 
+# XORed into the seed of the AdamW group's stochastic rounding (a 31-bit constant: an int32 seed
+# under inject_hyperparams stays in range).
+_ADAM_GROUP_SEED = 0x5DEECE66
+
 WeightDimNumOrFn = Union[Any, Callable[[Any], Any]]  # optax.contrib.MuonDimensionNumbers
 
 
@@ -323,12 +327,10 @@ def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype
   owner = "jaxfuse.muon"
   _spec.check_number(owner, "learning_rate", learning_rate, schedule=True)
   _spec.check_number(owner, "weight_decay", weight_decay, schedule=True)
+  schedules = ("adam_learning_rate", "adam_weight_decay")
   for name, value in dict(beta=beta, eps=eps, **adam_numbers).items():
-    if name == "adam_learning_rate":
-      if value is not None:
-        _spec.check_number(owner, name, value, schedule=True)
-    else:
-      _spec.check_number(owner, name, value)
+    if value is not None or name != "adam_learning_rate":
+      _spec.check_number(owner, name, value, schedule=name in schedules)
   if consistent_rms is not None:
     _spec.check_number(owner, "consistent_rms", consistent_rms)
   if moment_bits not in (None, 8, 32):
@@ -348,20 +350,21 @@ def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype
   else:
     if steps < 1:
       raise ValueError(f"{owner}: ns_steps={ns_steps!r}; expected an int >= 1")
-  if steps is None and (len(shape) == 2 or ns_method == "gram"):
-    raise ValueError(f"{owner}: ns_steps is traced; with per-iteration coefficients or "
-                     "ns_method='gram' it must be static (optax.inject_hyperparams(..., "
-                     "static_args=('ns_steps',)))")
+  if steps is None and len(shape) == 1 and ns_method == "gram":
+    raise ValueError(f"{owner}: ns_steps is traced; with ns_method='gram' it must be static "
+                     "(optax.inject_hyperparams(..., static_args=('ns_steps',)))")
   if preconditioning not in _ns.PRECONDITIONINGS:
     raise ValueError(f"{owner}: preconditioning={preconditioning!r}; expected one of "
                      f"{', '.join(map(repr, _ns.PRECONDITIONINGS))}")
   if ns_method not in _ns.METHODS:
     raise ValueError(f"{owner}: ns_method={ns_method!r}; expected one of "
                      f"{', '.join(map(repr, _ns.METHODS))}")
-  for name, dtype in (("mu_dtype", mu_dtype), ("ns_dtype", ns_dtype)):
-    if dtype is not None and jnp.dtype(dtype) not in _trees.KERNEL_DTYPES:
-      raise ValueError(f"{owner}: {name} {jnp.dtype(dtype).name} is not supported; use None or "
-                       f"one of {', '.join(t.name for t in _trees.KERNEL_DTYPES)}")
+  if mu_dtype is not None and jnp.dtype(mu_dtype) not in _trees.KERNEL_DTYPES:
+    raise ValueError(f"{owner}: mu_dtype {jnp.dtype(mu_dtype).name} is not supported; use None "
+                     f"or one of {', '.join(t.name for t in _trees.KERNEL_DTYPES)}")
+  if ns_dtype is not None and not jnp.issubdtype(ns_dtype, jnp.floating):
+    raise ValueError(f"{owner}: ns_dtype {jnp.dtype(ns_dtype).name} is not a real float dtype "
+                     "(complex matrices iterate in its complex counterpart)")
   return ns_coeffs
 
 
@@ -385,18 +388,18 @@ def muon(learning_rate: ScalarOrSchedule,
   ``optax.contrib.muon``, with the matrices orthogonalized in batches by shape and the element
   passes fused (see ``jaxfuse/_optim/families/muon.py``).
 
-  For a matrix leaf, with :math:`eta` the momentum, :math:`\lambda` the weight decay and
+  For a matrix leaf, with :math:`\beta` the momentum, :math:`\lambda` the weight decay and
   :math:`s` the shape scale (``sqrt(max(1, fan_out / fan_in))``, or
   ``sqrt(max(fan_in, fan_out)) * consistent_rms``):
 
   .. math::
 
-    m_t &\leftarrow eta m_{t-1} + (1 - eta) g_t \
-    \hat m_t &\leftarrow rac{eta m_t}{1 - eta^{t+1}} + rac{(1 - eta) g_t}{1 - eta^t}
-      \quad (	ext{without Nesterov: } m_t / (1 - eta^t)) \
-    O_t &\leftarrow \mathrm{NewtonSchulz}(\hat m_t) pprox U V^	op
-      	ext{ where } \hat m_t = U \Sigma V^	op \
-    u_t &\leftarrow -lpha_t (s\, O_t + \lambda 	heta_t)
+    m_t &\leftarrow \beta m_{t-1} + (1 - \beta) g_t \\
+    \hat m_t &\leftarrow \frac{\beta m_t}{1 - \beta^{t+1}} + \frac{(1 - \beta) g_t}{1 - \beta^t}
+      \quad (\text{without Nesterov: } m_t / (1 - \beta^t)) \\
+    O_t &\leftarrow \mathrm{NewtonSchulz}(\hat m_t) \approx U V^\top
+      \text{ where } \hat m_t = U \Sigma V^\top \\
+    u_t &\leftarrow -\alpha_t (s\, O_t + \lambda \theta_t)
 
   Args:
     learning_rate: a float, or an optax schedule evaluated on the step count.
@@ -445,21 +448,23 @@ def muon(learning_rate: ScalarOrSchedule,
                   preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype,
                   moment_bits)
   options = dict(master_weights=master_weights, skip_nonfinite=skip_nonfinite,
-                 stochastic_rounding=stochastic_rounding, seed=seed)
+                 stochastic_rounding=stochastic_rounding)
   twin = optax.chain(
       contrib.scale_by_muon(coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov,
-                                  adaptive=adaptive, preconditioning=preconditioning),
+                            adaptive=adaptive, preconditioning=preconditioning),
       optax.identity(),  # scale_by_shape's (empty) state
       optax.add_decayed_weights(weight_decay, weight_decay_mask),
       optax.scale_by_learning_rate(learning_rate))
   muon_spec = MuonSpec(learning_rate=learning_rate, weight_decay=weight_decay,
                        weight_decay_mask=weight_decay_mask, twin=twin, momentum_bits=moment_bits,
-                       **options)
+                       seed=seed, **options)
+  muon_spec.check_options()  # the shared options (and the seed) named as jaxfuse.muon's
+  # Each group numbers its leaves from 0: the AdamW group's rounding streams take another seed.
+  adam_seed = (0 if seed is None else seed) ^ _ADAM_GROUP_SEED
   adam_spec = _adam.adamw._spec_of(
       learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2,
       eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov,
-      moment_bits=moment_bits, **options)
-  muon_spec.check_options()
+      moment_bits=moment_bits, seed=adam_seed, **options)
   config = _Muon(muon_spec, adam_spec, muon_weight_dimension_numbers, coeffs, ns_steps, beta,
                  eps, nesterov, adaptive, preconditioning, consistent_rms, ns_method, ns_dtype)
 
