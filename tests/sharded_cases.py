@@ -775,8 +775,10 @@ def test_muon_owner_compute(mesh_name, kind):
   step to the matmuls' rounding, shardings kept. Its collectives are a fixed number per step
   (the same for 5 and 7 Newton-Schulz iterations: none inside them); with one mesh axis
   (FSDP) no all-gather, one all-reduce for the clip's norm and one for the replicated matrix's
-  result, all-to-alls for the rest. optax's Muon (Auto; on Explicit meshes XLA refuses its
-  x @ x.T of split matrices) all-gathers inside every iteration."""
+  result, all-to-alls for the rest (a matrix split over two axes XLA gathers whole, once per
+  step). optax's Muon (Auto; on Explicit meshes XLA refuses its x @ x.T of split matrices)
+  all-gathers inside every iteration (benchmarks/bench_muon.py --fsdp counts both for 5 and 7
+  iterations)."""
   mesh = make_mesh(mesh_name, kind)
   shapes = [s for s, _ in MUON_LEAVES[mesh_name]]
   params, grads = random_tree(1, shapes), random_tree(2, shapes, scale=0.5)
@@ -797,6 +799,6 @@ def test_muon_owner_compute(mesh_name, kind):
     assert counts[0] == counts[1] and counts[0][:2] == (0, 2), counts
   if mesh_name == "fsdp" and kind == "auto":
     with jax.set_mesh(mesh):
-      ref = [optax.contrib.muon(LR, ns_steps=n) for n in (5, 7)]
-      optax_counts = [_muon_collectives(r, g, r.init(p), p, fused=False) for r in ref]
-    assert optax_counts[1][0] > optax_counts[0][0] >= 5 * 3, optax_counts
+      ref = optax.contrib.muon(LR)
+      optax_counts = _muon_collectives(ref, g, ref.init(p), p, fused=False)
+    assert optax_counts[0] >= 5 * 3, optax_counts  # all-gathers: some per iteration and stack

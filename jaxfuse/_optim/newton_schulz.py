@@ -6,11 +6,11 @@ form first, so a (768, 3072) and a (3072, 768) matrix share a stack) and dtype a
 orthogonalized by one chain of batched matmuls, which XLA runs as one dot per product on tensor
 cores. The math is optax's, operation for operation (its preconditionings, coefficient rows,
 ``c2 * a @ a`` association; for complex matrices the Schatten preconditioning's Gram matrix is
-Hermitian, where optax's is x @ x.T), so the standard iteration gives optax's result; ``method="gram"``
-runs the same polynomial through the Gram matrix instead (Zhang, Amsel, Chen and Dao, "Gram
-Newton-Schulz", 2026): for a wide r x c matrix each iteration works on r x r matrices and the
-long c dimension is touched only at the start, at a restart, and at the end, so it needs fewer
-flops when c is well above r (a square matrix runs the standard iteration).
+Hermitian, where optax's is x @ x.T), so the standard iteration gives optax's result;
+``method="gram"`` runs the same polynomial through the Gram matrix instead (Zhang, Amsel, Chen
+and Dao, "Gram Newton-Schulz", 2026): for a wide r x c matrix each iteration works on r x r
+matrices and the long c dimension is touched only at the start, at a restart, and at the end,
+so it needs fewer flops when c is well above r (a square matrix runs the standard iteration).
 """
 
 from __future__ import annotations

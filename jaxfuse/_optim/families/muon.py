@@ -35,7 +35,6 @@ from typing import Any, Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 import optax
-from optax.transforms import _masking
 
 from jaxfuse._core import trees as _trees
 from jaxfuse._optim import clip as _clip
@@ -245,7 +244,7 @@ class _Muon:
                                           core[0].ns_coeffs, scale, skip)
     # A group's trees: its leaves where they are, MaskedNodes elsewhere (optax.partition's).
     place = lambda values, group: treedef.unflatten(
-        [next(values) if (m is not None) == (group == "muon") else _masking.MaskedNode()
+        [next(values) if (m is not None) == (group == "muon") else optax.MaskedNode()
          for m in shapes])
     pick = lambda full, group: place(
         iter([x for x, m in zip(full, shapes) if (m is not None) == (group == "muon")]), group)
