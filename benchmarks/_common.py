@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _best_seconds(run, reps: int, calls: int) -> float:
+def best_seconds(run, reps: int, calls: int) -> float:
   """The best over `reps` tries of the seconds per call of run(calls), which makes `calls` calls
   and waits for the last."""
   best = float("inf")
@@ -31,7 +31,7 @@ def copy_bandwidth(device, nbytes: int, reps: int = 5) -> float:
     x[0].block_until_ready()
 
   run(1)
-  return 2 * nbytes / _best_seconds(run, reps, 5) / 1e9
+  return 2 * nbytes / best_seconds(run, reps, 5) / 1e9
 
 
 def read_bandwidth(device, nbytes: int, reps: int = 5) -> float:
@@ -46,7 +46,25 @@ def read_bandwidth(device, nbytes: int, reps: int = 5) -> float:
     s.block_until_ready()
 
   run(1)
-  return nbytes / _best_seconds(run, reps, 3) / 1e9
+  return nbytes / best_seconds(run, reps, 3) / 1e9
+
+
+def optax_step(tx):
+  """A jitted optax-protocol step (params, state, grads) -> (params, state): tx.update, then
+  optax.apply_updates; params and state donated."""
+  import optax
+
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def fused_step(tx):
+  """A jitted jaxfuse.fused_step (params, state, grads) -> (params, state), params and state
+  donated."""
+  import jaxfuse
+  return jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
 
 
 def device_arguments(doc: str, quick_help: str) -> argparse.ArgumentParser:

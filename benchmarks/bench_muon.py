@@ -48,7 +48,8 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 import jaxfuse
-from _common import device_ms_per_call, emit_table, gpt2_shapes, versions_line
+from _common import (best_seconds, device_ms_per_call, emit_table, fused_step, gpt2_shapes,
+                     optax_step, versions_line)
 from jaxfuse._optim import newton_schulz
 from jaxfuse._optim.families.muon import NS_PRESETS
 
@@ -82,23 +83,7 @@ def _timed(step, params, state, grads, steps: int, reps: int):
       box[0], box[1] = step(box[0], box[1], grads)
     jax.block_until_ready(box[0])
 
-  best = float("inf")
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    run(steps)
-    best = min(best, (time.perf_counter() - t0) / steps)
-  return best * 1e3, device_ms_per_call(run, steps), after
-
-
-def _protocol(tx):
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def _fused(tx):
-  return jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+  return best_seconds(run, reps, steps) * 1e3, device_ms_per_call(run, steps), after
 
 
 def step_table(width: int, steps: int, reps: int, bf16_ns: bool) -> str:
@@ -107,12 +92,12 @@ def step_table(width: int, steps: int, reps: int, bf16_ns: bool) -> str:
   grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape, np.float32) * 0.01),
                        params)
   muon = lambda **kw: jaxfuse.muon(LR, muon_weight_dimension_numbers=dims, **kw)
-  variants = [("optax", optax.contrib.muon(LR, muon_weight_dimension_numbers=dims), _protocol),
-              ("protocol", muon(), _protocol), ("fused", muon(), _fused),
-              ("fused, gram", muon(ns_method="gram"), _fused)]
+  variants = [("optax", optax.contrib.muon(LR, muon_weight_dimension_numbers=dims), optax_step),
+              ("protocol", muon(), optax_step), ("fused", muon(), fused_step),
+              ("fused, gram", muon(ns_method="gram"), fused_step)]
   if bf16_ns:
-    variants.append(("fused, bf16 NS", muon(ns_dtype=jnp.bfloat16), _fused))
-  variants.append(("adamw fused", jaxfuse.adamw(LR), _fused))
+    variants.append(("fused, bf16 NS", muon(ns_dtype=jnp.bfloat16), fused_step))
+  variants.append(("adamw fused", jaxfuse.adamw(LR), fused_step))
   rows, reference, u_max = [], None, None
   for name, tx, make in variants:
     step = make(tx)

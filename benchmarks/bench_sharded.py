@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxfuse  # noqa: E402
-from _common import emit_table, gpt2_small_shapes  # noqa: E402
+from _common import emit_table, fused_step, gpt2_small_shapes, optax_step  # noqa: E402
 from bench_optim import make_tree, time_step  # noqa: E402
 
 
@@ -50,17 +50,6 @@ def fsdp_spec(shape, n):
 def place(tree, mesh, data_parallel=False):
   spec = lambda x: P() if data_parallel else fsdp_spec(x.shape, mesh.size)
   return {k: jax.device_put(x, NamedSharding(mesh, spec(x))) for k, x in tree.items()}
-
-
-def optax_step(tx):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-  return jax.jit(step, donate_argnums=(0, 1))
-
-
-def fused_step(tx):
-  return jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
 
 
 def collectives(text):

@@ -164,18 +164,26 @@ def global_norm(tree: Any, *, grad_scale: Optional[Any] = None,
   return norm_and_grad_ctrl(tree, grad_scale=grad_scale, axis_name=axis_name)[0]
 
 
+def apply_grad_ctrl(g: jax.Array, grad_ctrl: jax.Array, loss_scale: bool = True) -> jax.Array:
+  """A gradient value (of the compute type) as the kernels read it under `grad_ctrl`
+  (norm_math.h's GradScaling), as XLA operations: unscaled by the loss scale (unless
+  `loss_scale` is False), then clipped as optax does, ``(g / clip_div) * clip_mul``. Dividing
+  and multiplying by 1 is exact, so the factors apply unconditionally."""
+  real = jnp.finfo(g.dtype).dtype
+  factor = lambda name: grad_ctrl[GRAD_CTRL_NAMES.index(name)].astype(real)
+  if loss_scale:
+    g = g / factor("loss_scale")
+  return (g / factor("clip_div")) * factor("clip_mul")
+
+
 def scale_by_grad_ctrl(grads: Any, grad_ctrl: jax.Array) -> Any:
   """``(g / clip_div) * clip_mul`` for every leaf (computed in at least float32, rounded to the
   leaf's dtype), as XLA operations: XLA fuses the scaling into whatever reads the gradients next
   (an optax or jaxfuse Adam's element math), so clipping costs no extra pass over them."""
-  names = GRAD_CTRL_NAMES
 
   def scale(g):
     c = jnp.promote_types(g.dtype, jnp.float32)
-    real = jnp.finfo(c).dtype
-    div = grad_ctrl[names.index("clip_div")].astype(real)
-    mul = grad_ctrl[names.index("clip_mul")].astype(real)
-    return ((g.astype(c) / div) * mul).astype(g.dtype)
+    return apply_grad_ctrl(g.astype(c), grad_ctrl, loss_scale=False).astype(g.dtype)
 
   return jax.tree.map(scale, _trees.as_arrays(grads))
 

@@ -347,12 +347,26 @@ def update_in_place(spec: Spec, step: _inplace.InPlaceStep, grads: Any, state: A
   before it folded in), the new params recorded; the updates returned are placeholders."""
   if params is None:
     raise ValueError("jaxfuse.fused_step: params are required")
-  clip = step.take_clip(grads)
-  norm, grad_ctrl = _step.grad_ctrl_for(spec, grads, step.grad_scale,
-                                        clip_max_norm=None if clip is None else clip.max_norm,
-                                        need_norm=step.need_norm,
-                                        axis_name=None if clip is None else clip.axis_name)
+  norm, grad_ctrl = step_grad_ctrl(spec, step, grads)
   new_params, new_state = in_place(spec, grads, state, params, grad_ctrl)
+  return record(spec, step, grads, new_params, norm), new_state
+
+
+def step_grad_ctrl(spec: Spec, step: _inplace.InPlaceStep, grads: Any) -> tuple[Any, jax.Array]:
+  """(global norm or None, gradient-control vector) of an in-place step over `grads`: one
+  global-norm call that folds a jaxfuse clip recorded directly before (for these leaves), the
+  step's loss scale and `spec`'s non-finite skip."""
+  clip = step.take_clip(grads)
+  return _step.grad_ctrl_for(spec, grads, step.grad_scale,
+                             clip_max_norm=None if clip is None else clip.max_norm,
+                             need_norm=step.need_norm,
+                             axis_name=None if clip is None else clip.axis_name)
+
+
+def record(spec: Spec, step: _inplace.InPlaceStep, grads: Any, new_params: Any,
+           norm: Any) -> Any:
+  """Records the in-place step's new params (and norm) in `step`; returns the placeholder
+  updates the optimizer hands back (zeros that nothing reads)."""
   placeholders = jax.tree.map(jnp.zeros_like, _trees.as_arrays(grads))
   step.record_step(spec.name, new_params, norm, placeholders)
-  return placeholders, new_state
+  return placeholders

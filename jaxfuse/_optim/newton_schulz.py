@@ -23,6 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxfuse._core import trees as _trees
+from jaxfuse._optim import spec as _spec
+
 PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
 METHODS = ("standard", "gram")
 
@@ -85,7 +88,7 @@ def _gram(x: jax.Array) -> jax.Array:
 
 def _norm(x: jax.Array) -> jax.Array:
   """Each matrix's Frobenius norm, shaped to divide it."""
-  return jnp.sqrt(jnp.sum(jnp.real(x * x.conj()), axis=(-2, -1), keepdims=True)).astype(x.dtype)
+  return jnp.sqrt(jnp.sum(_spec.abs_sq(x), axis=(-2, -1), keepdims=True)).astype(x.dtype)
 
 
 # The floor optax's AOL and Schatten first iterations clip their norms at (they do not take the
@@ -169,10 +172,6 @@ def orthogonalize(x: jax.Array, coeffs: jax.Array, steps: int, preconditioning: 
   return _standard(x, a0, rows)
 
 
-def _is_complex(dtype: Any) -> bool:
-  return jnp.issubdtype(dtype, jnp.complexfloating)
-
-
 def owner_mesh(leaves: list[jax.Array]) -> Any:
   """The mesh whose devices share the orthogonalization (owner compute): the one set by
   ``jax.set_mesh``, else the one the leaves are placed on (Explicit axes); None with one device,
@@ -224,7 +223,7 @@ def _orthogonalize_stacks(leaves, shapes, coeffs, steps, preconditioning, eps, m
   for (_, leaf_dtype), idx in groups.items():
     stack = owners(jnp.concatenate([to_stack(leaves[i], shapes[i]) for i in idx]))
     work = stack if dtype is None else stack.astype(
-        jnp.promote_types(dtype, jnp.complex64) if _is_complex(stack.dtype) else dtype)
+        jnp.promote_types(dtype, jnp.complex64) if _trees.is_complex(stack.dtype) else dtype)
     result = owners(orthogonalize(work, coeffs, steps, preconditioning, eps, method)
                     .astype(leaf_dtype))
     at = 0

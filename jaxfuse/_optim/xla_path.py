@@ -22,7 +22,7 @@ from jaxfuse._optim import step as _step
 from jaxfuse._optim.spec import Spec
 
 
-def _compute_dtype(*dtypes) -> Any:
+def compute_dtype(*dtypes) -> Any:
   """The type a leaf is computed in (optimizer.h): float32, float64 where a buffer is 64-bit,
   and the complex type of that width for complex leaves."""
   wide = any(_trees.is_wide(d) for d in dtypes)
@@ -76,7 +76,7 @@ def _leaf_update(spec: Spec, h: dict, g, leaf: _LeafParams, states: list, flags:
   p, master = leaf.params, leaf.master
   stored_states = states  # as kept: 8-bit ones are QuantizedMoments
   states = [_moments.dequantize(s) if _moments.is_quantized(s) else s for s in states]
-  c = _compute_dtype(*[x.dtype for x in (g, p, *states, master) if x is not None])
+  c = compute_dtype(*[x.dtype for x in (g, p, *states, master) if x is not None])
   real = jnp.finfo(c).dtype
   k = {name: jnp.asarray(x, real) for name, x in h.items()}
   gc = g.astype(c)

@@ -139,8 +139,7 @@ class _Muon:
   muon: MuonSpec
   adam: _adam.AdamSpec
   dims: Any  # muon_weight_dimension_numbers as given (None: every 2-D leaf)
-  ns_coeffs: Any
-  ns_steps: Any
+  ns_steps: Any  # the coefficients are the state's (MuonState.ns_coeffs), as optax reads them
   beta: Any
   eps: Any
   nesterov: bool
@@ -193,7 +192,7 @@ class _Muon:
     count_inc = optax.safe_increment(count)
     new_mu, hats = [], []
     for g, m in zip(grads, mu):
-      c = _xla_path._compute_dtype(g.dtype, _step.state_dtype(m))
+      c = _xla_path.compute_dtype(g.dtype, _step.state_dtype(m))
       m_c = (_moments.dequantize(m) if _moments.is_quantized(m) else m).astype(c)
       g = scale(g.astype(c))
       m_new = (1 - beta) * g + beta * m_c  # optax.tree.update_moment, order 1
@@ -264,8 +263,8 @@ class _Muon:
       ctrl = _step.default_grad_ctrl().at[at].set(grad_ctrl[at])
       new_pm, new_muon = _kernel_path.in_place(self.muon, *muon_args, ctrl)
       new_pa, new_adam = _kernel_path.in_place(self.adam, *adam_args, grad_ctrl)
-      out = jax.tree.map(jnp.zeros_like, grads)
-      step.record_step(self.muon.name, _merge(treedef, shapes, new_pm, new_pa), norm, out)
+      out = _kernel_path.record(self.muon, step, grads, _merge(treedef, shapes, new_pm, new_pa),
+                                norm)
     new_groups = {"muon": groups["muon"]._replace(inner_state=new_muon),
                   "adam": groups["adam"]._replace(inner_state=new_adam)}
     return out, state._replace(inner_states=new_groups)
@@ -282,12 +281,9 @@ class _Muon:
       scale = (lambda g: g) if grad_scale is None else \
           (lambda g: g / jnp.asarray(grad_scale, jnp.finfo(g.dtype).dtype))
       return None, None, skip, scale
-    clip = step.take_clip(grads)
-    norm, grad_ctrl = _step.grad_ctrl_for(
-        self.adam, grads, step.grad_scale, clip_max_norm=None if clip is None else clip.max_norm,
-        need_norm=step.need_norm, axis_name=None if clip is None else clip.axis_name)
+    norm, grad_ctrl = _kernel_path.step_grad_ctrl(self.adam, step, grads)
     skip = _step.skip_flag(grad_ctrl) if self.adam.skip_nonfinite else None
-    return norm, grad_ctrl, skip, _gradient_scaling(grad_ctrl)
+    return norm, grad_ctrl, skip, lambda g: _clip.apply_grad_ctrl(g, grad_ctrl)
 
 
 def _groups(state: Any) -> dict:
@@ -300,27 +296,14 @@ def _groups(state: Any) -> dict:
   return groups
 
 
-def _gradient_scaling(grad_ctrl: jax.Array) -> Callable[[jax.Array], jax.Array]:
-  """A gradient as the kernels read it under `grad_ctrl` (norm_math.h's GradScaling): unscaled
-  by the loss scale, then clipped as optax does, ``(g / norm) * max_norm``. Dividing and
-  multiplying by 1 is exact, so the factors apply unconditionally."""
-  at = _clip.GRAD_CTRL_NAMES.index
-  def scale(g):
-    real = jnp.finfo(g.dtype).dtype
-    factor = lambda name: grad_ctrl[at(name)].astype(real)
-    return (g / factor("loss_scale") / factor("clip_div")) * factor("clip_mul")
-  return scale
-
-
 def _merge(treedef: Any, shapes: list, muon_tree: Any, adam_tree: Any) -> Any:
   """The tree like the params whose Muon leaves are `muon_tree`'s, the others `adam_tree`'s."""
   mu, ad = iter(jax.tree.leaves(muon_tree)), iter(jax.tree.leaves(adam_tree))
   return treedef.unflatten([next(ad) if m is None else next(mu) for m in shapes])
 
 
-def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype,
-           preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype,
-           moment_bits) -> Any:
+def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, preconditioning,
+           adam_numbers, consistent_rms, ns_method, ns_dtype, moment_bits) -> Any:
   """Raises on an argument jaxfuse.muon cannot run, naming it; returns the coefficients (a
   preset's name resolved)."""
   owner = "jaxfuse.muon"
@@ -358,9 +341,6 @@ def _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype
   if ns_method not in _ns.METHODS:
     raise ValueError(f"{owner}: ns_method={ns_method!r}; expected one of "
                      f"{', '.join(map(repr, _ns.METHODS))}")
-  if mu_dtype is not None and jnp.dtype(mu_dtype) not in _trees.KERNEL_DTYPES:
-    raise ValueError(f"{owner}: mu_dtype {jnp.dtype(mu_dtype).name} is not supported; use None "
-                     f"or one of {', '.join(t.name for t in _trees.KERNEL_DTYPES)}")
   if ns_dtype is not None and not jnp.issubdtype(ns_dtype, jnp.floating):
     raise ValueError(f"{owner}: ns_dtype {jnp.dtype(ns_dtype).name} is not a real float dtype "
                      "(complex matrices iterate in its complex counterpart)")
@@ -443,9 +423,8 @@ def muon(learning_rate: ScalarOrSchedule,
   contrib = _optax_muon()
   adam_numbers = dict(adam_b1=adam_b1, adam_b2=adam_b2, adam_eps_root=adam_eps_root,
                       adam_weight_decay=adam_weight_decay, adam_learning_rate=adam_learning_rate)
-  coeffs = _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, mu_dtype,
-                  preconditioning, adam_numbers, consistent_rms, ns_method, ns_dtype,
-                  moment_bits)
+  coeffs = _check(learning_rate, ns_coeffs, ns_steps, beta, eps, weight_decay, preconditioning,
+                  adam_numbers, consistent_rms, ns_method, ns_dtype, moment_bits)
   options = dict(master_weights=master_weights, skip_nonfinite=skip_nonfinite,
                  stochastic_rounding=stochastic_rounding)
   twin = optax.chain(
@@ -464,8 +443,8 @@ def muon(learning_rate: ScalarOrSchedule,
       learning_rate if adam_learning_rate is None else adam_learning_rate, adam_b1, adam_b2,
       eps, adam_eps_root, mu_dtype, adam_weight_decay, nesterov=nesterov,
       moment_bits=moment_bits, seed=adam_seed, **options)
-  config = _Muon(muon_spec, adam_spec, muon_weight_dimension_numbers, coeffs, ns_steps, beta,
-                 eps, nesterov, adaptive, preconditioning, consistent_rms, ns_method, ns_dtype)
+  config = _Muon(muon_spec, adam_spec, muon_weight_dimension_numbers, ns_steps, beta, eps,
+                 nesterov, adaptive, preconditioning, consistent_rms, ns_method, ns_dtype)
 
   def update_fn(updates, state, params=None, *, grad_scale=None, **extra_args):
     del extra_args
