@@ -209,3 +209,21 @@ def assert_bitwise_equal(actual, expected, what):
   snap = lambda t: t if isinstance(t, Snapshot) else Snapshot(t)
   diffs = snap(expected).differences(snap(actual))
   assert not diffs, f"{what}: " + "; ".join(diffs)
+
+
+def assert_timeline_in_order(timeline, names, blocks=None):
+  """A decoder StageTimeline holds ``names`` for every block (``blocks`` of them, when given),
+  each block's stages one after another, each wait within its stage and the shares adding up to
+  the step."""
+  assert timeline.names == tuple(names)
+  if blocks is not None:
+    assert timeline.blocks == blocks
+  begin, ready, end = timeline.begin, timeline.ready, timeline.end
+  assert begin.min() == 0 and (begin <= end).all()
+  assert (end[:, :-1] <= begin[:, 1:]).all(), "a block's stages overlap"
+  waited = ready >= 0
+  assert ((begin <= ready) & (ready <= end))[waited].all()
+  assert (waited == (timeline.waits > 0)).all()
+  assert (timeline.waited <= end - begin).all()
+  shares = sum(row["share"] for row in timeline.stage_rows())
+  np.testing.assert_allclose(shares, timeline.step_ns / 1e3)

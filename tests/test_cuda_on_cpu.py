@@ -25,8 +25,8 @@ from jaxfuse._core import ffi as _ffi
 from jaxfuse._decode import generation
 from jaxfuse._optim import clip
 from jaxfuse._optim import families
-from helpers import (EMULATED, assert_bitwise_equal, assert_trees_close, emulated_cuda_module,
-                     random_decoder_problem, random_tree, ulp)
+from helpers import (EMULATED, assert_bitwise_equal, assert_timeline_in_order, assert_trees_close,
+                     emulated_cuda_module, random_decoder_problem, random_tree, ulp)
 from test_generate import TIE_TOL, assert_follows_reference, prompts_for, random_model
 
 if emulated_cuda_module() is None:
@@ -361,6 +361,28 @@ QUANTIZED = [
 @pytest.mark.parametrize("quantization,dtype,batch,launch", QUANTIZED, indirect=["launch"])
 def test_decoder_quantized(quantization, dtype, batch, launch):
   check_decoder(*decoder_case(dtype, batch, quantization=quantization))
+
+
+def test_stage_timeline(monkeypatch):
+  """A whole-model step (bf16: the tensor-core GEMVs, the head and the greedy draw) on 16
+  blocks records every block's times in every stage in order, without changing a bit of its
+  results; the draw's grid sync ends for every block after every block has begun the draw."""
+  from jaxfuse._decode import timeline
+  monkeypatch.setenv("JAXFUSE_EMU_DEVICE", "3")
+  model = random_model(jnp.bfloat16, vocab=300, seed=6)
+  cache = jaxfuse.init_cache(model, 3, 12)
+  tokens, positions = jnp.asarray([4, 200, 31], jnp.int32), jnp.asarray([0, 5, 11], jnp.int32)
+  cfg = generation._cache_config(model, cache)
+  plain = lambda t, p, c: generation._model_step(model, cfg, t, p, c, 0.0,
+                                                 jnp.zeros((2,), jnp.uint32))
+  with _ffi.cpu_targets(EMULATED):
+    logits, _, tl = timeline.model_timeline(model, tokens, positions, cache)
+  want = emulated(plain, tokens, positions, cache)[0]
+  assert_bitwise_equal(np.asarray(logits), np.asarray(want), "logits")
+  layers = [f"{l}.{s}" for l in range(cfg.num_layers) for s in timeline.LAYER_STAGES]
+  assert_timeline_in_order(tl, ["embed", *layers, "head", "sample"], blocks=16)
+  assert (tl.ready[:, -1] >= tl.begin[:, -1].max()).all()
+  assert (tl.waits[:, 1:-2].sum(axis=0) > 0).all(), "a layer stage where no block waited"
 
 
 def test_decoder_same_bits_under_every_schedule(grid, monkeypatch):

@@ -13,7 +13,8 @@ from jax.experimental import checkify
 from jaxfuse import (DecoderConfig, DecoderWeights, KVCache, RopeScaling, decoder_reference,
                      persistent_decoder)
 from jaxfuse._core import ffi as _ffi
-from helpers import DECODER_TOL, SPLIT_CONFIG, random_decoder_problem, stable_seed
+from helpers import (DECODER_TOL, SPLIT_CONFIG, assert_timeline_in_order, random_decoder_problem,
+                     stable_seed)
 
 
 
@@ -441,8 +442,8 @@ def test_handler_validates_buffers(device):
                num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
                max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), qkv_bias=np.bool_(True),
                qk_norm=np.bool_(True), quantized=np.bool_(True), model_step=np.bool_(False),
-               sample=np.bool_(False), temperature=np.float32(0.0), top_k=np.int64(0),
-               top_p=np.float32(1.0))
+               sample=np.bool_(False), timeline=np.bool_(False), temperature=np.float32(0.0),
+               top_k=np.int64(0), top_p=np.float32(1.0))
   from jaxfuse._decode.contract import _workspace_bytes
   caches = 3 + len(w)  # the operand index of k_cache
   D, B = 64, x.shape[0]
@@ -540,3 +541,34 @@ def test_a_contract_mismatch_raises_at_the_decoders_first_use(monkeypatch):
   with pytest.raises(RuntimeError, match=r"jaxfuse_decoder disagrees with jaxfuse/_decode: "
                                          r"results \("):
     persistent_decoder(x, jnp.zeros((1,), jnp.int32), w, cache, cfg)
+
+
+def test_stage_timeline_on_the_cpu_handler():
+  """A call that records the stage timeline returns the same bits as one that does not, and
+  records every stage of the layers (and of a whole-model step, the head and the draw) once, in
+  order, as one block that never waits."""
+  from jaxfuse._decode import generation, timeline
+  from test_generate import random_model
+
+  cfg = SPLIT_CONFIG
+  x, w, cache = random_decoder_problem(cfg, 2, jnp.float32, seed=21)
+  positions = jnp.asarray([3, 7], jnp.int32)
+  out, new_cache, tl = timeline.layers_timeline(x, positions, w, cache, cfg)
+  want = persistent_decoder(x, positions, w, cache, cfg)
+  for a, b in zip(jax.tree.leaves((out, new_cache)), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  layer_names = [f"{l}.{s}" for l in range(cfg.num_layers) for s in timeline.LAYER_STAGES]
+  assert_timeline_in_order(tl, ["embed", *layer_names], blocks=1)
+  assert (tl.ready == -1).all()
+  assert "| gate_up |" in tl.summary()
+
+  model = random_model(jnp.bfloat16, seed=22)
+  model_cache = generation.init_cache(model, 2, 16)
+  tokens = jnp.asarray([5, 40], jnp.int32)
+  logits, _, tl = timeline.model_timeline(model, tokens, positions, model_cache)
+  cfg = generation._cache_config(model, model_cache)
+  want = generation._model_step(model, cfg, tokens, positions, model_cache, 0.0,
+                                jnp.zeros((2,), jnp.uint32))
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(want[0]))
+  layer_names = [f"{l}.{s}" for l in range(cfg.num_layers) for s in timeline.LAYER_STAGES]
+  assert_timeline_in_order(tl, ["embed", *layer_names, "head", "sample"], blocks=1)

@@ -13,6 +13,7 @@
 #   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_long bench_quantized # never run on a GPU yet
 #   STAGE_LIMIT_S=300 bash tools/gpu_check.sh bench_generate             # never run on a GPU yet
 #   STAGE_LIMIT_S=120 bash tools/gpu_check.sh bench_muon                 # never run on a GPU yet
+#   STAGE_LIMIT_S=90 bash tools/gpu_check.sh decoder_timeline            # never run on a GPU yet
 #   STAGE_LIMIT_S=400 bash tools/gpu_check.sh variants
 #   DEADLINE_S=3600 bash tools/gpu_check.sh all    # all, in that order, where no 10-minute limit is
 # (times measured on an H100 on 2026-11-24, from a carried build).
@@ -23,6 +24,7 @@
 # buffers on vs off, bitwise, training step and decode loop), sanitize (memcheck, racecheck,
 # synccheck over tools/gpu_ops.py, one op per process), report, bench_optim, bench_families
 # (every optimizer family against optax, and AdamW's precision modes), bench_decoder,
+# decoder_timeline (the decoder's stages block by block: tools/decoder_timeline.py),
 # bench_generate (the whole-model step, head and draw included, and generate's tokens/s),
 # bench_long (long prompts and contexts: the scanned prefill against the one it replaced, and
 # the decoder's time per token at contexts 1k to 32k), bench_quantized (the decoder with int8
@@ -224,6 +226,12 @@ stage_bench_decoder() {
   step bench_decoder python3 benchmarks/bench_decoder.py $Q --out "$OUT/bench_decoder.md"
 }
 
+stage_decoder_timeline() {
+  use_extension
+  step decoder_timeline python3 tools/decoder_timeline.py --model \
+    --out "$OUT/decoder_timeline.md" --plot "$OUT/decoder_timeline.png"
+}
+
 stage_bench_generate() {
   use_extension
   step bench_generate python3 benchmarks/bench_generate.py $Q --out "$OUT/bench_generate.md"
@@ -297,6 +305,8 @@ stage_variants() {
 # their time, and its log and the summary in $OUT as soon as it ends:
 #   ops                   every op and mode against the CPU handlers (tools/gpu_ops.py)
 #   bench_decoder         the 16 layers, batch 1/4/16 at context 1k, beside plain XLA
+#   decoder_timeline      the same steps' stages, block by block (their shares of the step,
+#                         work, waits, wake latencies), and the whole step's at batch 1
 #   bench_generate        the whole step (embedding, layers, head, draw), batch 1/4/16, and
 #                         generate's tokens/s, beside plain XLA
 #   bench_optim           AdamW on GPT-2 small (fp32; bf16 with master weights), with and
@@ -325,6 +335,7 @@ stage_quick() {
   LIMIT=75 step ops python3 tools/gpu_ops.py
   LIMIT=120 step bench_decoder python3 benchmarks/bench_decoder.py --quick \
     --out "$OUT/bench_decoder.md"
+  LIMIT=60 stage_decoder_timeline
   LIMIT=100 step bench_generate python3 benchmarks/bench_generate.py --quick \
     --out "$OUT/bench_generate.md"
   LIMIT=80 step bench_optim python3 benchmarks/bench_optim.py --trees "GPT-2 small,256M" \
@@ -353,7 +364,7 @@ if [ "${1:-}" = _run ]; then shift; use_extension; "$@"; exit; fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && { echo "usage: $0 STAGE... | all (see the header)"; exit 2; }
 [ "${stages[0]}" = all ] && stages=(env build graphs tests bench_optim bench_families bench_muon bench_decoder
-                                    bench_generate bench_long bench_quantized sanitize report
+                                    decoder_timeline bench_generate bench_long bench_quantized sanitize report
                                     bench_train profile bench_leaves variants)
 for s in "${stages[@]}"; do
   if ! declare -F "stage_$s" > /dev/null; then echo "unknown stage: $s"; exit 2; fi
@@ -370,7 +381,7 @@ echo "|---|---|---|---|"
 cat "$SUMMARY"
 cp "$SUMMARY" "$OUT/summary.md"
 for s in "${stages[@]}"; do
-  case $s in bench_*|all|quick)
-    for f in "$OUT"/bench_*.md; do [ -f "$f" ] && { echo; cat "$f"; }; done; break;;
+  case $s in bench_*|decoder_timeline|all|quick)
+    for f in "$OUT"/bench_*.md "$OUT"/decoder_timeline.md; do [ -f "$f" ] && { echo; cat "$f"; }; done; break;;
   esac
 done

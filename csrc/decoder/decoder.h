@@ -26,9 +26,10 @@
 //   rmsnorm(out) * final_norm, rounded to T, times the head's rows (and their scales);
 //   next_tokens s32[B] (sample; else s32[0]): argmax of the logits (temperature 0) or a draw
 //   from softmax(logits / temperature) restricted by top_k and top_p (sampling_math.h);
-//   workspace u8[decoder_layout(...).total]: fp32 activations, partial sums and counters.
+//   workspace u8[decoder_layout(...).total]: fp32 activations, partial sums and counters (and
+//   with `timeline`, every block's StageTime in every stage).
 // Attributes: the DecoderAttrs fields (the names of jaxfuse.DecoderConfig's fields, then the
-//   step's model_step, sample, temperature, top_k (0: off) and top_p (1: off)).
+//   step's model_step, sample, timeline, temperature, top_k (0: off) and top_p (1: off)).
 // Python reads all of these names and the workspace size from DecoderOp::contract().
 #pragma once
 
@@ -70,6 +71,8 @@ inline constexpr int64_t kDecSamplePasses = 2 * kSelectPasses + 1;
 // weights (what a core's prefetchers stream fastest), and the splits' partial sums are added in
 // order. A constant, so that results do not depend on the thread count.
 inline constexpr int64_t kDecCpuSplitRows = 512;
+// A timeline's rows: blocks past the first kDecTimelineBlocks record nothing.
+inline constexpr int64_t kDecTimelineBlocks = 1024;
 
 // The bool attributes, each a field of DecoderAttrs and DecoderDims and a name in the contract.
 // The config's (DecoderConfig fields; JAXFUSE_DECODER_WEIGHTS names them as the flags of the
@@ -81,8 +84,9 @@ inline constexpr int64_t kDecCpuSplitRows = 512;
 //   model_step  tokens in, embedding gathered, final norm and LM head of V rows after the last
 //               layer (V = 0 otherwise)
 //   sample      the next tokens drawn in the same call
+//   timeline    each block's times in each stage recorded in the workspace (StageTime)
 #define JAXFUSE_DECODER_FLAGS(X) X(qkv_bias) X(qk_norm) X(quantized)
-#define JAXFUSE_DECODER_STEP_FLAGS(X) X(model_step) X(sample)
+#define JAXFUSE_DECODER_STEP_FLAGS(X) X(model_step) X(sample) X(timeline)
 inline constexpr const char* kDecoderFlags[] = {JAXFUSE_DECODER_FLAGS(JF_VECTOR_NAME)};
 inline constexpr const char* kDecoderStepFlags[] = {JAXFUSE_DECODER_STEP_FLAGS(JF_VECTOR_NAME)};
 
@@ -140,6 +144,7 @@ struct DecoderDims {
 // (from `counters`) of the others.
 struct DecoderLayout {
   int64_t hidden, row_sumsq, qkv, attn_out, mlp_act, attn_partials, gemv_partials, counters;
+  int64_t timeline;  // the timeline (a header, then StageTime [kDecTimelineBlocks][slots])
   int64_t total;  // bytes
   int64_t embed_counters, qkv_counters, o_proj_counters, gate_up_counters, down_counters;
   int64_t attn_counters;
@@ -163,6 +168,29 @@ struct SampleSearch {
   unsigned long long total;  // top-p: the mass of every candidate
 };
 static_assert(sizeof(SampleSearch) == 32, "8 counter words a row");
+
+// One block's times in one stage of a call with the `timeline` flag, in nanoseconds of one clock
+// (the GPU's global timer, the CPU's steady clock): when it entered the stage, when its first
+// wait for other blocks' results ended (0: it did not wait), when it left, and the time and
+// count of its waits. The CPU handler records its stages as block 0 of a grid of one.
+struct StageTime {
+  unsigned long long begin, ready, end;
+  unsigned waited_ns, waits;
+};
+static_assert(sizeof(StageTime) == 32, "four 8-byte words");
+// The timeline's header, before its records: the blocks that recorded (the grid).
+struct TimelineHeader {
+  unsigned long long blocks, reserved[3];
+};
+// The timeline's stages, each a record of every block: the embedding, per layer [q|k|v],
+// attention, the O projection, gate/up and down, then the LM head and the draw (recorded in a
+// whole-model step only).
+enum TimelineStage : int { kTimeQkv, kTimeAttention, kTimeOProj, kTimeGateUp, kTimeDown };
+inline constexpr int kTimeStagesPerLayer = 5;
+JF_HD int64_t timeline_slots(int64_t layers) { return 1 + kTimeStagesPerLayer * layers + 2; }
+JF_HD int64_t timeline_slot(int64_t layer, int stage) {
+  return 1 + kTimeStagesPerLayer * layer + stage;
+}
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -204,6 +232,9 @@ inline DecoderLayout decoder_layout(const DecoderDims& d) {
   w.select_masses = w.select_counts + d.B * kSelectBins;  // even: 8-byte aligned
   w.num_counters = d.sample_filter() ? w.select_masses + 2 * d.B * kSelectBins : w.select_arrivals;
   w.counters = region(w.num_counters * 4);
+  w.timeline = region(d.timeline ? int64_t(sizeof(TimelineHeader)) + kDecTimelineBlocks *
+                                       timeline_slots(d.L) * int64_t(sizeof(StageTime))
+                                 : 0);
   w.total = off;
   return w;
 }
@@ -291,6 +322,8 @@ struct DecoderWorkspace {
   AttnPartials attn_partials;
   GemvPartials gemv_partials;
   StageCounters counters;
+  TimelineHeader* timeline = nullptr;  // with the `timeline` flag; else null
+  int64_t time_slots = 0;  // timeline_slots(L)
 
   DecoderWorkspace(const DecoderDims& d, char* base, int64_t attn_splits = kDecMaxAttnSplits);
 
@@ -319,6 +352,12 @@ struct DecoderWorkspace {
     const StageCounters& c = counters;
     const int64_t item = (layer * c.batch + b) * c.kv_heads + kv_head;
     return counter(c.attn_first, item, c.head_chunks, head_chunk);
+  }
+  // Block `block`'s record of timeline slot `slot` (timeline_slot()), or null without a
+  // timeline or past its rows.
+  JF_HD StageTime* stage_time(int64_t block, int64_t slot) const {
+    if (timeline == nullptr || block >= kDecTimelineBlocks) return nullptr;
+    return reinterpret_cast<StageTime*>(timeline + 1) + block * time_slots + slot;
   }
   JF_HD int* sample_counter() const { return counters.data + counters.sample_counter; }
   // Row b's best argmax key so far (zero: no candidate yet).
@@ -369,6 +408,10 @@ inline DecoderWorkspace::DecoderWorkspace(const DecoderDims& d, char* base,
               lay.select_masses,
               d.qkv_tiles(), d.hidden_tiles(), d.mlp_tiles(),
               d.B, d.KV, d.head_chunks()};
+  if (d.timeline) {
+    timeline = reinterpret_cast<TimelineHeader*>(base + lay.timeline);
+    time_slots = timeline_slots(d.L);
+  }
 }
 
 // The stacked layer weights, in operand order: X(name, flag, kind, dims...). A weight has shape
@@ -825,7 +868,8 @@ struct DecoderOp {
     c.names["step_bool_attrs"] = name_list(kDecoderStepFlags);
     c.names["step_i64_attrs"] = {"top_k"};
     c.names["step_f32_attrs"] = {"temperature", "top_p"};
-    // workspace(batch=, dtype_bytes=, sample_filter=, <size attrs>=) -> numbers["bytes"]
+    // workspace(batch=, dtype_bytes=, sample_filter=, timeline=, <size attrs>=) ->
+    // numbers["bytes"], and the timeline's place and shape
     c.functions["workspace"] = [](const std::map<std::string, int64_t>& args) {
       // The layout depends on the dtype only through its width (f16 and bf16 lay out alike),
       // and on the draw only through whether it is filtered.
@@ -833,8 +877,17 @@ struct DecoderOp {
       DecoderDims d = decoder_detail::dims_of(contract_attrs(args),
                                               contract_arg(args, "batch"), dtype);
       d.top_k = contract_arg(args, "sample_filter") != 0 ? 1 : 0;  // any filter lays out alike
+      d.timeline = contract_arg(args, "timeline") != 0;
+      const DecoderLayout layout = decoder_layout(d);
       ContractValues v;
-      v.numbers["bytes"] = decoder_layout(d).total;
+      v.numbers["bytes"] = layout.total;
+      // With `timeline`: where it starts, its rows and slots, and its records' fields (the
+      // StageTime words, then the header's).
+      v.numbers["timeline"] = layout.timeline;
+      v.numbers["timeline_blocks"] = kDecTimelineBlocks;
+      v.numbers["timeline_slots"] = timeline_slots(d.L);
+      v.numbers["timeline_header_bytes"] = sizeof(TimelineHeader);
+      v.numbers["timeline_record_bytes"] = sizeof(StageTime);
       return v;
     };
     // weight_shapes(<size attrs>=, <bool attrs>=) -> shapes[weight name]

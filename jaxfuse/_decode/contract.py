@@ -45,8 +45,11 @@ def _weight_shapes(cfg: DecoderConfig) -> dict[str, tuple[int, ...]]:
           if flag == "always" or getattr(cfg, flag)}
 
 
-def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype, sample_filter: bool = False) -> int:
-  """The size of the kernel's scratch buffer, from the C++ layout (``decoder_layout()``).
+def _workspace_layout(cfg: DecoderConfig, batch: int, dtype, sample_filter: bool = False,
+                      timeline: bool = False) -> dict[str, int]:
+  """The kernel's scratch buffer, from the C++ layout (``decoder_layout()``): its size
+  ("bytes") and the place and shape of its timeline ("timeline", the byte offset;
+  "timeline_blocks", "timeline_slots", "timeline_header_bytes", "timeline_record_bytes").
 
   Args:
     cfg: the decoder configuration.
@@ -54,14 +57,19 @@ def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype, sample_filter: bool 
     dtype: the dtype of ``x``, the weights and the cache.
     sample_filter: whether the call's draw is filtered (top-k or top-p): the CUDA kernel's
       search for each row's threshold then lives in the workspace.
-
-  Returns:
-    The workspace size in bytes.
+    timeline: whether the call records each block's times in each stage (the timeline then
+      lives in the workspace).
   """
   sizes = {name: getattr(cfg, name) for name in _CONTRACT.names["size_attrs"]}
   layout = _CONTRACT.call("workspace", batch=batch, dtype_bytes=jnp.dtype(dtype).itemsize,
-                          sample_filter=int(sample_filter), **sizes)
-  return layout.numbers["bytes"]
+                          sample_filter=int(sample_filter), timeline=int(timeline), **sizes)
+  return dict(layout.numbers)
+
+
+def _workspace_bytes(cfg: DecoderConfig, batch: int, dtype, sample_filter: bool = False,
+                     timeline: bool = False) -> int:
+  """The size of the kernel's scratch buffer (:func:`_workspace_layout`'s "bytes")."""
+  return _workspace_layout(cfg, batch, dtype, sample_filter, timeline)["bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +100,13 @@ class _Head:
             + (("sample_key",) if self.sample else ()))
 
 
-def _attributes(cfg: DecoderConfig, head: _Head | None = None) -> dict[str, np.generic]:
+def _attributes(cfg: DecoderConfig, head: _Head | None = None,
+                timeline: bool = False) -> dict[str, np.generic]:
   """The custom call's attributes: the config fields the contract names, in the contract's types,
-  and the whole-model step's."""
+  and the whole-model step's (``timeline``: record each block's times in each stage)."""
   names = _CONTRACT.names
   sample = head is not None and head.sample
-  step = {"model_step": head is not None, "sample": sample,
+  step = {"model_step": head is not None, "sample": sample, "timeline": timeline,
           "temperature": head.temperature if sample else 0.0,
           "top_k": (head.top_k or 0) if sample else 0,
           "top_p": 1.0 if not sample or head.top_p is None else head.top_p}

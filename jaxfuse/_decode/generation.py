@@ -226,6 +226,19 @@ def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
   """
   _check_model("decode_step", model)
   _decoder_fn("decode_step", decoder, model)
+  tokens, positions, cfg = _checked_step(model, tokens, positions, cache, check_positions)
+  if decoder == "reference":
+    h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
+    return model.logits(h), cache
+  logits, k, v = _model_step(model, cfg, tokens.astype(jnp.int32),
+                             positions.astype(jnp.int32), cache)
+  return logits, KVCache(k, v)
+
+
+def _checked_step(model: DecoderModel, tokens, positions, cache: KVCache,
+                  check_positions: bool = False):
+  """:func:`decode_step`'s tokens and positions as arrays, checked (its Raises), and the
+  decoder configuration of ``model`` (checked: _check_model) with ``cache``."""
   given, given_tokens = positions, tokens  # checked as given (see persistent_decoder)
   tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
   if tokens.ndim != 1 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -242,30 +255,26 @@ def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
               f"[0, {model.vocab_size}) (the vocabulary)", False)
   cfg = _cache_config(model, cache)
   _check_layers("decode_step", model.layers, cache, cfg, tokens.shape[0], model.dtype)
-  if decoder == "reference":
-    h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
-    return model.logits(h), cache
-  logits, k, v = _model_step(model, cfg, tokens.astype(jnp.int32),
-                             positions.astype(jnp.int32), cache)
-  return logits, KVCache(k, v)
+  return tokens, positions, cfg
 
 
 def _model_step(model: DecoderModel, cfg, tokens, positions, cache: KVCache,
                 temperature: float | None = None, key_data=None, top_k: int | None = None,
-                top_p: float | None = None):
+                top_p: float | None = None, timeline: bool = False):
   """One whole-model step in one kernel call (validated operands): the embedding of ``tokens``,
   every layer, the final norm and the LM head; with a ``temperature``, the next tokens drawn in
   the same call with the key data ``key_data`` (0: greedy), from the scores ``top_k`` and
   ``top_p`` keep (None: all; as :func:`_sample`). Returns (logits, [next_tokens,] k_cache,
-  v_cache)."""
+  v_cache[, the workspace when recording a ``timeline``])."""
   top_k, top_p = _active_filters(model, top_k, top_p)
   head = _Head(tied=model.tied, temperature=temperature, quantized=model.head_quantized,
                top_k=top_k, top_p=top_p)
   given = {"embed": model.embed, "final_norm": model.final_norm, "lm_head": model.lm_head,
            "lm_head_scale": model.lm_head_scale, "sample_key": key_data}
   operands = tuple(given[name] for name in head.operands())
-  return _decoder_step(cfg, head)(tokens, positions, jnp.asarray(cfg.rope_inv_freq()),
-                                  model.layers, cache.k, cache.v, operands)
+  step = _decoder_step(cfg, head, timeline)
+  return step(tokens, positions, jnp.asarray(cfg.rope_inv_freq()), model.layers, cache.k,
+              cache.v, operands)
 
 
 def _decoder_fn(fn: str, decoder: str, model: DecoderModel) -> None:

@@ -75,7 +75,7 @@ _CACHES = ("k_cache", "v_cache")
 # The whole-model step's operands (empty in a layers-only call), after the caches.
 _MODEL_OPERANDS = ("tokens", "embed", "final_norm", "lm_head", "lm_head_scale", "sample_key")
 _RESULTS = ("out", "k_cache", "v_cache", "logits", "next_tokens", "workspace")
-_STEP_ATTRIBUTES = ("model_step", "sample", "temperature", "top_k", "top_p")
+_STEP_ATTRIBUTES = ("model_step", "sample", "timeline", "temperature", "top_k", "top_p")
 # Config fields that are not attributes: they define the rope_inv_freq operand, and the
 # matrices' dtype (the attribute is the property ``quantized``).
 _NOT_ATTRIBUTES = ("rope_theta", "rope_scaling", "quantization")
@@ -146,18 +146,20 @@ def _kernel_weights(w: DecoderWeights, cfg: DecoderConfig, dtype) -> DecoderWeig
       for name, a in w._asdict().items()})
 
 
-def _returned(head: _Head | None) -> tuple[str, ...]:
+def _returned(head: _Head | None, timeline: bool = False) -> tuple[str, ...]:
   """The results a call returns, in order: the layers' output, or a whole-model step's logits
-  (and next tokens), then the caches."""
+  (and next tokens), then the caches (then, recording a timeline, the workspace)."""
   if head is None:
-    return ("out", "k_cache", "v_cache")
-  return ("logits",) + (("next_tokens",) if head.sample else ()) + ("k_cache", "v_cache")
+    names = ("out", "k_cache", "v_cache")
+  else:
+    names = ("logits",) + (("next_tokens",) if head.sample else ()) + ("k_cache", "v_cache")
+  return names + (("workspace",) if timeline else ())
 
 
-def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_freq,
-                 w: DecoderWeights, k_cache, v_cache, model=()):
-  """One ``jaxfuse_decoder`` custom call on validated operands; returns the :func:`_returned`
-  results of ``head``.
+def _call_kernel(cfg: DecoderConfig, head: _Head | None, timeline: bool, first, positions,
+                 inv_freq, w: DecoderWeights, k_cache, v_cache, model=()):
+  """One ``jaxfuse_decoder`` custom call on validated operands; returns the
+  :func:`_returned` results of ``head`` and ``timeline``.
 
   ``first`` is x [B, D] (``head`` None: the layers alone), or the tokens [B] of a whole-model
   step, whose ``model`` holds the operands ``head.operands()`` names: embed and final_norm, then
@@ -165,7 +167,8 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
   u32[2] when it samples. ``w`` holds None for the optional weights ``cfg`` does not use;
   ``inv_freq`` is cfg.rope_inv_freq(). Operands and results are matched to the
   call's slots by name, in the contract's order; the cache operands alias the cache results, and
-  the workspace result is dropped. Sharded operands split over the batch (the rows, the caches'
+  the workspace result is dropped unless the call records a timeline (``timeline``: one device's
+  call, as the operands come). Sharded operands split over the batch (the rows, the caches'
   batch axis; weights replicated): each device decodes its own rows into its own part of the
   cache (_partition.partitioned_call). The empty stand-ins of the unused operands are made inside
   the body, on each device: a zero-size operand of a shard_map segfaults jaxlib 0.11.2's
@@ -191,7 +194,8 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
                       **dict(zip(head.operands(), rest[n_weights + 2:], strict=True)))
     vocab = operands["embed"].shape[0]
     sampled = B if head is not None and head.sample else 0
-    workspace = (_workspace_bytes(cfg, B, dtype, head is not None and head.sample_filter),)
+    workspace = (_workspace_bytes(cfg, B, dtype, head is not None and head.sample_filter,
+                                  timeline),)
     results = {"out": jax.ShapeDtypeStruct((B, D), dtype),
                "k_cache": jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                "v_cache": jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype),
@@ -201,10 +205,12 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, first, positions, inv_f
     call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"),
                             [results[n] for n in names["results"]], input_output_aliases=_ALIASES)
     outs = dict(zip(names["results"], call(*[operands[n] for n in names["operands"]],
-                                           **_attributes(cfg, head))))
-    return tuple(outs[n] for n in _returned(head))
+                                           **_attributes(cfg, head, timeline))))
+    return tuple(outs[n] for n in _returned(head, timeline))
 
   operands = [first, positions, inv_freq, *jax.tree.leaves(w), k_cache, v_cache, *model]
+  if timeline:
+    return body(None, *operands)
   return tuple(_partition.partitioned_call("persistent_decoder", body,
                                            _partition_layout(cfg, head), operands))
 
@@ -291,10 +297,12 @@ def _not_differentiable(primals, tangents):
 
 
 @functools.cache
-def _decoder_step(cfg: DecoderConfig, head: _Head | None = None):
+def _decoder_step(cfg: DecoderConfig, head: _Head | None = None, timeline: bool = False):
   """The decode step for ``cfg``: ``(first, positions, inv_freq, weights, k_cache, v_cache,
-  model) -> the _returned(head) results``, ``weights`` with None for the weights ``cfg`` does not
-  use; ``first`` and ``model`` as :func:`_call_kernel` takes them (x and () for the layers alone).
+  model) -> the _returned(head, timeline) results``, ``weights`` with None for the weights
+  ``cfg`` does not use; ``first`` and ``model`` as :func:`_call_kernel` takes them (x and () for
+  the layers alone). A step that records a timeline is the custom call alone (jitted): no vmap,
+  no sharding.
 
   The custom call with a vmap rule (:class:`jax.custom_batching.custom_vmap`) inside a
   :class:`jax.custom_jvp` whose rule raises, so that jax.grad, jax.jvp, jax.vjp and friends fail
@@ -304,7 +312,9 @@ def _decoder_step(cfg: DecoderConfig, head: _Head | None = None):
   wrappers per call); inside an outer jit the inner one is inlined, aliasing included.
   """
   _check_contract()
-  step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg, head))
+  if timeline:
+    return jax.jit(functools.partial(_call_kernel, cfg, head, True))
+  step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg, head, False))
   step.def_vmap(functools.partial(_vmap_rule, cfg, head, step))
   differentiable = jax.custom_jvp(step)
   differentiable.defjvp(_not_differentiable)
@@ -343,6 +353,15 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
     NotImplementedError: when differentiated (use :func:`decoder_reference`), or vmapped over
       the weights.
   """
+  x, positions, w, cache = _checked_operands(x, positions, w, cache, cfg, check_positions)
+  inv_freq = jnp.asarray(cfg.rope_inv_freq())
+  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq, w, cache.k, cache.v, ())
+  return out, KVCache(k_cache, v_cache)
+
+
+def _checked_operands(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig,
+                      check_positions: bool = False):
+  """:func:`persistent_decoder`'s operands as arrays, checked (its Raises)."""
   _check_structure(w, cache, cfg)
   given = positions  # checked as given: no device round trip, no int64 -> int32 wrap-around
   x, positions = jnp.asarray(x), jnp.asarray(positions)
@@ -351,6 +370,4 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
   _check_operands(x, positions, w, cache, cfg)
   _check_rows("persistent_decoder", "positions", given, 0, cfg.max_seq_len,
               f"[0, {cfg.max_seq_len}) (max_seq_len)", check_positions)
-  inv_freq = jnp.asarray(cfg.rope_inv_freq())
-  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq, w, cache.k, cache.v, ())
-  return out, KVCache(k_cache, v_cache)
+  return x, positions, w, cache

@@ -1,7 +1,8 @@
 // jaxfuse_decoder, CPU: one decode step of an L-layer Llama-style decoder (RMSNorm, GQA attention
 // with RoPE over a KV cache, SwiGLU MLP), in one FFI call. DecodeStep (decoder_step.h) runs the
 // stages of the CUDA kernel (decoder.cu) in the same order, without its split of the work: per
-// layer rmsnorm + QKV, RoPE + KV append, attention, O projection, MLP. The GEMVs
+// layer rmsnorm + QKV, RoPE + KV append, attention, O projection, gate/up, down (each timed
+// in a call with the `timeline` flag). The GEMVs
 // (decoder_gemv.h) and the attention heads (decoder_attention.cc) are spread over XLA's intra-op
 // thread pool; all arithmetic is fp32 (decoder_math.h, shared with the CUDA kernel); activations
 // and partial sums live in the workspace result (DecoderWorkspace): per layer the handler
@@ -58,7 +59,7 @@ void DecodeStep::o_proj(int64_t l) {
        gemv_partials, add_to_hidden());
 }
 
-void DecodeStep::mlp(int64_t l) {
+void DecodeStep::gate_up(int64_t l) {
   rmsnorm_rows(d, ws.hidden, layer(w.mlp_norm, l, d.D), normed);
   gemv(pool, d.B, normed.data, d.D, matrix(w.w_gate, w.w_gate_scale, l, d.D, d.I),
        gemv_partials, [&](int64_t b, int64_t n0, int64_t len, const float* y) {
@@ -70,6 +71,9 @@ void DecodeStep::mlp(int64_t l) {
          float* a = ws.mlp_act.at(b, n0);
          for (int64_t i = 0; i < len; ++i) a[i] = swiglu(g[i], y[i]);
        });
+}
+
+void DecodeStep::down(int64_t l) {
   gemv(pool, d.B, ws.mlp_act.data, d.I, matrix(w.w_down, w.w_down_scale, l, d.I, d.D),
        gemv_partials, add_to_hidden());
 }

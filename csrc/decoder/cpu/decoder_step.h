@@ -3,6 +3,7 @@
 // append and attention stages decoder_attention.cc.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 
 #include "decoder/decoder.h"
@@ -40,21 +41,44 @@ struct DecodeStep {
   }
 
   void run() {
-    if (d.model_step) {
-      embed_tokens();
-    } else {
-      load_tile(io.x, dtype, 0, d.B * d.D, ws.hidden.data);  // h = float(x)
-    }
+    timed(0, [&] {
+      if (d.model_step) {
+        embed_tokens();
+      } else {
+        load_tile(io.x, dtype, 0, d.B * d.D, ws.hidden.data);  // h = float(x)
+      }
+    });
     for (int64_t l = 0; l < d.L; ++l) {
-      rmsnorm_qkv(l);
-      rope_append_kv(l);
-      attention(l);
-      o_proj(l);
-      mlp(l);
+      timed(timeline_slot(l, kTimeQkv), [&] { rmsnorm_qkv(l); });
+      timed(timeline_slot(l, kTimeAttention), [&] {
+        rope_append_kv(l);
+        attention(l);
+      });
+      timed(timeline_slot(l, kTimeOProj), [&] { o_proj(l); });
+      timed(timeline_slot(l, kTimeGateUp), [&] { gate_up(l); });
+      timed(timeline_slot(l, kTimeDown), [&] { down(l); });
     }
     write_output();
-    if (d.model_step) lm_head();
-    if (d.sample) sample_tokens();
+    const int64_t head_slot = timeline_slots(d.L) - 2;
+    if (d.model_step) timed(head_slot, [&] { lm_head(); });
+    if (d.sample) timed(head_slot + 1, [&] { sample_tokens(); });
+    if (d.timeline) ws.timeline->blocks = 1;
+  }
+
+  // Runs `stage`, recorded as timeline slot `slot` (block 0's, no waits) in a call with the
+  // `timeline` flag.
+  template <typename Stage>
+  void timed(int64_t slot, const Stage& stage) {
+    const unsigned long long begin = d.timeline ? clock_ns() : 0;
+    stage();
+    if (StageTime* record = ws.stage_time(0, slot)) {
+      *record = StageTime{begin, 0, clock_ns(), 0, 0};
+    }
+  }
+  static unsigned long long clock_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
   }
 
   // Row b's cache position (-1 for a token outside the vocabulary: decoder.h).
@@ -98,8 +122,10 @@ struct DecodeStep {
   void attend_heads(int64_t l, int64_t b, int64_t kv_head, int64_t first, int64_t heads) const;
   // h += attn_out @ wo
   void o_proj(int64_t l);
-  // h += (silu(m @ w_gate) * (m @ w_up)) @ w_down, m = rmsnorm(h) * mlp_norm
-  void mlp(int64_t l);
+  // mlp_act = silu(m @ w_gate) * (m @ w_up), m = rmsnorm(h) * mlp_norm
+  void gate_up(int64_t l);
+  // h += mlp_act @ w_down
+  void down(int64_t l);
   // out = h, or NaN for rows whose position is out of range.
   void write_output();
   // The whole-model step (decoder_head.cc): h = embed[tokens[b]] (zero for a token outside the

@@ -24,6 +24,10 @@
 //                    the logits)                                           counters
 // with EmbedStage then gathering h = embed[tokens[b]] (layer 0 waits for the embedding's h).
 //
+// With the `timeline` flag each block records its times in each stage (decoder.h's StageTime:
+// when it entered and left, when its first wait ended, how long it waited) in the workspace, read
+// by jaxfuse/_decode/timeline.py; every call keeps the clock, and only such a call writes it.
+//
 // A wait is on a counter per tile group (decoder.h's StageCounters): its split items' arrivals
 // and a flag set once the last to arrive has finished the group (release / acquire, gpu scope). A
 // block goes from its last item of one stage straight to its first of the next: the item asks L2
@@ -69,6 +73,22 @@ namespace cuda_decoder {
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
+// The block's clock starts a stage (thread 0's; the waits add to it).
+__device__ __forceinline__ void start_clock(Smem& sm) {
+  if (thread_index() == 0) sm.clock = StageClock{timer_ns(), 0, 0, 0};
+}
+
+// The block's times in the stage that started the clock, as timeline slot `slot` of a call
+// that records a timeline (thread 0; its own program order orders the clock's writes).
+__device__ __forceinline__ void stop_clock(const DecoderParams& p, Smem& sm, int slot) {
+  if (thread_index() != 0) return;
+  StageTime* record = p.ws.stage_time(block_index(), slot);
+  if (record == nullptr) return;
+  const StageClock& c = sm.clock;
+  *record = StageTime{c.begin, c.ready, timer_ns(), c.waited_ns, c.waits};
+  if (slot == 0 && block_index() == 0) p.ws.timeline->blocks = gridDim.x;
+}
+
 // The LM head with weights of kH.
 template <DType kT, DType kH>
 __device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm) {
@@ -81,14 +101,21 @@ __device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm)
 // them changes the layer loop's register allocation: it spilled the f16 instances.)
 template <DType kT, DType kW>
 __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
+  const int head_slot = int(timeline_slots(p.dims.layers)) - 2;
+  start_clock(sm);
   if (kW != kT && p.io.head_scale != nullptr) {
     run_head_stage<kT, kW>(p, sm);
   } else {
     run_head_stage<kT, kT>(p, sm);
   }
+  stop_clock(p, sm, head_slot);
   if (p.dims.sample) {
+    start_clock(sm);
+    const unsigned long long since = wait_begins();
     cg::this_grid().sync();
+    sm.clock.waited(since);
     SampleStage{p, sm}.run();
+    stop_clock(p, sm, head_slot + 1);
   }
 }
 
@@ -101,14 +128,23 @@ template <DType kT, DType kW>
 __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
     decoder_kernel(const __grid_constant__ DecoderParams p) {
   __shared__ Smem sm;
+  start_clock(sm);
   EmbedStage<kT>{p, sm}.run();
+  stop_clock(p, sm, 0);
   for (int layer = 0; layer < p.dims.layers; ++layer) {
-    QkvStage<kT, kW>{p, sm, opaque(layer)}.run();
-    OProjStage<kT, kW>{p, sm, opaque(layer)}.prefetch();
-    AttentionStage<kT>{p, sm, layer}.run();
-    OProjStage<kT, kW>{p, sm, opaque(layer)}.run();
-    GateUpStage<kT, kW>{p, sm, opaque(layer)}.run();
-    DownStage<kT, kW>{p, sm, opaque(layer)}.run();
+    const auto timed = [&](int stage, const auto& run) {
+      start_clock(sm);
+      run();
+      stop_clock(p, sm, int(timeline_slot(opaque(layer), stage)));
+    };
+    timed(kTimeQkv, [&] { QkvStage<kT, kW>{p, sm, opaque(layer)}.run(); });
+    timed(kTimeAttention, [&] {
+      OProjStage<kT, kW>{p, sm, opaque(layer)}.prefetch();
+      AttentionStage<kT>{p, sm, layer}.run();
+    });
+    timed(kTimeOProj, [&] { OProjStage<kT, kW>{p, sm, opaque(layer)}.run(); });
+    timed(kTimeGateUp, [&] { GateUpStage<kT, kW>{p, sm, opaque(layer)}.run(); });
+    timed(kTimeDown, [&] { DownStage<kT, kW>{p, sm, opaque(layer)}.run(); });
   }
   if (p.dims.model_step) run_head<kT, kW>(p, sm);
 }

@@ -100,7 +100,7 @@ struct AttentionStage {
     const int qn = ((it.first_head + it.heads) * head_dim_of(d) - 1) / kColumns - q0 + 1;
     const int k0 = it.kv_head * head_dim_of(d) / kColumns;
     const int kn = ((it.kv_head + 1) * head_dim_of(d) - 1) / kColumns - k0 + 1;
-    await_finished(qn + 2 * kn, [&](int i) {
+    await_finished(sm.clock, qn + 2 * kn, [&](int i) {
       const int tile = i < qn        ? q0 + i
                        : i < qn + kn ? d.q_tiles + k0 + (i - qn)
                                      : d.q_tiles + d.kv_tiles + k0 + (i - qn - kn);

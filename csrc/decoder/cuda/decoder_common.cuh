@@ -6,6 +6,8 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <chrono>
+
 #include "decoder/decoder.h"
 #include "core/cuda/common.cuh"
 
@@ -289,28 +291,69 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 #endif
 }
 
+// Nanoseconds of the device's global timer (the same clock in every SM; the emulator's: the
+// host's steady clock).
+__device__ __forceinline__ unsigned long long timer_ns() {
+#if defined(__CUDA_ARCH__)
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+#endif
+}
+
+// The block's clock in its current stage (thread 0's, in shared memory: Smem::clock), written to
+// the timeline at the stage's end when the call records one (decoder.h's StageTime).
+struct StageClock {
+  unsigned long long begin, ready;
+  unsigned waited_ns, waits;
+
+  // Thread 0, after the block sync that ends a wait begun at `since`.
+  __device__ void waited(unsigned long long since) {
+    if (thread_index() != 0) return;
+    const unsigned long long now = timer_ns();
+    if (waits++ == 0) ready = now;
+    waited_ns += unsigned(now - since);
+  }
+};
+
+// What a wait begins with: thread 0's clock (the others' is not used).
+__device__ __forceinline__ unsigned long long wait_begins() {
+  return thread_index() == 0 ? timer_ns() : 0;
+}
+
 // Waits until the groups of counters counter(0) .. counter(n - 1) are marked finished: their
 // writes are then visible to the whole block (read them from L2: ws_load). One thread polls each
 // (an acquire load, a short sleep between polls), then the block syncs. The kernel's blocks are
 // co-resident (a cooperative launch) and take their work in stage order, waiting only for
-// earlier stages' groups, so every wait ends.
+// earlier stages' groups, so every wait ends. The wait is counted on `clock`.
 constexpr unsigned kPollNanoseconds = 64;
 template <typename CounterAt>
-__device__ __forceinline__ void await_finished(int n, const CounterAt& counter) {
+__device__ __forceinline__ void await_finished(StageClock& clock, int n,
+                                               const CounterAt& counter) {
+  const unsigned long long since = wait_begins();
   for (int i = thread_index(); i < n; i += kThreads) {
     const int* finished = counter(i) + 1;
     while (load_acquire(finished) == 0) __nanosleep(kPollNanoseconds);
   }
   __syncthreads();
+  clock.waited(since);
 }
 
 // Waits until `counter` (a group's arrivals, decoder.h's StageCounters word 0) reaches
-// `expected`: the arrived items' writes are then visible to the whole block (ws_load).
-__device__ __forceinline__ void await_arrivals(const int* counter, int expected) {
+// `expected`: the arrived items' writes are then visible to the whole block (ws_load). The wait
+// is counted on `clock`.
+__device__ __forceinline__ void await_arrivals(StageClock& clock, const int* counter,
+                                               int expected) {
+  const unsigned long long since = wait_begins();
   if (thread_index() == 0) {
     while (load_acquire(counter) < expected) __nanosleep(kPollNanoseconds);
   }
   __syncthreads();
+  clock.waited(since);
 }
 
 // ---- shared memory -----------------------------------------------------------------------------
@@ -324,6 +367,7 @@ struct Smem {
   float inv_rms[kMmaBatch];
   float scratch[kWarps];  // block_sum
   int flag;               // arrive_last
+  StageClock clock;       // thread 0's
 
   // GEMV: warp w's column sums for batch row bb of the pass, in tiles of `columns`.
   __device__ float* gemv_warp_sums(int w, int bb, int columns) {

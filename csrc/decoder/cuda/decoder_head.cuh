@@ -45,7 +45,7 @@ struct HeadStage {
 
   __device__ void run() const {
     const int batch = p.dims.batch, rows = p.plan.head_rows;
-    await_hidden(p, blockIdx.x, p.dims.layers - 1, false);
+    await_hidden(p, sm, blockIdx.x, p.dims.layers - 1, false);
     for (int b0 = 0; b0 < batch; b0 += rows) {
       const int nb = min(rows, batch - b0);
       stage_inputs(b0, nb);

@@ -14,10 +14,10 @@ namespace jaxfuse::cuda_decoder {
 // (layer < 0) or by layer's down projection (for [q|k|v] and the LM head), or by layer's O
 // projection (after_o_proj, for gate/up). h does not change within a stage, so a block waits on
 // its first item of the stage only.
-__device__ __forceinline__ void await_hidden(const DecoderParams& p, int item, int layer,
-                                             bool after_o_proj) {
+__device__ __forceinline__ void await_hidden(const DecoderParams& p, Smem& sm, int item,
+                                             int layer, bool after_o_proj) {
   if (item != int(blockIdx.x)) return;
-  await_finished(p.dims.hidden_tiles, [&](int tile) {
+  await_finished(sm.clock, p.dims.hidden_tiles, [&](int tile) {
     return after_o_proj ? p.ws.o_proj_counter(layer, tile)
                         : (layer < 0 ? p.ws.embed_counter(tile) : p.ws.down_counter(layer, tile));
   });
@@ -82,7 +82,7 @@ struct QkvStage {
     return {p, layer_slice(p.io.weights.attn_norm, kT, layer, p.dims.hidden)};
   }
   __device__ void await_inputs(const GemvJob&, int item) const {
-    await_hidden(p, item, layer - 1, false);
+    await_hidden(p, sm, item, layer - 1, false);
   }
   __device__ const GemvPlan& plan() const { return p.plan.qkv; }
   __device__ int* counter(int tile) const { return p.ws.qkv_counter(opaque(layer), tile); }
@@ -146,10 +146,12 @@ struct ResidualStage {
       const int split = item % job.splits;
       const int t0 = job.split_row(split) / kColumns;
       const int tiles = (job.split_row(split + 1) - 1) / kColumns - t0 + 1;
-      await_finished(tiles, [&](int i) { return p.ws.gate_up_counter(layer, t0 + i); });
+      await_finished(sm.clock, tiles,
+                     [&](int i) { return p.ws.gate_up_counter(layer, t0 + i); });
     } else {
       if (item != int(blockIdx.x)) return;
-      await_finished(p.plan.attn_groups, [&](int i) { return p.ws.attn_counter(layer, 0, 0, i); });
+      await_finished(sm.clock, p.plan.attn_groups,
+                     [&](int i) { return p.ws.attn_counter(layer, 0, 0, i); });
     }
   }
   __device__ const GemvPlan& plan() const { return kDown ? p.plan.down : p.plan.o_proj; }
@@ -195,7 +197,7 @@ struct GateUpStage {
     return {p, layer_slice(p.io.weights.mlp_norm, kT, layer, p.dims.hidden)};
   }
   __device__ void await_inputs(const GemvJob&, int item) const {
-    await_hidden(p, item, layer, true);
+    await_hidden(p, sm, item, layer, true);
   }
   __device__ const GemvPlan& plan() const { return p.plan.gate_up; }
   __device__ int* counter(int tile) const { return p.ws.gate_up_counter(opaque(layer), tile); }
