@@ -90,16 +90,16 @@ def main():
     if batch == 1 and args.plot:
       tl.plot(args.plot)
   if args.model:
-    sections.append(model_section(cfg, device))
+    sections.append(model_section(cfg, w, device))
     log(sections[-1])
   if args.out:
     with open(args.out, "w") as f:
       f.write("\n\n".join(sections) + "\n")
 
 
-def model_section(cfg, device, vocab=128256):
-  """The whole step's timeline at batch 1: Llama-3.2-1B's embedding and tied head."""
-  layers = make_weights(cfg, jnp.bfloat16, device)
+def model_section(cfg, layers, device, vocab=128256):
+  """The whole step's timeline at batch 1: the layers with Llama-3.2-1B's embedding and tied
+  head (on a GPU)."""
   vocab = vocab if device.platform == "gpu" else 1000
   with jax.default_device(device):
     embed = jax.random.normal(jax.random.PRNGKey(2), (vocab, cfg.hidden_size)).astype(jnp.bfloat16)
