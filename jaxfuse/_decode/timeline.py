@@ -105,7 +105,8 @@ class StageTimeline:
     block out to its own; the shares add up to the step), its ``span`` (first block in to last
     out), the median block's ``work`` (its time in the stage less its waits) and ``wait``, and
     the median ``wake`` (from the previous stage's last block out to a block's first wait
-    ending; over the blocks that waited)."""
+    ending; over the blocks that waited; negative where a stage waits for some of the previous
+    stage's groups only, as attention for its q, k and v tiles)."""
     last_out = self.end.max(axis=0)
     before = np.concatenate([[0], last_out[:-1]])
     rows = []
