@@ -13,7 +13,6 @@ their blocks' work, waits and wake latencies) and a PNG of batch 1's blocks over
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 import jaxfuse  # noqa: E402
-from bench_decoder import LLAMA_1B_LAYERS, make_weights, pick_device  # noqa: E402
+from bench_decoder import LLAMA_1B_LAYERS, make_weights, pick_device, time_steps  # noqa: E402
 from jaxfuse._decode import timeline  # noqa: E402
 
 SMALL_LAYERS = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -39,20 +38,6 @@ def inputs(cfg, batch, context, dtype, device):
   with jax.default_device(device):
     k = jax.random.normal(jax.random.PRNGKey(1), cfg.cache_shape(batch)).astype(dtype)
   return x, positions, jax.device_put(jaxfuse.KVCache(k, k * 0.5), device)
-
-
-def step_ms(cfg, x, positions, w, cache, steps):
-  """The plain step's wall time per step (the cache donated), as bench_decoder.py times it."""
-  step = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg),
-                 donate_argnums=(3,))
-  for _ in range(3):
-    out, cache = step(x, positions, w, cache)
-  jax.block_until_ready((out, cache))
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    out, cache = step(x, positions, w, cache)
-  jax.block_until_ready((out, cache))
-  return (time.perf_counter() - t0) / steps * 1e3
 
 
 def recorded(run, repeats=3):
@@ -83,7 +68,10 @@ def main():
     x, positions, cache = inputs(cfg, batch, context, jnp.bfloat16, device)
     tl = recorded(lambda: timeline.layers_timeline(x, positions, w, cache, cfg))
     steps = 20 if on_gpu else 3
-    plain = step_ms(cfg, x, positions, w, cache, steps)
+    # The plain step, cache donated, as bench_decoder.py times it.
+    step = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg),
+                   donate_argnums=(3,))
+    plain = time_steps(step, x, positions, w, cache, steps, warmup=3)[0] * 1e3
     sections.append(f"## The layers, batch {batch}: the step without the timeline {plain:.3f} "
                     f"ms (wall, the mean of {steps})\n\n{tl.summary()}")
     log(sections[-1] + "\n")
