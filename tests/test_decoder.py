@@ -561,6 +561,10 @@ def test_stage_timeline_on_the_cpu_handler():
   assert_timeline_in_order(tl, ["embed", *layer_names], blocks=1)
   assert (tl.ready == -1).all()
   assert "| gate_up |" in tl.summary()
+  with pytest.raises(ValueError, match="layers_timeline: a step of 0 rows"):
+    timeline.layers_timeline(x[:0], positions[:0], w, KVCache(cache.k[:, :0], cache.v[:, :0]), cfg)
+  with pytest.raises(ValueError, match=r"positions\[1\] = 8 is outside \[0, 8\)"):
+    timeline.layers_timeline(x, jnp.asarray([3, 8], jnp.int32), w, cache, cfg)
 
   model = random_model(jnp.bfloat16, seed=22)
   model_cache = generation.init_cache(model, 2, 16)
