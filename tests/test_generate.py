@@ -31,14 +31,14 @@ from helpers import random_decoder_problem
 TIE_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 
 
-def random_model(dtype=jnp.float32, vocab=61, tied=False, seed=0, **features):
+def random_model(dtype=jnp.float32, vocab=61, tied=False, seed=0, hidden=64, **features):
   """A small random DecoderModel whose logits are O(3) (not dominated by the embedding)."""
-  cfg = jaxfuse.DecoderConfig(2, 64, 4, 2, 16, 96, 48, **features)
+  cfg = jaxfuse.DecoderConfig(2, hidden, 4, 2, 16, 96, 48, **features)
   _, w, _ = random_decoder_problem(cfg, 1, dtype, seed)
   rng = np.random.default_rng(seed + 1)
-  embed = jnp.asarray(rng.standard_normal((vocab, 64)), dtype)
-  head = None if tied else jnp.asarray(0.4 * rng.standard_normal((vocab, 64)), dtype)
-  final_norm = jnp.asarray(1.0 + 0.1 * rng.standard_normal(64), dtype)
+  embed = jnp.asarray(rng.standard_normal((vocab, hidden)), dtype)
+  head = None if tied else jnp.asarray(0.4 * rng.standard_normal((vocab, hidden)), dtype)
+  final_norm = jnp.asarray(1.0 + 0.1 * rng.standard_normal(hidden), dtype)
   return jaxfuse.DecoderModel(cfg, w, embed, final_norm, head)
 
 

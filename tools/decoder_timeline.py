@@ -5,7 +5,8 @@ position context - 1) records every block's times in every stage; beside it, the
 without the timeline, timed as bench_decoder.py times it, so the timeline's step can be checked
 against the step users run. Writes a markdown table per batch (the stages' shares of the step,
 their blocks' work, waits and wake latencies) and a PNG of batch 1's blocks over time. With
-``--model`` the whole step (embedding, layers, head, greedy draw) at batch 1 too.
+``--model`` the whole step (embedding, layers, head, greedy draw) at batch 1 and 16 too: the
+head's share at 16 shows whether it reads its weights once for all 16 rows.
 
   python3 tools/decoder_timeline.py [--out timeline.md] [--plot timeline.png] [--batches 1,4,16]
 """
@@ -53,7 +54,7 @@ def main():
   ap.add_argument("--plot", help="save batch 1's timeline as this PNG")
   ap.add_argument("--batches", default="1,4,16")
   ap.add_argument("--context", type=int, default=1024)
-  ap.add_argument("--model", action="store_true", help="also the whole step at batch 1")
+  ap.add_argument("--model", action="store_true", help="also the whole step at batch 1 and 16")
   ap.add_argument("--device", choices=["cpu", "gpu"])
   args = ap.parse_args()
   device = pick_device(args.device)
@@ -77,27 +78,28 @@ def main():
     log(sections[-1] + "\n")
     if batch == 1 and args.plot:
       tl.plot(args.plot)
-  if args.model:
-    sections.append(model_section(cfg, w, device))
+  for batch in (1, 16) if args.model else ():
+    sections.append(model_section(cfg, w, device, batch))
     log(sections[-1])
   if args.out:
     with open(args.out, "w") as f:
       f.write("\n\n".join(sections) + "\n")
 
 
-def model_section(cfg, layers, device, vocab=128256):
-  """The whole step's timeline at batch 1: the layers with Llama-3.2-1B's embedding and tied
-  head (on a GPU)."""
+def model_section(cfg, layers, device, batch, vocab=128256):
+  """The whole step's timeline: the layers with Llama-3.2-1B's embedding and tied head (on a
+  GPU)."""
   vocab = vocab if device.platform == "gpu" else 1000
   with jax.default_device(device):
     embed = jax.random.normal(jax.random.PRNGKey(2), (vocab, cfg.hidden_size)).astype(jnp.bfloat16)
     norm = jnp.ones((cfg.hidden_size,), jnp.bfloat16)
   model = jaxfuse.DecoderModel(cfg, layers, embed, norm, None)
-  cache = jaxfuse.init_cache(model, 1, cfg.max_seq_len)
-  tokens = jnp.asarray([7], jnp.int32)
-  positions = jnp.asarray([cfg.max_seq_len - 1], jnp.int32)
+  cache = jax.device_put(jaxfuse.init_cache(model, batch, cfg.max_seq_len), device)
+  tokens = jax.device_put(np.arange(7, 7 + batch, dtype=np.int32), device)
+  positions = jax.device_put(np.full((batch,), cfg.max_seq_len - 1, np.int32), device)
   tl = recorded(lambda: timeline.model_timeline(model, tokens, positions, cache))
-  return f"## The whole step (vocabulary {vocab}, tied head, greedy draw), batch 1\n\n" + tl.summary()
+  return (f"## The whole step (vocabulary {vocab}, tied head, greedy draw), batch {batch}\n\n"
+          + tl.summary())
 
 
 if __name__ == "__main__":

@@ -65,6 +65,7 @@
 
 #include "decoder/cuda/decoder_attention.cuh"
 #include "decoder/cuda/decoder_head.cuh"
+#include "decoder/cuda/decoder_head_mma.cuh"
 #include "decoder/cuda/decoder_sample.cuh"
 #include "decoder/cuda/decoder_stages.cuh"
 
@@ -89,11 +90,15 @@ __device__ __forceinline__ void stop_clock(const DecoderParams& p, Smem& sm, int
   if (slot == 0 && block_index() == 0) p.ws.timeline->blocks = gridDim.x;
 }
 
-// The LM head with weights of kH.
+// The LM head with weights of kH: on tensor cores under bf16 activations.
 template <DType kT, DType kH>
 __device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm) {
-  HeadStage<kT, kH>{p, sm}.prefetch();
-  HeadStage<kT, kH>{p, sm}.run();
+  if constexpr (kT == DType::kBF16) {
+    MmaHeadStage<kH>{p, sm}.run();
+  } else {
+    HeadStage<kT, kH>{p, sm}.prefetch();
+    HeadStage<kT, kH>{p, sm}.run();
+  }
 }
 
 // The whole-model step's stages after the last layer: the head in kW when it comes quantized
@@ -171,11 +176,15 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
     return invalid_argument("the CUDA kernel needs head_dim <= ", max_head_dim, " for ",
                             dtype_name(d.dtype));
   }
-  // The LM head stages at least one batch row's inputs (hidden_size elements) in shared memory.
-  if (d.model_step && d.D * dtype_bytes(d.dtype) > kHeadStagingBytes) {
+  // The LM head stages at least one batch row's inputs (hidden_size elements) in shared memory:
+  // the weight ring's smallest (ring_slots()) under bf16 activations.
+  const int64_t head_staging =
+      d.dtype == DType::kBF16 ? 2 * kRingSlabBytes : kHeadStagingBytes;
+  const int64_t head_row = d.dtype == DType::kBF16 ? mma_head_row_bytes(d.D)
+                                                   : d.D * dtype_bytes(d.dtype);
+  if (d.model_step && head_row > head_staging) {
     return invalid_argument("the CUDA kernel's LM head needs hidden_size <= ",
-                            kHeadStagingBytes / dtype_bytes(d.dtype), " for ",
-                            dtype_name(d.dtype));
+                            head_staging / dtype_bytes(d.dtype), " for ", dtype_name(d.dtype));
   }
   const int64_t big = std::max({d.L * d.D * std::max({d.q_dim(), d.I}), d.L * d.I * d.D,
                                 d.L * d.B * d.S * d.kv_dim(), d.V * d.D, d.B * d.V});
@@ -273,8 +282,13 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int rin
   plan.attn_splits = std::min<int>(plan.attn_splits, std::max(1, d.max_seq_len / 16));
   plan.attn_items = int(items) * plan.attn_splits;
   plan.attn_groups = int(items);
-  // LM head: as many batch rows per pass as the staging area holds (check_kernel_limits: >= 1).
-  plan.head_rows = std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
+  // LM head: as many batch rows per pass as its staging area holds (check_kernel_limits: >= 1),
+  // the weight ring's memory on tensor cores (bf16 activations: a ring).
+  plan.head_rows =
+      ring_slots > 0
+          ? int(std::clamp<int64_t>(ring_slots * kRingSlabBytes / mma_head_row_bytes(d.hidden),
+                                    1, kMmaBatch))
+          : std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
   plan.ring_slabs = ring_slots;
   return plan;
 }
