@@ -14,9 +14,10 @@
 // batch row 8t + g, its B fragments of both steps, with one 16-byte shared-memory load.
 //
 // Warps take vocabulary tiles round-robin over the grid and stream them in groups of
-// kGroupChunks chunks (kInFlight bytes a lane), the next group's loads issued before the current
+// kGroupChunks chunks (64 bytes a lane), the next group's loads issued before the current
 // group's mmas, across tiles, and the first group's before the stage waits for the last layer:
-// two groups, 256 bytes a lane, in flight. The inputs are staged in the weight ring's shared
+// two groups, kInFlight bytes a lane, in flight (two groups of 128 bytes spilled at 128
+// registers). The inputs are staged in the weight ring's shared
 // memory (free after the last layer), bf16 rows of kHeadSpanK-rounded width whose 16-byte chunk
 // j sits at j ^ (4 (b & 1)): a load phase's two rows then fall in distinct banks.
 #pragma once
