@@ -34,6 +34,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <iterator>
@@ -187,9 +188,17 @@ struct TimelineHeader {
 // whole-model step only).
 enum TimelineStage : int { kTimeQkv, kTimeAttention, kTimeOProj, kTimeGateUp, kTimeDown };
 inline constexpr int kTimeStagesPerLayer = 5;
-JF_HD int64_t timeline_slots(int64_t layers) { return 1 + kTimeStagesPerLayer * layers + 2; }
 JF_HD int64_t timeline_slot(int64_t layer, int stage) {
   return 1 + kTimeStagesPerLayer * layer + stage;
+}
+// The LM head's slot after `layers` layers; the draw's is the next, the last.
+JF_HD int64_t timeline_head_slot(int64_t layers) { return timeline_slot(layers, 0); }
+JF_HD int64_t timeline_slots(int64_t layers) { return timeline_head_slot(layers) + 2; }
+// The host's timeline clock (the CPU handler's, and the CUDA-on-CPU emulator's global timer).
+inline unsigned long long steady_clock_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
 }
 
 inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }

@@ -3,7 +3,6 @@
 // append and attention stages decoder_attention.cc.
 #pragma once
 
-#include <chrono>
 #include <cmath>
 
 #include "decoder/decoder.h"
@@ -59,7 +58,7 @@ struct DecodeStep {
       timed(timeline_slot(l, kTimeDown), [&] { down(l); });
     }
     write_output();
-    const int64_t head_slot = timeline_slots(d.L) - 2;
+    const int64_t head_slot = timeline_head_slot(d.L);
     if (d.model_step) timed(head_slot, [&] { lm_head(); });
     if (d.sample) timed(head_slot + 1, [&] { sample_tokens(); });
     if (d.timeline) ws.timeline->blocks = 1;
@@ -69,16 +68,11 @@ struct DecodeStep {
   // `timeline` flag.
   template <typename Stage>
   void timed(int64_t slot, const Stage& stage) {
-    const unsigned long long begin = d.timeline ? clock_ns() : 0;
+    const unsigned long long begin = d.timeline ? steady_clock_ns() : 0;
     stage();
     if (StageTime* record = ws.stage_time(0, slot)) {
-      *record = StageTime{begin, 0, clock_ns(), 0, 0};
+      *record = StageTime{begin, 0, steady_clock_ns(), 0, 0};
     }
-  }
-  static unsigned long long clock_ns() {
-    return std::chrono::duration_cast<std::chrono::nanoseconds>(
-               std::chrono::steady_clock::now().time_since_epoch())
-        .count();
   }
 
   // Row b's cache position (-1 for a token outside the vocabulary: decoder.h).

@@ -106,7 +106,7 @@ __device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm)
 // them changes the layer loop's register allocation: it spilled the f16 instances.)
 template <DType kT, DType kW>
 __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
-  const int head_slot = int(timeline_slots(p.dims.layers)) - 2;
+  const int head_slot = int(timeline_head_slot(p.dims.layers));
   start_clock(sm);
   if (kW != kT && p.io.head_scale != nullptr) {
     run_head_stage<kT, kW>(p, sm);

@@ -6,8 +6,6 @@
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
-#include <chrono>
-
 #include "decoder/decoder.h"
 #include "core/cuda/common.cuh"
 
@@ -299,9 +297,7 @@ __device__ __forceinline__ unsigned long long timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 #else
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return steady_clock_ns();
 #endif
 }
 

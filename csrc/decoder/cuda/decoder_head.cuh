@@ -12,6 +12,17 @@ namespace jaxfuse::cuda_decoder {
 constexpr int kHeadMaxRows = 8;
 constexpr int kHeadStagingBytes = int(sizeof(Smem::warp_sums));
 
+// Bit bb: batch row b0 + bb of a head pass has a valid position (its logits are NaN otherwise).
+__device__ __forceinline__ uint32_t valid_rows(const DecoderParams& p, int b0, int nb) {
+  uint32_t valid = 0;
+  for (int bb = 0; bb < nb; ++bb) {
+    if (position_valid(p.io.row_position(b0 + bb, p.dims.vocab), p.dims.max_seq_len)) {
+      valid |= 1u << bb;
+    }
+  }
+  return valid;
+}
+
 // logits[b, n] = (rmsnorm(h[b]) * final_norm, rounded to kT) . head[n] for every vocabulary row
 // n, times the row's scale when the head is quantized (kH int8 or fp8 e4m3; else kH = kT). The
 // head is [V, hidden] (Hugging Face's [out, in]; the embedding when tied), so one warp takes one
@@ -49,12 +60,7 @@ struct HeadStage {
     for (int b0 = 0; b0 < batch; b0 += rows) {
       const int nb = min(rows, batch - b0);
       stage_inputs(b0, nb);
-      uint32_t valid = 0;  // bit bb: row b0 + bb has a valid position
-      for (int bb = 0; bb < nb; ++bb) {
-        if (position_valid(p.io.row_position(b0 + bb, p.dims.vocab), p.dims.max_seq_len)) {
-          valid |= 1u << bb;
-        }
-      }
+      const uint32_t valid = valid_rows(p, b0, nb);
       const int warps = gridDim.x * kWarps;
       for (int n = blockIdx.x * kWarps + thread_index() / 32; n < p.dims.vocab; n += warps) {
         row(n, b0, nb, valid);

@@ -22,7 +22,7 @@
 // j sits at j ^ (4 (b & 1)): a load phase's two rows then fall in distinct banks.
 #pragma once
 
-#include "decoder/cuda/decoder_gemv_mma.cuh"
+#include "decoder/cuda/decoder_head.cuh"
 
 namespace jaxfuse::cuda_decoder {
 
@@ -76,12 +76,7 @@ struct MmaHeadStage {
       const int nb = min(rows, p.dims.batch - b0);
       if (b0 > 0 && steps > 0) first = load(warp, 0);
       stage_inputs(b0, nb);
-      uint32_t valid = 0;  // bit bb: row b0 + bb has a valid position
-      for (int bb = 0; bb < nb; ++bb) {
-        if (position_valid(p.io.row_position(b0 + bb, p.dims.vocab), p.dims.max_seq_len)) {
-          valid |= 1u << bb;
-        }
-      }
+      const uint32_t valid = valid_rows(p, b0, nb);
       if (nb > 8) pass<2>(first, b0, nb, valid, warp, warps, groups, steps);
       else pass<1>(first, b0, nb, valid, warp, warps, groups, steps);
     }
