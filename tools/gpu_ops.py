@@ -150,23 +150,47 @@ def run_steps(gpu, cpu, cases):
 
 
 # (activations, matrices, batch, max_seq_len): fp32 and fp16 (the FMA GEMVs), bf16 (tensor cores,
-# one 8-row batch tile), int8 / fp8 under bf16, and bf16 at batch 12 (two batch tiles) over 1024
-# positions (each warp's attention loop takes several rounds).
+# one 8-row batch tile), int8 / fp8 under bf16 (quantized, and "every code": every_code()), and
+# bf16 at batch 12 (two batch tiles) over 1024 positions (each warp's attention loop takes
+# several rounds).
 DECODER_CASES = [(jnp.float32, None, 3, 96), (jnp.float16, None, 3, 96),
                  (jnp.bfloat16, None, 3, 96), (jnp.bfloat16, "int8", 3, 96),
-                 (jnp.bfloat16, "fp8", 3, 96), (jnp.bfloat16, None, 12, 1024)]
+                 (jnp.bfloat16, "fp8", 3, 96), (jnp.bfloat16, "int8 every code", 3, 96),
+                 (jnp.bfloat16, "fp8 every code", 3, 96), (jnp.bfloat16, None, 12, 1024)]
+
+
+def every_code(weights, quantization, seed):
+  """The 8-bit matrices' codes drawn uniformly, so that each code's widening to bf16 shows in the
+  sums: int8 from all 256; fp8 from the 48 of its three lowest binades, a third of them
+  subnormal (quantized weights hardly ever hold one, and a widening that flushed them would
+  change nothing visible)."""
+  from jaxfuse._decode.quantize import MATRICES
+  rng = np.random.default_rng(seed)
+  fp8_codes = np.array([c for c in range(256) if c & 0x78 < 0x18], np.uint8)
+  drawn = {}
+  for name in MATRICES:
+    shape = getattr(weights, name).shape
+    if quantization == "int8":
+      drawn[name] = jnp.asarray(rng.integers(-128, 128, shape, dtype=np.int8))
+    else:
+      codes = rng.choice(fp8_codes, shape)
+      drawn[name] = jnp.asarray(codes.view(jnp.float8_e4m3fn))
+  return weights._replace(**drawn)
 
 
 def run_decoder(gpu, cpu):
-  for dt, quantization, batch, seq in DECODER_CASES:
+  for dt, matrices, batch, seq in DECODER_CASES:
+    quantization = matrices.split()[0] if matrices else None
     cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2,
                                 head_dim=64, intermediate_size=640, max_seq_len=seq,
                                 quantization=quantization)
     x, w, cache = random_decoder_problem(cfg, batch, dt, seed=3)
+    if matrices and matrices.endswith("every code"):
+      w = every_code(w, quantization, seed=4)
     pos = jnp.asarray(np.linspace(0, seq - 1, batch).astype(np.int32))
     f = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg))
     res = {name: f(*on(d, (x, pos, w, cache))) for name, d in (("gpu", gpu), ("cpu", cpu))}
-    weights = f" {quantization} matrices" if quantization else ""
+    weights = f" {matrices} matrices" if matrices else ""
     compare(f"persistent_decoder {jnp.dtype(dt).name}{weights} batch {batch} context {seq}",
             res["gpu"], res["cpu"])
   run_model_step(gpu, cpu)

@@ -187,15 +187,19 @@ __device__ __forceinline__ char* dynamic_shared_memory() {
 
 // Asynchronous copies global -> shared (cp.async, sm_80+), in commit groups: a thread's copies
 // land when it has waited for their group (then a __syncthreads() shows them to the block).
-// copy_async_16 copies `bytes` (0-16) of 16 at `src` to 16 at `dst` and zero-fills the rest; L1
-// is bypassed (.cg: the bytes are used once, from shared memory). Both 16-byte aligned.
-__device__ __forceinline__ void copy_async_16(void* dst, const void* src, int bytes) {
+// copy_async_16 copies the 16 bytes at `src` to `dst`, or (copy false) writes 16 zeros there
+// without reading `src`; L1 is bypassed (.cg: the bytes are used once, from shared memory). Both
+// 16-byte aligned.
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool copy) {
 #if defined(__CUDA_ARCH__)
   const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(src), "r"(bytes)
-               : "memory");
+  asm volatile(
+      "{\n .reg .pred skip;\n setp.eq.u32 skip, %2, 0;\n"
+      " cp.async.cg.shared.global [%0], [%1], 16, skip;\n}" ::"r"(to), "l"(src),
+      "r"(unsigned(copy))
+      : "memory");
 #else
-  __pipeline_memcpy_async(dst, src, 16, size_t(16 - bytes));
+  __pipeline_memcpy_async(dst, src, 16, copy ? 0 : 16);
 #endif
 }
 

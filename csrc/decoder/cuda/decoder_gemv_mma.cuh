@@ -23,6 +23,7 @@
 #pragma once
 
 #include "decoder/cuda/decoder_gemv_job.cuh"
+#include "decoder/cuda/decoder_widen.cuh"
 
 namespace jaxfuse::cuda_decoder {
 
@@ -67,9 +68,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4],
 #endif
 }
 
-// The bf16 bits of a weight already widened to fp32: exact, every 8-bit kW value is a bf16.
-__device__ __forceinline__ uint32_t bf16_bits(float w) { return __float_as_uint(w) >> 16; }
-
 // ---- the weight ring -------------------------------------------------------------------------
 // A work item's weights stream through the block's ring of shared-memory slots (dynamic shared
 // memory, LaunchPlan::ring_slabs of kRingSlabBytes), filled by cp.async: slab s holds rows
@@ -109,20 +107,28 @@ struct SlabStream {
   __device__ char* slot(int s) const { return ring + (s & (slots - 1)) * kRingSlabBytes; }
 
   // Issues slab s's copies (none past the item's last slab) as one commit group: every wait
-  // then counts slabs.
+  // then counts slabs. A thread copies the same 16-byte chunk of rows kRoundRows apart, so its
+  // column, byte count and first address are formed once and each copy adds a row offset.
   __device__ void issue(int s) const {
+    constexpr int kBytes = dtype_bytes(kW);
+    constexpr int kRoundRows = kThreads / Slab::kChunksPerRow;
     if (s < slabs()) {
+      const unsigned t = unsigned(thread_index());
+      const int chunk = int(t % Slab::kChunksPerRow), row0 = int(t / Slab::kChunksPerRow);
+      const int col = column + chunk * 16 / kBytes;
+      // Rows are whole 16-byte chunks (check_kernel_limits): a chunk is in the matrix or past it.
+      const bool in_matrix = col < columns;
+      const int k = k0 + s * Slab::kRows + row0;
+      const char* src = matrix + (int64_t(k) * columns + col) * kBytes;
+      const int64_t round_bytes = kRoundRows * columns * kBytes;
+      char* dst = slot(s) + row0 * Slab::kRowBytes;
 #pragma unroll
       for (int u = 0; u < Slab::kCopiesPerThread; ++u) {
-        const int i = thread_index() + u * kThreads;
-        const int row = i / Slab::kChunksPerRow, chunk = i % Slab::kChunksPerRow;
-        const int k = k0 + s * Slab::kRows + row;
-        const int col = column + chunk * 16 / dtype_bytes(kW);
-        const int bytes = k < k1 ? max(0, min(16, (int(columns) - col) * dtype_bytes(kW))) : 0;
-        const char* src =
-            bytes > 0 ? matrix + (int64_t(k) * columns + col) * dtype_bytes(kW) : matrix;
-        copy_async_16(slot(s) + row * Slab::kRowBytes + (chunk ^ ring_swizzle(row)) * 16, src,
-                      bytes);
+        const int row = row0 + u * kRoundRows;
+        const bool copied = in_matrix && k + u * kRoundRows < k1;
+        copy_async_16(dst + u * kRoundRows * Slab::kRowBytes + (chunk ^ ring_swizzle(row)) * 16,
+                      copied ? src : matrix, copied);
+        src += round_bytes;
       }
     }
     commit_async_copies();
@@ -149,11 +155,11 @@ struct MmaStepWeights {
   __device__ static MmaStepWeights from_slab(const char* slab, int row, int unit) {
     using Raw = typename Weights::Raw;
     MmaStepWeights s;
-    const int byte = unit * Weights::kBytes, chunk = byte / 16 ^ ring_swizzle(row);
+    const int byte = unit * Weights::kBytes, chunk = (byte >> 4) ^ ring_swizzle(row);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       s.row[r].raw = *reinterpret_cast<const Raw*>(slab + (row + r) * RingSlab<kW>::kRowBytes +
-                                                   chunk * 16 + byte % 16);
+                                                   chunk * 16 + (byte & 15));
     }
     return s;
   }
@@ -169,11 +175,9 @@ struct MmaStepWeights {
       a[2] = (r2 & 0xffffu) | (r3 << 16);
       a[3] = (r2 >> 16) | (r3 & 0xffff0000u);
     } else {
-      const auto bits = [&](int r, int c) { return bf16_bits(row[r].at(c)); };
-      a[0] = bits(0, 2 * j) | bits(1, 2 * j) << 16;
-      a[1] = bits(0, 2 * j + 1) | bits(1, 2 * j + 1) << 16;
-      a[2] = bits(2, 2 * j) | bits(3, 2 * j) << 16;
-      a[3] = bits(2, 2 * j + 1) | bits(3, 2 * j + 1) << 16;
+      // Columns 2j, 2j + 1: bytes 2 (j % 2) and the next of each row's word j / 2.
+      widen_rows<kW>(word(row[0].raw, j / 2), word(row[1].raw, j / 2), 2 * (j % 2), a[0], a[1]);
+      widen_rows<kW>(word(row[2].raw, j / 2), word(row[3].raw, j / 2), 2 * (j % 2), a[2], a[3]);
     }
   }
 };
@@ -233,7 +237,8 @@ template <DType kW, int kTiles>
 __device__ __forceinline__ void mma_slab(const Smem& sm, const char* slab, int chunk_row,
                                          MmaAcc<kTiles>& acc) {
   constexpr int kSteps = RingSlab<kW>::kSteps;
-  const int warp = thread_index() / 32, g = thread_index() % 32 / 4, q = thread_index() % 4;
+  const unsigned tid = unsigned(thread_index());  // unsigned: shifts and masks, not signed division
+  const int warp = int(tid / 32), g = int(tid % 32 / 4), q = int(tid % 4);
   // The slab row of this lane's first row in its step st.
   const auto step_row = [&](int st) {
     return 16 * (st * kMmaPhases + warp / kMmaSubTiles) + 4 * q;
@@ -248,7 +253,7 @@ __device__ __forceinline__ void mma_slab(const Smem& sm, const char* slab, int c
     const int row = step_row(st);
     uint4 x[kTiles];
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) x[t] = *sm.mma_cell(8 * t + g, (chunk_row + row) / 4);
+    for (int t = 0; t < kTiles; ++t) x[t] = *sm.mma_cell(8 * t + g, (chunk_row + row) >> 2);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t a[4];

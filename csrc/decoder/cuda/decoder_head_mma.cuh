@@ -166,8 +166,9 @@ struct MmaHeadStage {
       for (int t = 0; t < kTiles; ++t) x[t] = *staged(8 * t + g, j);
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
-        const uint32_t a[4] = {pair(w.v[c][0], 2 * s), pair(w.v[c][1], 2 * s),
-                               pair(w.v[c][0], 2 * s + 1), pair(w.v[c][1], 2 * s + 1)};
+        uint32_t a[4];
+        pairs(w.v[c][0], s, a[0], a[2]);
+        pairs(w.v[c][1], s, a[1], a[3]);
 #pragma unroll
         for (int t = 0; t < kTiles; ++t) {
           mma_bf16(acc[t], a, {word(x[t], 2 * s), word(x[t], 2 * s + 1)});
@@ -176,12 +177,14 @@ struct MmaHeadStage {
     }
   }
 
-  // Elements 2i, 2i + 1 of a vector as a pair of bf16 (the lower k in the low half).
-  __device__ static uint32_t pair(const Vector& v, int i) {
+  // Elements 4s .. 4s + 3 of a vector as the bf16 pairs (4s, 4s + 1) and (4s + 2, 4s + 3), the
+  // lower k in the low half: word 2s and 2s + 1 of bf16 weights; 8-bit ones widened from word s.
+  __device__ static void pairs(const Vector& v, int s, uint32_t& first, uint32_t& second) {
     if constexpr (kH == DType::kBF16) {
-      return word(v.raw, i);
+      first = word(v.raw, 2 * s);
+      second = word(v.raw, 2 * s + 1);
     } else {
-      return bf16_bits(v.at(2 * i)) | bf16_bits(v.at(2 * i + 1)) << 16;
+      widen_word<kH>(word(v.raw, s), first, second);
     }
   }
 

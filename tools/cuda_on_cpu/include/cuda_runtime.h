@@ -233,6 +233,14 @@ inline void __nanosleep(unsigned, const char* file = __builtin_FILE(),
   cuemu::poll_sleep(file, line);
 }
 
+// Byte n of the result is byte (s >> 4n) & 7 of the eight bytes of x (0-3) and y (4-7).
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+  const uint64_t bytes = uint64_t(y) << 32 | x;
+  unsigned r = 0;
+  for (int n = 0; n < 4; ++n) r |= unsigned(bytes >> 8 * (s >> 4 * n & 7) & 0xffu) << 8 * n;
+  return r;
+}
+
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 
