@@ -7,7 +7,7 @@
 # 15: run the controls after changing tools/cuda_on_cpu or tests/test_cuda_on_cpu.py):
 #   driver    the multi-tensor driver on hand-made tensor lists (exact-size buffers, misaligned
 #             bases) and polling across blocks, plus four planted synchronization faults the
-#             emulator must report
+#             emulator must report; the decoder's 8-bit weight widening on every pair of codes
 #   emu       tests/test_cuda_on_cpu.py: every op and mode against the CPU handlers (bitwise where
 #             the math is element-wise), several emulated grid sizes, in-order and shuffled
 #             schedules; with the default constants and with tables, chunks and slices shrunk
@@ -60,6 +60,7 @@ if has_stage driver; then
       with_dev_build "$dir" "$dir/cuda_on_cpu_multi_tensor_test" "$fault" 2>/dev/null
     done
   done
+  with_dev_build "$BUILD" "$BUILD/cuda_on_cpu_decoder_widen_test"
 fi
 
 if has_stage emu; then

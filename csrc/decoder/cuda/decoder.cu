@@ -45,8 +45,8 @@
 //
 // Files, one per part: decoder_common.cuh (constants, parameters, shared memory), the GEMV jobs
 // and inputs (decoder_gemv_job.cuh), the GEMV engines (decoder_gemv.cuh: fp32 FMA for fp32 and
-// fp16 activations; decoder_gemv_mma.cuh: tensor cores for bf16), the GEMV stages
-// (decoder_stages.cuh), the new token's RoPE and cache append
+// fp16 activations; decoder_gemv_mma.cuh: tensor cores for bf16, 8-bit weights widened by
+// decoder_widen.cuh), the GEMV stages (decoder_stages.cuh), the new token's RoPE and cache append
 // (decoder_new_token.cuh), attention: split partials and their merge (decoder_attention.cuh),
 // the LM head (decoder_head.cuh) and the draw (decoder_sample.cuh); here the kernel and its
 // launch.
