@@ -59,6 +59,34 @@ def test_a_ring_counts_in_occupancy_and_must_cover_littles_law():
   assert (copies.async_copies, copies.loads) == (2, {})
 
 
+def slab_loop_sass(body):
+  """A ring loop: the wait for its copies, `body` (opcodes), the mmas, the branch back."""
+  ops = [("DEPBAR.LE", "SB0, 0x2")] + [(op, "") for op in body] + [("HMMA.16816.F32.BF16", ""),
+                                                                     ("BRA", "")]
+  return [((), False, op, None, operands) for op, operands in ops]
+
+
+def test_a_ring_loop_must_issue_its_slabs_faster_than_hbm_delivers_them():
+  ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 16384)
+  # 8 warps, 4 schedulers: a slab of 16 KB each 2 x cycles / 1.98 GHz; the H100's share of HBM
+  # is 25.4 GB/s an SM.
+  lean = instance(name="k<bf16>", registers=128, shared=43376,
+                  sass=slab_loop_sass(["LDS.128"] * 60 + ["LOP3.LUT"] * 50 + ["IMAD"] * 40))
+  assert [(loop.instructions, loop.cycles) for loop in lean.slab_loops] == [(153, 153)]
+  converting = instance(name="k<bf16>", registers=128, shared=43376,
+                        sass=slab_loop_sass(["I2F.S8"] * 64 + ["LOP3.LUT"] * 300))
+  assert converting.slab_loops[0].cycles == 600  # its ALU ops bind, then its conversions (512)
+  for inst in (lean, converting):
+    inst.ring = ring
+    kr.judge(inst, [kr.Budget("^k<", 128, 25, 0)], [])
+  assert lean.status == "ok"
+  assert "slab loop 153 instr, 153 cycles: 106 GB/s an SM (4.2x HBM)" in kr.in_flight(lean)
+  assert ("its slab loop issues 27 GB/s an SM, 1.1x the SM's share of HBM < 1.5x"
+          in converting.status)
+  outside = instance(sass=[((), False, "DEPBAR.LE", None, "SB0, 0x0"), ((), False, "BRA", None, "")])
+  assert outside.slab_loops == []  # no mma before the branch: not a slab loop
+
+
 GRID_SYNC_GUARD = [
     ((("/cuda/include/cooperative_groups.h", 179), ("/x/csrc/decoder/cuda/decoder.cu", 56)), True,
      "BRA", None, ""),

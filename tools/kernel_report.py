@@ -13,6 +13,8 @@ widths, local-memory instructions and traps. It fails (exit status 1) on
 - any unguarded trap (nvcc compiles undefined behaviour, such as device code reading a host
   object, into a trap; only cooperative groups' grid-sync guards, a trap in CUDA's own headers
   that a conditional branch skips or jumps to, are allowed),
+- a ring (JF_KERNEL_RING) that keeps less than Little's law in flight, or whose slab loop
+  issues its slabs at less than 1.5x the SM's share of HBM (its instructions would set its time),
 - any instance over its budget: the JF_KERNEL_BUDGET / JF_KERNEL_GAP declarations beside the
   launch code in csrc/*/cuda (core/cuda/kernel_budget.cuh says what they mean); known gaps
   print with their reasons; a gap that excuses nothing, an instance without exactly one budget, a kernel
@@ -50,11 +52,17 @@ CONTROLS = os.path.join(ROOT, "tools", "kernel_report_controls")
 # registers (allocated per warp in units of 256) and shared memory (per SM, and 1 KiB the
 # runtime reserves per block).
 # little: Little's law's bytes in flight per SM to keep HBM busy (rate x loaded latency / SMs:
-# H100 SXM 3.35 TB/s x ~700 ns / 132, A100 80GB 2.04 TB/s x ~600 ns / 108).
+# H100 SXM 3.35 TB/s x ~700 ns / 132, A100 80GB 2.04 TB/s x ~600 ns / 108); hbm_per_sm: the SM's
+# share of the HBM rate (bytes/s), and ghz its boost clock (a ring loop's issue rate, below).
 GPUS = {
-    "sm_90": dict(gpu="H100", warps=64, blocks=32, registers=65536, shared=233472, little=17765),
-    "sm_80": dict(gpu="A100", warps=64, blocks=32, registers=65536, shared=167936, little=11333),
+    "sm_90": dict(gpu="H100", warps=64, blocks=32, registers=65536, shared=233472, little=17765,
+                  hbm_per_sm=3.35e12 / 132, ghz=1.98),
+    "sm_80": dict(gpu="A100", warps=64, blocks=32, registers=65536, shared=167936, little=11333,
+                  hbm_per_sm=2.04e12 / 108, ghz=1.41),
 }
+# A ring's slab loop must issue its slab at least this many times faster than the SM's share of
+# HBM delivers it, so that its instructions hide under its bytes (issue_rate()).
+MIN_ISSUE_OVER_HBM = 1.5
 RESERVED_SHARED = 1024
 SLOW_PATHS = re.compile(r"__cuda_sm\w*_(div|rcp|sqrt|rsqrt)\w*slowpath")
 
@@ -136,6 +144,7 @@ class Instance:
   traps: list = dataclasses.field(default_factory=list)  # (guarded, where)
   occupancy: float = 0.0
   ring: object = None  # its Ring declaration, if it streams through one
+  slab_loops: list = dataclasses.field(default_factory=list)  # SlabLoop of each ring loop
   status: str = ""
   failures: list = dataclasses.field(default_factory=list)
 
@@ -306,10 +315,59 @@ def track_loads(pending, base, opcode, operands):
   return len({address for _, address in pending}), 4 * sum(len(regs) for regs, _ in pending)
 
 
+# The pipes that bind a ring loop, with a warp instruction's cycles on a scheduler (the CUDA
+# programming guide's throughputs for sm_80 / sm_90): integer logic, shifts, permutes, adds and
+# compares (ALU) and integer multiply-adds (IMAD, on the FMA pipe beside it) at 16 lanes a clock,
+# 2 cycles; the conversion unit (I2F, F2F, ...) at 4 lanes, 8 cycles; any instruction issues in 1.
+ALU = {"LOP3", "LOP", "SHF", "SHL", "SHR", "PRMT", "IADD3", "LEA", "ISETP", "SEL", "FSEL",
+       "VIADD", "VIMNMX", "IMNMX", "BMSK", "SGXT", "IABS", "FLO", "POPC", "PLOP3"}
+CONVERSIONS = {"I2F", "I2FP", "F2F", "F2FP", "F2I", "FRND"}
+
+
+@dataclasses.dataclass
+class SlabLoop:
+  instructions: int
+  cycles: int  # a warp's cycles for one slab: max(all, 2 x ALU, 2 x IMAD, 8 x conversions)
+
+
+def slab_loops(sass):
+  """The tensor-core ring loops of an instance's SASS: each from a wait for its cp.async groups
+  (DEPBAR on SB0) to the branch after the mmas that consume the slab (the next wait starts the
+  next loop)."""
+  ops = [opcode for _, _, opcode, _, operands in sass]
+  waits = [i for i, (_, _, op, _, operands) in enumerate(sass)
+           if op.startswith("DEPBAR") and "SB0" in operands]
+  loops = []
+  for k, start in enumerate(waits):
+    stop = waits[k + 1] if k + 1 < len(waits) else len(ops)
+    mma = next((i for i in range(start, stop) if ops[i].startswith("HMMA")), None)
+    end = next((i for i in range(mma, stop) if ops[i].startswith("BRA")), None) if mma else None
+    if end is None:
+      continue
+    body = [op.split(".")[0] for op in ops[start:end + 1]]
+    alu = sum(op in ALU for op in body)
+    imad = body.count("IMAD")
+    conv = sum(op in CONVERSIONS for op in body)
+    loops.append(SlabLoop(len(body), max(len(body), 2 * alu, 2 * imad, 8 * conv)))
+  return loops
+
+
+def issue_rate(inst):
+  """(bytes/s an SM at which inst's slowest slab loop issues its slabs, that over the SM's share
+  of HBM): each of a block's warps issues the loop once per slab, four schedulers an SM."""
+  gpu = GPUS.get(inst.arch)
+  if not inst.ring or not inst.slab_loops or gpu is None or inst.threads == 0:
+    return None
+  cycles = max(loop.cycles for loop in inst.slab_loops)
+  rate = 4 * inst.ring.slab_bytes * gpu["ghz"] * 1e9 / (inst.threads / 32 * cycles)
+  return rate, rate / gpu["hbm_per_sm"]
+
+
 def analyse(inst, sass):
   """Fills the SASS columns of one instance."""
   previous = None
   pending = []
+  inst.slab_loops = slab_loops(sass)
   for where, predicated, opcode, subroutine, operands in sass:
     base = opcode.split(".")[0]
     arrays, nbytes = track_loads(pending, base, opcode, operands)
@@ -555,6 +613,10 @@ def judge(inst, budgets, gaps, floors=()):
   if inst.ring and ring_in_flight(inst) < little:
     inst.failures.append(f"its ring keeps {ring_in_flight(inst) / 1024:.0f} KB an SM in flight, "
                          f"below Little's law's {little / 1024:.0f} KB ({inst.ring.where})")
+  issue = issue_rate(inst)
+  if issue and issue[1] < MIN_ISSUE_OVER_HBM:
+    inst.failures.append(f"its slab loop issues {issue[0] / 1e9:.0f} GB/s an SM, "
+                         f"{issue[1]:.1f}x the SM's share of HBM < {MIN_ISSUE_OVER_HBM}x")
   mine = [b for b in budgets if re.search(b.pattern, inst.name)]
   if len(mine) != 1:
     inst.failures.append(f"matches {len(mine)} JF_KERNEL_BUDGET declarations, not one"
@@ -591,6 +653,11 @@ def in_flight(inst):
     ring = ring_in_flight(inst)
     text += (f"; ring {inst.ring.slots[inst.arch] - 1} x {inst.ring.slab_bytes // 1024} KB: "
              f"{ring / 1024:.0f} KB/SM ({ring / gpu['little']:.1f}x)")
+    issue = issue_rate(inst)
+    if issue:
+      most = max(inst.slab_loops, key=lambda loop: loop.cycles)
+      text += (f"; slab loop {most.instructions} instr, {most.cycles} cycles: "
+               f"{issue[0] / 1e9:.0f} GB/s an SM ({issue[1]:.1f}x HBM)")
   return text
 
 
@@ -741,7 +808,11 @@ reads any of the loaded values, the most bytes a thread so loads, and those byte
 resident threads at that occupancy against Little's law (HBM rate x ~700 ns / SMs: about 17 KB
 on an H100, 11 KB on an A100; the deepest run anywhere in the kernel, not necessarily its main
 loop's), and for a kernel that streams through a ring of dynamic shared memory (cp.async;
-its shared B adds the ring's slots to the static bytes) the ring's slabs in flight per SM;
+its shared B adds the ring's slots to the static bytes) the ring's slabs in flight per SM and
+its slowest slab loop (from a wait for its copies to the branch after its mmas): instructions,
+a warp's cycles (the most of: one an instruction, two an integer ALU op, two an IMAD, eight a
+conversion) and the rate at which the block's warps so issue slabs, against the SM's share of
+HBM (at least 1.5x, or the report fails);
 a trap is guarded when it is cooperative groups' grid-sync check, branched around or
 reached only by a jump; a gap is an instance over its budget and within a known gap, whose
 reason names the issue that closes it.

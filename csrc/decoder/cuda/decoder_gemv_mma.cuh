@@ -150,16 +150,14 @@ struct MmaStepWeights {
   using Weights = WeightVector<DType::kBF16, kW>;  // 8 columns of kW: 16 or 8 bytes
   Weights row[4];
 
-  // From a ring slab: rows `row` .. row + 3 (row % 4 == 0), the lane's 8 columns at `unit` (its
-  // kBytes-wide unit of the slab row).
-  __device__ static MmaStepWeights from_slab(const char* slab, int row, int unit) {
+  // From a ring slab: rows 0 .. 3 from `at`, the lane's chunk of its step's first row (rows are
+  // kRowBytes apart; the swizzle is the same for the 16 rows of a step).
+  __device__ static MmaStepWeights from_slab(const char* at) {
     using Raw = typename Weights::Raw;
     MmaStepWeights s;
-    const int byte = unit * Weights::kBytes, chunk = (byte >> 4) ^ ring_swizzle(row);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      s.row[r].raw = *reinterpret_cast<const Raw*>(slab + (row + r) * RingSlab<kW>::kRowBytes +
-                                                   chunk * 16 + (byte & 15));
+      s.row[r].raw = *reinterpret_cast<const Raw*>(at + r * RingSlab<kW>::kRowBytes);
     }
     return s;
   }
@@ -230,30 +228,43 @@ __device__ __forceinline__ void stage_mma_inputs(Smem& sm, const Input& in, int 
 template <int kTiles>
 using MmaAcc = float[kTiles][4][4];  // [batch tile][mma j][c0..c3]
 
-// acc += this warp's steps of a ring slab: phase p of a warp tile takes the slab's 16-row steps
-// p, p + kMmaPhases, ..., whose inputs are the staged chunk's rows from chunk_row on. kTiles:
-// batch tiles of 8 rows (1 or 2).
+// A lane's offsets in every ring slab and staged chunk of a pass (formed once a pass, not per
+// slab from the thread index): phase p of a warp tile takes the slab's 16-row steps p,
+// p + kMmaPhases, ...; lane (g, q) reads rows 4q .. 4q + 3 of each, columns 8g .. 8g + 7 of its
+// warp tile, and the inputs' cell of those rows in batch row 8t + g.
+template <DType kW>
+struct MmaLane {
+  int weights;  // bytes from a slab's start to the lane's chunk of its first step's first row
+  int cell;     // the index of its input cell of batch tile 0 at a staged chunk's row 0
+
+  __device__ static MmaLane of_thread() {
+    const unsigned tid = unsigned(thread_index());  // unsigned: shifts and masks, not divisions
+    const int warp = int(tid / 32), g = int(tid % 32 / 4), q = int(tid % 4);
+    const int row = 16 * (warp / kMmaSubTiles) + 4 * q;
+    const int byte = (warp % kMmaSubTiles * 8 + g) * WeightVector<DType::kBF16, kW>::kBytes;
+    return {row * RingSlab<kW>::kRowBytes + ((byte >> 4) ^ ring_swizzle(row)) * 16 + (byte & 15),
+            g * kMmaCellsPerRow + row / 4};
+  }
+};
+
+// acc += this warp's steps of a ring slab, whose inputs are the staged chunk's rows from
+// chunk_row on. kTiles: batch tiles of 8 rows (1 or 2).
 template <DType kW, int kTiles>
 __device__ __forceinline__ void mma_slab(const Smem& sm, const char* slab, int chunk_row,
-                                         MmaAcc<kTiles>& acc) {
-  constexpr int kSteps = RingSlab<kW>::kSteps;
-  const unsigned tid = unsigned(thread_index());  // unsigned: shifts and masks, not signed division
-  const int warp = int(tid / 32), g = int(tid % 32 / 4), q = int(tid % 4);
-  // The slab row of this lane's first row in its step st.
-  const auto step_row = [&](int st) {
-    return 16 * (st * kMmaPhases + warp / kMmaSubTiles) + 4 * q;
-  };
+                                         const MmaLane<kW>& lane, MmaAcc<kTiles>& acc) {
+  constexpr int kSteps = RingSlab<kW>::kSteps, kStepRows = 16 * kMmaPhases;
   MmaStepWeights<kW> w[kSteps];
 #pragma unroll
   for (int st = 0; st < kSteps; ++st) {
-    w[st] = MmaStepWeights<kW>::from_slab(slab, step_row(st), warp % kMmaSubTiles * 8 + g);
+    w[st] = MmaStepWeights<kW>::from_slab(slab + lane.weights +
+                                          st * kStepRows * RingSlab<kW>::kRowBytes);
   }
+  const uint4* cells = sm.mma_cell(0, 0) + lane.cell + chunk_row / 4;
 #pragma unroll
   for (int st = 0; st < kSteps; ++st) {
-    const int row = step_row(st);
     uint4 x[kTiles];
 #pragma unroll
-    for (int t = 0; t < kTiles; ++t) x[t] = *sm.mma_cell(8 * t + g, (chunk_row + row) >> 2);
+    for (int t = 0; t < kTiles; ++t) x[t] = cells[8 * t * kMmaCellsPerRow + st * kStepRows / 4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       uint32_t a[4];
@@ -313,6 +324,7 @@ __device__ __forceinline__ void mma_pass(Smem& sm, const SlabStream<kW>& stream,
       for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
   for (int s = 0; s + 1 < stream.slots; ++s) stream.issue(s);
   if (b0 == 0) await_inputs();
+  const MmaLane<kW> lane = MmaLane<kW>::of_thread();
   for (int s = 0; s < stream.slabs(); ++s) {
     const int chunk_row = s * RingSlab<kW>::kRows % kMmaChunk;
     const int r0 = stream.k0 + s * RingSlab<kW>::kRows;
@@ -321,7 +333,7 @@ __device__ __forceinline__ void mma_pass(Smem& sm, const SlabStream<kW>& stream,
     }
     await_slab(stream.slots);
     stream.issue(s + stream.slots - 1);
-    mma_slab<kW, kTiles>(sm, stream.slot(s), chunk_row, acc);
+    mma_slab<kW, kTiles>(sm, stream.slot(s), chunk_row, lane, acc);
   }
   write_mma_partials<kTiles>(sm, acc, partials, nb);
 }
