@@ -85,6 +85,9 @@ def test_a_ring_loop_must_issue_its_slabs_faster_than_hbm_delivers_them():
           in converting.status)
   outside = instance(sass=[((), False, "DEPBAR.LE", None, "SB0, 0x0"), ((), False, "BRA", None, "")])
   assert outside.slab_loops == []  # no mma before the branch: not a slab loop
+  outside.ring = ring
+  kr.judge(outside, [kr.Budget(r"\bChunkOp<", 128, 25, 0)], [])
+  assert "no slab loop found in its SASS" in outside.status
 
 
 GRID_SYNC_GUARD = [

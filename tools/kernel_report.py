@@ -14,7 +14,8 @@ widths, local-memory instructions and traps. It fails (exit status 1) on
   object, into a trap; only cooperative groups' grid-sync guards, a trap in CUDA's own headers
   that a conditional branch skips or jumps to, are allowed),
 - a ring (JF_KERNEL_RING) that keeps less than Little's law in flight, or whose slab loop
-  issues its slabs at less than 1.5x the SM's share of HBM (its instructions would set its time),
+  issues its slabs at less than 1.5x the SM's share of HBM (its instructions would set its time)
+  or cannot be found,
 - any instance over its budget: the JF_KERNEL_BUDGET / JF_KERNEL_GAP declarations beside the
   launch code in csrc/*/cuda (core/cuda/kernel_budget.cuh says what they mean); known gaps
   print with their reasons; a gap that excuses nothing, an instance without exactly one budget, a kernel
@@ -613,6 +614,9 @@ def judge(inst, budgets, gaps, floors=()):
   if inst.ring and ring_in_flight(inst) < little:
     inst.failures.append(f"its ring keeps {ring_in_flight(inst) / 1024:.0f} KB an SM in flight, "
                          f"below Little's law's {little / 1024:.0f} KB ({inst.ring.where})")
+  if inst.ring and not inst.slab_loops:
+    inst.failures.append("no slab loop found in its SASS (a wait for its copies, mmas, a branch): "
+                         "its issue rate is unchecked")
   issue = issue_rate(inst)
   if issue and issue[1] < MIN_ISSUE_OVER_HBM:
     inst.failures.append(f"its slab loop issues {issue[0] / 1e9:.0f} GB/s an SM, "

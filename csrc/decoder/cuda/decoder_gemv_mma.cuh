@@ -108,7 +108,7 @@ struct SlabStream {
 
   // Issues slab s's copies (none past the item's last slab) as one commit group: every wait
   // then counts slabs. A thread copies the same 16-byte chunk of rows kRoundRows apart, so its
-  // column, byte count and first address are formed once and each copy adds a row offset.
+  // column and first address are formed once and each copy adds the rows' stride.
   __device__ void issue(int s) const {
     constexpr int kBytes = dtype_bytes(kW);
     constexpr int kRoundRows = kThreads / Slab::kChunksPerRow;
