@@ -34,10 +34,11 @@ void test_every_pair(const char* name, std::mt19937& rng) {
       const uint32_t ignored = rng() & 0x00ff00ffu;
       const uint32_t got = widen_pair<kW>(lo << 8 | hi << 24 | ignored);
       const uint32_t want = expected_bits<kW>(lo) | expected_bits<kW>(hi) << 16;
+      if (got == want) continue;
       char what[96];
       std::snprintf(what, sizeof what, "%s codes (0x%02x, 0x%02x): 0x%08x, want 0x%08x", name, lo,
                     hi, got, want);
-      check(got == want, what);
+      check(false, what);
     }
   }
 }
