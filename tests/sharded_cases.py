@@ -1,5 +1,8 @@
 """jaxfuse on sharded arrays, on 8 fake CPU devices. Run by tests/test_sharding.py in a process of
-its own (the device count must be set before jax starts its backend); collected alone it skips.
+its own (the device count must be set before jax starts its backend), with its `-m` expression;
+collected alone it skips. Cases marked slow repeat what a faster one checks on other jax APIs
+(the other mesh kind, optax's own collectives, more wrappers): CI's legs on older jax versions
+leave them out.
 
 Every case compares with optax (or the unsharded jaxfuse op) on the same inputs, and checks what
 sharding is for: outputs keep their operands' shardings, nothing is gathered, the norm costs one
@@ -513,6 +516,7 @@ def test_stochastic_rounding_on_sharded_params(mesh_name, kind):
         assert np.any(bits(p[k])[rows:] != bits(whole[k])[rows:])  # other streams
 
 
+@pytest.mark.parametrize("kind", ["explicit", pytest.param("auto", marks=pytest.mark.slow)])
 def test_moments8_on_sharded_params(kind):
   """8-bit moments on params split along dimensions their blocks do not run along: each device
   quantizes its own whole blocks, the unsharded step's bits; a leaf split along a dimension its
@@ -622,6 +626,7 @@ def test_split_packed_state_every_family(variant):
   assert sorted(map(int, gathered)) == sorted([*layout.buffer_sizes, 8 * 8257]), gathered
 
 
+@pytest.mark.slow
 def test_split_packed_state_optax_protocol():
   """tx.update on a split state: every device's updates of its chunks, gathered (the large leaf
   alone, the small ones one all-gather per updates dtype), as the unsplit protocol's within ulps (XLA may contract a multiply and
@@ -657,6 +662,7 @@ SPLIT_OPTIONS = {
 }
 
 
+@pytest.mark.parametrize("kind", ["auto", pytest.param("explicit", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("option", SPLIT_OPTIONS)
 def test_split_packed_state_options(option, kind):
   """AdamW with the clip folded in and each opt-in on a split state (bf16 params, a non-finite
@@ -681,6 +687,7 @@ def test_split_packed_state_options(option, kind):
   assert all(b.sharding.spec == P("fsdp") for b in _split_buffers(state))
 
 
+@pytest.mark.slow
 def test_split_packed_state_where_steps_run():
   """The split step over two mesh axes, inside the caller's shard_map, under
   optax.inject_hyperparams and jaxfuse.multi_steps, with packed params, and with stochastic
@@ -767,8 +774,9 @@ def _muon_collectives(tx, grads, state, params, fused=True):
   return (*collectives(text), len(re.findall(r"\ball-to-all(-start)?\(", text)))
 
 
-@pytest.mark.parametrize("mesh_name,kind", [("fsdp", "auto"), ("fsdp", "explicit"),
-                                            ("data_model", "explicit")])
+@pytest.mark.parametrize("mesh_name,kind", [
+    pytest.param("fsdp", "auto", marks=pytest.mark.slow),
+    pytest.param("fsdp", "explicit", marks=pytest.mark.slow), ("data_model", "explicit")])
 def test_muon_owner_compute(mesh_name, kind):
   """jaxfuse.muon with a folded clip on sharded matrices: each stack's matrices split over the
   mesh's devices, each device orthogonalizing whole matrices of its own, equal to the unsharded

@@ -18,9 +18,11 @@ def _env(**extra):
   return env
 
 
-def test_sharded_cases_on_8_devices():
+def test_sharded_cases_on_8_devices(request):
+  marks = request.config.getoption("markexpr")  # -m "not slow" leaves out sharded_cases' slow
   result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "sharded_cases.py"],
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "sharded_cases.py",
+       *(["-m", marks] if marks else [])],
       cwd=_TESTS, capture_output=True, text=True, timeout=900,
       env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"))
   report = result.stdout[-6000:] + result.stderr[-3000:]
