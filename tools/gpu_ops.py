@@ -152,17 +152,19 @@ def run_steps(gpu, cpu, cases):
 # (activations, matrices, batch, max_seq_len): fp32 and fp16 (the FMA GEMVs), bf16 (tensor cores,
 # one 8-row batch tile), int8 / fp8 under bf16, bf16 at batch 12 (two batch tiles) over 1024
 # positions (each warp's attention loop takes several rounds), and int8 / fp8 matrices of every
-# code (every_code(); last, so that the sanitizer steps' time limits reach the others first).
+# code (every_code(); last, so that the sanitizer steps' time limits reach the others first),
+# widened to bf16 for the tensor cores and to fp32 for the FMA GEMVs (fp16 and fp32).
 DECODER_CASES = [(jnp.float32, None, 3, 96), (jnp.float16, None, 3, 96),
                  (jnp.bfloat16, None, 3, 96), (jnp.bfloat16, "int8", 3, 96),
                  (jnp.bfloat16, "fp8", 3, 96), (jnp.bfloat16, None, 12, 1024),
-                 (jnp.bfloat16, "int8 every code", 3, 96), (jnp.bfloat16, "fp8 every code", 3, 96)]
+                 (jnp.bfloat16, "int8 every code", 3, 96), (jnp.bfloat16, "fp8 every code", 3, 96),
+                 (jnp.float16, "int8 every code", 3, 96), (jnp.float32, "fp8 every code", 3, 96)]
 
 
 def every_code(weights, quantization, seed):
-  """The 8-bit matrices' codes drawn uniformly, so that each code's widening to bf16 shows in the
-  sums: int8 from all 256; fp8 from the 48 of its three lowest binades, a third of them
-  subnormal (quantized weights hardly ever hold one, and a widening that flushed them would
+  """The 8-bit matrices' codes drawn uniformly, so that each code's widening (to bf16 or fp32)
+  shows in the sums: int8 from all 256; fp8 from the 48 of its three lowest binades, a third of
+  them subnormal (quantized weights hardly ever hold one, and a widening that flushed them would
   change nothing visible)."""
   from jaxfuse._decode.quantize import MATRICES
   rng = np.random.default_rng(seed)

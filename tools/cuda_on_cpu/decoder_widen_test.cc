@@ -1,8 +1,8 @@
 // The CUDA decoder's 8-bit weight widening (csrc/decoder/cuda/decoder_widen.cuh) on every pair
 // of codes, run on the CPU by tools/cuda_on_cpu: each int8 and fp8 e4m3 code (subnormal, zero,
 // the NaN codes read as +-480) must come out as the bf16 bits of the value the CPU handlers read,
-// whatever the ignored bytes hold, and the gathers of the GEMV and the LM head must pair the
-// codes they name. The emulator's bf16 fma computes in double from the bits; on a GPU, with
+// whatever the ignored bytes hold, the gathers of the GEMV and the LM head must pair the codes
+// they name, and the fp32 widening of the FMA GEMVs must give every code's value in every byte. The emulator's bf16 fma computes in double from the bits; on a GPU, with
 // subnormal fp8 codes, tools/gpu_ops.py's decoder cases check the same against the CPU handler.
 // Exit status 0 when every check passes.
 #include <cstdio>
@@ -63,6 +63,26 @@ void test_gathers(const char* name, std::mt19937& rng) {
   }
 }
 
+// The FMA GEMVs' fp32 widening (widen_floats): every code in every byte of a word, the other
+// bytes random, to the bits of the CPU handlers' value.
+template <DType kW>
+void test_floats(const char* name, std::mt19937& rng) {
+  for (uint32_t c = 0; c < 256; ++c) {
+    for (int byte = 0; byte < 4; ++byte) {
+      const uint32_t w = (rng() & ~(0xffu << 8 * byte)) | c << 8 * byte;
+      float o[4];
+      widen_floats<kW>(w, o);
+      for (int i = 0; i < 4; ++i) {
+        if (float_bits(o[i]) == expected_bits<kW>(w >> 8 * i & 0xffu) << 16) continue;
+        char what[96];
+        std::snprintf(what, sizeof what, "%s fp32 widening of word 0x%08x, byte %d: 0x%08x",
+                      name, w, i, float_bits(o[i]));
+        check(false, what);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace jaxfuse::cuda_decoder
 
@@ -74,7 +94,10 @@ int main() {
   test_every_pair<DType::kF8E4M3>("fp8", rng);
   test_gathers<DType::kI8>("int8", rng);
   test_gathers<DType::kF8E4M3>("fp8", rng);
-  std::printf("decoder widening (every int8 and fp8 code pair, the GEMV and head gathers): %s, "
+  test_floats<DType::kI8>("int8", rng);
+  test_floats<DType::kF8E4M3>("fp8", rng);
+  std::printf("decoder widening (every int8 and fp8 code pair, the GEMV and head gathers, the "
+              "fp32 widening of every code): %s, "
               "%d failures\n", failures ? "FAILED" : "ok", failures);
   return failures ? 1 : 0;
 }

@@ -8,6 +8,7 @@
 
 #include "decoder/decoder.h"
 #include "core/cuda/common.cuh"
+#include "decoder/cuda/decoder_widen.cuh"
 
 namespace jaxfuse::cuda_decoder {
 
@@ -184,10 +185,7 @@ struct WeightVector {
   static constexpr int kPerWord = 4 / kElementBytes;
   // Rows whose vectors a lane loads before using them: kInFlight bytes, so 8-bit weights keep
   // as many bytes in flight in the same raw registers (8 rows of 16 bytes, 16 of 8, 32 of 4).
-  // fp32 activations with fp8 weights keep half: 32 rows of 4-byte vectors and their software
-  // fp8 decode (sm_80) do not fit 128 registers (64 B per lane still hold 32 KB per SM in flight).
-  static constexpr int kRowsInFlight =
-      kInFlight / kBytes / (kT == DType::kF32 && kW == DType::kF8E4M3 ? 2 : 1);
+  static constexpr int kRowsInFlight = kInFlight / kBytes;
   using Raw = typename VectorLoad<kBytes>::Raw;
 
   Raw raw;
@@ -199,10 +197,16 @@ struct WeightVector {
   }
   __device__ static WeightVector zero() { return {Raw{}}; }
 
-  // The kVec weights as fp32: exact for every kW.
+  // The kVec weights as fp32: exact for every kW (8-bit ones a word at a time, without the
+  // conversion unit: decoder_widen.cuh).
   __device__ void unpack(float* o) const {
+    if constexpr (kElementBytes == 1) {
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) o[i] = at(i);
+      for (int j = 0; j < kVec / 4; ++j) widen_floats<kW>(word(raw, j), o + 4 * j);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) o[i] = at(i);
+    }
   }
   // Weight i (a compile-time index) as fp32.
   __device__ float at(int i) const {

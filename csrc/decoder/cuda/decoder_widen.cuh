@@ -1,15 +1,19 @@
-// The CUDA decoder's 8-bit weights as bf16 pairs, for the tensor cores (included by
-// decoder_gemv_mma.cuh: the GEMV and the LM head under bf16 activations). bf16 holds every int8
-// and fp8 e4m3 value exactly; a pair of codes is widened by a shift, two logic ops and one bf16x2
-// fma. Widening each code through fp32 instead (an I2F on the quarter-rate conversion unit, or
+// The CUDA decoder's 8-bit weights widened without the conversion unit (included by
+// decoder_common.cuh): as bf16 pairs for the tensor cores (the GEMV and the LM head under bf16
+// activations), and as fp32 for the FMA GEMVs and head (fp32 and fp16 activations). bf16 holds
+// every int8 and fp8 e4m3 value exactly; a pair of codes is widened by a shift, two logic ops and
+// one bf16x2 fma. Widening each code through an I2F on the quarter-rate conversion unit (and
 // fp8's select between a normal and a subnormal form) made the 8-bit GEMVs issue-bound: at batch
 // 1 their instructions, not their bytes, set the stages' time.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 
-#include "decoder/cuda/decoder_common.cuh"
+#include "core/dtype.h"
 
 namespace jaxfuse::cuda_decoder {
 
@@ -105,6 +109,28 @@ __device__ __forceinline__ void widen_rows(uint32_t wa, uint32_t wb, int byte, u
 template <DType kW>
 __device__ __forceinline__ void widen_word(uint32_t w, uint32_t& first, uint32_t& second) {
   widen_pairs<kW>(__byte_perm(w, w, 0x3120u), first, second);
+}
+
+// The four codes of w (byte i in o[i]) as fp32, exactly.
+//   int8:  byte i of w ^ 0x80808080 is c + 128; as the low byte of the float 2^23 (0x4b000000) it
+//          makes 2^23 + 128 + c, from which one subtraction leaves c.
+//   fp8:   widen_word's bf16 pairs; a bf16 is a float's high half.
+template <DType kW>
+__device__ __forceinline__ void widen_floats(uint32_t w, float* o) {
+  if constexpr (kW == DType::kI8) {
+    const uint32_t biased = w ^ 0x80808080u;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      o[i] = __uint_as_float(__byte_perm(biased, 0x4b000000u, 0x7650u + i)) - 8388736.0f;
+    }
+  } else {
+    uint32_t first, second;
+    widen_word<kW>(w, first, second);
+    o[0] = __uint_as_float(first << 16);
+    o[1] = __uint_as_float(first & 0xffff0000u);
+    o[2] = __uint_as_float(second << 16);
+    o[3] = __uint_as_float(second & 0xffff0000u);
+  }
 }
 
 }  // namespace jaxfuse::cuda_decoder
