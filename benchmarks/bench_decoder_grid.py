@@ -9,11 +9,12 @@ plain XLA, on the row's own weights (XLA widens 8-bit matrices inside the step):
   model:   the same bf16-activation layers with XLA's embedding, final norm, head and draw.
 A row's cache holds its context (as a plain JAX decoder sizes it).
 
-The rows run in order of importance (context 1k, then 4k, then 16k); a context's steps are
-compiled together on a pool of threads before its rows are timed (XLA's compiler releases the
-GIL; the unrolled reference's compiles would otherwise be most of the run), and each row is timed
-in interleaved rounds with its baselines (medians). The table is written to --out after every row, so a run cut off by its time limit
-keeps what it measured, and rows past --budget-s are listed as not reached.
+The rows run in order of importance (context 1k, then 4k, then 16k); a context's steps are compiled
+together on a pool of threads before its rows are timed (XLA's compiler releases the GIL; the
+unrolled reference's compiles would otherwise be most of the run), and each row is timed in
+interleaved rounds with its baselines (medians). The table is written to --out after every row, so a
+run cut off by its time limit keeps what it measured, and rows past --budget-s are listed as not
+reached.
 
 Columns: ms per step; the faster plain's and the ratio; the bytes a step reads (weights, the
 head's scales included, the embedding rows only as the head, and the K and V rows up to the

@@ -216,11 +216,16 @@ def check_decoder(cfg, x, positions, w, cache):
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   np.testing.assert_allclose(np.asarray(h_e, np.float32), np.asarray(h_n, np.float32), rtol=tol, atol=tol)
   if dtype != jnp.float32:
-    # Both sum fp32 products of fp32 inputs: a 16-bit output's bits differ only where the
-    # summation order flips a rounding (~1%). GEMV inputs rounded to 16 bits (the tensor-core
-    # path without its lo half) flip about half of them, inside the tolerance above.
+    # The FMA path sums fp32 products of fp32 inputs, as the CPU does: a 16-bit output's bits
+    # differ only where the summation order flips a rounding (~1%). The tensor-core path (bf16
+    # activations; fp16 ones with 8-bit matrices) splits its inputs into bf16 hi + lo, products
+    # within ~2^-18 of fp32's; over sums of terms that cancel ~16-fold that flips ~1/64 of bf16
+    # outputs and ~1/8 of fp16 ones (whose ulp is 8x finer). Inputs rounded to 16 bits (the path
+    # without its lo half) flip about half of bf16's, nearly all of fp16's.
+    mma_f16 = dtype == jnp.float16 and cfg.quantization is not None
     same = np.mean(np.asarray(h_e).view(np.uint16) == np.asarray(h_n).view(np.uint16))
-    assert same >= 0.9, f"only {same:.1%} of the outputs are the CPU handler's bits"
+    assert same >= (0.75 if mma_f16 else 0.9), \
+        f"only {same:.1%} of the outputs are the CPU handler's bits"
   written = np.zeros(cache.k.shape, bool)  # [L, B, S, KV, hd]: row positions[b] of every layer
   written[:, np.arange(x.shape[0]), np.asarray(positions)] = True
   for new_e, new_n, old in zip(c_e, c_n, cache):
@@ -277,12 +282,12 @@ def test_decoder_attention_lane_groups(dtype, head_dim, device, monkeypatch):
      "hidden_size, intermediate_size and head_dim to be multiples of 8 for bfloat16"),
     (jnp.float32, 256, "head_dim <= 128 for float32"),
     ("int8", 24, "hidden_size, intermediate_size and head_dim to be multiples of 16 for 8-bit "
-                 "weights with bfloat16 activations")])
+                 "weights with float16 activations")])
 def test_decoder_head_dim_limits(dtype, head_dim, message):
   """A head the kernel's 16-byte k/v vectors (or its weight ring's 16-byte copies of 8-bit
   rows) cannot cover is refused, naming head_dim."""
   quantization = dtype if isinstance(dtype, str) else None
-  dtype = jnp.bfloat16 if quantization else dtype
+  dtype = jnp.float16 if quantization else dtype  # 8-bit weights on tensor cores under fp16
   cfg = jaxfuse.DecoderConfig(num_layers=1, hidden_size=128, num_heads=4, num_kv_heads=2,
                               head_dim=head_dim, intermediate_size=128, max_seq_len=8,
                               quantization=quantization)

@@ -307,8 +307,9 @@ stage_variants() {
 #   bench_decoder_grid    issue 40's rows: the 16 layers and the whole step (head and draw
 #                         included), bf16 / int8 / fp8 matrices, batch 1/4/16, context 1k/4k/16k,
 #                         each beside plain XLA, in 170 s (rows past it listed as not reached)
-#   decoder_timeline      the 16 layers' stages at batch 1/4/16, block by block (their shares of the step,
-#                         work, waits, wake latencies), and the whole step's at batch 1 and 16
+#   decoder_timeline      the 16 layers' stages at batch 1/4/16, context 1k, block by block
+#                         (their shares of the step, work, waits, wake latencies), and the whole
+#                         step's at batch 1 and 16
 #   bench_generate        the whole step (embedding, layers, head, draw), batch 1/4/16, and
 #                         generate's tokens/s, beside plain XLA
 #   bench_optim           AdamW on GPT-2 small (fp32; bf16 with master weights), with and

@@ -1,10 +1,10 @@
-// The CUDA decoder's 8-bit weight widening (csrc/decoder/cuda/decoder_widen.cuh) on every pair
-// of codes, run on the CPU by tools/cuda_on_cpu: each int8 and fp8 e4m3 code (subnormal, zero,
-// the NaN codes read as +-480) must come out as the bf16 bits of the value the CPU handlers read,
-// whatever the ignored bytes hold, the gathers of the GEMV and the LM head must pair the codes
-// they name, and the fp32 widening of the FMA GEMVs must give every code's value in every byte. The emulator's bf16 fma computes in double from the bits; on a GPU, with
-// subnormal fp8 codes, tools/gpu_ops.py's decoder cases check the same against the CPU handler.
-// Exit status 0 when every check passes.
+// The CUDA decoder's 8-bit weight widening (csrc/decoder/cuda/decoder_widen.cuh) on every pair of
+// codes, run on the CPU by tools/cuda_on_cpu: each int8 and fp8 e4m3 code (subnormal, zero, the NaN
+// codes read as +-480) must come out as the bf16 bits of the value the CPU handlers read, whatever
+// the ignored bytes hold, the gathers of the GEMV and the LM head must pair the codes they name,
+// and the fp32 widening of the FMA GEMVs must give every code's value in every byte. The emulator's
+// bf16 fma computes in double from the bits; on a GPU, with subnormal fp8 codes, tools/gpu_ops.py's
+// decoder cases check the same against the CPU handler. Exit status 0 when every check passes.
 #include <cstdio>
 #include <random>
 #include <string>

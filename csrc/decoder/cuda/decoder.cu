@@ -165,10 +165,11 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
                             "to be multiples of ", vec, " for ", dtype_name(d.dtype));
   }
   // The tensor-core GEMV's weight ring copies 16-byte chunks of the matrices' rows.
-  if (d.dtype == DType::kBF16 && dtype_bytes(d.wdtype) == 1 &&
+  if (mma_gemv(d.dtype, d.wdtype) && dtype_bytes(d.wdtype) == 1 &&
       (d.D % 16 || d.I % 16 || d.hd % 16)) {
     return invalid_argument("the CUDA kernel needs hidden_size, intermediate_size and head_dim "
-                            "to be multiples of 16 for 8-bit weights with bfloat16 activations");
+                            "to be multiples of 16 for 8-bit weights with ", dtype_name(d.dtype),
+                            " activations");
   }
   // A k or v row is at most one 16-byte vector per lane of a warp.
   const int64_t max_head_dim = std::min<int64_t>(kMaxHeadDim, 32 * vec);
@@ -269,7 +270,8 @@ GemvPlan gemv_plan(int blocks, int tiles, int k_rows, int batch, bool paired) {
   return g;
 }
 
-LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int ring_slots) {
+LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int ring_slots,
+                       bool mma_head) {
   LaunchPlan plan;
   plan.qkv = gemv_plan(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden, d.batch, false);
   plan.o_proj = gemv_plan(blocks, d.hidden_tiles, d.q_dim, d.batch, false);
@@ -283,9 +285,9 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int rin
   plan.attn_items = int(items) * plan.attn_splits;
   plan.attn_groups = int(items);
   // LM head: as many batch rows per pass as its staging area holds (check_kernel_limits: >= 1),
-  // the weight ring's memory on tensor cores (bf16 activations: a ring).
+  // the weight ring's memory on tensor cores (bf16 activations, which always have a ring).
   plan.head_rows =
-      ring_slots > 0
+      mma_head
           ? int(std::clamp<int64_t>(ring_slots * kRingSlabBytes / mma_head_row_bytes(d.hidden),
                                     1, kMmaBatch))
           : std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
@@ -298,16 +300,16 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int rin
 JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 32);
 // The tensor-core GEMV's weight ring (ring_slots()): 4 slots of 16 KB on an H100, 2 on an A100.
 static_assert(kRingSlabBytes == 16384 && kMaxRingSlots == 4, "the ring declared below");
-JF_KERNEL_RING("^decoder_kernel<bf16, ", 4, 2, 16384, 16384);
+JF_KERNEL_RING("^decoder_kernel<(bf16, |f16, (i8|f8e4m3)>)", 4, 2, 16384, 16384);
 
 // Slots of decoder_kernel<kT, kW>'s weight ring (its dynamic shared memory: the tensor-core GEMV,
-// bf16 activations; none for the others): 4 where kMaxBlocksPerSm blocks with 4 still fit an SM
-// (an H100), else 2 (an A100). The kernel opts in to that much dynamic shared memory once per
+// mma_gemv(); none for the others): 4 where kMaxBlocksPerSm blocks with 4 still fit an SM (an
+// H100), else 2 (an A100). The kernel opts in to that much dynamic shared memory once per
 // device.
 template <DType kT, DType kW>
 cudaError_t ring_slots(int* slots) {
   *slots = 0;
-  if constexpr (kT != DType::kBF16) {
+  if constexpr (!mma_gemv(kT, kW)) {
     return cudaSuccess;
   } else {
     static std::atomic<int> cached[64];
@@ -342,7 +344,7 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   constexpr auto kernel = decoder_kernel<kT, kW>;
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, ring_bytes, &blocks));
   const KernelDims dims = kernel_dims(call.dims);
-  const LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT), slots);
+  const LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT), slots, kT == DType::kBF16);
   const DecoderParams params{dims, call.buffers,
                              DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
                              plan};

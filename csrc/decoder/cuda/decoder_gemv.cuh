@@ -1,10 +1,11 @@
 // The CUDA decoder's GEMV engine (included by cuda/decoder.cu only): the fp32-FMA work item for
-// fp32 and fp16 activations (bf16's runs on tensor cores: decoder_gemv_mma.cuh), the stage loop,
-// the split-K finish and the L2 prefetch shared by both. Weights [K, N], N
-// contiguous, of dtype kW: the activations' kT, or int8 / fp8 e4m3 with per-column scales
-// (weight-only quantization: y[n] = scale[n] * sum_k a[k] * W[k, n]). A column tile is 32 lanes
-// x kVec columns (GemvTile<kT>: 256 columns of a 16-bit kT, 128 of fp32), so every warp load is
-// contiguous: 512 bytes, or 256 / 128 of 8-bit weights. A work item is (tile, split of K); the
+// fp32 activations and fp16 matrices under fp16 ones (the others run on tensor cores, mma_gemv():
+// decoder_gemv_mma.cuh), the stage loop, the split-K finish and the L2 prefetch shared by both.
+// Weights [K, N], N contiguous, of dtype kW: the activations' kT, or int8 / fp8 e4m3 with
+// per-column scales (weight-only quantization: y[n] = scale[n] * sum_k a[k] * W[k, n]). A column
+// tile is 32 lanes x kVec columns (GemvTile<kT>: 256 columns of a 16-bit kT, 128 of fp32), so
+// every warp load is contiguous: 512 bytes, or 256 / 128 of 8-bit weights. A work item is (tile,
+// split of K); the
 // 8 warps of a block take interleaved groups of kRowsInFlight rows (128 bytes of loads in flight
 // per lane: 8 rows of 16-byte vectors, 16 or 32 of 8-bit ones), accumulate fp32 for up to
 // kBatchPass batch rows (more rows: another pass over the same, now L1/L2-resident, weight
@@ -152,7 +153,7 @@ __device__ __forceinline__ void write_partials(const DecoderParams& p, Smem& sm,
 template <DType kT, DType kW, typename Input, typename Await>
 __device__ __forceinline__ void gemv_item(const DecoderParams& p, Smem& sm, const GemvJob& job,
                                           const Input& in, int item, const Await& await_inputs) {
-  if constexpr (kT == DType::kBF16) {
+  if constexpr (mma_gemv(kT, kW)) {
     mma_gemv_item<kW>(p, sm, job, in, item, await_inputs);
     return;
   }

@@ -1,7 +1,7 @@
-// The CUDA decoder's tensor-core GEMV work item, for bf16 activations (included by
-// decoder_gemv.cuh only): every weight byte of the item is read once for up to kMmaBatch batch
-// rows, so a step's time hardly grows with the batch, where the fp32-FMA item re-reads its slice
-// per kBatchPass rows.
+// The CUDA decoder's tensor-core GEMV work item, for bf16 activations and for fp16 ones with 8-bit
+// matrices (mma_gemv(); included by decoder_gemv.cuh only): every weight byte of the item is read
+// once for up to kMmaBatch batch rows, so a step's time hardly grows with the batch, where the
+// fp32-FMA item re-reads its slice per kBatchPass rows.
 //
 // y[b, n] = sum_k x[b, k] W[k, n] as mma.sync m16n8k16 (bf16 in, fp32 accumulate) with the
 // weights as the 16 x 16 operand A (rows m: output columns, columns: k) and the inputs as the
