@@ -153,12 +153,14 @@ def run_steps(gpu, cpu, cases):
 # one 8-row batch tile), int8 / fp8 under bf16, bf16 at batch 12 (two batch tiles) over 1024
 # positions (each warp's attention loop takes several rounds), and int8 / fp8 matrices of every
 # code (every_code(); last, so that the sanitizer steps' time limits reach the others first),
-# widened to bf16 for the tensor cores and to fp32 for the FMA GEMVs (fp16 and fp32).
+# widened to bf16 for the tensor cores (bf16 and fp16 activations) and to fp32 for the FMA GEMVs
+# (fp32 activations).
 DECODER_CASES = [(jnp.float32, None, 3, 96), (jnp.float16, None, 3, 96),
                  (jnp.bfloat16, None, 3, 96), (jnp.bfloat16, "int8", 3, 96),
                  (jnp.bfloat16, "fp8", 3, 96), (jnp.bfloat16, None, 12, 1024),
                  (jnp.bfloat16, "int8 every code", 3, 96), (jnp.bfloat16, "fp8 every code", 3, 96),
-                 (jnp.float16, "int8 every code", 3, 96), (jnp.float32, "fp8 every code", 3, 96)]
+                 (jnp.float16, "int8 every code", 3, 96), (jnp.float32, "int8 every code", 3, 96),
+                 (jnp.float32, "fp8 every code", 3, 96)]
 
 
 def every_code(weights, quantization, seed):

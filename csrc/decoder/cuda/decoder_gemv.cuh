@@ -3,19 +3,17 @@
 // decoder_gemv_mma.cuh), the stage loop, the split-K finish and the L2 prefetch shared by both.
 // Weights [K, N], N contiguous, of dtype kW: the activations' kT, or int8 / fp8 e4m3 with
 // per-column scales (weight-only quantization: y[n] = scale[n] * sum_k a[k] * W[k, n]). A column
-// tile is 32 lanes x kVec columns (GemvTile<kT>: 256 columns of a 16-bit kT, 128 of fp32), so
-// every warp load is contiguous: 512 bytes, or 256 / 128 of 8-bit weights. A work item is (tile,
-// split of K); the
-// 8 warps of a block take interleaved groups of kRowsInFlight rows (128 bytes of loads in flight
-// per lane: 8 rows of 16-byte vectors, 16 or 32 of 8-bit ones), accumulate fp32 for up to
-// kBatchPass batch rows (more rows: another pass over the same, now L1/L2-resident, weight
-// slice), reduce across warps in shared memory and write one partial per (item, batch row) to
-// the workspace. The last block to finish a tile (an atomic counter, release/acquire by
-// __threadfence) sums batch row 0's partials of all splits in a fixed order, so results are
-// deterministic, and runs the stage's finish() on it (scales, residual add, SwiGLU, sums of
-// squares for the next RMSNorm); finish items after the split items do the same for the other
-// batch rows, one block each, and the last marks the tile finished for the items of later
-// stages that wait for it.
+// tile is 32 lanes x kVec columns (GemvTile<kT>: 256 columns of a 16-bit kT, 128 of fp32), so every
+// warp load is contiguous: 512 bytes, or 256 / 128 of 8-bit weights. A work item is (tile, split of
+// K); the 8 warps of a block take interleaved groups of kRowsInFlight rows (128 bytes of loads in
+// flight per lane: 8 rows of 16-byte vectors, 16 or 32 of 8-bit ones), accumulate fp32 for up to
+// kBatchPass batch rows (more rows: another pass over the same, now L1/L2-resident, weight slice),
+// reduce across warps in shared memory and write one partial per (item, batch row) to the
+// workspace. The last block to finish a tile (an atomic counter, release/acquire by __threadfence)
+// sums batch row 0's partials of all splits in a fixed order, so results are deterministic, and
+// runs the stage's finish() on it (scales, residual add, SwiGLU, sums of squares for the next
+// RMSNorm); finish items after the split items do the same for the other batch rows, one block
+// each, and the last marks the tile finished for the items of later stages that wait for it.
 //
 // Weights never wait for activations: every item asks L2 for its first rows before it waits for
 // its inputs (prefetch_rows); on the FMA path a chunk's first row group is loaded before its

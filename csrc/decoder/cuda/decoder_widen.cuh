@@ -1,10 +1,10 @@
 // The CUDA decoder's 8-bit weights widened without the conversion unit (included by
-// decoder_common.cuh): as bf16 pairs for the tensor cores (the GEMV and the LM head under bf16
-// activations), and as fp32 for the FMA GEMVs and head (fp32 and fp16 activations). bf16 holds
-// every int8 and fp8 e4m3 value exactly; a pair of codes is widened by a shift, two logic ops and
-// one bf16x2 fma. Widening each code through an I2F on the quarter-rate conversion unit (and
-// fp8's select between a normal and a subnormal form) made the 8-bit GEMVs issue-bound: at batch
-// 1 their instructions, not their bytes, set the stages' time.
+// decoder_common.cuh): as bf16 pairs for the tensor cores (the GEMV under bf16 and fp16
+// activations, the LM head under bf16), and as fp32 for the FMA GEMV (fp32 activations) and the FMA
+// head (fp32 and fp16). bf16 holds every int8 and fp8 e4m3 value exactly; a pair of codes is
+// widened by a shift, two logic ops and one bf16x2 fma. Widening each code through an I2F on the
+// quarter-rate conversion unit (and fp8's select between a normal and a subnormal form) made the
+// 8-bit GEMVs issue-bound: at batch 1 their instructions, not their bytes, set the stages' time.
 #pragma once
 
 #include <cuda_runtime.h>
