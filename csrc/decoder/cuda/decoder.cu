@@ -90,10 +90,10 @@ __device__ __forceinline__ void stop_clock(const DecoderParams& p, Smem& sm, int
   if (slot == 0 && block_index() == 0) p.ws.timeline->blocks = gridDim.x;
 }
 
-// The LM head with weights of kH: on tensor cores under bf16 activations.
+// The LM head with weights of kH: on tensor cores where mma_head().
 template <DType kT, DType kH>
 __device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm) {
-  if constexpr (kT == DType::kBF16) {
+  if constexpr (mma_head(kT)) {
     MmaHeadStage<kH>{p, sm}.run();
   } else {
     HeadStage<kT, kH>{p, sm}.prefetch();
@@ -178,11 +178,10 @@ ffi::Error check_kernel_limits(const DecoderDims& d) {
                             dtype_name(d.dtype));
   }
   // The LM head stages at least one batch row's inputs (hidden_size elements) in shared memory:
-  // the weight ring's smallest (ring_slots()) under bf16 activations.
-  const int64_t head_staging =
-      d.dtype == DType::kBF16 ? 2 * kRingSlabBytes : kHeadStagingBytes;
-  const int64_t head_row = d.dtype == DType::kBF16 ? mma_head_row_bytes(d.D)
-                                                   : d.D * dtype_bytes(d.dtype);
+  // the weight ring's smallest (ring_slots()) on tensor cores.
+  const int64_t head_staging = mma_head(d.dtype) ? 2 * kRingSlabBytes : kHeadStagingBytes;
+  const int64_t head_row =
+      mma_head(d.dtype) ? mma_head_row_bytes(d.D) : d.D * dtype_bytes(d.dtype);
   if (d.model_step && head_row > head_staging) {
     return invalid_argument("the CUDA kernel's LM head needs hidden_size <= ",
                             head_staging / dtype_bytes(d.dtype), " for ", dtype_name(d.dtype));
@@ -270,8 +269,7 @@ GemvPlan gemv_plan(int blocks, int tiles, int k_rows, int batch, bool paired) {
   return g;
 }
 
-LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int ring_slots,
-                       bool mma_head) {
+LaunchPlan launch_plan(int blocks, const KernelDims& d, DType activations, int ring_slots) {
   LaunchPlan plan;
   plan.qkv = gemv_plan(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden, d.batch, false);
   plan.o_proj = gemv_plan(blocks, d.hidden_tiles, d.q_dim, d.batch, false);
@@ -285,12 +283,13 @@ LaunchPlan launch_plan(int blocks, const KernelDims& d, int dtype_bytes, int rin
   plan.attn_items = int(items) * plan.attn_splits;
   plan.attn_groups = int(items);
   // LM head: as many batch rows per pass as its staging area holds (check_kernel_limits: >= 1),
-  // the weight ring's memory on tensor cores (bf16 activations, which always have a ring).
+  // the weight ring's memory on tensor cores.
   plan.head_rows =
-      mma_head
+      mma_head(activations)
           ? int(std::clamp<int64_t>(ring_slots * kRingSlabBytes / mma_head_row_bytes(d.hidden),
                                     1, kMmaBatch))
-          : std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes), 1, kHeadMaxRows);
+          : std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes(activations)), 1,
+                       kHeadMaxRows);
   plan.ring_slabs = ring_slots;
   return plan;
 }
@@ -344,7 +343,7 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   constexpr auto kernel = decoder_kernel<kT, kW>;
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, ring_bytes, &blocks));
   const KernelDims dims = kernel_dims(call.dims);
-  const LaunchPlan plan = launch_plan(blocks, dims, dtype_bytes(kT), slots, kT == DType::kBF16);
+  const LaunchPlan plan = launch_plan(blocks, dims, kT, slots);
   const DecoderParams params{dims, call.buffers,
                              DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
                              plan};

@@ -45,10 +45,13 @@ constexpr int kMaxRingSlots = 4;
 // Whether decoder_kernel's layer GEMVs run on tensor cores (decoder_gemv_mma.cuh): under bf16
 // activations, and under fp16 ones with 8-bit matrices, which widen to bf16 exactly (the inputs
 // are split into bf16 hi + lo either way). fp16 matrices do not fit bf16 and keep the FMA GEMV,
-// as fp32 activations do. The LM head takes tensor cores under bf16 activations only.
+// as fp32 activations do.
 JF_HD constexpr bool mma_gemv(DType activations, DType weights) {
   return activations == DType::kBF16 || (activations == DType::kF16 && dtype_bytes(weights) == 1);
 }
+// Whether the LM head runs on tensor cores (decoder_head_mma.cuh, its inputs staged in the weight
+// ring's memory): under bf16 activations only, whose instances always have a ring.
+JF_HD constexpr bool mma_head(DType activations) { return activations == DType::kBF16; }
 
 static_assert(kHeadChunk == 4, "attention accumulators are sized for 4 heads");
 static_assert(kHeadChunk + 1 <= kWarps, "per-head q/k RMSNorm takes one warp per staged head");
