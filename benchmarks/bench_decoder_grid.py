@@ -41,11 +41,10 @@ import numpy as np
 
 import jaxfuse
 from _common import copy_bandwidth, device_arguments, emit_table
-from bench_decoder import LLAMA_1B_LAYERS, log, make_weights, pick_device
-from jaxfuse import DecoderConfig, DecoderModel, KVCache, decoder_reference, persistent_decoder
-from jaxfuse._decode import generation
+from bench_decoder import LLAMA_1B_LAYERS, log, pick_device
+from bench_generate import TEMPERATURE, make_model, steps, time_step
+from jaxfuse import KVCache, decoder_reference, persistent_decoder
 
-TEMPERATURE = 0.8
 FORMATS = ("bf16", "int8", "fp8")
 SCOPES = ("layers", "model")
 # Issue 40's targets (ms on an H100), by (scope, matrices, batch, context); batch 16's is 1.3x
@@ -69,14 +68,8 @@ def plan(args, on_gpu):
 
 
 def make_models(p, device):
-  """The bf16 model and its int8 and fp8 forms (matrices and head), context-free."""
-  cfg = DecoderConfig(**p["base"], max_seq_len=max(p["contexts"]))
-  layers = make_weights(cfg, jnp.bfloat16, device)
-  with jax.default_device(device):
-    embed = jax.jit(lambda k: (jax.random.normal(k, (p["vocab"], cfg.hidden_size)) * 0.5).astype(
-        jnp.bfloat16))(jax.random.PRNGKey(7))
-    model = DecoderModel(cfg, layers, embed, jnp.ones((cfg.hidden_size,), jnp.bfloat16))
-  models = {"bf16": jax.block_until_ready(jax.device_put(model, device))}
+  """The bf16 model (bench_generate's) and its int8 and fp8 forms (matrices and head)."""
+  models = {"bf16": make_model(dict(p, context=max(p["contexts"]), quantize=None), device)[0]}
   for fmt in FORMATS[1:]:
     log(f"quantizing to {fmt} ...")
     models[fmt] = jax.block_until_ready(jaxfuse.quantize(models["bf16"], fmt))
@@ -88,8 +81,9 @@ def with_context(model, context):
                                                                max_seq_len=context))
 
 
-# The step functions: (model, inputs, positions, cache, key) -> (outputs, cache); the model an
-# argument, as in a user's jitted step (closed over, XLA would fold its weights in as constants).
+# The layers' step functions, with bench_generate's whole-model ones (steps()): (model, inputs,
+# positions, cache, key) -> (outputs, cache); the model an argument, as in a user's jitted step
+# (closed over, XLA would fold its weights in as constants).
 def fused_layers(model, x, positions, cache, key):
   del key
   return persistent_decoder(x, positions, model.layers, cache, model.config)
@@ -103,18 +97,6 @@ def plain_layers(activation_dtype):
   return step
 
 
-def fused_model(model, tokens, positions, cache, key):
-  _, nxt, k, v = generation._model_step(model, model.config, tokens, positions, cache,
-                                        TEMPERATURE, jax.random.key_data(key))
-  return nxt, KVCache(k, v)
-
-
-def plain_model(model, tokens, positions, cache, key):
-  h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache,
-                               model.config, activation_dtype=jnp.bfloat16)
-  return generation._sample(model.logits(h), key, TEMPERATURE, None, None), cache
-
-
 @dataclasses.dataclass
 class Row:
   scope: str
@@ -125,11 +107,13 @@ class Row:
   read_bytes: int = 0
 
   def functions(self):
-    """(name, step) of the row: jaxfuse's, then its plain XLA baselines."""
+    """(name, jitted step, cache donated) of the row: jaxfuse's, then its plain XLA baselines."""
     if self.scope == "layers":
-      return [("jaxfuse", fused_layers), ("plain-bf16", plain_layers(jnp.bfloat16)),
-              ("plain-f32", plain_layers(None))]
-    return [("jaxfuse", fused_model), ("plain", plain_model)]
+      fns = [("jaxfuse", fused_layers), ("plain-bf16", plain_layers(jnp.bfloat16)),
+             ("plain-f32", plain_layers(None))]
+      return [(name, jax.jit(fn, donate_argnums=(3,))) for name, fn in fns]
+    model_steps = steps(filtered=False)
+    return [("jaxfuse", model_steps["jaxfuse"]), ("plain", model_steps["plain XLA"])]
 
   def inputs(self, model, device):
     cfg = model.config
@@ -139,7 +123,7 @@ class Row:
     else:
       x = jnp.arange(self.batch, dtype=jnp.int32) * 7 % model.vocab_size
     positions = np.full((self.batch,), self.context - 1, np.int32)
-    return jax.device_put((x, positions, jax.random.key(0)), device)
+    return jax.device_put((x, positions), device)
 
   def cache_struct(self, model):
     shape = model.config.cache_shape(self.batch)
@@ -163,36 +147,28 @@ def compile_rows(rows, models, device, workers):
   lowered = {}
   for row in rows:
     model = with_context(models[row.fmt], row.context)
-    args = (model, *row.inputs(model, device)[:2], row.cache_struct(model), jax.random.key(0))
+    args = (model, *row.inputs(model, device), row.cache_struct(model), jax.random.key(0))
     for name, fn in row.functions():
-      lowered[id(row), name] = jax.jit(fn, donate_argnums=(3,)).lower(*args)
+      lowered[id(row), name] = fn.lower(*args)
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     futures = {key: pool.submit(low.compile) for key, low in lowered.items()}
     return {key: f.result() for key, f in futures.items()}
 
 
 def time_row(row, compiled, model, device, p):
-  """Interleaved rounds of each function of the row; medians into row.times."""
-  x, positions, key = row.inputs(model, device)
+  """Interleaved rounds of each function of the row (bench_generate's time_step); medians into
+  row.times."""
+  x, positions = row.inputs(model, device)
   shape = model.config.cache_shape(row.batch)
-  caches = {}
-  rounds = {name: [] for name, _ in row.functions()}
+  names = [name for key, name in compiled if key == id(row)]
+  caches = {name: jax.device_put(KVCache(*(jnp.full(shape, v, jnp.bfloat16) for v in (0.5, 1.0))),
+                                 device) for name in names}
+  rounds = {name: [] for name in names}
   for _ in range(p["rounds"]):
-    for name in rounds:
-      fn = compiled[id(row), name]
-      if name not in caches:
-        caches[name] = jax.device_put(KVCache(*(jnp.full(shape, v, jnp.bfloat16)
-                                                for v in (0.5, 1.0))), device)
-      cache = caches.pop(name)
-      for _ in range(p["warmup"]):
-        _, cache = fn(model, x, positions, cache, key)
-      jax.block_until_ready(cache)
-      t0 = time.perf_counter()
-      for _ in range(p["steps"]):
-        _, cache = fn(model, x, positions, cache, key)
-      jax.block_until_ready(cache)
-      rounds[name].append((time.perf_counter() - t0) / p["steps"])
-      caches[name] = cache
+    for name in names:
+      t, caches[name] = time_step(compiled[id(row), name], model, x, positions, caches[name],
+                                  p["steps"], p["warmup"])
+      rounds[name].append(t)
   row.times = {name: float(np.median(r)) for name, r in rounds.items()}
 
 
