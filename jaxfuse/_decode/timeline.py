@@ -4,7 +4,7 @@ A call with the ``timeline`` flag has every block of the CUDA kernel record, for
 runs (the embedding; per layer [q|k|v], attention, the O projection, gate/up and down; the LM
 head and the draw of a whole-model step), when it entered the stage, when its first wait for
 other blocks' results ended, when it left, and how long it waited in all (``StageTime`` in
-csrc/decoder/decoder.h), on the device's global timer. The CPU handler records its stages as
+csrc/decoder/decoder_workspace.h), on the device's global timer. The CPU handler records its stages as
 one block that never waits. Every call keeps the clock; only a timeline call writes it out, so
 the kernel timed is the kernel that runs.
 
@@ -31,13 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._decode.config import DecoderConfig, DecoderWeights, KVCache
-from jaxfuse._decode.contract import _workspace_layout
+from jaxfuse._decode.contract import _CONTRACT, _workspace_layout
 from jaxfuse._decode.generation import _check_model, _checked_step, _model_step
 from jaxfuse._decode.kernel import _checked_operands, _decoder_step
 from jaxfuse._decode.model import DecoderModel
 
-# A layer's stages, in the kernel's order (decoder.h's TimelineStage).
-LAYER_STAGES = ("qkv", "attention", "o_proj", "gate_up", "down")
+# A layer's stages, in the order they run (decoder_plan.h's LayerStage).
+LAYER_STAGES = tuple(_CONTRACT.names["layer_stages"])
 _WORDS = 4  # a StageTime's 8-byte words: begin, ready, end, waited_ns | waits << 32
 
 

@@ -89,7 +89,7 @@ void DecodeStep::attention(int64_t l) {
   for (int64_t b = 0; b < d.B; ++b) {
     work += 2 * d.H * d.hd * (int64_t(std::max(position(b), 0)) + 1);
   }
-  const int64_t chunks = d.head_chunks();  // of <= kDecHeadChunk query heads per kv head
+  const int64_t chunks = head_chunks(d);  // of <= kDecHeadChunk query heads per kv head
   parallel_for(pool_for(pool, work), d.B * d.KV * chunks, [&](int64_t item) {
     const int64_t chunk = item % chunks, kv_head = item / chunks % d.KV, b = item / chunks / d.KV;
     const int64_t first = kv_head * d.group() + chunk * kDecHeadChunk;

@@ -84,7 +84,7 @@ struct GemvWeights {
 
 // y[b, n] = scale[n] * sum_k a[b, k] * W[k, n] (no scale: 1) for the B rows of `a` (fp32, row
 // stride lda). `partials` holds the split partial sums, [splits][B][N] floats
-// (DecoderDims::cpu_gemv_floats() counts them). epilogue(b, n0, len, y) receives each finished
+// (decoder_plan.h's cpu_gemv_floats() counts them). epilogue(b, n0, len, y) receives each finished
 // range of a row (fp32).
 template <typename Epilogue>
 void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const GemvWeights& w,
@@ -92,7 +92,7 @@ void gemv(ffi::ThreadPool* pool, int64_t B, const float* a, int64_t lda, const G
   const int64_t K = w.K, N = w.N;
   pool = pool_for(pool, B * K * N);
   const int64_t helpers = helpers_beside_caller(pool);
-  const int64_t splits = DecoderDims::cpu_splits(K);
+  const int64_t splits = cpu_splits(K);
   const GemvColumns cols = gemv_columns(B, N, splits, helpers + 1);
   auto range = [&](int64_t c) { return std::min(cols.width, N - c * cols.width); };
   auto finish = [&](int64_t b, int64_t n0, int64_t len, float* y) {

@@ -48,20 +48,28 @@ struct DecodeStep {
       }
     });
     for (int64_t l = 0; l < d.L; ++l) {
-      timed(timeline_slot(l, kTimeQkv), [&] { rmsnorm_qkv(l); });
-      timed(timeline_slot(l, kTimeAttention), [&] {
-        rope_append_kv(l);
-        attention(l);
-      });
-      timed(timeline_slot(l, kTimeOProj), [&] { o_proj(l); });
-      timed(timeline_slot(l, kTimeGateUp), [&] { gate_up(l); });
-      timed(timeline_slot(l, kTimeDown), [&] { down(l); });
+      for (int s = 0; s < kLayerStages; ++s) {
+        const LayerStage stage = LayerStage(s);
+        timed(stage_slot(l, stage), [&] { run_layer_stage(l, stage); });
+      }
     }
     write_output();
-    const int64_t head_slot = timeline_head_slot(d.L);
-    if (d.model_step) timed(head_slot, [&] { lm_head(); });
-    if (d.sample) timed(head_slot + 1, [&] { sample_tokens(); });
+    if (d.model_step) timed(head_slot(d.L), [&] { lm_head(); });
+    if (d.sample) timed(sample_slot(d.L), [&] { sample_tokens(); });
     if (d.timeline) ws.timeline->blocks = 1;
+  }
+
+  // Layer l's stage `stage` (decoder_plan.h's order).
+  void run_layer_stage(int64_t l, LayerStage stage) {
+    switch (stage) {
+      case LayerStage::kQkv: return rmsnorm_qkv(l);
+      case LayerStage::kAttention:
+        rope_append_kv(l);
+        return attention(l);
+      case LayerStage::kOProj: return o_proj(l);
+      case LayerStage::kGateUp: return gate_up(l);
+      case LayerStage::kDown: return down(l);
+    }
   }
 
   // Runs `stage`, recorded as timeline slot `slot` (block 0's, no waits) in a call with the

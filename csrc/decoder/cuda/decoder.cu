@@ -106,21 +106,21 @@ __device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm)
 // them changes the layer loop's register allocation: it spilled the f16 instances.)
 template <DType kT, DType kW>
 __device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
-  const int head_slot = int(timeline_head_slot(p.dims.layers));
+  const int head = int(head_slot(p.dims.layers));
   start_clock(sm);
   if (kW != kT && p.io.head_scale != nullptr) {
     run_head_stage<kT, kW>(p, sm);
   } else {
     run_head_stage<kT, kT>(p, sm);
   }
-  stop_clock(p, sm, head_slot);
+  stop_clock(p, sm, head);
   if (p.dims.sample) {
     start_clock(sm);
     const unsigned long long since = wait_begins();
     cg::this_grid().sync();
     sm.clock.waited(since);
     SampleStage{p, sm}.run();
-    stop_clock(p, sm, head_slot + 1);
+    stop_clock(p, sm, head + 1);
   }
 }
 
@@ -137,19 +137,19 @@ __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
   EmbedStage<kT>{p, sm}.run();
   stop_clock(p, sm, 0);
   for (int layer = 0; layer < p.dims.layers; ++layer) {
-    const auto timed = [&](int stage, const auto& run) {
+    const auto timed = [&](LayerStage stage, const auto& run) {
       start_clock(sm);
       run();
-      stop_clock(p, sm, int(timeline_slot(opaque(layer), stage)));
+      stop_clock(p, sm, int(stage_slot(opaque(layer), stage)));
     };
-    timed(kTimeQkv, [&] { QkvStage<kT, kW>{p, sm, opaque(layer)}.run(); });
-    timed(kTimeAttention, [&] {
+    timed(LayerStage::kQkv, [&] { QkvStage<kT, kW>{p, sm, opaque(layer)}.run(); });
+    timed(LayerStage::kAttention, [&] {
       OProjStage<kT, kW>{p, sm, opaque(layer)}.prefetch();
       AttentionStage<kT>{p, sm, layer}.run();
     });
-    timed(kTimeOProj, [&] { OProjStage<kT, kW>{p, sm, opaque(layer)}.run(); });
-    timed(kTimeGateUp, [&] { GateUpStage<kT, kW>{p, sm, opaque(layer)}.run(); });
-    timed(kTimeDown, [&] { DownStage<kT, kW>{p, sm, opaque(layer)}.run(); });
+    timed(LayerStage::kOProj, [&] { OProjStage<kT, kW>{p, sm, opaque(layer)}.run(); });
+    timed(LayerStage::kGateUp, [&] { GateUpStage<kT, kW>{p, sm, opaque(layer)}.run(); });
+    timed(LayerStage::kDown, [&] { DownStage<kT, kW>{p, sm, opaque(layer)}.run(); });
   }
   if (p.dims.model_step) run_head<kT, kW>(p, sm);
 }
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
 // Kernel limits: kVec-column weight vectors per lane, 16-byte vectors of k and v rows, 32-bit
 // indices within a matrix.
 ffi::Error check_kernel_limits(const DecoderDims& d) {
-  const int64_t vec = d.vec();
+  const int64_t vec = gemv_vec(d);
   if (d.D % vec || d.I % vec || d.hd % vec) {
     return invalid_argument("the CUDA kernel needs hidden_size, intermediate_size and head_dim "
                             "to be multiples of ", vec, " for ", dtype_name(d.dtype));
@@ -230,11 +230,11 @@ KernelDims kernel_dims(const DecoderDims& d) {
   k.q_dim = int(d.q_dim());
   k.kv_dim = int(d.kv_dim());
   k.group = int(d.group());
-  k.head_chunks = int(d.head_chunks());
-  k.hidden_tiles = int(d.tiles(d.D));
-  k.q_tiles = int(d.tiles(d.q_dim()));
-  k.kv_tiles = int(d.tiles(d.kv_dim()));
-  k.mlp_tiles = int(d.tiles(d.I));
+  k.head_chunks = int(head_chunks(d));
+  k.hidden_tiles = int(hidden_tiles(d));
+  k.q_tiles = int(gemv_tiles(d, d.q_dim()));
+  k.kv_tiles = int(gemv_tiles(d, d.kv_dim()));
+  k.mlp_tiles = int(mlp_tiles(d));
   k.rms_eps = d.eps;
   k.attn_scale = 1.0f / std::sqrt(float(d.hd));
 #define JF_KERNEL_FLAG_COPY(name) k.name = d.name;
@@ -248,48 +248,17 @@ KernelDims kernel_dims(const DecoderDims& d) {
   return k;
 }
 
-// K splits for a GEMV stage: enough items to cover the grid, at most kDecMaxGemvItems partial
-// slots, at least 16 rows per split.
-int gemv_splits(int blocks, int tiles, int k_rows) {
-  const int budget = int(std::min<int64_t>(blocks, kDecMaxGemvItems));
-  int s = std::max(1, budget / tiles);
-  s = std::min(s, std::max(1, k_rows / 16));
-  return s;
-}
-
-// A GEMV stage of `tiles` column tiles over k_rows inputs; `paired`: tile t of its two matrices
-// is one group (gate/up).
-GemvPlan gemv_plan(int blocks, int tiles, int k_rows, int batch, bool paired) {
-  GemvPlan g;
-  g.splits = gemv_splits(blocks, tiles, k_rows);
-  g.items = tiles * g.splits;
-  g.groups = paired ? tiles / 2 : tiles;
-  g.arrivals = paired ? 2 * g.splits : g.splits;
-  g.all_items = g.items + g.groups * (batch - 1);
-  return g;
-}
-
-LaunchPlan launch_plan(int blocks, const KernelDims& d, DType activations, int ring_slots) {
+LaunchPlan launch_plan(int blocks, const DecoderDims& d, int ring_slots) {
   LaunchPlan plan;
-  plan.qkv = gemv_plan(blocks, d.q_tiles + 2 * d.kv_tiles, d.hidden, d.batch, false);
-  plan.o_proj = gemv_plan(blocks, d.hidden_tiles, d.q_dim, d.batch, false);
-  plan.gate_up = gemv_plan(blocks, 2 * d.mlp_tiles, d.hidden, d.batch, true);
-  plan.down = gemv_plan(blocks, d.hidden_tiles, d.intermediate, d.batch, false);
-  // Attention: enough splits to cover the grid, at most kDecMaxAttnSplits, >= 16 positions each.
-  const int64_t items = int64_t(d.batch) * d.kv_heads * d.head_chunks;
-  plan.attn_splits =
-      int(std::clamp<int64_t>(blocks / std::max<int64_t>(1, items), 1, kDecMaxAttnSplits));
-  plan.attn_splits = std::min<int>(plan.attn_splits, std::max(1, d.max_seq_len / 16));
-  plan.attn_items = int(items) * plan.attn_splits;
-  plan.attn_groups = int(items);
+  static_cast<StagePlan&>(plan) = stage_plan(d, blocks);
   // LM head: as many batch rows per pass as its staging area holds (check_kernel_limits: >= 1),
   // the weight ring's memory on tensor cores.
   plan.head_rows =
-      mma_head(activations)
-          ? int(std::clamp<int64_t>(ring_slots * kRingSlabBytes / mma_head_row_bytes(d.hidden),
-                                    1, kMmaBatch))
-          : std::clamp(kHeadStagingBytes / (d.hidden * dtype_bytes(activations)), 1,
-                       kHeadMaxRows);
+      mma_head(d.dtype)
+          ? int(std::clamp<int64_t>(ring_slots * kRingSlabBytes / mma_head_row_bytes(d.D), 1,
+                                    kMmaBatch))
+          : int(std::clamp<int64_t>(kHeadStagingBytes / (d.D * dtype_bytes(d.dtype)), 1,
+                                    kHeadMaxRows));
   plan.ring_slabs = ring_slots;
   return plan;
 }
@@ -343,7 +312,7 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   constexpr auto kernel = decoder_kernel<kT, kW>;
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, ring_bytes, &blocks));
   const KernelDims dims = kernel_dims(call.dims);
-  const LaunchPlan plan = launch_plan(blocks, dims, kT, slots);
+  const LaunchPlan plan = launch_plan(blocks, call.dims, slots);
   const DecoderParams params{dims, call.buffers,
                              DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
                              plan};

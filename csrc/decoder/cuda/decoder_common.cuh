@@ -82,28 +82,11 @@ struct KernelDims {
   float top_p;
 };
 
-// A GEMV stage's work over the grid (launch_plan()). Counts the kernel reads from its parameters
-// where it uses them (constant operands): products of them formed in the kernel are hoisted out
-// of the layer loop and spill.
-struct GemvPlan {
-  int splits;     // K splits per column tile
-  int items;      // split items: column tiles x splits
-  int groups;     // tile groups, one counter each (gate/up: tile t of both matrices is one group)
-  int arrivals;   // split items per group
-  int all_items;  // items + finish items (groups x (batch rows - 1): run_gemv)
-};
-
-// How this launch splits the work over its grid (launch_plan()).
-struct LaunchPlan {
-  GemvPlan qkv, o_proj, gate_up, down;
-  int attn_splits;  // flash-decoding splits of the positions 0..p
-  // Attention work items: batch x kv heads x head chunks x splits. A parameter, not a product
-  // the kernel forms: ptxas hoisted that loop-invariant product out of the layer loop and
-  // spilled it.
-  int attn_items;
-  int attn_groups;  // batch x kv heads x head chunks: the split items' counters, one per group
-  int head_rows;    // batch rows per pass of the LM head (its inputs staged in shared memory)
-  int ring_slabs;   // slots of the tensor-core GEMV's weight ring (2 or 4; bf16 activations)
+// How one launch splits the work over its grid (decoder_plan.h's StagePlan, the same in both
+// schedules), its LM head's and weight ring's shape, and which of the call's slots it runs.
+struct LaunchPlan : StagePlan {
+  int head_rows;   // batch rows per pass of the LM head (its inputs staged in shared memory)
+  int ring_slabs;  // slots of the tensor-core GEMV's weight ring (2 or 4; mma_gemv())
 };
 
 struct DecoderParams {
