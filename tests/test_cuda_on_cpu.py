@@ -35,12 +35,15 @@ if emulated_cuda_module() is None:
   pytest.skip("needs the CUDA-on-CPU build (tools/cuda_on_cpu.sh)", allow_module_level=True)
 
 # Emulated devices (SMs x co-resident blocks per SM [x KB of shared memory per SM: 228, an
-# H100's, unless given]); device 0 is the emulator's default, the first four are the grids.
-DEVICES = "4x2,1x1,3x2,16x1,3x2x164"
+# H100's, unless given [x compute capability: 90 unless given]]); device 0 is the emulator's
+# default, the first four are the grids; the last an A100's shared memory and compute capability
+# (no programmatic dependent launch).
+DEVICES = "4x2,1x1,3x2,16x1,3x2x164x80"
 os.environ["JAXFUSE_EMU_DEVICES"] = DEVICES
 GRID_SPECS = DEVICES.split(",")[:4]
 GRIDS = [pytest.param(str(i), id=f"grid{spec}") for i, spec in enumerate(GRID_SPECS)]
 A100_SHARED = "4"  # an A100's 164 KB an SM: the tensor-core GEMV's weight ring has 2 slots
+SCHEDULES = ("persistent", "stage_kernels")
 
 SIZES = [(), (0,), (1,), (3,), (5, 7), (33,), (4097,), (2, 32768 + 3)]
 
@@ -209,10 +212,15 @@ def decoder_case(dtype, batch=3, seq=40, quantization=None):
 
 def check_decoder(cfg, x, positions, w, cache):
   """The emulated CUDA decoder step against the CPU handler's: out and the written cache rows
-  within fp32 summation-order rounding (of x's dtype), the other cache rows untouched."""
+  within fp32 summation-order rounding (of x's dtype), the other cache rows untouched; the
+  stage-kernel schedule's results the persistent one's bits (the same work split over the same
+  grid)."""
   dtype = x.dtype
   fn = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)
   (h_n, c_n), (h_e, c_e) = on_both(fn, x, positions, w, cache)
+  stages = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg, schedule="stage_kernels")
+  assert_bitwise_equal(emulated(stages, x, positions, w, cache), (h_e, c_e),
+                       "the stage kernels' results vs the persistent kernel's")
   tol = 1e-5 if dtype == jnp.float32 else 2e-2
   np.testing.assert_allclose(np.asarray(h_e, np.float32), np.asarray(h_n, np.float32), rtol=tol, atol=tol)
   if dtype != jnp.float32:
@@ -300,12 +308,16 @@ def test_decoder_head_dim_limits(dtype, head_dim, message):
 def test_greedy_generation_follows_the_reference():
   """A bf16 model's greedy tokens from the emulated CUDA decoder (tensor-core GEMVs with the
   inputs split hi + lo, attention in lane groups of 16-byte loads, here head_dim 16: 16
-  positions a warp) are the plain-JAX reference's argmax, up to near-ties."""
+  positions a warp) are the plain-JAX reference's argmax, up to near-ties, and the same tokens
+  on either schedule."""
   model = random_model(jnp.bfloat16, seed=3)
   prompts, lengths = prompts_for(model, 4, 7, seed=2)
-  out, count = emulated(lambda t, n: jaxfuse.generate(model, t, n, 6), prompts, lengths)
+  tokens = {schedule: emulated(lambda t, n: jaxfuse.generate(model, t, n, 6, schedule=schedule),
+                               prompts, lengths) for schedule in SCHEDULES}
+  out, count = tokens["persistent"]
   assert np.all(np.asarray(count) == 6)
   assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[jnp.bfloat16])
+  assert_bitwise_equal(tokens["stage_kernels"], tokens["persistent"], "the stage kernels' tokens")
 
 
 # The whole-model step: embedding gather, final norm, LM head and the draw in the launch. bf16
@@ -330,8 +342,10 @@ def test_greedy_generation_follows_the_reference():
 def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, hidden, draws,
                                   monkeypatch):
   """Logits within fp32 summation-order rounding of the CPU handler's and the head inputs'
-  rounding (NaN in the same rows), and next tokens that are exactly jnp.argmax / jax.random.categorical of the emulated logits
-  (after _sample's top-k and top-p filters; filtered, in the valid rows)."""
+  rounding (NaN in the same rows), and next tokens that are exactly jnp.argmax /
+  jax.random.categorical of the emulated logits (after _sample's top-k and top-p filters;
+  filtered, in the valid rows); the stage kernels' logits and tokens the persistent kernel's
+  bits."""
   monkeypatch.setenv("JAXFUSE_EMU_DEVICE", device)
   model = random_model(dtype, vocab=300, tied=tied, seed=4, hidden=hidden)
   if quantization is not None:
@@ -354,6 +368,10 @@ def test_decoder_whole_model_step(dtype, tied, batch, device, quantization, hidd
     step = lambda t, p, c, k: generation._model_step(model, cfg, t, p, c, temperature, k, top_k,
                                                      top_p)
     native, emu = on_both(step, tokens, positions, cache, jax.random.key_data(key))
+    stages = lambda t, p, c, k: generation._model_step(model, cfg, t, p, c, temperature, k,
+                                                       top_k, top_p, schedule="stage_kernels")
+    assert_bitwise_equal(emulated(stages, tokens, positions, cache, jax.random.key_data(key)),
+                         emu, "the stage kernels' step vs the persistent kernel's")
     logits_n, logits_e = np.asarray(native[0]), np.asarray(emu[0])
     invalid = np.isnan(logits_e).all(axis=1)
     np.testing.assert_array_equal(invalid, np.isnan(logits_n).all(axis=1))
@@ -383,10 +401,12 @@ def test_decoder_quantized(quantization, dtype, batch, launch):
   check_decoder(*decoder_case(dtype, batch, quantization=quantization))
 
 
-def test_stage_timeline(monkeypatch):
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_stage_timeline(schedule, monkeypatch):
   """A whole-model step (bf16: the tensor-core GEMVs, the head and the greedy draw) on 16
   blocks records every block's times in every stage in order, without changing a bit of its
-  results; the draw's grid sync ends for every block after every block has begun the draw."""
+  results, on either schedule; the persistent draw's grid sync ends for every block after every
+  block has begun the draw."""
   from jaxfuse._decode import timeline
   monkeypatch.setenv("JAXFUSE_EMU_DEVICE", "3")
   model = random_model(jnp.bfloat16, vocab=300, seed=6)
@@ -396,12 +416,13 @@ def test_stage_timeline(monkeypatch):
   plain = lambda t, p, c: generation._model_step(model, cfg, t, p, c, 0.0,
                                                  jnp.zeros((2,), jnp.uint32))
   with _ffi.cpu_targets(EMULATED):
-    logits, _, tl = timeline.model_timeline(model, tokens, positions, cache)
+    logits, _, tl = timeline.model_timeline(model, tokens, positions, cache, schedule=schedule)
   want = emulated(plain, tokens, positions, cache)[0]
   assert_bitwise_equal(np.asarray(logits), np.asarray(want), "logits")
   layers = [f"{l}.{s}" for l in range(cfg.num_layers) for s in timeline.LAYER_STAGES]
   assert_timeline_in_order(tl, ["embed", *layers, "head", "sample"], blocks=16)
-  assert (tl.ready[:, -1] >= tl.begin[:, -1].max()).all()
+  if schedule == "persistent":
+    assert (tl.ready[:, -1] >= tl.begin[:, -1].max()).all()
   assert (tl.waits[:, 1:-2].sum(axis=0) > 0).all(), "a layer stage where no block waited"
 
 
@@ -487,7 +508,7 @@ ADAM_MODES = ("plain", "master", "adam")
 REPORT_CASES = ([f"{op}-few" for op in ("fused_clip_adamw", "clip_alone",
                                          *(f"adam_{mode}" for mode in ADAM_MODES))] +
                 ["fused_clip_adamw-many", "adam_plain-many", "norm_from_peer_rows",
-                 "decoder-batch3"])
+                 "decoder-batch3", "decoder_stages-batch3"])
 
 
 def report_case(case):
@@ -507,7 +528,9 @@ def report_case(case):
   if op == "norm_from_peer_rows":
     return _norm_in_two_calls, tuple(random_tree(40 + i, sizes, dtypes) for i in range(2))
   cfg, x, positions, w, cache = decoder_case(jnp.float32, batch=int(size[len("batch"):]))
-  return (lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg)), (x, positions, w, cache)
+  schedule = "stage_kernels" if op == "decoder_stages" else "persistent"
+  return ((lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg, schedule=schedule)),
+          (x, positions, w, cache))
 
 
 @pytest.mark.parametrize("case", REPORT_CASES)

@@ -65,6 +65,20 @@ def test_matches_reference(device, name, batch, dtype):
     assert rel_err(got[written], want[written]) < DECODER_TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_schedules_give_the_same_bits(device, dtype):
+  """The stage kernels run the persistent kernel's work split over the same grid: the same bits,
+  out and cache (on the CPU, whose handler has one schedule, the attribute's way through)."""
+  cfg = DecoderConfig(*CONFIGS["gqa2_hd64"], rms_norm_eps=1e-5, rope_theta=10000.0)
+  x, w, cache = random_decoder_problem(cfg, 3, dtype, seed=5, device=device)
+  pos = jax.device_put(positions_for(3, cfg.max_seq_len), device)
+  step = jax.jit(persistent_decoder, static_argnums=(4,), static_argnames=("schedule",))
+  persistent = jax.device_get(step(x, pos, w, cache, cfg))
+  stages = jax.device_get(step(x, pos, w, cache, cfg, schedule="stage_kernels"))
+  for got, want in zip(jax.tree.leaves(stages), jax.tree.leaves(persistent)):
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=["f32", "bf16", "f16"])
 @pytest.mark.parametrize("batch", [1, 17])
@@ -416,6 +430,10 @@ def test_bad_arguments():
       fn(x, pos, w._replace(k_norm=None), cache, cfg)
   with pytest.raises(NotImplementedError, match="not differentiable"):
     jax.grad(lambda x: persistent_decoder(x, pos, w, cache, cfg)[0].sum())(x)
+  for schedule in ("megakernel", None, 1):
+    with pytest.raises(ValueError, match=r"persistent_decoder: schedule must be one of "
+                       r"\('persistent', 'stage_kernels'\), got"):
+      persistent_decoder(x, pos, w, cache, cfg, schedule=schedule)
 
 
 def test_bad_config():
@@ -438,13 +456,9 @@ def test_handler_validates_buffers(device):
   """The FFI handler itself rejects inconsistent buffers with an error, not a crash."""
   cfg, x, pos, w, cache = _small(device, "int8")  # every optional weight present
   pos = jax.device_put(pos, device)
-  attrs = dict(num_layers=np.int64(2), hidden_size=np.int64(64), num_heads=np.int64(4),
-               num_kv_heads=np.int64(2), head_dim=np.int64(32), intermediate_size=np.int64(96),
-               max_seq_len=np.int64(16), rms_norm_eps=np.float32(1e-5), qkv_bias=np.bool_(True),
-               qk_norm=np.bool_(True), quantized=np.bool_(True), model_step=np.bool_(False),
-               sample=np.bool_(False), timeline=np.bool_(False), temperature=np.float32(0.0),
-               top_k=np.int64(0), top_p=np.float32(1.0))
-  from jaxfuse._decode.contract import _workspace_bytes
+  from jaxfuse._decode.contract import _attributes, _workspace_bytes
+  attrs = _attributes(cfg)
+  assert (attrs["qkv_bias"], attrs["qk_norm"], attrs["quantized"]) == (True, True, True)
   caches = 3 + len(w)  # the operand index of k_cache
   D, B = 64, x.shape[0]
   no_scale = jnp.zeros((0,), jnp.float32)

@@ -620,7 +620,7 @@ def test_norm_attributes(device):
 # step's (empty here: test_decoder.py's test_handler_validates_buffers checks them); results:
 # out, k_cache, v_cache, logits, next_tokens, workspace; attributes: the DecoderConfig fields but
 # rope_theta and rope_scaling (which make rope_inv_freq), and model_step, sample, timeline,
-# temperature, top_k, top_p.
+# stage_kernels, temperature, top_k, top_p.
 # Tiny config; batch 4.
 
 # Every optional weight in use, so that each operand's checks are exercised: int8 matrices.
@@ -642,7 +642,8 @@ def _dec_attrs(**over):
                max_seq_len=np.int64(c.max_seq_len), rms_norm_eps=np.float32(c.rms_norm_eps),
                qkv_bias=np.bool_(c.qkv_bias), qk_norm=np.bool_(c.qk_norm),
                quantized=np.bool_(c.quantized), model_step=np.bool_(False),
-               sample=np.bool_(False), timeline=np.bool_(False), temperature=np.float32(0.0),
+               sample=np.bool_(False), timeline=np.bool_(False),
+               stage_kernels=np.bool_(False), temperature=np.float32(0.0),
                top_k=np.int64(0), top_p=np.float32(1.0))
   attrs.update(over)
   return {k: v for k, v in attrs.items() if v is not None}
@@ -774,7 +775,7 @@ def test_decoder_attribute_types(device):
     _dec_call(device, ops, qk_norm=np.int64(1))
   with xla_error("Wrong scalar data type: expected S64 but got S32"):
     _dec_call(device, ops, num_layers=np.int32(1))
-  with xla_error("Wrong number of attributes: expected 17 attributes but got 16"):
+  with xla_error("Wrong number of attributes: expected 18 attributes but got 17"):
     _dec_call(device, ops, qkv_bias=None)
 
 

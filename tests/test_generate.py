@@ -106,6 +106,9 @@ def test_greedy_follows_reference(tmp_path, arch, rope, dtype, tied):
   out, count = jaxfuse.generate(model, prompts, lengths, 9)
   assert out.shape == (4, 9) and out.dtype == jnp.int32 and np.all(np.asarray(count) == 9)
   assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[dtype])
+  stage_out, stage_count = jaxfuse.generate(model, prompts, lengths, 9, schedule="stage_kernels")
+  np.testing.assert_array_equal(stage_out, out)  # either schedule: the same bits, the same tokens
+  np.testing.assert_array_equal(stage_count, count)
   ref_out, ref_count = jaxfuse.generate(model, prompts, lengths, 9, decoder="reference")
   if dtype == jnp.float32:  # the same loop with the plain-JAX step: identical tokens
     np.testing.assert_array_equal(out, ref_out)
@@ -360,6 +363,9 @@ def test_bad_arguments():
       (lambda: gen(prompts, lengths, 3, stop_tokens=[[1], [2], [3]]), "stop_tokens must be"),
       (lambda: gen(prompts, lengths, 3, stop_tokens=[[1, 2], [3]]), "stop_tokens must be"),
       (lambda: gen(prompts, lengths, 3, decoder="xla"), "decoder must be one of"),
+      (lambda: gen(prompts, lengths, 3, schedule="graph"), "generate: schedule must be one of"),
+      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths, jaxfuse.init_cache(model, 2, 8),
+                                   schedule="graph"), "decode_step: schedule must be one of"),
       (lambda: jaxfuse.generate(model.layers, prompts, lengths, 3),
        "model must be a jaxfuse.DecoderModel"),
       (lambda: jaxfuse.generate(dataclasses.replace(model, final_norm=model.final_norm[:-1]),

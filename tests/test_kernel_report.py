@@ -59,6 +59,30 @@ def test_a_ring_counts_in_occupancy_and_must_cover_littles_law():
   assert (copies.async_copies, copies.loads) == (2, {})
 
 
+def test_an_in_flight_floor_counts_the_ring_or_the_loads():
+  """JF_KERNEL_IN_FLIGHT: the ring's slabs in flight per SM, or without a ring the deepest run of
+  loads over the SM's resident threads, against a multiple of Little's law."""
+  floor = [kr.InFlightFloor("^k<", 2.0, where="x.cu:1")]
+  budget = [kr.Budget("^k<", 128, 25, 0)]
+  ring = instance(name="k<bf16>", registers=128, shared=43376,
+                  sass=slab_loop_sass(["LDS.128"] * 60))
+  ring.ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 16384)
+  ring.occupancy = kr.occupancy(ring)
+  kr.judge(ring, budget, [], floor)  # 3 x 16 KB x 2 blocks: 5.5x
+  assert ring.status == "ok"
+  short = instance(name="k<bf16>", arch="sm_80", registers=128, shared=43376,
+                   sass=slab_loop_sass(["LDS.128"] * 60))
+  short.ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 8192)  # 1 x 8 KB x 2 blocks
+  short.occupancy = kr.occupancy(short)
+  kr.judge(short, budget, [], floor)
+  assert "16 KB an SM in flight (1.4x Little's law) < 2x (x.cu:1)" in short.status
+  loads = instance(name="k<f32>", registers=128, sass=sass_of(
+      ("LDG.E.128", "R4, desc[UR4][R2.64]"), ("LDG.E.128", "R8, desc[UR4][R12.64]"),
+      ("FADD", "R0, R4, R8")))
+  kr.judge(loads, budget, [], floor)  # 32 B x 512 threads an SM: 16 KB, 0.9x
+  assert "16 KB an SM in flight (0.9x Little's law) < 2x" in loads.status
+
+
 def slab_loop_sass(body):
   """A ring loop: the wait for its copies, `body` (opcodes), the mmas, the branch back."""
   ops = [("DEPBAR.LE", "SB0, 0x2")] + [(op, "") for op in body] + [("HMMA.16816.F32.BF16", ""),

@@ -9,11 +9,17 @@ Each configuration runs in a fresh process (XLA reads its flags once), on the sa
   forced   CUSTOM_CALL named explicitly beside FUSION, graphs of any size
 and computes (a) a jitted training step (model, jaxfuse.clip_by_global_norm + jaxfuse.adamw via
 jaxfuse.fused_step, params and state donated) run 5 times, and (b) a jitted decode loop (4
-persistent_decoder steps per call, cache donated) called 4 times, so that the first call (which
-captures the graph) and at least three replays are covered. Their results must be bitwise equal
-to 'off'. For the graph runs it reads XLA's dumps (optimized HLO, thunk sequence and metadata) to
+persistent_decoder steps per call, cache donated) called 4 times on each of the decoder's
+schedules, so that the first call (which captures the graph) and at least three replays are
+covered. Their results must be bitwise equal to 'off', and the stage kernels' the persistent
+kernel's. For the graph runs it reads XLA's dumps (optimized HLO, thunk sequence and metadata) to
 find which jaxfuse targets ran inside command buffers. Exit status 1 if a result differs or a
 graph configuration left a jaxfuse target out of its command buffers.
+
+It also times each decode loop once warm (ms a step, wall): in a graph the stage kernels' launches
+are nodes with programmatic edges (CUDA 12.3+ captures them); a graph whose stage-kernel step is
+slower than the same launches on the stream ('off') has lost them, which it reports (a warning:
+the results are right either way).
 """
 
 import argparse
@@ -23,9 +29,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 TARGETS = {"train_step": {"jaxfuse_global_norm", "jaxfuse_adam"},
            "decode_loop": {"jaxfuse_decoder"}}
+SCHEDULES = ("persistent", "stage_kernels")
 CONFIGS = {
     "off": "--xla_gpu_enable_command_buffer=",
     "default": "--xla_gpu_graph_min_graph_size=1",
@@ -76,19 +84,28 @@ def child(out_path: str) -> None:
                               head_dim=64, intermediate_size=512, max_seq_len=64)
   h, w, cache = random_decoder_problem(cfg, 2, jnp.bfloat16, seed=1)
 
-  def decode_loop(h, pos, cache):
+  def decode_loop(h, pos, cache, schedule):
     for _ in range(4):
-      h, cache = jaxfuse.persistent_decoder(h, pos, w, cache, cfg)
+      h, cache = jaxfuse.persistent_decoder(h, pos, w, cache, cfg, schedule=schedule)
       pos = pos + 1
     return h, pos, cache
 
-  decode_loop = jax.jit(decode_loop, donate_argnums=(2,))
-  pos = jnp.array([3, 17], jnp.int32)
-  for i in range(4):
-    h, pos, cache = decode_loop(h, pos, cache)
-    results[f"decode/h{i}"] = np.asarray(h.astype(jnp.float32))
-  results["decode/k"] = np.asarray(cache.k.astype(jnp.float32))
-  results["decode/v"] = np.asarray(cache.v.astype(jnp.float32))
+  decode_loop = jax.jit(decode_loop, donate_argnums=(2,), static_argnums=(3,))
+  first = (h, cache)
+  for schedule in SCHEDULES:
+    h, cache = jax.tree.map(jnp.copy, first)
+    pos = jnp.array([3, 17], jnp.int32)
+    for i in range(4):
+      h, pos, cache = decode_loop(h, pos, cache, schedule)
+      results[f"decode/{schedule}/h{i}"] = np.asarray(h.astype(jnp.float32))
+    results[f"decode/{schedule}/k"] = np.asarray(cache.k.astype(jnp.float32))
+    results[f"decode/{schedule}/v"] = np.asarray(cache.v.astype(jnp.float32))
+    jax.block_until_ready(cache)
+    t0 = time.perf_counter()
+    for _ in range(10):
+      h, pos, cache = decode_loop(h, jnp.array([3, 17], jnp.int32), cache, schedule)
+    jax.block_until_ready(cache)
+    results[f"time/{schedule}"] = np.asarray((time.perf_counter() - t0) / 40 * 1e3)
   np.savez(out_path, **results)
 
 
@@ -152,10 +169,24 @@ def main() -> int:
       if name != "off" and not wanted <= got:
         print(f"  NOT captured: {sorted(wanted - got)}")
         ok = False
+  times = {}  # config -> schedule -> ms a step
+  for name, r in results.items():
+    times[name] = {s: float(r.pop(f"time/{s}")) for s in SCHEDULES}
+    print(f"{name:8s} decode step, ms (wall, warm): "
+          + ", ".join(f"{s} {t:.3f}" for s, t in times[name].items()))
+    diff = [key for key in r if key.startswith("decode/stage_kernels/") and not np.array_equal(
+        r[key], r[key.replace("stage_kernels", "persistent")], equal_nan=True)]
+    if diff:
+      print(f"  the stage kernels' results differ from the persistent kernel's: {diff}")
+      ok = False
   if "off" in results:
     for name in ("default", "forced"):
       if name not in results:
         continue
+      in_graph, on_stream = times[name]["stage_kernels"], times["off"]["stage_kernels"]
+      if in_graph > 1.05 * on_stream:
+        print(f"  WARNING {name}: the stage kernels take {in_graph:.3f} ms a step in a graph, "
+              f"{on_stream:.3f} on the stream: the graph has lost their programmatic edges?")
       diff = [key for key, a in results["off"].items()
               if not np.array_equal(a, results[name][key], equal_nan=True)]
       print(f"{name:8s} vs off: {len(results['off']) - len(diff)}/{len(results['off'])} results "

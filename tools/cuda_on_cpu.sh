@@ -6,8 +6,9 @@
 # "driver emu"; STAGES=all adds "suite", about 10 more minutes on 2 cores, and "controls", about
 # 15: run the controls after changing tools/cuda_on_cpu or tests/test_cuda_on_cpu.py):
 #   driver    the multi-tensor driver on hand-made tensor lists (exact-size buffers, misaligned
-#             bases) and polling across blocks, plus four planted synchronization faults the
-#             emulator must report; the decoder's 8-bit weight widening on every pair of codes
+#             bases), polling across blocks and programmatic launches' waits, plus five planted
+#             synchronization faults the emulator must report; the decoder's 8-bit weight
+#             widening on every pair of codes
 #   emu       tests/test_cuda_on_cpu.py: every op and mode against the CPU handlers (bitwise where
 #             the math is element-wise), several emulated grid sizes, in-order and shuffled
 #             schedules; with the default constants and with tables, chunks and slices shrunk
@@ -18,7 +19,8 @@
 #             group marked finished after its first batch row instead of all, a missing
 #             __syncthreads, a top-k / top-p walk that reads the row's search after one thread
 #             may have rewritten it, a weight-ring slab used without waiting for its copies, a
-#             ring slot refilled before every warp is done with it) must each make a check fail
+#             ring slot refilled before every warp is done with it, a stage kernel that reads its
+#             input before it waits for the launch before) must each make a check fail
 # Exit status 0 when every check passes and (with controls) every planted bug is caught.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +58,7 @@ if has_stage driver; then
   for dir in "$BUILD" "$SMALL"; do
     stamp "driver ($dir)"
     with_dev_build "$dir" "$dir/cuda_on_cpu_multi_tensor_test"
-    for fault in divergent_sync grid_sync grid_sync_after_exit poll_forever; do
+    for fault in divergent_sync grid_sync grid_sync_after_exit poll_forever store_before_wait; do
       with_dev_build "$dir" "$dir/cuda_on_cpu_multi_tensor_test" "$fault" 2>/dev/null
     done
   done
@@ -162,6 +164,19 @@ PY
     await_slab(stream.slots);" \
     env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_cuda_on_cpu.py -k "gemv_chunks_passes_and_splits and mma"
-  [ "$caught" -eq 8 ] || { echo "== cuda_on_cpu: only $caught of 8 planted bugs caught"; exit 1; }
+  # A stage kernel that reads its input (attention's q, k and v) before it waits for the launch
+  # that writes it: on a GPU a race, on the emulator the poisoned bytes.
+  control qkv_read_before_wait decoder/cuda/decoder_attention.cuh \
+    "      await_qkv(it);
+      if (it.valid) {
+        const NewToken<kT> token{p, sm, layer};
+        token.load_query_and_new_kv(it);" \
+    "      if (it.valid) {
+        const NewToken<kT> token{p, sm, layer};
+        token.load_query_and_new_kv(it);
+        await_qkv(it);" \
+    env JAXFUSE_REQUIRE_CUDA_ON_CPU=1 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_cuda_on_cpu.py -k "test_decoder and not same_bits and not quantized"
+  [ "$caught" -eq 9 ] || { echo "== cuda_on_cpu: only $caught of 9 planted bugs caught"; exit 1; }
 fi
 stamp "all passed"

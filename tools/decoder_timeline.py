@@ -1,14 +1,19 @@
-"""Where the persistent decoder's step goes, stage by stage (jaxfuse/_decode/timeline.py).
+"""Where the persistent decoder's step goes, stage by stage, on each of the kernel's schedules
+(jaxfuse/_decode/timeline.py).
 
-For each batch, one decode step of the layers (Llama-3.2-1B's 16 on a GPU, bf16, every row at
-position context - 1) records every block's times in every stage; beside it, the same step
-without the timeline, timed as bench_decoder.py times it, so the timeline's step can be checked
-against the step users run. Writes a markdown table per batch (the stages' shares of the step,
-their blocks' work, waits and wake latencies) and a PNG of batch 1's blocks over time. With
-``--model`` the whole step (embedding, layers, head, greedy draw) at batch 1 and 16 too: the
-head's share at 16 shows whether it reads its weights once for all 16 rows.
+For each schedule and batch, one decode step of the layers (Llama-3.2-1B's 16 on a GPU, bf16,
+every row at position context - 1) records every block's times in every stage; beside it, the
+same step without the timeline, timed as bench_decoder.py times it, so the timeline's step can be
+checked against the step users run. Writes a markdown table per schedule and batch (the stages'
+shares of the step, their blocks' work, waits and wake latencies) and a PNG of batch 1's blocks
+over time per schedule (the stage kernels' named with the schedule). With ``--model`` the whole
+step (embedding, layers, head, greedy draw) at batch 1 and 16 too: the head's share at 16 shows
+whether it reads its weights once for all 16 rows. In the stage kernels' timeline a block of a
+stage is a block of its own launch: one may enter before the previous stage's last block leaves
+(its first weights loading), and its first wait ends when the previous launch has finished.
 
   python3 tools/decoder_timeline.py [--out timeline.md] [--plot timeline.png] [--batches 1,4,16]
+      [--schedules persistent,stage_kernels]
 """
 
 import argparse
@@ -56,6 +61,7 @@ def main():
   ap.add_argument("--context", type=int, default=1024)
   ap.add_argument("--model", action="store_true", help="also the whole step at batch 1 and 16")
   ap.add_argument("--device", choices=["cpu", "gpu"])
+  ap.add_argument("--schedules", default="persistent,stage_kernels")
   args = ap.parse_args()
   device = pick_device(args.device)
   on_gpu = device.platform == "gpu"
@@ -65,28 +71,33 @@ def main():
   w = make_weights(cfg, jnp.bfloat16, device)
   sections = [f"# Decoder stage timeline: {device.device_kind}, {cfg.num_layers} x "
               f"D{cfg.hidden_size}, bf16, context {context}"]
-  for batch in [int(b) for b in args.batches.split(",")]:
-    x, positions, cache = inputs(cfg, batch, context, jnp.bfloat16, device)
-    tl = recorded(lambda: timeline.layers_timeline(x, positions, w, cache, cfg))
-    steps = 20 if on_gpu else 3
-    # The plain step, cache donated, as bench_decoder.py times it.
-    step = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg),
-                   donate_argnums=(3,))
-    plain = time_steps(step, x, positions, w, cache, steps, warmup=3)[0] * 1e3
-    sections.append(f"## The layers, batch {batch}: the step without the timeline {plain:.3f} "
-                    f"ms (wall, the mean of {steps})\n\n{tl.summary()}")
-    log(sections[-1] + "\n")
-    if batch == 1 and args.plot:
-      tl.plot(args.plot)
-  for batch in (1, 16) if args.model else ():
-    sections.append(model_section(cfg, w, device, batch))
-    log(sections[-1])
+  schedules = args.schedules.split(",")
+  for schedule in schedules:
+    for batch in [int(b) for b in args.batches.split(",")]:
+      x, positions, cache = inputs(cfg, batch, context, jnp.bfloat16, device)
+      tl = recorded(lambda: timeline.layers_timeline(x, positions, w, cache, cfg, schedule))
+      steps = 20 if on_gpu else 3
+      # The plain step, cache donated, as bench_decoder.py times it.
+      step = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg,
+                                                                   schedule=schedule),
+                     donate_argnums=(3,))
+      plain = time_steps(step, x, positions, w, cache, steps, warmup=3)[0] * 1e3
+      sections.append(f"## The layers, {schedule}, batch {batch}: the step without the timeline "
+                      f"{plain:.3f} ms (wall, the mean of {steps})\n\n{tl.summary()}")
+      log(sections[-1] + "\n")
+      if batch == 1 and args.plot:
+        root, ext = os.path.splitext(args.plot)
+        tl.plot(args.plot if schedule == "persistent" else f"{root}_{schedule}{ext}")
+  for schedule in schedules if args.model else ():
+    for batch in (1, 16):
+      sections.append(model_section(cfg, w, device, batch, schedule))
+      log(sections[-1])
   if args.out:
     with open(args.out, "w") as f:
       f.write("\n\n".join(sections) + "\n")
 
 
-def model_section(cfg, layers, device, batch, vocab=128256):
+def model_section(cfg, layers, device, batch, schedule, vocab=128256):
   """The whole step's timeline: the layers with Llama-3.2-1B's embedding and tied head (on a
   GPU)."""
   vocab = vocab if device.platform == "gpu" else 1000
@@ -97,9 +108,10 @@ def model_section(cfg, layers, device, batch, vocab=128256):
   cache = jax.device_put(jaxfuse.init_cache(model, batch, cfg.max_seq_len), device)
   tokens = jax.device_put(np.arange(7, 7 + batch, dtype=np.int32), device)
   positions = jax.device_put(np.full((batch,), cfg.max_seq_len - 1, np.int32), device)
-  tl = recorded(lambda: timeline.model_timeline(model, tokens, positions, cache))
-  return (f"## The whole step (vocabulary {vocab}, tied head, greedy draw), batch {batch}\n\n"
-          + tl.summary())
+  tl = recorded(lambda: timeline.model_timeline(model, tokens, positions, cache,
+                                                schedule=schedule))
+  return (f"## The whole step (vocabulary {vocab}, tied head, greedy draw), {schedule}, batch "
+          f"{batch}\n\n" + tl.summary())
 
 
 if __name__ == "__main__":

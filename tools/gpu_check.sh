@@ -229,7 +229,8 @@ stage_bench_decoder() {
 stage_decoder_timeline() {
   use_extension
   step decoder_timeline python3 tools/decoder_timeline.py --model \
-    --out "$OUT/decoder_timeline.md" --plot "$OUT/decoder_timeline.png"
+    --batches "${TIMELINE_BATCHES:-1,4,16}" --out "$OUT/decoder_timeline.md" \
+    --plot "$OUT/decoder_timeline.png"
 }
 
 stage_bench_generate() {
@@ -303,15 +304,19 @@ stage_variants() {
 # before the lease): env and the build check, then, most important first, each step capped
 # (LIMIT, from the times of the H200 run of 2026-11-28) so that a stuck one leaves the others
 # their time, and its log and the summary in $OUT as soon as it ends:
-#   ops                   every op and mode against the CPU handlers (tools/gpu_ops.py)
-#   bench_decoder_grid    issue 40's rows: the 16 layers and the whole step (head and draw
-#                         included), bf16 / int8 / fp8 matrices, batch 1/4/16, context 1k/4k/16k,
-#                         each beside plain XLA, in 170 s (rows past it listed as not reached)
-#   decoder_timeline      the 16 layers' stages at batch 1/4/16, context 1k, block by block
-#                         (their shares of the step, work, waits, wake latencies), and the whole
-#                         step's at batch 1 and 16
-#   bench_generate        the whole step (embedding, layers, head, draw), batch 1/4/16, and
-#                         generate's tokens/s, beside plain XLA
+#   ops                   every op and mode against the CPU handlers (tools/gpu_ops.py), and the
+#                         decoder's stage kernels against its persistent kernel, bit for bit
+#   bench_decoder_grid    the decoder's rows on both schedules (the persistent launch, the stage
+#                         kernels): the 16 layers and the whole step (head and draw included),
+#                         bf16 / int8 / fp8 matrices, batch 1/4/16, context 1k/4k/16k, each beside
+#                         plain XLA, in 170 s (rows past it listed as not reached)
+#   decoder_timeline      the 16 layers' stages on each schedule at batch 1 and 16, context 1k,
+#                         block by block (their shares of the step, work, waits, wake latencies),
+#                         and the whole step's at batch 1 and 16
+#   graphs                XLA's command buffers on and off (tools/check_command_buffers.py): the
+#                         same bits, the decoder's schedules the same bits, and whether a graph
+#                         keeps the stage kernels' programmatic edges (their step as fast as on
+#                         the stream)
 #   bench_optim           AdamW on GPT-2 small (fp32; bf16 with master weights), with and
 #                         without the clip, 8-bit moments, and the 256M tensor, beside optax,
 #                         device time apart from wall time
@@ -325,9 +330,9 @@ stage_variants() {
 #   racecheck_decoder     compute-sanitizer racecheck over the same (shared-memory hazards: the
 #                         tensor-core GEMV's weight ring, filled by cp.async)
 #   tests                 the op tests (not the slow ones) with what is left
-# A step that does not fit what is left of the deadline is SKIPPED in the summary. The filtered
-# and int8 generate rows, and the 8-bit layers beside XLA's read rate, are stages bench_generate
-# and bench_quantized.
+# A step that does not fit what is left of the deadline is SKIPPED in the summary. generate's
+# tokens/s (the grid times the whole step), the filtered and int8 generate rows, and the 8-bit
+# layers beside XLA's read rate, are stages bench_generate and bench_quantized.
 stage_quick() {
   DEADLINE=${DEADLINE_S:-560}
   stage_env
@@ -335,12 +340,11 @@ stage_quick() {
   stage_build
   [ -f "$EXT_FILE" ] || { cp "$SUMMARY" "$OUT/summary.md"; return 1; }
   use_extension
-  LIMIT=85 step ops python3 tools/gpu_ops.py  # 10 s for the every-code decoder cases since the H200 run
+  LIMIT=100 step ops python3 tools/gpu_ops.py  # the H200 run's 75 s, the every-code and stage-kernel decoder cases
   LIMIT=195 step bench_decoder_grid python3 benchmarks/bench_decoder_grid.py --budget-s 170 \
     --out "$OUT/bench_decoder_grid.md"
-  LIMIT=70 stage_decoder_timeline
-  LIMIT=100 step bench_generate python3 benchmarks/bench_generate.py --quick \
-    --out "$OUT/bench_generate.md"
+  LIMIT=100 TIMELINE_BATCHES=1,16 stage_decoder_timeline
+  LIMIT=75 stage_graphs
   LIMIT=80 step bench_optim python3 benchmarks/bench_optim.py --trees "GPT-2 small,256M" \
     --out "$OUT/bench_optim.md" --plot "$OUT/optim_bandwidth_gpu.png"
   LIMIT=45 step bench_packed python3 benchmarks/bench_optim.py --trees "1000 leaves" \

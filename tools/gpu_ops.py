@@ -1,7 +1,9 @@
 """Runs each jaxfuse CUDA op on the GPU on fresh random inputs and compares it with the CPU
-handler on the same inputs: how many output elements differ and by how much. Small and quick on
+handler on the same inputs: how many output elements differ and by how much; the decoder's
+stage-kernel schedule against its persistent one on the GPU, bit for bit. Small and quick on
 purpose: tools/gpu_check.sh runs it under compute-sanitizer, one op per process. Exits non-zero
-when a case's results differ by more than rounding can explain.
+when a case's results differ by more than rounding can explain, or the two schedules' bits
+differ.
 
   python3 tools/gpu_ops.py [norm] [adam] [families] [decoder]     # default: all four
 """
@@ -46,6 +48,20 @@ def compare(name, gpu, cpu):
 # Rounding differences stay far below this; a wrong kernel (garbage, a skipped store) does not.
 FAR_APART = 5e-2
 FAR_APART_CASES = []
+SCHEDULES_DIFFER = []  # decoder cases whose two schedules' bits differ on the GPU
+
+
+def compare_schedules(name, stages, persistent):
+  """One line: the elements of the stage kernels' results that are not the persistent kernel's
+  bits (the same work on the same grid: there must be none)."""
+  n = differ = 0
+  for a, b in zip(jax.tree.leaves(stages), jax.tree.leaves(persistent)):
+    a, b = np.asarray(a), np.asarray(b)
+    n += a.size
+    differ += int(np.sum(a.reshape(a.size, -1).view(np.uint8) != b.reshape(b.size, -1).view(np.uint8)))
+  print(f"{name + ' stage kernels':52s} {differ:7d} of {n:7d} bytes differ from the persistent kernel's")
+  if differ:
+    SCHEDULES_DIFFER.append(name)
 
 
 def run_norm(gpu, cpu):
@@ -192,11 +208,14 @@ def run_decoder(gpu, cpu):
     if matrices and matrices.endswith("every code"):
       w = every_code(w, quantization, seed=4)
     pos = jnp.asarray(np.linspace(0, seq - 1, batch).astype(np.int32))
-    f = jax.jit(lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg))
-    res = {name: f(*on(d, (x, pos, w, cache))) for name, d in (("gpu", gpu), ("cpu", cpu))}
+    f = jax.jit(lambda x, p, w, c, s: jaxfuse.persistent_decoder(x, p, w, c, cfg, schedule=s),
+                static_argnums=4)
+    res = {name: f(*on(d, (x, pos, w, cache)), "persistent")
+           for name, d in (("gpu", gpu), ("cpu", cpu))}
     weights = f" {matrices} matrices" if matrices else ""
-    compare(f"persistent_decoder {jnp.dtype(dt).name}{weights} batch {batch} context {seq}",
-            res["gpu"], res["cpu"])
+    name = f"persistent_decoder {jnp.dtype(dt).name}{weights} batch {batch} context {seq}"
+    compare(name, res["gpu"], res["cpu"])
+    compare_schedules(name, f(*on(gpu, (x, pos, w, cache)), "stage_kernels"), res["gpu"])
   run_model_step(gpu, cpu)
 
 
@@ -229,14 +248,16 @@ def run_model_step(gpu, cpu):
     tokens = jnp.asarray(rng.integers(0, 1000, batch).astype(np.int32))
     pos = jnp.asarray(np.linspace(0, 95, batch).astype(np.int32))
     key = jax.random.key(6)
-    f = jax.jit(lambda m, t, p, c, k: generation._model_step(m, cfg, t, p, c, 0.8, k, top_k,
-                                                             top_p))
-    res = {name: f(*on(d, (model, tokens, pos, cache, jax.random.key_data(key))))
-           for name, d in (("gpu", gpu), ("cpu", cpu))}
+    f = jax.jit(lambda m, t, p, c, k, s: generation._model_step(m, cfg, t, p, c, 0.8, k, top_k,
+                                                                top_p, schedule=s),
+                static_argnums=5)
+    args = (model, tokens, pos, cache, jax.random.key_data(key))
+    res = {name: f(*on(d, args), "persistent") for name, d in (("gpu", gpu), ("cpu", cpu))}
     name = (f"whole-model step {jnp.dtype(dt).name} {'tied' if tied else 'untied'} batch {batch}"
             + (f" {quantization}" if quantization else "")
             + (f" top-k {top_k}" if top_k else "") + (f" top-p {top_p}" if top_p else ""))
     compare(name, res["gpu"][0], res["cpu"][0])
+    compare_schedules(name, f(*on(gpu, args), "stage_kernels"), res["gpu"])
     drawn = generation._sample(jnp.asarray(np.asarray(res["gpu"][0])), key, 0.8, top_k, top_p)
     wrong = int(np.sum(np.asarray(res["gpu"][1]) != np.asarray(drawn)))
     print(f"{name + ' draws':52s} {wrong:7d} of {batch:7d} tokens differ from jax.random's")
@@ -249,9 +270,15 @@ def main(ops):
   runs = {"norm": run_norm, "adam": run_adam, "families": run_families, "decoder": run_decoder}
   for op in ops or runs:
     runs[op](gpu, cpu)
+  problems = []
   if FAR_APART_CASES:
-    sys.exit(f"GPU and CPU differ by more than {FAR_APART} of a leaf's max in: "
-             + ", ".join(FAR_APART_CASES))
+    problems.append(f"GPU and CPU differ by more than {FAR_APART} of a leaf's max in: "
+                    + ", ".join(FAR_APART_CASES))
+  if SCHEDULES_DIFFER:
+    problems.append("the decoder's stage kernels and persistent kernel differ in: "
+                    + ", ".join(SCHEDULES_DIFFER))
+  if problems:
+    sys.exit("; ".join(problems))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ widths, local-memory instructions and traps. It fails (exit status 1) on
 - any unguarded trap (nvcc compiles undefined behaviour, such as device code reading a host
   object, into a trap; only cooperative groups' grid-sync guards, a trap in CUDA's own headers
   that a conditional branch skips or jumps to, are allowed),
+- an instance that keeps less in flight per SM than its JF_KERNEL_IN_FLIGHT floor (a multiple
+  of Little's law) or loads from fewer arrays at once than its JF_KERNEL_LOADS floor,
 - a ring (JF_KERNEL_RING) that keeps less than Little's law in flight, or whose slab loop
   issues its slabs at less than 1.5x the SM's share of HBM (its instructions would set its time)
   or cannot be found,
@@ -525,6 +527,13 @@ class LoadsFloor:
 
 
 @dataclasses.dataclass
+class InFlightFloor:
+  pattern: str
+  min_times: float  # Little's law's bytes in flight per SM, times
+  where: str = ""
+
+
+@dataclasses.dataclass
 class Ring:
   pattern: str
   slots: dict  # arch -> slots of dynamic shared memory
@@ -547,20 +556,22 @@ def ring_in_flight(inst):
 
 
 def read_budgets(paths, rings=None):
-  """The JF_KERNEL_BUDGET, JF_KERNEL_GAP and JF_KERNEL_LOADS declarations of the sources (and
-  the JF_KERNEL_RING ones into `rings`)."""
+  """The JF_KERNEL_BUDGET, JF_KERNEL_GAP, JF_KERNEL_LOADS and JF_KERNEL_IN_FLIGHT declarations of
+  the sources (and the JF_KERNEL_RING ones into `rings`)."""
   budgets, gaps, floors = [], [], []
   rings = [] if rings is None else rings
   for path in paths:
     text = open(path).read()
-    for m in re.finditer(r"^\s*JF_KERNEL_(BUDGET|GAP|LOADS|RING)\s*(?=\()", text, re.M):
+    for m in re.finditer(r"^\s*JF_KERNEL_(BUDGET|GAP|LOADS|IN_FLIGHT|RING)\s*(?=\()", text,
+                         re.M):
       args = macro_args(text, m.end())
       where = f"{os.path.relpath(path, ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
-      want = {"BUDGET": 4, "GAP": 5, "LOADS": 2, "RING": 5}[m.group(1)]
+      want = {"BUDGET": 4, "GAP": 5, "LOADS": 2, "IN_FLIGHT": 2, "RING": 5}[m.group(1)]
       if len(args) != want:
         sys.exit(f"kernel_report: {where}: JF_KERNEL_{m.group(1)} takes {want} arguments")
-      if m.group(1) == "LOADS":
-        floors.append(LoadsFloor(string_value(args[0]), int(args[1]), where=where))
+      if m.group(1) in ("LOADS", "IN_FLIGHT"):
+        kind = LoadsFloor if m.group(1) == "LOADS" else InFlightFloor
+        floors.append(kind(string_value(args[0]), float(args[1]), where=where))
         re.compile(floors[-1].pattern)
         continue
       if m.group(1) == "RING":
@@ -605,9 +616,17 @@ def judge(inst, budgets, gaps, floors=()):
   if unguarded:
     inst.failures.append(f"unguarded trap at {', '.join(unguarded)}")
   for f in floors:
-    if re.search(f.pattern, inst.name) and inst.loads_in_flight < f.min_loads:
-      inst.failures.append(f"{inst.loads_in_flight} arrays loaded in flight < {f.min_loads} "
+    if not re.search(f.pattern, inst.name):
+      continue
+    if isinstance(f, LoadsFloor) and inst.loads_in_flight < f.min_loads:
+      inst.failures.append(f"{inst.loads_in_flight} arrays loaded in flight < {f.min_loads:.0f} "
                            f"({f.where})")
+    if isinstance(f, InFlightFloor) and GPUS.get(inst.arch):
+      little = GPUS[inst.arch]["little"]
+      held = sm_in_flight(inst)
+      if held < f.min_times * little:
+        inst.failures.append(f"{held / 1024:.0f} KB an SM in flight ({held / little:.1f}x "
+                             f"Little's law) < {f.min_times:g}x ({f.where})")
   if inst.threads == 0:
     inst.failures.append("no __launch_bounds__: its block size is unknown")
   little = GPUS.get(inst.arch, {}).get("little", 0)
@@ -642,6 +661,15 @@ def judge(inst, budgets, gaps, floors=()):
 
 
 # ---- the report -------------------------------------------------------------------------------
+
+def sm_in_flight(inst):
+  """Bytes in flight per SM at inst's occupancy: its ring's slabs, or without a ring its deepest
+  run of loads over the SM's resident threads."""
+  if inst.ring:
+    return ring_in_flight(inst)
+  gpu = GPUS.get(inst.arch)
+  return inst.bytes_in_flight * inst.occupancy / 100 * gpu["warps"] * 32 if gpu else 0
+
 
 def in_flight(inst):
   """The deepest run of loads: arrays, bytes per thread, and per SM at the instance's occupancy
@@ -720,8 +748,8 @@ def report(path):
   problems = [f"{g.where}: the known gap {g.pattern!r} excuses no instance: remove it"
               for g in gaps if not g.excused]
   problems += [f"{f.where}: JF_KERNEL_{kind} {f.pattern!r} matches no instance"
-               for kind, declared in (("LOADS", floors), ("RING", rings)) for f in declared
-               if not any(re.search(f.pattern, i.name) for i in instances)]
+               for kind, declared in (("LOADS / IN_FLIGHT", floors), ("RING", rings))
+               for f in declared if not any(re.search(f.pattern, i.name) for i in instances)]
   if not instances:
     problems.append(f"{module}: no kernels found")
   return module, instances, gaps, problems

@@ -29,7 +29,8 @@
 //   workspace u8[decoder_layout(...).total]: fp32 activations, partial sums and counters (and
 //   with `timeline`, every block's StageTime in every stage).
 // Attributes: the DecoderAttrs fields (the names of jaxfuse.DecoderConfig's fields, then the
-//   step's model_step, sample, timeline, temperature, top_k (0: off) and top_p (1: off)).
+//   call's model_step, sample, timeline, stage_kernels, temperature, top_k (0: off) and top_p
+//   (1: off)).
 // Python reads all of these names and the workspace size from DecoderOp::contract().
 #pragma once
 
@@ -62,13 +63,16 @@ using SampleKeyBuffer = ffi::Buffer<ffi::U32, 1>;
 //   qkv_bias    the q/k/v projections add a bias
 //   qk_norm     per-head RMSNorm of q and k before RoPE
 //   quantized   the matrices are int8 or fp8 with per-column scales
-// The whole-model step's (set by persistent_decoder's callers, not config fields):
-//   model_step  tokens in, embedding gathered, final norm and LM head of V rows after the last
-//               layer (V = 0 otherwise)
-//   sample      the next tokens drawn in the same call
-//   timeline    each block's times in each stage recorded in the workspace (StageTime)
+// The call's (set by persistent_decoder's callers, not config fields):
+//   model_step     tokens in, embedding gathered, final norm and LM head of V rows after the
+//                  last layer (V = 0 otherwise)
+//   sample         the next tokens drawn in the same call
+//   timeline       each block's times in each stage recorded in the workspace (StageTime)
+//   stage_kernels  the CUDA kernel's stage-kernel schedule: one launch per stage, chained by
+//                  programmatic dependent launch, instead of one persistent launch
+//                  (decoder_plan.h; the CPU twin has one schedule)
 #define JAXFUSE_DECODER_FLAGS(X) X(qkv_bias) X(qk_norm) X(quantized)
-#define JAXFUSE_DECODER_STEP_FLAGS(X) X(model_step) X(sample) X(timeline)
+#define JAXFUSE_DECODER_STEP_FLAGS(X) X(model_step) X(sample) X(timeline) X(stage_kernels)
 inline constexpr const char* kDecoderFlags[] = {JAXFUSE_DECODER_FLAGS(JF_VECTOR_NAME)};
 inline constexpr const char* kDecoderStepFlags[] = {JAXFUSE_DECODER_STEP_FLAGS(JF_VECTOR_NAME)};
 

@@ -100,13 +100,27 @@ class _Head:
             + (("sample_key",) if self.sample else ()))
 
 
-def _attributes(cfg: DecoderConfig, head: _Head | None = None,
-                timeline: bool = False) -> dict[str, np.generic]:
+# The CUDA kernel's schedules (:func:`jaxfuse.persistent_decoder`'s ``schedule``): one persistent
+# launch, or one launch per stage chained by programmatic dependent launch. The CPU handler has
+# one: it takes either.
+SCHEDULES = ("persistent", "stage_kernels")
+
+
+def _check_schedule(fn: str, schedule) -> None:
+  """``schedule`` is one of SCHEDULES."""
+  if not isinstance(schedule, str) or schedule not in SCHEDULES:
+    raise ValueError(f"{fn}: schedule must be one of {SCHEDULES}, got {schedule!r}")
+
+
+def _attributes(cfg: DecoderConfig, head: _Head | None = None, timeline: bool = False,
+                schedule: str = "persistent") -> dict[str, np.generic]:
   """The custom call's attributes: the config fields the contract names, in the contract's types,
-  and the whole-model step's (``timeline``: record each block's times in each stage)."""
+  and the call's (``timeline``: record each block's times in each stage; ``schedule``: one of
+  SCHEDULES)."""
   names = _CONTRACT.names
   sample = head is not None and head.sample
   step = {"model_step": head is not None, "sample": sample, "timeline": timeline,
+          "stage_kernels": schedule == "stage_kernels",
           "temperature": head.temperature if sample else 0.0,
           "top_k": (head.top_k or 0) if sample else 0,
           "top_p": 1.0 if not sample or head.top_p is None else head.top_p}

@@ -34,7 +34,7 @@ from jax import lax
 
 from jaxfuse._decode.checks import _check_layers, _check_rows, _concrete
 from jaxfuse._decode.config import DecoderWeights, KVCache, _SUPPORTED
-from jaxfuse._decode.contract import _Head
+from jaxfuse._decode.contract import _check_schedule, _Head
 from jaxfuse._decode.kernel import _decoder_step
 from jaxfuse._decode.model import DecoderModel
 from jaxfuse._decode.prefill import prefill_stack
@@ -200,7 +200,8 @@ def prefill(model: DecoderModel, prompt_tokens, prompt_lengths, cache: KVCache):
 
 
 def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
-                decoder: str = "persistent", check_positions: bool = False):
+                decoder: str = "persistent", check_positions: bool = False,
+                schedule: str = "persistent"):
   """One new token per row through the whole model, and the next-token logits: with the
   persistent decoder one kernel call gathers the embeddings, runs every layer, the final norm
   and the LM head.
@@ -216,6 +217,8 @@ def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
     decoder: "persistent" (the kernel) or "reference" (:func:`jaxfuse.decoder_reference`).
     check_positions: with traced positions, emit a :func:`jax.experimental.checkify.check` that
       every position is in [0, cache length) (run the caller under ``checkify.checkify``).
+    schedule: the persistent decoder's CUDA schedule, ``"persistent"`` or ``"stage_kernels"``
+      (:func:`jaxfuse.persistent_decoder`).
 
   Returns:
     ``(logits, cache)``: fp32 [B, vocab] and the updated cache.
@@ -226,12 +229,13 @@ def decode_step(model: DecoderModel, tokens, positions, cache: KVCache, *,
   """
   _check_model("decode_step", model)
   _decoder_fn("decode_step", decoder, model)
+  _check_schedule("decode_step", schedule)
   tokens, positions, cfg = _checked_step(model, tokens, positions, cache, check_positions)
   if decoder == "reference":
     h, cache = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
     return model.logits(h), cache
   logits, k, v = _model_step(model, cfg, tokens.astype(jnp.int32),
-                             positions.astype(jnp.int32), cache)
+                             positions.astype(jnp.int32), cache, schedule=schedule)
   return logits, KVCache(k, v)
 
 
@@ -260,19 +264,20 @@ def _checked_step(model: DecoderModel, tokens, positions, cache: KVCache,
 
 def _model_step(model: DecoderModel, cfg, tokens, positions, cache: KVCache,
                 temperature: float | None = None, key_data=None, top_k: int | None = None,
-                top_p: float | None = None, timeline: bool = False):
+                top_p: float | None = None, timeline: bool = False,
+                schedule: str = "persistent"):
   """One whole-model step in one kernel call (validated operands): the embedding of ``tokens``,
   every layer, the final norm and the LM head; with a ``temperature``, the next tokens drawn in
   the same call with the key data ``key_data`` (0: greedy), from the scores ``top_k`` and
-  ``top_p`` keep (None: all; as :func:`_sample`). Returns (logits, [next_tokens,] k_cache,
-  v_cache[, the workspace when recording a ``timeline``])."""
+  ``top_p`` keep (None: all; as :func:`_sample`), on the CUDA kernel's ``schedule``. Returns
+  (logits, [next_tokens,] k_cache, v_cache[, the workspace when recording a ``timeline``])."""
   top_k, top_p = _active_filters(model, top_k, top_p)
   head = _Head(tied=model.tied, temperature=temperature, quantized=model.head_quantized,
                top_k=top_k, top_p=top_p)
   given = {"embed": model.embed, "final_norm": model.final_norm, "lm_head": model.lm_head,
            "lm_head_scale": model.lm_head_scale, "sample_key": key_data}
   operands = tuple(given[name] for name in head.operands())
-  step = _decoder_step(cfg, head, timeline)
+  step = _decoder_step(cfg, head, timeline, schedule)
   return step(tokens, positions, jnp.asarray(cfg.rope_inv_freq()), model.layers, cache.k,
               cache.v, operands)
 
@@ -345,9 +350,9 @@ def _active_filters(model: DecoderModel, top_k, top_p) -> tuple[int | None, floa
 
 
 @functools.partial(jax.jit, static_argnames=("max_new_tokens", "temperature", "top_k", "top_p",
-                                             "decoder"))
+                                             "decoder", "schedule"))
 def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens: int,
-              temperature: float, top_k, top_p, decoder: str):
+              temperature: float, top_k, top_p, decoder: str, schedule: str):
   B, T = tokens.shape
   N = max_new_tokens
   cache = init_cache(model, B, T + N)
@@ -373,9 +378,9 @@ def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens
       key_data = (jnp.zeros((2,), jnp.uint32) if temperature == 0.0  # greedy: unused
                   else _kernel_key_data(jax.random.fold_in(key, i + 1)))
       _, nxt, k, v = _model_step(model, cfg, token, positions, cache, temperature, key_data,
-                                 top_k, top_p)
+                                 top_k, top_p, schedule=schedule)
       return nxt, KVCache(k, v)
-    logits, k, v = _model_step(model, cfg, token, positions, cache)
+    logits, k, v = _model_step(model, cfg, token, positions, cache, schedule=schedule)
     return logits, KVCache(k, v)
 
   def record(state):
@@ -408,7 +413,8 @@ def _generate(model: DecoderModel, tokens, lengths, key, stop, *, max_new_tokens
 def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens: int, *,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
              key: jax.Array | None = None, stop_tokens: Sequence[int] | Sequence[Sequence[int]] = (),
-             decoder: str = "persistent", check_positions: bool = False):
+             decoder: str = "persistent", check_positions: bool = False,
+             schedule: str = "persistent"):
   """Generates up to ``max_new_tokens`` tokens after each prompt, in one jitted call.
 
   Prefill in plain XLA, then one ``lax.while_loop`` of persistent-decoder steps (see the module
@@ -436,6 +442,8 @@ def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens:
       :func:`jax.experimental.checkify.check` that each is in [1, prompt_len] (run the caller
       under ``checkify.checkify``). Otherwise a bad traced length is not detected: its row's
       tokens are garbage.
+    schedule: the persistent decoder's CUDA schedule, ``"persistent"`` or ``"stage_kernels"``
+      (:func:`jaxfuse.persistent_decoder`): the same tokens either way.
 
   Returns:
     ``(tokens, lengths)``: int32 [B, max_new_tokens] generated tokens, -1 after each row's end;
@@ -448,6 +456,7 @@ def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens:
   tokens, lengths = jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths)
   _check_prompts("generate", model, tokens, lengths, check_positions)
   _decoder_fn("generate", decoder, model)
+  _check_schedule("generate", schedule)
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
     raise ValueError(f"generate: max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -470,4 +479,5 @@ def generate(model: DecoderModel, prompt_tokens, prompt_lengths, max_new_tokens:
   return _generate(model, tokens.astype(jnp.int32), lengths.astype(jnp.int32), key,
                    jnp.asarray(stop), max_new_tokens=int(max_new_tokens), temperature=temperature,
                    top_k=None if top_k is None else int(top_k),
-                   top_p=None if top_p is None else float(top_p), decoder=decoder)
+                   top_p=None if top_p is None else float(top_p), decoder=decoder,
+                   schedule=schedule)

@@ -64,8 +64,8 @@ from jaxfuse._core import partition as _partition
 from jaxfuse._decode.checks import (_NOT_DIFFERENTIABLE, _check_operands, _check_rows,
                                     _check_structure)
 from jaxfuse._decode.config import DecoderConfig, DecoderWeights, KVCache
-from jaxfuse._decode.contract import (_ALIASES, _CONTRACT, _attributes, _Head, _weight_dtype,
-                                      _workspace_bytes)
+from jaxfuse._decode.contract import (_ALIASES, _CONTRACT, _attributes, _check_schedule,
+                                      _Head, _weight_dtype, _workspace_bytes)
 
 
 # ---- the C++ contract against what this module passes ---------------------------------------------
@@ -75,7 +75,8 @@ _CACHES = ("k_cache", "v_cache")
 # The whole-model step's operands (empty in a layers-only call), after the caches.
 _MODEL_OPERANDS = ("tokens", "embed", "final_norm", "lm_head", "lm_head_scale", "sample_key")
 _RESULTS = ("out", "k_cache", "v_cache", "logits", "next_tokens", "workspace")
-_STEP_ATTRIBUTES = ("model_step", "sample", "timeline", "temperature", "top_k", "top_p")
+_STEP_ATTRIBUTES = ("model_step", "sample", "timeline", "stage_kernels", "temperature", "top_k",
+                    "top_p")
 # Config fields that are not attributes: they define the rope_inv_freq operand, and the
 # matrices' dtype (the attribute is the property ``quantized``).
 _NOT_ATTRIBUTES = ("rope_theta", "rope_scaling", "quantization")
@@ -156,8 +157,8 @@ def _returned(head: _Head | None, timeline: bool = False) -> tuple[str, ...]:
   return names + (("workspace",) if timeline else ())
 
 
-def _call_kernel(cfg: DecoderConfig, head: _Head | None, timeline: bool, first, positions,
-                 inv_freq, w: DecoderWeights, k_cache, v_cache, model=()):
+def _call_kernel(cfg: DecoderConfig, head: _Head | None, timeline: bool, schedule: str, first,
+                 positions, inv_freq, w: DecoderWeights, k_cache, v_cache, model=()):
   """One ``jaxfuse_decoder`` custom call on validated operands; returns the
   :func:`_returned` results of ``head`` and ``timeline``.
 
@@ -205,7 +206,7 @@ def _call_kernel(cfg: DecoderConfig, head: _Head | None, timeline: bool, first, 
     call = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"),
                             [results[n] for n in names["results"]], input_output_aliases=_ALIASES)
     outs = dict(zip(names["results"], call(*[operands[n] for n in names["operands"]],
-                                           **_attributes(cfg, head, timeline))))
+                                           **_attributes(cfg, head, timeline, schedule))))
     return tuple(outs[n] for n in _returned(head, timeline))
 
   operands = [first, positions, inv_freq, *jax.tree.leaves(w), k_cache, v_cache, *model]
@@ -297,12 +298,13 @@ def _not_differentiable(primals, tangents):
 
 
 @functools.cache
-def _decoder_step(cfg: DecoderConfig, head: _Head | None = None, timeline: bool = False):
+def _decoder_step(cfg: DecoderConfig, head: _Head | None = None, timeline: bool = False,
+                  schedule: str = "persistent"):
   """The decode step for ``cfg``: ``(first, positions, inv_freq, weights, k_cache, v_cache,
   model) -> the _returned(head, timeline) results``, ``weights`` with None for the weights
   ``cfg`` does not use; ``first`` and ``model`` as :func:`_call_kernel` takes them (x and () for
-  the layers alone). A step that records a timeline is the custom call alone (jitted): no vmap,
-  no sharding.
+  the layers alone), on the CUDA kernel's ``schedule`` (SCHEDULES). A step that records a
+  timeline is the custom call alone (jitted): no vmap, no sharding.
 
   The custom call with a vmap rule (:class:`jax.custom_batching.custom_vmap`) inside a
   :class:`jax.custom_jvp` whose rule raises, so that jax.grad, jax.jvp, jax.vjp and friends fail
@@ -313,8 +315,9 @@ def _decoder_step(cfg: DecoderConfig, head: _Head | None = None, timeline: bool 
   """
   _check_contract()
   if timeline:
-    return jax.jit(functools.partial(_call_kernel, cfg, head, True))
-  step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg, head, False))
+    return jax.jit(functools.partial(_call_kernel, cfg, head, True, schedule))
+  step = jax.custom_batching.custom_vmap(functools.partial(_call_kernel, cfg, head, False,
+                                                           schedule))
   step.def_vmap(functools.partial(_vmap_rule, cfg, head, step))
   differentiable = jax.custom_jvp(step)
   differentiable.defjvp(_not_differentiable)
@@ -324,12 +327,28 @@ def _decoder_step(cfg: DecoderConfig, head: _Head | None = None, timeline: bool 
 # ---- public API ----------------------------------------------------------------------------------
 
 def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig, *,
-                       check_positions: bool = False):
+                       check_positions: bool = False, schedule: str = "persistent"):
   """One decode step of every layer of the stack, in one custom call.
 
   See the module docstring for the math and the handling of out-of-range positions. Works under
   jit (donate the cache for in-place updates), vmap (mapped over x, positions and the cache; the
   mapped axis is folded into the batch), lax.scan, lax.while_loop and eagerly.
+
+  On CUDA the call runs one kernel's stages in one of two schedules (``schedule``), with the
+  same work split over the same grid, so the two give the same bits:
+
+  - ``"persistent"``: every stage in one cooperative launch; between stages its blocks poll the
+    counters of the work groups whose results they need (a group's last split finishes it and
+    releases it). One launch per step; each boundary costs that chain of finish, release and
+    polls.
+  - ``"stage_kernels"``: one launch per stage (the embedding, five a layer, the LM head and the
+    draw), each a programmatic dependent launch of the one before (Hopper and newer; a plain
+    launch before): its blocks start as the previous launch's leave, copy their first weights
+    into shared memory and then wait for it. Each boundary costs the previous launch's tail less
+    what those weights overlap of it; the step costs a launch per stage on the host, or none
+    where XLA captures it into a command buffer (a CUDA graph).
+
+  The CPU handler has one schedule and takes either.
 
   Args:
     x: [B, D] hidden state of the new token per row (float32, bfloat16 or float16).
@@ -341,6 +360,7 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
     check_positions: with traced positions, emit a :func:`jax.experimental.checkify.check` that
       every position is in [0, max_seq_len) (run the caller under ``checkify.checkify``). Concrete
       positions are always checked.
+    schedule: the CUDA kernel's schedule, ``"persistent"`` or ``"stage_kernels"`` (above).
 
   Returns:
     ``(h_out, new_cache)``: the [B, D] hidden state after the last layer and the updated cache; a
@@ -348,14 +368,16 @@ def persistent_decoder(x, positions, w: DecoderWeights, cache: KVCache, cfg: Dec
 
   Raises:
     TypeError: an argument has the wrong type or dtype.
-    ValueError: an argument has the wrong shape, or a concrete position is outside
-      [0, max_seq_len).
+    ValueError: an argument has the wrong shape, a concrete position is outside
+      [0, max_seq_len), or ``schedule`` is not one of the two.
     NotImplementedError: when differentiated (use :func:`decoder_reference`), or vmapped over
       the weights.
   """
+  _check_schedule("persistent_decoder", schedule)
   x, positions, w, cache = _checked_operands(x, positions, w, cache, cfg, check_positions)
   inv_freq = jnp.asarray(cfg.rope_inv_freq())
-  out, k_cache, v_cache = _decoder_step(cfg)(x, positions, inv_freq, w, cache.k, cache.v, ())
+  step = _decoder_step(cfg, None, False, schedule)
+  out, k_cache, v_cache = step(x, positions, inv_freq, w, cache.k, cache.v, ())
   return out, KVCache(k_cache, v_cache)
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxfuse._decode.config import DecoderConfig, DecoderWeights, KVCache
-from jaxfuse._decode.contract import _CONTRACT, _workspace_layout
+from jaxfuse._decode.contract import _CONTRACT, _check_schedule, _workspace_layout
 from jaxfuse._decode.generation import _check_model, _checked_step, _model_step
 from jaxfuse._decode.kernel import _checked_operands, _decoder_step
 from jaxfuse._decode.model import DecoderModel
@@ -178,36 +178,40 @@ def _check_rows_present(fn: str, batch: int) -> None:
     raise ValueError(f"{fn}: a step of 0 rows runs no stage and records no timeline")
 
 
-def layers_timeline(x, positions, w: DecoderWeights, cache: KVCache,
-                    cfg: DecoderConfig) -> tuple[jax.Array, KVCache, StageTimeline]:
-  """:func:`jaxfuse.persistent_decoder`'s step, recording its timeline (one device's call).
+def layers_timeline(x, positions, w: DecoderWeights, cache: KVCache, cfg: DecoderConfig,
+                    schedule: str = "persistent") -> tuple[jax.Array, KVCache, StageTimeline]:
+  """:func:`jaxfuse.persistent_decoder`'s step on ``schedule``, recording its timeline (one
+  device's call).
 
   Returns:
     ``(h_out, new_cache, timeline)``, the first two as :func:`jaxfuse.persistent_decoder`'s.
   """
+  _check_schedule("layers_timeline", schedule)
   x, positions, w, cache = _checked_operands(x, positions, w, cache, cfg)
   _check_rows_present("layers_timeline", x.shape[0])
-  step = _decoder_step(cfg, None, True)
+  step = _decoder_step(cfg, None, True, schedule)
   out, k, v, workspace = step(x, positions, jnp.asarray(cfg.rope_inv_freq()), w, cache.k,
                               cache.v, ())
   layout = _workspace_layout(cfg, x.shape[0], x.dtype, timeline=True)
   return out, KVCache(k, v), StageTimeline.from_workspace(workspace, layout, cfg.num_layers)
 
 
-def model_timeline(model: DecoderModel, tokens, positions, cache: KVCache,
-                   sample: bool = True) -> tuple[jax.Array, KVCache, StageTimeline]:
-  """One whole-model step (:func:`jaxfuse.decode_step`), with the greedy draw in the kernel when
-  ``sample``, recording its timeline (one device's call).
+def model_timeline(model: DecoderModel, tokens, positions, cache: KVCache, sample: bool = True,
+                   schedule: str = "persistent") -> tuple[jax.Array, KVCache, StageTimeline]:
+  """One whole-model step (:func:`jaxfuse.decode_step`) on ``schedule``, with the greedy draw in
+  the kernel when ``sample``, recording its timeline (one device's call).
 
   Returns:
     ``(logits, new_cache, timeline)``.
   """
   _check_model("model_timeline", model)
+  _check_schedule("model_timeline", schedule)
   tokens, positions, cfg = _checked_step(model, tokens, positions, cache)
   _check_rows_present("model_timeline", tokens.shape[0])
   tokens, positions = tokens.astype(jnp.int32), positions.astype(jnp.int32)
   outs = _model_step(model, cfg, tokens, positions, cache, 0.0 if sample else None,
-                     jnp.zeros((2,), jnp.uint32) if sample else None, timeline=True)
+                     jnp.zeros((2,), jnp.uint32) if sample else None, timeline=True,
+                     schedule=schedule)
   logits, k, v, workspace = outs[0], outs[-3], outs[-2], outs[-1]
   layout = _workspace_layout(cfg, tokens.shape[0], model.dtype, timeline=True)
   timeline = StageTimeline.from_workspace(workspace, layout, cfg.num_layers, 1 + int(sample))

@@ -1,8 +1,10 @@
 // CUDA on the CPU: the runtime behind include/cuda_runtime.h (read its comment first).
 //
 // Settings, read from the environment at each call so one process can try several:
-//   JAXFUSE_EMU_DEVICES          emulated devices as SMSxBLOCKS_PER_SM[xSHARED_KB_PER_SM], comma
-//                                separated ("4x2"; shared memory: 228 KB an SM, an H100's)
+//   JAXFUSE_EMU_DEVICES          emulated devices as SMSxBLOCKS_PER_SM[xSHARED_KB_PER_SM[xCC]],
+//                                comma separated ("4x2"; shared memory: 228 KB an SM, an H100's;
+//                                compute capability CC 90, an H100's: programmatic launches
+//                                run as such from 90 on)
 //   JAXFUSE_EMU_DEVICE           the current device's index (0)
 //   JAXFUSE_EMU_SEED             0: threads and blocks run in index order; else a seed for
 //                                shuffled schedules (the order fibers resume after each barrier
@@ -71,6 +73,7 @@ struct Device {
   int sms = 4;
   int blocks_per_sm = 2;
   int shared_kb = 228;  // per SM
+  int cc = 90;          // compute capability, major x 10 + minor
 };
 
 std::vector<Device> devices() {
@@ -80,8 +83,9 @@ std::vector<Device> devices() {
   std::string item;
   while (std::getline(ss, item, ',')) {
     Device d;
-    if (std::sscanf(item.c_str(), "%dx%dx%d", &d.sms, &d.blocks_per_sm, &d.shared_kb) >= 2 &&
-        d.sms > 0 && d.blocks_per_sm > 0 && d.shared_kb > 0) {
+    if (std::sscanf(item.c_str(), "%dx%dx%dx%d", &d.sms, &d.blocks_per_sm, &d.shared_kb,
+                    &d.cc) >= 2 &&
+        d.sms > 0 && d.blocks_per_sm > 0 && d.shared_kb > 0 && d.cc > 0) {
       out.push_back(d);
     }
   }
@@ -149,7 +153,17 @@ void give_stack(char* s) {
 
 // ---- launches, blocks, fibers ----------------------------------------------------------------------
 
-enum class Wait { kRunnable, kBlockSync, kWarpSync, kGridSync, kExited, kAborted };
+enum class Wait { kRunnable, kBlockSync, kWarpSync, kGridSync, kDependency, kExited, kAborted };
+
+// A result buffer of the current FFI call (watch_memory()): its bytes before the launch running
+// now, and which of them the launches since the last plain launch (or memset) have written.
+struct WatchedRegion {
+  unsigned char* data;
+  size_t bytes;
+  std::vector<unsigned char> before;
+  std::vector<unsigned char> chain_wrote;
+};
+thread_local std::vector<WatchedRegion> watched;  // the launching thread's call
 
 struct Fiber {
   ucontext_t ctx;
@@ -199,11 +213,41 @@ struct Launch {
   int blocks_exited = 0;
   std::atomic<bool> aborted{false};
   std::string fault;
+  // A programmatic launch's: the launching thread's watched results, their bytes as its blocks
+  // see them before the wait (the chain's writes poisoned), and the blocks at the wait.
+  bool programmatic = false;
+  std::vector<WatchedRegion>* regions = nullptr;
+  std::vector<std::vector<unsigned char>> poisoned;
+  int dependency_arrived = 0;
+  std::atomic<bool> dependency_resolved{false};
 
   void set_fault(const std::string& msg) {
     std::lock_guard<std::mutex> lock(mu);
+    set_fault_locked(msg);
+  }
+  void set_fault_locked(const std::string& msg) {
     if (fault.empty()) fault = msg;
     aborted = true;
+    cv.notify_all();
+  }
+
+  // The wait's end (mu held), once every block waits or has exited: a store before it to the
+  // watched results is a fault; their true bytes are put back.
+  void resolve_dependency() {
+    if (dependency_resolved) return;
+    for (size_t i = 0; regions != nullptr && i < regions->size(); ++i) {
+      WatchedRegion& r = (*regions)[i];
+      if (std::memcmp(r.data, poisoned[i].data(), r.bytes) != 0) {
+        size_t at = 0;
+        while (r.data[at] == poisoned[i][at]) ++at;
+        set_fault_locked("a store to the call's results (byte " + std::to_string(at) +
+                         " of a " + std::to_string(r.bytes) + "-byte result) before "
+                         "griddepcontrol.wait in a programmatic launch: it may overtake the "
+                         "launches before, which may still run");
+      }
+      std::memcpy(r.data, r.before.data(), r.bytes);
+    }
+    dependency_resolved = true;
     cv.notify_all();
   }
 };
@@ -289,11 +333,12 @@ void resume(Block& b, Fiber& f) {
 
 std::string describe_waits(const Block& b) {
   std::ostringstream os;
-  int exited = 0, block_sync = 0, grid_sync = 0, warp_sync = 0;
+  int exited = 0, block_sync = 0, grid_sync = 0, warp_sync = 0, dependency = 0;
   std::string block_at, grid_at, warp_at;
   for (const Fiber& f : b.fibers) {
     switch (f.wait) {
       case Wait::kExited: ++exited; break;
+      case Wait::kDependency: ++dependency; break;
       case Wait::kBlockSync: ++block_sync; block_at = where(f.file, f.line); break;
       case Wait::kGridSync: ++grid_sync; grid_at = where(f.file, f.line); break;
       case Wait::kWarpSync: ++warp_sync; warp_at = where(f.file, f.line); break;
@@ -302,8 +347,8 @@ std::string describe_waits(const Block& b) {
   }
   os << block_sync << " threads at __syncthreads" << (block_sync ? " (" + block_at + ")" : "") << ", "
      << warp_sync << " at a warp shuffle" << (warp_sync ? " (" + warp_at + ")" : "") << ", "
-     << grid_sync << " at grid sync" << (grid_sync ? " (" + grid_at + ")" : "") << ", " << exited
-     << " exited, of " << b.fibers.size();
+     << grid_sync << " at grid sync" << (grid_sync ? " (" + grid_at + ")" : "") << ", "
+     << dependency << " at griddepcontrol.wait, " << exited << " exited, of " << b.fibers.size();
   return os.str();
 }
 
@@ -348,6 +393,32 @@ bool release_barrier(Block& b, Wait kind, std::string* error) {
   return true;
 }
 
+// Every thread of the block that has not exited waits at griddepcontrol.wait: the block arrives
+// at its launch's wait, which ends when every block has arrived or exited (resolve_dependency),
+// then its threads go on.
+bool release_dependency(Block& b, std::string* error) {
+  Launch& L = *b.launch;
+  std::unique_lock<std::mutex> lock(L.mu);
+  if (!L.dependency_resolved) {
+    if (++L.dependency_arrived + L.blocks_exited == L.total_blocks) {
+      L.resolve_dependency();
+    } else {
+      const bool woke = L.cv.wait_for(lock, L.grid_timeout, [&] {
+        return L.dependency_resolved.load() || L.aborted.load();
+      });
+      if (!L.dependency_resolved) {
+        if (!L.aborted && !woke) *error = "griddepcontrol.wait timed out: deadlock (a block "
+                                          "that polls before its wait?)";
+        return false;
+      }
+    }
+  }
+  for (Fiber& f : b.fibers) {
+    if (f.wait == Wait::kDependency) f.wait = Wait::kRunnable;
+  }
+  return true;
+}
+
 // The block's threads as fibers, each at the start of the kernel body.
 void make_fibers(Block& b, const dim3& block) {
   const int threads = int(block.x * block.y * block.z);
@@ -376,15 +447,24 @@ void make_fibers(Block& b, const dim3& block) {
 // When no fiber can run: "" if all exited (the block is done); otherwise releases the barrier
 // every fiber waits at and returns "" to go on, or says why it cannot (a deadlock, a fault).
 std::string settle_block(Block& b, bool* done) {
-  int exited = 0, block_sync = 0, grid_sync = 0;
+  int exited = 0, block_sync = 0, grid_sync = 0, dependency = 0;
   for (const Fiber& f : b.fibers) {
     exited += f.wait == Wait::kExited;
     block_sync += f.wait == Wait::kBlockSync;
     grid_sync += f.wait == Wait::kGridSync;
+    dependency += f.wait == Wait::kDependency;
   }
   const int threads = int(b.fibers.size());
   *done = exited == threads;
   if (*done) return "";
+  if (dependency > 0 && dependency + exited == threads) {
+    std::string error;
+    if (!release_dependency(b, &error)) {
+      *done = true;
+      return error;
+    }
+    return "";
+  }
   const Wait kind = block_sync == threads ? Wait::kBlockSync
                     : grid_sync == threads ? Wait::kGridSync
                                            : Wait::kRunnable;
@@ -448,6 +528,10 @@ void run_block(Launch& L, uint3 bid) {
   {
     std::lock_guard<std::mutex> lock(L.mu);
     ++L.blocks_exited;
+    if (L.programmatic && L.dependency_arrived > 0 &&
+        L.dependency_arrived + L.blocks_exited == L.total_blocks) {
+      L.resolve_dependency();
+    }
     L.cv.notify_all();
   }
   this_block = nullptr;
@@ -515,7 +599,7 @@ void run_blocks(Launch& L) {
   std::vector<int> block_order(total_blocks);
   std::iota(block_order.begin(), block_order.end(), 0);
   if (L.seed != 0) std::shuffle(block_order.begin(), block_order.end(), std::mt19937_64(L.seed));
-  const int workers = L.cooperative ? total_blocks
+  const int workers = L.cooperative || L.programmatic ? total_blocks
                                     : int(std::clamp<long>(env_long("JAXFUSE_EMU_WORKERS", 4), 1, total_blocks));
   std::atomic<int> next{0};
   std::vector<std::thread> pool;
@@ -530,6 +614,22 @@ void run_blocks(Launch& L) {
   for (std::thread& th : pool) th.join();
 }
 
+// Before a launch: the watched results' bytes (what the launch finds), and for a programmatic
+// one, the bytes the chain of launches since the last plain one wrote poisoned until its wait.
+void watch_launch(Launch& L) {
+  if (watched.empty()) return;
+  L.regions = &watched;
+  for (WatchedRegion& r : watched) {
+    if (!L.programmatic) std::fill(r.chain_wrote.begin(), r.chain_wrote.end(), 0);
+    r.before.assign(r.data, r.data + r.bytes);
+    if (!L.programmatic) continue;
+    for (size_t i = 0; i < r.bytes; ++i) {
+      if (r.chain_wrote[i]) r.data[i] = 0xff;
+    }
+    L.poisoned.emplace_back(r.data, r.data + r.bytes);
+  }
+}
+
 }  // namespace
 
 // ---- the runtime API ---------------------------------------------------------------------------------
@@ -537,10 +637,15 @@ void run_blocks(Launch& L) {
 cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const void* entry,
                    const char* kernel, const std::function<void()>& body) {
   if (const cudaError_t err = api_entry()) return err;
-  bool cooperative = false;
+  bool cooperative = false, programmatic = false;
   for (unsigned i = 0; i < config.numAttrs; ++i) {
     if (config.attrs[i].id == cudaLaunchAttributeCooperative) cooperative = config.attrs[i].val.cooperative != 0;
+    if (config.attrs[i].id == cudaLaunchAttributeProgrammaticStreamSerialization) {
+      programmatic = config.attrs[i].val.programmaticStreamSerializationAllowed != 0;
+    }
   }
+  // Before compute capability 9.0 a programmatic launch waits for the one before, as any does.
+  programmatic = programmatic && devices()[current_device()].cc >= 90;
   if (const cudaError_t err = check_launch(config, param_bytes, entry, cooperative)) return fail(err);
   Launch L;
   L.body = &body;
@@ -553,7 +658,16 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const v
   L.total_blocks = int(long(L.grid.x) * L.grid.y * L.grid.z);
   L.dynamic_shared = config.dynamicSmemBytes;
   L.grid_timeout = std::chrono::seconds(env_long("JAXFUSE_EMU_GRID_SYNC_TIMEOUT", 60));
+  L.programmatic = programmatic;
+  watch_launch(L);
   run_blocks(L);
+  {
+    std::lock_guard<std::mutex> lock(L.mu);
+    if (L.programmatic) L.resolve_dependency();  // no block waited: the end is the wait's
+  }
+  for (WatchedRegion& r : watched) {
+    for (size_t i = 0; i < r.bytes; ++i) r.chain_wrote[i] |= r.data[i] != r.before[i];
+  }
   if (!L.fault.empty()) {
     std::fprintf(stderr, "cuda_on_cpu: kernel fault in %s: %s\n", L.kernel.c_str(), L.fault.c_str());
     sticky_error = cudaErrorLaunchFailure;
@@ -619,6 +733,24 @@ void sync_block(const char* file, int line) {
   f.line = line;
   yield_to_scheduler(f);
 }
+
+void grid_dependency_wait(const char* file, int line) {
+  Fiber& f = this_fiber();
+  const Launch& L = *this_block->launch;
+  if (!L.programmatic || L.dependency_resolved) return;
+  ++f.barriers;
+  f.wait = Wait::kDependency;
+  f.file = file;
+  f.line = line;
+  yield_to_scheduler(f);
+}
+
+void watch_memory(void* data, size_t bytes) {
+  if (bytes == 0) return;
+  watched.push_back({static_cast<unsigned char*>(data), bytes, {}, std::vector<unsigned char>(bytes, 0)});
+}
+
+void unwatch_memory() { watched.clear(); }
 
 void sync_grid(const char* file, int line) {
   Fiber& f = this_fiber();
@@ -706,6 +838,8 @@ cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) 
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = devs[device].sms; return cudaSuccess;
     case cudaDevAttrCooperativeLaunch: *value = 1; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = devs[device].cc / 10; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = devs[device].cc % 10; return cudaSuccess;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = int(cuemu::shared_per_sm()); return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
@@ -772,6 +906,8 @@ cudaError_t cudaRuntimeGetVersion(int* version) {
 cudaError_t cudaMemsetAsync(void* ptr, int value, size_t bytes, cudaStream_t) {
   if (const cudaError_t err = cuemu::api_entry()) return err;
   std::memset(ptr, value, bytes);
+  // A kernel after a memset waits for it: the chain of programmatic launches starts anew.
+  for (cuemu::WatchedRegion& r : cuemu::watched) std::fill(r.chain_wrote.begin(), r.chain_wrote.end(), 0);
   cuemu::memsets_enqueued.fetch_add(1);
   return cudaSuccess;
 }

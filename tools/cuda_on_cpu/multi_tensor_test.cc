@@ -275,6 +275,65 @@ void test_async_copy() {
   check(err.success(), "async copy with the opt-in: " + err.message());
 }
 
+// Programmatic dependent launch: `write` stores v[i] = value (a plain or programmatic launch);
+// `read` copies v[i] into before[i] ahead of its griddepcontrol.wait and into after[i] past it.
+__global__ void pdl_write_kernel(float* v, float value) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  wait_for_prior_grids();
+  v[i] = value;
+}
+
+__global__ void pdl_read_kernel(const float* v, float* before, float* after) {
+  const int i = int(blockIdx.x * blockDim.x + threadIdx.x);
+  const float early = v[i];
+  wait_for_prior_grids();
+  before[i] = early;
+  after[i] = v[i];
+}
+
+__global__ void pdl_store_before_wait_kernel(float* v) {
+  v[threadIdx.x] = 2.0f;
+  wait_for_prior_grids();
+}
+
+// A programmatic launch's reads before its wait see the bytes the chain of launches since the
+// last plain one wrote as 0xff, past it their values; a launch that is not programmatic, or one
+// on a device before compute capability 9.0, sees them all.
+void test_programmatic() {
+  constexpr int kBlocks = 3, kThreads = 64, n = kBlocks * kThreads;
+  std::vector<float> v(n, 0.0f), before(n), after(n);
+  for (const char* devices : {"4x2", "4x2x228x80"}) {
+    setenv("JAXFUSE_EMU_DEVICES", devices, 1);
+    const bool poisons = std::string(devices) == "4x2";
+    cuemu::watch_memory(v.data(), n * sizeof(float));
+    cuemu::watch_memory(before.data(), n * sizeof(float));
+    cuemu::watch_memory(after.data(), n * sizeof(float));
+    LaunchOptions chained;
+    chained.programmatic = true;
+    ffi::Error err = launch_kernel("pdl write", pdl_write_kernel, dim3(kBlocks), dim3(kThreads),
+                                   nullptr, LaunchOptions{}, v.data(), 1.0f);
+    check(err.success(), "pdl write: " + err.message());
+    err = launch_kernel("pdl write", pdl_write_kernel, dim3(kBlocks), dim3(kThreads), nullptr,
+                        chained, v.data(), 3.0f);
+    check(err.success(), "pdl write (programmatic): " + err.message());
+    err = launch_kernel("pdl read", pdl_read_kernel, dim3(kBlocks), dim3(kThreads), nullptr,
+                        chained, v.data(), before.data(), after.data());
+    check(err.success(), "pdl read: " + err.message());
+    for (int i = 0; i < n; ++i) {
+      check(after[i] == 3.0f, "pdl read: past the wait, not the last launch's value");
+      check(poisons ? std::isnan(before[i]) : before[i] == 3.0f,
+            std::string("pdl read before the wait on ") + devices + ": " +
+                std::to_string(before[i]));
+    }
+    // A plain launch waits for everything before it: its reads see every value.
+    err = launch_kernel("pdl read", pdl_read_kernel, dim3(kBlocks), dim3(kThreads), nullptr,
+                        LaunchOptions{}, v.data(), before.data(), after.data());
+    check(err.success() && before[0] == 3.0f, "pdl read, plain launch");
+    cuemu::unwatch_memory();
+  }
+  unsetenv("JAXFUSE_EMU_DEVICES");
+}
+
 // A poll that never ends: block 1 waits for a flag no block sets.
 __global__ void poll_forever_kernel(int* flags) {
   if (blockIdx.x == 1 && threadIdx.x == 0) {
@@ -312,6 +371,16 @@ int expect_fault(const char* which) {
   } else if (name == "grid_sync_after_exit") {
     err = launch_kernel(which, grid_sync_after_exit_kernel, dim3(4), dim3(64), nullptr, LaunchOptions{true},
                         out.data());
+  } else if (name == "store_before_wait") {  // a store a programmatic launch makes too early
+    cuemu::watch_memory(out.data(), out.size() * sizeof(float));
+    LaunchOptions chained;
+    chained.programmatic = true;
+    err = launch_kernel(which, pdl_write_kernel, dim3(1), dim3(64), nullptr, LaunchOptions{},
+                        out.data(), 1.0f);
+    if (err.success()) {
+      err = launch_kernel(which, pdl_store_before_wait_kernel, dim3(1), dim3(64), nullptr, chained,
+                          out.data());
+    }
   } else if (name == "poll_forever") {
     setenv("JAXFUSE_EMU_GRID_SYNC_TIMEOUT", "1", 1);
     std::vector<int> flags(1, 0);
@@ -340,6 +409,7 @@ int main(int argc, char** argv) {
   test_sum(TensorTable<1>::kCap / per_rep + 2, true);
   test_poll();
   test_async_copy();
+  test_programmatic();
   std::printf("%s: %d failures\n", failures ? "FAILED" : "ok", failures);
   return failures ? 1 : 0;
 }

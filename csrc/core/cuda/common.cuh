@@ -86,10 +86,13 @@ inline ffi::Error cuda_failure(const char* what, cudaError_t err) {
 
 // How a kernel is launched beyond its grid and block: cooperatively (all blocks co-resident,
 // grid sync allowed), with dynamic shared memory (over 48 KB: the kernel must have opted in,
-// cudaFuncSetAttribute).
+// cudaFuncSetAttribute), and as a programmatic dependent launch (sm_90+: the kernel may start
+// before the one before it on the stream has finished; it must wait for it, wait_for_prior_grids(),
+// before it reads what that one writes: programmatic_launch_supported()).
 struct LaunchOptions {
   bool cooperative = false;
   size_t dynamic_shared = 0;
+  bool programmatic = false;
 };
 
 // Launches kernel<<<grid, block, options.dynamic_shared, stream>>>(args...). A launch error names
@@ -97,16 +100,23 @@ struct LaunchOptions {
 template <typename... Params, typename... Args>
 ffi::Error launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block,
                          cudaStream_t stream, LaunchOptions options, Args&&... args) {
-  cudaLaunchAttribute attr[1] = {};
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
+  cudaLaunchAttribute attr[2] = {};
+  unsigned attrs = 0;
+  if (options.cooperative) {
+    attr[attrs].id = cudaLaunchAttributeCooperative;
+    attr[attrs++].val.cooperative = 1;
+  }
+  if (options.programmatic) {
+    attr[attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[attrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = options.dynamic_shared;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = options.cooperative ? 1 : 0;
+  config.numAttrs = attrs;
   const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
   if (err != cudaSuccess) return cuda_failure(str_cat("launch of ", name).c_str(), err);
   return ffi::Error::Success();
@@ -148,7 +158,43 @@ cudaError_t resident_blocks(int threads, int max_per_sm, size_t dynamic_shared, 
   }, blocks);
 }
 
+// Whether the current device runs programmatic dependent launches (compute capability 9.0+);
+// cached per device.
+inline cudaError_t programmatic_launch_supported(bool* supported) {
+  static std::atomic<int> cached[64];  // 1: no, 2: yes
+  int value = 0;
+  const cudaError_t err = cached_per_device(cached, [](int device, int* out) {
+    int major = 0;
+    const cudaError_t e =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    *out = major >= 9 ? 2 : 1;
+    return e;
+  }, &value);
+  *supported = value == 2;
+  return err;
+}
+
 // ---- device helpers ---------------------------------------------------------------------------
+
+// Programmatic dependent launch (sm_90+; elsewhere, and in a launch that is not programmatic,
+// both are no-ops). A thread waits in wait_for_prior_grids() until the kernels before this one on
+// the stream have completed and their writes are visible to it; a block's
+// allow_dependent_launch() lets the next kernel's blocks be scheduled once every block of this
+// one has called it (or exited), so that they may start what does not depend on this one.
+__device__ __forceinline__ void wait_for_prior_grids() {
+#if defined(CUDA_ON_CPU)
+  cuemu::grid_dependency_wait(__FILE__, __LINE__);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {

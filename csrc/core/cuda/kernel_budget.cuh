@@ -26,6 +26,11 @@
 //     slab_bytes in flight. Its occupancy counts the ring's bytes with the static shared memory,
 //     and its ring must keep at least Little's law's bytes in flight per SM.
 //
+//   JF_KERNEL_IN_FLIGHT("regex", min_times_little)
+//     every instance it matches keeps at least min_times_little times Little's law's bytes in
+//     flight per SM (the report's GPU for its architecture): its ring's slabs in flight, or
+//     without a ring its deepest run of loads, over the blocks its occupancy puts on an SM.
+//
 // Any unguarded trap fails the report whatever the budget says: a trap in the SASS is nvcc's
 // verdict of undefined behaviour on that path (the grid-sync guards of cooperative groups,
 // compiled from CUDA's own headers and skipped by a branch, are the only traps allowed), and
@@ -45,6 +50,9 @@
 
 #define JF_KERNEL_LOADS(instances, min_arrays)                            \
   static_assert((min_arrays) > 0, "loads floor out of range: " instances)
+
+#define JF_KERNEL_IN_FLIGHT(instances, min_times_little)                            \
+  static_assert((min_times_little) > 0, "in-flight floor out of range: " instances)
 
 #define JF_KERNEL_GAP(instances, max_registers, min_occupancy_percent, max_local_bytes, reason) \
   static_assert((max_registers) > 0 && (max_registers) <= 255 &&                               \

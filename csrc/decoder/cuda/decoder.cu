@@ -1,158 +1,36 @@
-// jaxfuse_decoder, CUDA: one decode step of an L-layer Llama-style decoder in ONE persistent,
-// cooperative kernel launch.
+// jaxfuse_decoder, CUDA: one decode step of an L-layer Llama-style decoder, in one of two
+// schedules of one kernel (decoder_kernel.cuh): every stage in one persistent cooperative launch
+// (decoder_persistent.cuh), or one launch per stage chained by programmatic dependent launch
+// (decoder_stage_kernels.cuh), as the call's stage_kernels flag says. Here: the checks of what
+// the kernel can run, its parameters and grid, and the launch of either schedule.
 //
-// Launch: cooperative (launch_kernel), kThreads threads per block, grid = co-resident blocks
-// (occupancy x SMs, at most kMaxBlocksPerSm per SM; cached per device). The kernel is a sequence
-// of stages, one struct each, whose work items wait for the items that write their inputs
-// (what each waits for, after the bar):
+// Launch: kThreads threads per block, grid = co-resident blocks (occupancy x SMs, at most
+// kMaxBlocksPerSm per SM; cached per device), the same in both schedules, and so is the split of
+// every stage's work over it (decoder_plan.h's StagePlan): the two give the same bits.
 //
-//   EmbedStage:      h = float(x), per-tile sums of squares of h
-//   per layer l:
-//   QkvStage:        [q|k|v] = rmsnorm(h) * attn_norm @ [wq|wk|wv]        | all of h (l-1's down)
-//   AttentionStage:  RoPE on q, k; append k, v at [l, b, p];            | its q, k, v tiles
-//                    flash-decoding over 0..p
-//   OProjStage:      h += attn_out @ wo; sums of squares of h            | l's attention groups
-//   GateUpStage:     mlp_act = silu(m @ w_gate) * (m @ w_up),            | all of h (l's O)
-//                    m = rmsnorm(h) * mlp_norm
-//   DownStage:       h += mlp_act @ w_down; sums of squares (last        | its K split's gate/up
-//                    layer: out = h, NaN rows for bad p)                   tiles
-// and in a whole-model step (decoder_head.cuh, decoder_sample.cuh), after the last layer:
-//   HeadStage:       logits = (rmsnorm(h) * final_norm, as kT) @ head^T | all of h (last down)
-//                    (times the rows' scales when quantized)
-//   SampleStage:     next_tokens = argmax of the sampling scores kept by | a grid sync (all logits)
-//                    top-k / top-p (their thresholds: radix passes over    then its own passes'
-//                    the logits)                                           counters
-// with EmbedStage then gathering h = embed[tokens[b]] (layer 0 waits for the embedding's h).
+// Files, one per part: decoder_common.cuh (constants, parameters, waits, shared memory), the
+// GEMV jobs and inputs (decoder_gemv_job.cuh), the GEMV engines (decoder_gemv.cuh: fp32 FMA for
+// fp32 and fp16 activations; decoder_gemv_mma.cuh: tensor cores for bf16, 8-bit weights widened
+// by decoder_widen.cuh), the GEMV stages (decoder_stages.cuh), the new token's RoPE and cache
+// append (decoder_new_token.cuh), attention: split partials and their merge
+// (decoder_attention.cuh), the LM head (decoder_head*.cuh) and the draw (decoder_sample.cuh);
+// the kernel (decoder_kernel.cuh); what a launch is (decoder_launch.cuh) and the two schedules.
 //
-// With the `timeline` flag each block records its times in each stage (decoder.h's StageTime:
-// when it entered and left, when its first wait ended, how long it waited) in the workspace, read
-// by jaxfuse/_decode/timeline.py; every call keeps the clock, and only such a call writes it.
-//
-// A wait is on a counter per tile group (decoder.h's StageCounters): its split items' arrivals
-// and a flag set once the last to arrive has finished the group (release / acquire, gpu scope). A
-// block goes from its last item of one stage straight to its first of the next: the item asks L2
-// for its first weight rows (attention: its cache rows) before it waits, so HBM streams while
-// the previous stage's last groups finish. Every block takes its items in stage order and waits
-// only for earlier stages, on a co-resident (cooperative) grid, so every wait ends. No stage's
-// writes can overtake a reader of the previous layer: every group of a stage needs all of K,
-// which needs every item of the stage before; the GEMV stages' partial sums alternate between
-// two regions, so a stage's items may write theirs while the last groups of the stage before
-// still read their own.
-//
-// Weight-only quantized models (int8 or fp8 e4m3 matrices with per-column scales, decoder.h) run
-// the same stages in their own kernel instance: the GEMV engine widens the 8-bit weights, each
-// finish() applies the scales to the summed columns.
-//
-// Files, one per part: decoder_common.cuh (constants, parameters, shared memory), the GEMV jobs
-// and inputs (decoder_gemv_job.cuh), the GEMV engines (decoder_gemv.cuh: fp32 FMA for fp32 and
-// fp16 activations; decoder_gemv_mma.cuh: tensor cores for bf16, 8-bit weights widened by
-// decoder_widen.cuh), the GEMV stages (decoder_stages.cuh), the new token's RoPE and cache append
-// (decoder_new_token.cuh), attention: split partials and their merge (decoder_attention.cuh),
-// the LM head (decoder_head.cuh) and the draw (decoder_sample.cuh); here the kernel and its
-// launch.
-//
-// Workspace: the workspace result (decoder.h: DecoderWorkspace) holds every fp32 activation, the
-// partial sums and the counters. The counters are reset with cudaMemsetAsync on the stream each
-// call, so the handler does no allocation and no synchronization, and is command-buffer (CUDA
-// graph) compatible. Workspace data written by other blocks is read with ld.global.cg (L2), so
-// stale L1 lines are never observed; weights are read through the read-only path.
-#include <cooperative_groups.h>
+// Workspace: the workspace result (decoder_workspace.h: DecoderWorkspace) holds every fp32
+// activation, the partial sums and the counters. The counters are reset with cudaMemsetAsync on
+// the stream each call, so the handler does no allocation and no synchronization, and is
+// command-buffer (CUDA graph) compatible.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <initializer_list>
 
-#include "decoder/cuda/decoder_attention.cuh"
-#include "decoder/cuda/decoder_head.cuh"
-#include "decoder/cuda/decoder_head_mma.cuh"
-#include "decoder/cuda/decoder_sample.cuh"
-#include "decoder/cuda/decoder_stages.cuh"
+#include "decoder/cuda/decoder_persistent.cuh"
+#include "decoder/cuda/decoder_stage_kernels.cuh"
 
 namespace jaxfuse {
 namespace cuda_decoder {
-
-// ---- the kernel ---------------------------------------------------------------------------------
-
-// The block's clock starts a stage (thread 0's; the waits add to it).
-__device__ __forceinline__ void start_clock(Smem& sm) {
-  if (thread_index() == 0) sm.clock = StageClock{timer_ns(), 0, 0, 0};
-}
-
-// The block's times in the stage that started the clock, as timeline slot `slot` of a call
-// that records a timeline (thread 0; its own program order orders the clock's writes).
-__device__ __forceinline__ void stop_clock(const DecoderParams& p, Smem& sm, int slot) {
-  if (thread_index() != 0) return;
-  StageTime* record = p.ws.stage_time(block_index(), slot);
-  if (record == nullptr) return;
-  const StageClock& c = sm.clock;
-  *record = StageTime{c.begin, c.ready, timer_ns(), c.waited_ns, c.waits};
-  if (slot == 0 && block_index() == 0) p.ws.timeline->blocks = gridDim.x;
-}
-
-// The LM head with weights of kH: on tensor cores where mma_head().
-template <DType kT, DType kH>
-__device__ __forceinline__ void run_head_stage(const DecoderParams& p, Smem& sm) {
-  if constexpr (mma_head(kT)) {
-    MmaHeadStage<kH>{p, sm}.run();
-  } else {
-    HeadStage<kT, kH>{p, sm}.prefetch();
-    HeadStage<kT, kH>{p, sm}.run();
-  }
-}
-
-// The whole-model step's stages after the last layer: the head in kW when it comes quantized
-// (with a quantized layer stack, whose format it shares), else in kT. (A call instead of inlining
-// them changes the layer loop's register allocation: it spilled the f16 instances.)
-template <DType kT, DType kW>
-__device__ __forceinline__ void run_head(const DecoderParams& p, Smem& sm) {
-  const int head = int(head_slot(p.dims.layers));
-  start_clock(sm);
-  if (kW != kT && p.io.head_scale != nullptr) {
-    run_head_stage<kT, kW>(p, sm);
-  } else {
-    run_head_stage<kT, kT>(p, sm);
-  }
-  stop_clock(p, sm, head);
-  if (p.dims.sample) {
-    start_clock(sm);
-    const unsigned long long since = wait_begins();
-    cg::this_grid().sync();
-    sm.clock.waited(since);
-    SampleStage{p, sm}.run();
-    stop_clock(p, sm, head + 1);
-  }
-}
-
-// kT: the dtype of x, the caches, norms and biases; kW: the matrices' (kT, or int8 / fp8 e4m3
-// when quantized). Min blocks per SM pinned: without it ptxas may use up to 168 registers (one
-// block per SM). The O projection's first rows are asked of L2 before attention, whose items are
-// short. Each GEMV stage gets the layer as an opaque() value: the offsets derived from it are
-// then formed in the stage, not at the layer loop's head and kept (spilled) across the others.
-template <DType kT, DType kW>
-__global__ void __launch_bounds__(kThreads, kMaxBlocksPerSm)
-    decoder_kernel(const __grid_constant__ DecoderParams p) {
-  __shared__ Smem sm;
-  start_clock(sm);
-  EmbedStage<kT>{p, sm}.run();
-  stop_clock(p, sm, 0);
-  for (int layer = 0; layer < p.dims.layers; ++layer) {
-    const auto timed = [&](LayerStage stage, const auto& run) {
-      start_clock(sm);
-      run();
-      stop_clock(p, sm, int(stage_slot(opaque(layer), stage)));
-    };
-    timed(LayerStage::kQkv, [&] { QkvStage<kT, kW>{p, sm, opaque(layer)}.run(); });
-    timed(LayerStage::kAttention, [&] {
-      OProjStage<kT, kW>{p, sm, opaque(layer)}.prefetch();
-      AttentionStage<kT>{p, sm, layer}.run();
-    });
-    timed(LayerStage::kOProj, [&] { OProjStage<kT, kW>{p, sm, opaque(layer)}.run(); });
-    timed(LayerStage::kGateUp, [&] { GateUpStage<kT, kW>{p, sm, opaque(layer)}.run(); });
-    timed(LayerStage::kDown, [&] { DownStage<kT, kW>{p, sm, opaque(layer)}.run(); });
-  }
-  if (p.dims.model_step) run_head<kT, kW>(p, sm);
-}
 
 // ---- host side ----------------------------------------------------------------------------------
 
@@ -266,6 +144,9 @@ LaunchPlan launch_plan(int blocks, const DecoderDims& d, int ring_slots) {
 // Two blocks per SM (kMaxBlocksPerSm) cap the registers at 128, without spills. The 32 bytes of
 // local memory are sincosf's table for RoPE angles past 105615 (CUDA's full-range reduction).
 JF_KERNEL_BUDGET("^decoder_kernel<", 128, 25, 32);
+// Twice Little's law in flight per SM, in every stage of either schedule: the weight ring's
+// slabs on tensor cores, the FMA GEMV's row groups elsewhere.
+JF_KERNEL_IN_FLIGHT("^decoder_kernel<", 2);
 // The tensor-core GEMV's weight ring (ring_slots()): 4 slots of 16 KB on an H100, 2 on an A100.
 static_assert(kRingSlabBytes == 16384 && kMaxRingSlots == 4, "the ring declared below");
 JF_KERNEL_RING("^decoder_kernel<(bf16, |f16, (i8|f8e4m3)>)", 4, 2, 16384, 16384);
@@ -311,16 +192,16 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   const size_t ring_bytes = size_t(slots) * kRingSlabBytes;
   constexpr auto kernel = decoder_kernel<kT, kW>;
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, ring_bytes, &blocks));
-  const KernelDims dims = kernel_dims(call.dims);
   const LaunchPlan plan = launch_plan(blocks, call.dims, slots);
-  const DecoderParams params{dims, call.buffers,
-                             DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits),
-                             plan};
-  const StageCounters& counters = params.ws.counters;
+  const DecoderLaunch launch{
+      kernel, blocks, ring_bytes, stream, call.dims,
+      DecoderParams{kernel_dims(call.dims), call.buffers,
+                    DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits), plan,
+                    LaunchSlots{}}};
+  const StageCounters& counters = launch.params.ws.counters;
   JF_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(counters.data, 0, size_t(counters.size) * sizeof(int), stream));
-  return launch_kernel("the decoder kernel", kernel, dim3(blocks), dim3(kThreads), stream,
-                       LaunchOptions{/*cooperative=*/true, ring_bytes}, params);
+  return call.dims.stage_kernels ? launch_stage_kernels(launch) : launch_persistent(launch);
 }
 
 // JAXFUSE_DECODER_QUANTIZED_KERNELS=0 leaves out the int8 / fp8 instances, two thirds of this
@@ -357,8 +238,8 @@ ffi::Error DecoderOp::run<Cuda>(cudaStream_t stream, const Call& call) {
   return launch(stream, call);
 }
 
-// Command-buffer compatible: a memset and one kernel on the given stream, no allocation, no
-// host synchronization; temporaries live in the workspace result.
+// Command-buffer compatible: a memset and the schedule's kernels on the given stream, no
+// allocation, no host synchronization; temporaries live in the workspace result.
 JAXFUSE_REGISTER_OP(DecoderOp, Cuda);
 
 }  // namespace jaxfuse

@@ -57,9 +57,11 @@ struct AttentionStage {
   __device__ void run() const {
     for (int i = blockIdx.x; i < p.plan.attn_items; i += gridDim.x) {
       const AttnItem it = item(i);
+      if (it.valid) prefetch_cache(it);
+      // An invalid row's item waits too: it writes the row's output, which the previous layer's
+      // O projection may still read.
+      await_qkv(it);
       if (it.valid) {
-        prefetch_cache(it);
-        await_qkv(it);
         const NewToken<kT> token{p, sm, layer};
         token.load_query_and_new_kv(it);
         if (it.split == 0 && it.chunk == 0) token.append_new_kv(it);
@@ -100,7 +102,7 @@ struct AttentionStage {
     const int qn = ((it.first_head + it.heads) * head_dim_of(d) - 1) / kColumns - q0 + 1;
     const int k0 = it.kv_head * head_dim_of(d) / kColumns;
     const int kn = ((it.kv_head + 1) * head_dim_of(d) - 1) / kColumns - k0 + 1;
-    await_finished(sm.clock, qn + 2 * kn, [&](int i) {
+    await_finished(p.run.chained, sm.clock, qn + 2 * kn, [&](int i) {
       const int tile = i < qn        ? q0 + i
                        : i < qn + kn ? d.q_tiles + k0 + (i - qn)
                                      : d.q_tiles + d.kv_tiles + k0 + (i - qn - kn);

@@ -89,11 +89,24 @@ struct LaunchPlan : StagePlan {
   int ring_slabs;  // slots of the tensor-core GEMV's weight ring (2 or 4; mma_gemv())
 };
 
+// The call's slots this launch runs (decoder_plan.h's stage_slot(), head_slot()...), [first,
+// last), those of layers [first_layer, last_layer): all of them in the persistent schedule's one
+// launch, one in each launch of the stage-kernel schedule (`chained`: its blocks wait for the
+// launch before, wait_for_prior_grids(), where the persistent kernel's wait on counters).
+struct LaunchSlots {
+  int first, last;
+  int first_layer, last_layer;
+  bool chained;
+
+  __device__ bool runs(int slot) const { return slot >= first && slot < last; }
+};
+
 struct DecoderParams {
   KernelDims dims;
   DecoderBuffers io;  // operands and results
   DecoderWorkspace ws;
   LaunchPlan plan;
+  LaunchSlots run;
 };
 
 // ---- device helpers ----------------------------------------------------------------------------
@@ -319,15 +332,27 @@ __device__ __forceinline__ unsigned long long wait_begins() {
   return thread_index() == 0 ? timer_ns() : 0;
 }
 
-// Waits until the groups of counters counter(0) .. counter(n - 1) are marked finished: their
-// writes are then visible to the whole block (read them from L2: ws_load). One thread polls each
-// (an acquire load, a short sleep between polls), then the block syncs. The kernel's blocks are
-// co-resident (a cooperative launch) and take their work in stage order, waiting only for
+// A chained launch's wait for the launch before it (which, having waited for its own, has
+// itself waited for every earlier one): afterwards the thread sees every earlier stage's writes
+// (read them from L2: ws_load). Every thread of a block calls it at the same point; a block's
+// first call waits, later ones return at once. The wait is counted on `clock`.
+__device__ __forceinline__ void await_prior_launch(StageClock& clock) {
+  const unsigned long long since = wait_begins();
+  wait_for_prior_grids();
+  clock.waited(since);
+}
+
+// Waits for an earlier stage's groups: until counter(0) .. counter(n - 1) are marked finished
+// (the persistent kernel), or for the launch before (`chained`). Their writes are then visible
+// to the whole block (read them from L2: ws_load). In the persistent kernel one thread polls
+// each counter (an acquire load, a short sleep between polls), then the block syncs; its blocks
+// are co-resident (a cooperative launch) and take their work in stage order, waiting only for
 // earlier stages' groups, so every wait ends. The wait is counted on `clock`.
 constexpr unsigned kPollNanoseconds = 64;
 template <typename CounterAt>
-__device__ __forceinline__ void await_finished(StageClock& clock, int n,
+__device__ __forceinline__ void await_finished(bool chained, StageClock& clock, int n,
                                                const CounterAt& counter) {
+  if (chained) return await_prior_launch(clock);
   const unsigned long long since = wait_begins();
   for (int i = thread_index(); i < n; i += kThreads) {
     const int* finished = counter(i) + 1;
@@ -337,11 +362,15 @@ __device__ __forceinline__ void await_finished(StageClock& clock, int n,
   clock.waited(since);
 }
 
-// Waits until `counter` (a group's arrivals, decoder.h's StageCounters word 0) reaches
-// `expected`: the arrived items' writes are then visible to the whole block (ws_load). The wait
-// is counted on `clock`.
-__device__ __forceinline__ void await_arrivals(StageClock& clock, const int* counter,
-                                               int expected) {
+// Waits until `counter` (a group's arrivals in this stage, decoder.h's StageCounters word 0)
+// reaches `expected`: the arrived items' writes are then visible to the whole block (ws_load).
+// A chained launch first waits for the launch before (what the arrived items read, this block
+// reads too). A block of a stage-kernel launch waits here only for blocks of its own launch,
+// which all run at once: its grid is at most what fits the device, and the next launch's blocks
+// take the SMs only as this one's leave. The wait is counted on `clock`.
+__device__ __forceinline__ void await_arrivals(bool chained, StageClock& clock,
+                                               const int* counter, int expected) {
+  if (chained) await_prior_launch(clock);
   const unsigned long long since = wait_begins();
   if (thread_index() == 0) {
     while (load_acquire(counter) < expected) __nanosleep(kPollNanoseconds);

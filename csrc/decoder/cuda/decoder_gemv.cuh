@@ -231,7 +231,7 @@ __device__ __forceinline__ void run_gemv(const Stage& stage) {
     } else {
       group = (item - plan.items) % plan.groups;
       b = 1 + (item - plan.items) / plan.groups;
-      await_arrivals(stage.sm.clock, stage.counter(group), plan.arrivals);
+      await_arrivals(stage.p.run.chained, stage.sm.clock, stage.counter(group), plan.arrivals);
     }
     stage.finish(job, group, b);
     finish_row_done(stage.p, stage.sm, stage.counter(group), plan.arrivals);

@@ -112,14 +112,14 @@ struct SampleStage {
     const RowParts rp(p.dims.batch, p.dims.vocab);
     for (int item = block_index(); item < rp.items; item += gridDim.x) {
       const int b = rp.row(item);
-      if (prev >= 0) await_arrivals(sm.clock, p.ws.select_flag(b, prev), 1);
+      if (prev >= 0) await_arrivals(p.run.chained, sm.clock, p.ws.select_flag(b, prev), 1);
       const int n0 = rp.first(item);
       histogram(rule, mode, pass, b, n0, min(p.dims.vocab, n0 + rp.chunk), load_search(b),
                 with_max);
     }
     arrive(p.ws.select_arrivals(q));
     for (int b = block_index(); b < p.dims.batch; b += gridDim.x) {
-      await_arrivals(sm.clock, p.ws.select_arrivals(q), gridDim.x);
+      await_arrivals(p.run.chained, sm.clock, p.ws.select_arrivals(q), gridDim.x);
       if (mode != SelectMode::kMax) walk(rule, mode, pass, b);
       __threadfence();  // release: the row's search (and its zeroed bins)
       __syncthreads();
@@ -298,7 +298,7 @@ struct SampleStage {
       const int b = rp.row(item), n0 = rp.first(item), n1 = min(V, n0 + rp.chunk);
       uint32_t floor = 0;
       if (last >= 0) {
-        await_arrivals(sm.clock, p.ws.select_flag(b, last), 1);
+        await_arrivals(p.run.chained, sm.clock, p.ws.select_flag(b, last), 1);
         floor = __ldcg(&p.ws.select_search(b)->floor);
       }
       const float* logits = p.io.logits + int64_t(b) * V;

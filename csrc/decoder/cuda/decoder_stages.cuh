@@ -17,7 +17,7 @@ namespace jaxfuse::cuda_decoder {
 __device__ __forceinline__ void await_hidden(const DecoderParams& p, Smem& sm, int item,
                                              int layer, bool after_o_proj) {
   if (item != int(blockIdx.x)) return;
-  await_finished(sm.clock, p.dims.hidden_tiles, [&](int tile) {
+  await_finished(p.run.chained, sm.clock, p.dims.hidden_tiles, [&](int tile) {
     return after_o_proj ? p.ws.o_proj_counter(layer, tile)
                         : (layer < 0 ? p.ws.embed_counter(tile) : p.ws.down_counter(layer, tile));
   });
@@ -146,11 +146,11 @@ struct ResidualStage {
       const int split = item % job.splits;
       const int t0 = job.split_row(split) / kColumns;
       const int tiles = (job.split_row(split + 1) - 1) / kColumns - t0 + 1;
-      await_finished(sm.clock, tiles,
+      await_finished(p.run.chained, sm.clock, tiles,
                      [&](int i) { return p.ws.gate_up_counter(layer, t0 + i); });
     } else {
       if (item != int(blockIdx.x)) return;
-      await_finished(sm.clock, p.plan.attn_groups,
+      await_finished(p.run.chained, sm.clock, p.plan.attn_groups,
                      [&](int i) { return p.ws.attn_counter(layer, 0, 0, i); });
     }
   }

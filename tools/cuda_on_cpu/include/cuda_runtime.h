@@ -14,6 +14,12 @@
 // fences are host atomics; the vector types keep CUDA's alignment, so UBSan flags a misaligned
 // vector access as the GPU would fault on it.
 //
+// Programmatic dependent launch: a launch with cudaLaunchAttributeProgrammaticStreamSerialization
+// runs its blocks at once and holds them at griddepcontrol.wait until every block waits there or
+// has exited; until then every byte of the call's results (watch_memory()) that the launches
+// since the last plain one wrote reads as 0xff (NaN as a float), and a store to the results is a
+// kernel fault: what a kernel may do before its wait, it may do while those launches still run.
+//
 // What it cannot show: memory-visibility effects of the GPU's weak memory model, timing, register
 // and shared-memory limits, the device intrinsics' own rounding (math.h's host branches run), and
 // CUDA-graph capture.
@@ -80,6 +86,8 @@ enum cudaDeviceAttr {
   cudaDevAttrMaxThreadsPerBlock = 1,
   cudaDevAttrMultiProcessorCount = 16,
   cudaDevAttrMaxSharedMemoryPerMultiprocessor = 81,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
   cudaDevAttrCooperativeLaunch = 95,
   cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
 };
@@ -89,9 +97,13 @@ enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 
-enum cudaLaunchAttributeID { cudaLaunchAttributeCooperative = 2 };
+enum cudaLaunchAttributeID {
+  cudaLaunchAttributeCooperative = 2,
+  cudaLaunchAttributeProgrammaticStreamSerialization = 6,
+};
 union cudaLaunchAttributeValue {
   int cooperative;
+  int programmaticStreamSerializationAllowed;
   char pad[64];
 };
 struct cudaLaunchAttribute {
@@ -139,6 +151,15 @@ EnqueuedWork enqueued_work();
 
 void sync_block(const char* file, int line);
 void sync_grid(const char* file, int line);
+// griddepcontrol.wait: in a programmatic launch (cudaLaunchAttributeProgrammaticStreamSerialization)
+// the calling thread waits until the launches before it have completed (see emu.cc's launch()
+// for how reads before that are shown); elsewhere it returns at once.
+void grid_dependency_wait(const char* file, int line);
+// The device memory of the current FFI call that its kernels may write (its results), watched
+// by the programmatic launches' checks; set by the emulated module's handlers for the length of
+// a call (module_init.cc), on the calling thread.
+void watch_memory(void* data, size_t bytes);
+void unwatch_memory();
 void poll_sleep(const char* file, int line);
 uint64_t warp_exchange(unsigned mask, uint64_t bits, int src_lane, const char* file, int line);
 
