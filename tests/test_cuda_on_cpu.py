@@ -440,6 +440,10 @@ def test_failed_launch_does_not_poison_later_calls(monkeypatch):
   with pytest.raises(Exception, match="jaxfuse_decoder: launch of the decoder kernel failed: "
                                       "cudaErrorCooperativeLaunchTooLarge"):
     emulated(decode, x, positions, w, cache)
+  stages = lambda x, p, w, c: jaxfuse.persistent_decoder(x, p, w, c, cfg, schedule="stage_kernels")
+  with pytest.raises(Exception, match=r"launch of the decoder's stage kernel failed: "
+                                      r"cudaErrorCooperativeLaunchTooLarge.* \(the call's stage 0\)"):
+    emulated(stages, x, positions, w, cache)  # the embedding's launch, cooperative
   monkeypatch.delenv("JAXFUSE_EMU_FAIL_COOPERATIVE")
   tree = random_tree(10, [(5,), (7,)], [jnp.float32] * 2)
   emulated(jaxfuse.global_norm, tree)

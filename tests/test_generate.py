@@ -106,9 +106,10 @@ def test_greedy_follows_reference(tmp_path, arch, rope, dtype, tied):
   out, count = jaxfuse.generate(model, prompts, lengths, 9)
   assert out.shape == (4, 9) and out.dtype == jnp.int32 and np.all(np.asarray(count) == 9)
   assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[dtype])
-  stage_out, stage_count = jaxfuse.generate(model, prompts, lengths, 9, schedule="stage_kernels")
-  np.testing.assert_array_equal(stage_out, out)  # either schedule: the same bits, the same tokens
-  np.testing.assert_array_equal(stage_count, count)
+  if jax.default_backend() == "gpu":  # the CPU handler has one schedule
+    stage_out, stage_count = jaxfuse.generate(model, prompts, lengths, 9, schedule="stage_kernels")
+    np.testing.assert_array_equal(stage_out, out)  # either schedule: the same bits, the same tokens
+    np.testing.assert_array_equal(stage_count, count)
   ref_out, ref_count = jaxfuse.generate(model, prompts, lengths, 9, decoder="reference")
   if dtype == jnp.float32:  # the same loop with the plain-JAX step: identical tokens
     np.testing.assert_array_equal(out, ref_out)

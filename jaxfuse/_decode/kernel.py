@@ -2,7 +2,8 @@
 
 ``persistent_decoder(x, positions, w, cache, cfg)`` runs every layer of the stack for one new token
 per batch row in a single XLA custom call (``jaxfuse_decoder``): on CUDA one persistent cooperative
-kernel launch per step, on CPU a thread-pooled handler. Per layer and batch row ``b`` at
+kernel launch per step, or the same kernel launched once per stage (``schedule="stage_kernels"``),
+on CPU a thread-pooled handler. Per layer and batch row ``b`` at
 ``p = positions[b]``::
 
     a = rmsnorm(h) * attn_norm[l]              rmsnorm(h) = h * rsqrt(mean(h^2) + eps), fp32

@@ -15,6 +15,10 @@ bound by its own loads and math from one that waits on the stage before; the *wa
 from the previous stage's last block to leave to a block's first wait ending, is what one
 boundary costs (the last split's finish, its release, the polls, the block's sync).
 
+On the stage-kernel schedule (``schedule="stage_kernels"``) a stage's blocks are its own
+launch's: a block's first wait is for the launch before, and a block may enter a stage before the
+previous stage's last block leaves (its weights loading while that launch finishes).
+
   out, cache, timeline = layers_timeline(x, positions, w, cache, cfg)
   print(timeline.summary())
   timeline.plot("timeline.png")

@@ -19,8 +19,6 @@
 // what the next launch's first weights overlap of it; no counters are polled between stages.
 #pragma once
 
-#include <string>
-
 #include "decoder/cuda/decoder_launch.cuh"
 
 namespace jaxfuse::cuda_decoder {
@@ -43,9 +41,12 @@ inline ffi::Error launch_stage_kernels(const DecoderLaunch& launch) {
     options.dynamic_shared = launch.ring_bytes;
     options.programmatic = programmatic && slot > 0 && slot != draw;
     options.cooperative = !options.programmatic;
-    const std::string name = str_cat("the decoder's stage kernel of slot ", slot);
-    JF_RETURN_IF_ERROR(launch_kernel(name.c_str(), launch.kernel, dim3(launch.blocks),
-                                     dim3(kThreads), launch.stream, options, params));
+    const ffi::Error err = launch_kernel("the decoder's stage kernel", launch.kernel,
+                                         dim3(launch.blocks), dim3(kThreads), launch.stream,
+                                         options, params);
+    if (!err.success()) {
+      return ffi::Error(*err.errc(), str_cat(err.message(), " (the call's stage ", slot, ")"));
+    }
   }
   return ffi::Error::Success();
 }
