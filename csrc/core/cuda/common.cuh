@@ -195,7 +195,6 @@ __device__ __forceinline__ void allow_dependent_launch() {
 #endif
 }
 
-
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {
 #pragma unroll

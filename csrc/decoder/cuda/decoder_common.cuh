@@ -92,7 +92,7 @@ struct LaunchPlan : StagePlan {
 // The call's slots this launch runs (decoder_plan.h's stage_slot(), head_slot()...), [first,
 // last), those of layers [first_layer, last_layer): all of them in the persistent schedule's one
 // launch, one in each launch of the stage-kernel schedule (`chained`: its blocks wait for the
-// launch before, wait_for_prior_grids(), where the persistent kernel's wait on counters).
+// launch before, wait_for_prior_grids(), where the persistent kernel's blocks wait on counters).
 struct LaunchSlots {
   int first, last;
   int first_layer, last_layer;
