@@ -205,8 +205,9 @@ struct DecoderOp {
   }
 
   // A memset of the stage counters and one cooperative kernel (cuda/decoder.cu), or with
-  // stage_kernels one launch per stage the call runs (slots_run()); nothing for an empty batch. Reads x, positions, every weight and the caches, counted as if attention
-  // read every cache position (at most: it reads positions 0..p of each row), and in a
+  // stage_kernels one launch per stage the call runs (slots_run()); nothing for an empty batch.
+  // Reads x, positions, every weight and the caches, counted as if attention read every cache
+  // position (at most: it reads positions 0..p of each row), and in a
   // whole-model step the head (lm_head and its scales, or the tied embedding) and B rows of the
   // embedding; writes out, one K and V row per layer and batch row, the logits and next tokens,
   // and the workspace (at most, its full size).
@@ -214,15 +215,11 @@ struct DecoderOp {
     CallCost c;
     const int64_t batch = shape.operands.at(1).elements();  // positions
     if (batch == 0) return c;
-    const auto flag = [&](const char* name) {
-      const auto it = shape.attrs.find(name);
-      return it != shape.attrs.end() && it->second != 0;
-    };
-    DecoderDims d;
-    d.L = contract_arg(shape.attrs, "num_layers");
-    d.model_step = flag("model_step");
-    d.sample = flag("sample");
-    c.cuda_kernels = flag("stage_kernels") ? slots_run(d) : 1;
+    const auto flag = [&](const char* name) { return contract_arg(shape.attrs, name) != 0; };
+    c.cuda_kernels = flag("stage_kernels")
+                         ? slots_run(contract_arg(shape.attrs, "num_layers"),
+                                     flag("model_step"), flag("sample"))
+                         : 1;
     c.cuda_memsets = 1;
     c.bytes_upper_bound = true;
     c.bytes_read = CallShape::total_bytes(shape.operands);

@@ -48,9 +48,10 @@ JF_HD int64_t stage_slot(int64_t layer, LayerStage stage) {
 JF_HD int64_t head_slot(int64_t layers) { return 1 + kLayerStages * layers; }
 JF_HD int64_t sample_slot(int64_t layers) { return head_slot(layers) + 1; }
 JF_HD int64_t stage_slots(int64_t layers) { return sample_slot(layers) + 1; }
-// The slots a call of `d` runs: [0, its last + 1).
-inline int64_t slots_run(const DecoderDims& d) {
-  return d.sample ? stage_slots(d.L) : d.model_step ? sample_slot(d.L) : head_slot(d.L);
+// The slots a call of `layers` layers runs, [0, this): with the head in a whole-model step, and
+// with the draw when it samples.
+JF_HD int64_t slots_run(int64_t layers, bool model_step, bool sample) {
+  return sample ? stage_slots(layers) : model_step ? sample_slot(layers) : head_slot(layers);
 }
 
 // ---- the work's tiles ---------------------------------------------------------------------------

@@ -194,7 +194,7 @@ ffi::Error launch_decoder(cudaStream_t stream, const DecoderOp::Call& call) {
   JF_CUDA_RETURN_IF_ERROR(resident_blocks<kernel>(kThreads, kMaxBlocksPerSm, ring_bytes, &blocks));
   const LaunchPlan plan = launch_plan(blocks, call.dims, slots);
   const DecoderLaunch launch{
-      kernel, blocks, ring_bytes, stream, call.dims,
+      kernel, blocks, ring_bytes, stream,
       DecoderParams{kernel_dims(call.dims), call.buffers,
                     DecoderWorkspace(call.dims, call.buffers.workspace, plan.attn_splits), plan,
                     LaunchSlots{}}};

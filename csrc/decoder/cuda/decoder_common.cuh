@@ -107,6 +107,9 @@ struct DecoderParams {
   DecoderWorkspace ws;
   LaunchPlan plan;
   LaunchSlots run;
+
+  // The call's slots (decoder_plan.h's slots_run()).
+  int slots() const { return int(slots_run(dims.layers, dims.model_step, dims.sample)); }
 };
 
 // ---- device helpers ----------------------------------------------------------------------------

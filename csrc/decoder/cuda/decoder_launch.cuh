@@ -12,7 +12,6 @@ struct DecoderLaunch {
   int blocks;         // the grid: the blocks that fit the device at once
   size_t ring_bytes;  // the weight ring's dynamic shared memory
   cudaStream_t stream;
-  DecoderDims dims;
   DecoderParams params;
 };
 

@@ -14,7 +14,7 @@ namespace jaxfuse::cuda_decoder {
 
 inline ffi::Error launch_persistent(const DecoderLaunch& launch) {
   DecoderParams params = launch.params;
-  params.run = LaunchSlots{0, int(slots_run(launch.dims)), 0, params.dims.layers, false};
+  params.run = LaunchSlots{0, params.slots(), 0, params.dims.layers, false};
   return launch_kernel("the decoder kernel", launch.kernel, dim3(launch.blocks), dim3(kThreads),
                        launch.stream, LaunchOptions{/*cooperative=*/true, launch.ring_bytes},
                        params);

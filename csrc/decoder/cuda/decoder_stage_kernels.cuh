@@ -34,7 +34,7 @@ inline ffi::Error launch_stage_kernels(const DecoderLaunch& launch) {
   bool programmatic = false;
   JF_CUDA_RETURN_IF_ERROR(programmatic_launch_supported(&programmatic));
   DecoderParams params = launch.params;
-  const int slots = int(slots_run(launch.dims)), draw = int(sample_slot(launch.dims.L));
+  const int slots = params.slots(), draw = int(sample_slot(params.dims.layers));
   for (int slot = 0; slot < slots; ++slot) {
     params.run = stage_launch(slot, params.dims.layers);
     LaunchOptions options;
