@@ -69,6 +69,15 @@ def random_tree(seed, shapes, dtype=jnp.float32, scale=1.0, device=None):
   return jax.device_put(tree, device) if device is not None else tree
 
 
+def normal_grads(seed, params, scale=1.0):
+  """Random normal gradients shaped, typed and placed like `params` (lockstep.training_tree
+  draws them at training's magnitudes)."""
+  rng = np.random.default_rng(seed)
+  return jax.tree.map(
+      lambda p: jax.device_put(jnp.asarray(scale * rng.standard_normal(p.shape), p.dtype),
+                               p.devices().pop()), params)
+
+
 def random_decoder_problem(cfg, batch, dtype, seed, device=None):
   """(x, weights, cache) for jaxfuse.persistent_decoder: random weights scaled so activations
   stay O(1) (norm weights near 1, matrices by 1/sqrt(fan-in)), a random (filled) cache. With

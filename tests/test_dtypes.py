@@ -1,13 +1,9 @@
-"""Everything optax accepts, jaxfuse accepts: float64 (under jax_enable_x64), complex64 and
-complex128 leaves with optax's math, NumPy and Python leaves, and trees mixing them; plus the
-parity bugs found by running jaxfuse against optax (zero weight decay, update without params,
-mu_dtype checks, traced masks) and the master-weights update dtype.
+"""Everything optax accepts, jaxfuse accepts, beyond each family's float64 and complex leaves
+(families/test_conformance.py): NumPy and Python leaves, trees mixing dtypes in one call per
+dtype class, the norm's and the clip's dtypes; plus the parity bugs found by running jaxfuse
+against optax (zero weight decay, update without params, mu_dtype checks, traced masks) and the
+master-weights update dtype."""
 
-Trajectories are compared with optax step by step on fresh random gradients that do not depend
-on the params, so the two runs differ only by rounding: a few ulps of the leaf's dtype per step.
-"""
-
-import functools
 import math
 
 import jax
@@ -19,105 +15,15 @@ import pytest
 import jaxfuse
 from jaxfuse._core import ffi as _ffi
 from helpers import assert_trees_close, count_custom_calls, random_tree, stable_seed, ulp
+from lockstep import lockstep
 
 SHAPES = [(7,), (3, 5), (), (0,), (33, 17)]
-STEPS = 20
 LR = 1e-2
-
-# (jaxfuse transform, optax transform): Adam, NAdamW with weight decay, clip + AdamW (clipping
-# active: max_norm below the gradients' norm).
-TRANSFORMS = {
-    "adam": lambda: (jaxfuse.adam(LR), optax.adam(LR)),
-    "nadamw": lambda: (jaxfuse.nadamw(LR, weight_decay=0.1), optax.nadamw(LR, weight_decay=0.1)),
-    "clip_adamw": lambda: (
-        optax.chain(jaxfuse.clip_by_global_norm(0.5), jaxfuse.adamw(LR, weight_decay=0.1)),
-        optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(LR, weight_decay=0.1))),
-}
-
 
 def grads_for(step, params):
   """Fresh random gradients for `step`, shaped and typed like params."""
   return random_tree(stable_seed("grads", step), [jnp.shape(p) for p in params.values()],
                      [p.dtype for p in params.values()])
-
-
-def optax_trajectory(tx, params, steps):
-  state = tx.init(params)
-  update = jax.jit(tx.update)  # one compile for all steps (eagerly, every op is a dispatch)
-  for t in range(steps):
-    updates, state = update(grads_for(t, params), state, params)
-    params = optax.apply_updates(params, updates)
-  return params, state
-
-
-def jaxfuse_trajectory(tx, params, steps, path):
-  """`path`: "eager" / "jit" (the optax protocol) or "fused" (jaxfuse.fused_step, jitted)."""
-  state = tx.init(params)
-  if path == "fused":
-    step = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p))
-  else:
-    update = jax.jit(tx.update) if path == "jit" else tx.update
-    step = lambda g, s, p: (lambda u, s: (optax.apply_updates(p, u), s))(*update(g, s, p))
-  for t in range(steps):
-    params, state = step(grads_for(t, params), state, params)
-  return params, state
-
-
-def assert_close_to_optax(actual, expected, dtype, steps=STEPS):
-  """Rounding of a few ulps of `dtype` per step, on params moving by about LR per step."""
-  eps = ulp(dtype)
-  assert_trees_close(actual, expected, rtol=8 * eps, atol=steps * LR * 8 * eps)
-
-
-@functools.cache
-def optax_reference(dtype, name, device):
-  """optax's trajectory from the test's params, computed once for the three paths."""
-  with jax.enable_x64(dtype != jnp.complex64):
-    params = jax.device_put(random_tree(stable_seed("params", name), SHAPES, dtype), device)
-    return jax.device_get(optax_trajectory(TRANSFORMS[name]()[1], params, STEPS))
-
-
-@pytest.mark.parametrize("path", ["eager", "jit", "fused"])
-@pytest.mark.parametrize("name", list(TRANSFORMS))
-@pytest.mark.parametrize("dtype", [jnp.float64, jnp.complex64, jnp.complex128])
-def test_matches_optax(dtype, name, path, device):
-  wide = dtype != jnp.complex64
-  with jax.enable_x64(wide):
-    params = jax.device_put(random_tree(stable_seed("params", name), SHAPES, dtype), device)
-    ours, _ = TRANSFORMS[name]()
-    p, s = jaxfuse_trajectory(ours, params, STEPS, path)
-    p_ref, s_ref = optax_reference(dtype, name, device)
-    assert jax.tree.map(lambda x: x.dtype, p) == jax.tree.map(lambda x: x.dtype, params)
-    assert jax.tree.map(lambda x: x.dtype, s) == jax.tree.map(lambda x: x.dtype, s_ref)
-    assert_close_to_optax(p, p_ref, dtype)
-    assert_close_to_optax(s, s_ref, dtype)
-
-
-# The other families optax computes complex leaves in: squared magnitudes where optax squares
-# (Adagrad's sum, RMSprop's nu and centered mu_hat**2, LAMB's nu) and |x| norms (LAMB, LARS).
-COMPLEX_FAMILIES = {
-    "adagrad": lambda m: m.adagrad(LR * 10, initial_accumulator_value=0.05),
-    "rmsprop centered nesterov": lambda m: m.rmsprop(LR, centered=True, momentum=0.9,
-                                                     nesterov=True),
-    "lamb": lambda m: m.lamb(LR, weight_decay=0.1),
-    "lars nesterov": lambda m: m.lars(LR * 10, weight_decay=0.01, nesterov=True),
-}
-
-
-@pytest.mark.parametrize("path", ["jit", "fused"])
-@pytest.mark.parametrize("name", list(COMPLEX_FAMILIES))
-@pytest.mark.parametrize("dtype", [jnp.complex64, jnp.complex128])
-def test_complex_leaves_in_every_family(dtype, name, path, device):
-  """optax's complex math in Adagrad, RMSprop, LAMB and LARS, on the optax protocol and the
-  kernels; the state keeps optax's complex dtypes."""
-  with jax.enable_x64(dtype == jnp.complex128):
-    params = jax.device_put(random_tree(stable_seed("params", name), SHAPES, dtype), device)
-    make = COMPLEX_FAMILIES[name]
-    p, s = jaxfuse_trajectory(make(jaxfuse), params, STEPS, path)
-    p_ref, s_ref = optax_trajectory(make(optax), params, STEPS)
-    assert jax.tree.map(lambda x: x.dtype, s) == jax.tree.map(lambda x: x.dtype, s_ref)
-    assert_close_to_optax(p, p_ref, dtype)
-    assert_close_to_optax(s, s_ref, dtype)
 
 
 MIXED = [jnp.float32, jnp.bfloat16, jnp.float64, jnp.complex64, jnp.complex128, jnp.float16,
@@ -323,6 +229,4 @@ def test_complex_leaf_over_a_chunk_in_a_trust_ratio_family(device):
   says."""
   chunk = _ffi.contract("jaxfuse_lamb_trust_sums").numbers["chunk_scalars"]
   params = jax.device_put(random_tree(5, [(chunk // 2 + 3,)], [jnp.complex64]), device)
-  p, _ = jaxfuse_trajectory(jaxfuse.lamb(LR), params, 2, "fused")
-  p_ref, _ = optax_trajectory(optax.lamb(LR), params, 2)
-  assert_close_to_optax(p, p_ref, jnp.complex64, steps=2)
+  lockstep(jaxfuse.lamb(LR), optax.lamb(LR), params, 2, path="fused")

@@ -9,7 +9,6 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse._optim import families
 from jaxfuse._optim import moments as _moments
 from helpers import assert_bitwise_equal, random_tree
 
@@ -242,44 +241,6 @@ def test_bad_configurations_raise():
   tx = jaxfuse.adamw(1e-3, moment_bits=8)
   with pytest.raises(ValueError, match="opt_state"):
     jaxfuse.fused_step(tx, params, state32, params)
-
-
-# Every family that takes moment_bits, in its variant with the most state lists, with a master
-# copy (the most lists a call carries); Adam's are the tests above.
-FAMILIES = {family.name: family.fullest() for family in families.registered()
-            if family.takes("moment_bits") and family.name != "adam"}
-
-
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_other_families(family):
-  """Each family's state lists in 8 bits, signed where they take both signs: the fused step and
-  the optax protocol agree to the codes' precision, and their initial state is optax's
-  quantized (Adagrad's accumulator starts at 0.1)."""
-  tx = FAMILIES[family](moment_bits=8, master_weights=True)
-  shapes = QUANTIZED + FLOAT
-  params = random_tree(15, shapes, jnp.float32)
-  state = tx.init(params)
-  quantized = [x for x in jax.tree.leaves(state, is_leaf=_moments.is_quantized)
-               if _moments.is_quantized(x)]
-  assert quantized and all(q.codes.shape in QUANTIZED for q in quantized)
-  if family == "adagrad":
-    np.testing.assert_allclose(_moments.dequantize(quantized[0]), 0.1, rtol=1e-6)
-  fused = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
-
-  @jax.jit
-  def twin(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  pf, sf = pt, st = params, state
-  for t in range(4):
-    g = random_tree(16 + t, shapes, jnp.float32)
-    pf, sf = fused(pf, sf, g)
-    pt, st = twin(pt, st, g)
-  _assert_same_steps(pf, pt, params, 2.0 ** -20)
-  for a, b in zip(jax.tree.leaves(_moments.dequantize_tree(sf)),
-                  jax.tree.leaves(_moments.dequantize_tree(st))):
-    np.testing.assert_allclose(a, b, atol=2.0 ** -3 * np.abs(b).max() + 1e-6)
 
 
 def test_inject_hyperparams_with_static_moment_bits():

@@ -15,16 +15,16 @@ from optax.contrib import MuonDimensionNumbers
 from optax.contrib import _muon as optax_muon
 
 import jaxfuse
-from family_helpers import lockstep
-from helpers import assert_trees_close, random_tree, ulp
+from helpers import assert_trees_close, normal_grads as grads, random_tree, ulp
 from jaxfuse._optim import newton_schulz
-from optimizer_cases import grads, jit_step
+from lockstep import jit_fused as jit_step, lockstep
 
 NS_RTOL = 64 * ulp(jnp.float32)
 
 # Matrices of three stacked shapes ((24, 40) twice, wide and tall; (16, 16) twice; (8, 40, 24),
 # which under 3-D dimension numbers is 8 matrices), beside AdamW leaves (a vector, a scalar).
 SHAPES = {"a": (24, 40), "b": (40, 24), "c": (16, 16), "d": (16, 16), "e": (40,), "f": ()}
+
 
 
 def _params(device, dtype=jnp.float32):
@@ -89,7 +89,7 @@ def test_matches_optax(device, option, path):
   if "dimension" in option:
     params["g"] = random_tree(4, [(8, 40, 24)], device=device)["leaf0000"]
   p, s = lockstep(jaxfuse.muon(**kwargs), optax.contrib.muon(**kwargs), params, 4, path=path,
-                  rtol=NS_RTOL)
+                  algorithm_rtol=NS_RTOL)
   assert int(s.inner_states["muon"].inner_state[0].count) == 4
 
 

@@ -34,12 +34,12 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # arrays, or on each device's shard) the op tests make too. Every family's CPU handlers (each state
 # layout, master weights, remainders, stochastic rounding, 8-bit states, the trust sums) run under
 # this build in tools/cuda_on_cpu.sh, beside the emulated CUDA ones, on mixed dtypes and sizes; the
-# families' own files add their optax comparisons and options, which differ in math and Python, not
-# in what the driver does with memory.
+# conformance suite (tests/families/) adds the optax comparisons and options, which differ in math
+# and Python, not in what the driver does with memory.
 # Of tests/test_quantize.py's kernel-against-reference matrix only the split cases run here: the
 # int8 / fp8 decoder handlers run under this build in tools/cuda_on_cpu.sh (every kernel instance,
 # against the emulated CUDA ones), and the matrix is most of this pass's time under ASan.
-# Adam's many-shapes, low-precision and several-call comparisons, the clip + AdamW chain, the
+# Adam's several-call comparison, the clip + AdamW chain, the
 # decoder's architecture features and the whole step with a quantized head run their CPU
 # handlers under this build in tools/cuda_on_cpu.sh too (the emulated cases' references: odd
 # sizes, mixed dtypes, 301 leaves in two calls, the folded clip, biases, q/k norms and scaled
@@ -50,10 +50,10 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # pass beside AdamW's, master weights) run under this build in tools/cuda_on_cpu.sh too; the rest
 # of it is Newton-Schulz in XLA.
 if [ $# -eq 0 ]; then
-  keep="not (test_kernel_matches_reference and not splits) and not test_matches_optax_many_shapes"
+  keep="not (test_kernel_matches_reference and not splits)"
   keep+=" and not test_whole_model_step_with_quantized_head"
   keep+=" and not test_clip_adamw_chain_matches_optax and not test_architecture_features"
-  keep+=" and not test_fused_step_over_several_calls and not test_low_precision_params"
+  keep+=" and not test_fused_step_over_several_calls"
   set -- tests -n auto -m "not slow" --ignore=tests/test_cuda_on_cpu.py \
     --ignore=tests/test_dtypes.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
@@ -61,7 +61,7 @@ if [ $# -eq 0 ]; then
     --ignore=tests/test_readme.py --ignore=tests/test_build.py --ignore=tests/test_report.py \
     --ignore=tests/test_sharding.py --ignore=tests/test_kernel_report.py \
     --ignore=tests/families --ignore=tests/test_precision.py --ignore=tests/test_moments8.py \
-    --ignore=tests/test_fused.py --ignore=tests/test_muon.py \
+    --ignore=tests/test_fused.py --ignore=tests/test_muon.py --ignore=tests/test_lockstep.py \
     -k "$keep"
 fi
 with_dev_build "$BUILD" python3 -m pytest -q -p no:cacheprovider "$@"

@@ -39,7 +39,9 @@ def master_params(params: Any, state: Any) -> Any:
   in one) keeps for `params`: its master copy, the params joined to their remainders
   (``master_weights="remainder"``), or else the params themselves, in float32 or wider. A state
   whose groups each keep theirs (``jaxfuse.muon``'s, an ``optax.partition`` of jaxfuse
-  optimizers) gives each leaf its group's."""
+  optimizers) gives each leaf its group's. Packed params and states (``packed=True``,
+  :func:`jaxfuse.pack`) give the tree of leaves."""
+  params, state = _packing.unpack(_trees.as_arrays(params)), _packing.unpack(state)
   extras = _extras(state) or [ExtraState()]
   groups = [_kept(params, extra) for extra in extras]
   return groups[0] if len(groups) == 1 else _merged(params, groups)
@@ -129,10 +131,9 @@ def _convert(state: Any, target: Any, master: Any,
 def _target_params(params: Any, dtype: Any) -> Any:
   if dtype is None:
     return params
-  try:
-    single = jnp.dtype(dtype)
-  except TypeError:  # a tree of dtypes, one per leaf
+  if jax.tree.leaves(dtype) != [dtype]:  # a tree of dtypes, one per leaf (a dict is no dtype)
     return jax.tree.map(lambda p, d: p.astype(d), params, dtype)
+  single = jnp.dtype(dtype)
   return jax.tree.map(lambda p: p.astype(single), params)
 
 
