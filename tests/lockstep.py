@@ -81,8 +81,10 @@ def _literal_magnitude(value):
 
 
 _STRUCTURAL = {"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
-               "dynamic_slice", "concatenate", "copy", "copy_p", "neg", "rev", "pad", "gather"}
+               "dynamic_slice", "concatenate", "copy", "copy_p", "neg", "rev", "gather"}
 _PARTS = {"real", "imag", "conj"}  # of a complex value: its magnitude bounds each part's error
+# Exact on their input; where the input is within its error of a jump (sign at 0, floor at an
+# integer) the step is discontinuous there, and a case names those elements (near_zero).
 _EXACT = {"sign", "floor", "ceil", "round", "iota", "is_finite", "stop_gradient"}
 
 
