@@ -212,7 +212,7 @@ def test_multi_steps(device, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_inject_hyperparams(device, family):
+def test_inject_hyperparams(device, family, monkeypatch):
   """Hyperparameters in the state (optax.inject_hyperparams), changed halfway without a new
   trace: optax's steps with them."""
   fn = first(FAMILIES[family]).function
@@ -233,13 +233,9 @@ def test_inject_hyperparams(device, family):
     return s
 
   params = training_params(21, SHAPES, jnp.float32, device)
-  jaxfuse_step = jaxfuse.fused_step
-  try:
-    jaxfuse.fused_step = counted
-    lockstep(tx, twin, params, STEPS, path="fused", seed=22, on_step=change,
-             near_zero=_near_zero(family, first(FAMILIES[family])))
-  finally:
-    jaxfuse.fused_step = jaxfuse_step
+  monkeypatch.setattr(jaxfuse, "fused_step", counted)  # lockstep's step traces through it
+  lockstep(tx, twin, params, STEPS, path="fused", seed=22, on_step=change,
+           near_zero=_near_zero(family, first(FAMILIES[family])))
   assert len(traces) == 1
 
 
