@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +65,8 @@ def _wide(dtype):
 
 
 def _is_float(x):
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+  dtype = getattr(x, "dtype", None)
+  return jnp.issubdtype(np.result_type(x) if dtype is None else dtype, jnp.inexact)
 
 
 def _literal_magnitude(value):
@@ -88,11 +88,49 @@ _PARTS = {"real", "imag", "conj"}  # of a complex value: its magnitude bounds ea
 _EXACT = {"sign", "floor", "ceil", "round", "iota", "is_finite", "stop_gradient"}
 
 
+# Real element-wise operations evaluated in NumPy: the same IEEE float64 arithmetic (the
+# transcendental ones within an ulp of XLA's), without a compile per shape.
+_NUMPY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide,
+          "max": np.maximum, "min": np.minimum, "neg": np.negative, "abs": np.abs,
+          "sign": np.sign, "sqrt": np.sqrt, "rsqrt": lambda x: 1 / np.sqrt(x), "exp": np.exp,
+          "log": np.log, "log1p": np.log1p, "expm1": np.expm1, "tanh": np.tanh,
+          "pow": np.power, "square": np.square, "lt": np.less, "le": np.less_equal,
+          "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal}
+
+
+def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
+  kept = [1] * len(shape)
+  for i, d in enumerate(broadcast_dimensions):
+    kept[d] = x.shape[i]
+  return np.broadcast_to(x.reshape(kept), shape)
+
+
+# Operations that move elements, in NumPy (of any dtype): (operands, params) -> result.
+_MOVES = {
+    "broadcast_in_dim": lambda xs, p: _broadcast_in_dim(xs[0], **p),
+    "reshape": lambda xs, p: np.reshape(xs[0], p["new_sizes"]),
+    "squeeze": lambda xs, p: np.squeeze(xs[0], axis=tuple(p["dimensions"])),
+    "expand_dims": lambda xs, p: np.expand_dims(xs[0], tuple(p["dimensions"])),
+    "transpose": lambda xs, p: np.transpose(xs[0], p["permutation"]),
+    "concatenate": lambda xs, p: np.concatenate(xs, axis=p["dimension"]),
+    "select_n": lambda xs, p: np.choose(np.asarray(xs[0]).astype(np.int32),
+                                        np.broadcast_arrays(*xs[1:])),
+}
+
+
 def _mag_rule(name, args, mags, z, params):
-  """The magnitude of result z of one operation (see the module docstring)."""
-  a = [jnp.abs(x) if _is_float(x) else x for x in args]
-  az = jnp.abs(z)
-  safe = lambda x: jnp.where(x == 0, 1.0, x)
+  """The magnitude of result z of one operation (see the module docstring). In NumPy: on the
+  CPU every jax operation on a new shape is a compile of its own."""
+  args, z = [np.asarray(x) for x in args], np.asarray(z)
+  mags = [np.asarray(m, np.float64) for m in mags]
+  with np.errstate(all="ignore"):
+    return _numpy_mag_rule(name, args, mags, z, params)
+
+
+def _numpy_mag_rule(name, args, mags, z, params):
+  a = [np.abs(x) if _is_float(x) else x for x in args]
+  az = np.abs(z)
+  safe = lambda x: np.where(x == 0, 1.0, x)
   if name in ("add", "sub", "add_any"):
     return mags[0] + mags[1] + az
   if name == "mul":
@@ -102,15 +140,14 @@ def _mag_rule(name, args, mags, z, params):
   if name == "square":
     return 2 * a[0] * mags[0] + az
   if name == "sqrt":
-    return jnp.where(az == 0, mags[0], mags[0] / (2 * safe(az))) + az
+    return np.where(az == 0, mags[0], mags[0] / (2 * safe(az))) + az
   if name == "rsqrt":
     return az * mags[0] / (2 * safe(a[0])) + az
   if name == "integer_pow":
     k = params["y"]
-    return abs(k) * jnp.abs(args[0]) ** (abs(k) - 1) * mags[0] * (1 if k > 0 else az ** 2) + az
+    return abs(k) * a[0] ** (abs(k) - 1) * mags[0] * (1 if k > 0 else az ** 2) + az
   if name == "pow":
-    return az * (jnp.abs(args[1]) * mags[0] / safe(a[0]) +
-                 jnp.abs(jnp.log(safe(a[0]))) * mags[1]) + az
+    return az * (np.abs(args[1]) * mags[0] / safe(a[0]) + np.abs(np.log(safe(a[0]))) * mags[1]) + az
   if name in ("exp", "exp2"):
     return az * mags[0] + az
   if name in ("log", "log1p"):
@@ -120,26 +157,27 @@ def _mag_rule(name, args, mags, z, params):
   if name in ("sin", "cos", "tanh", "logistic", "atan", "erf"):
     return mags[0] + az
   if name == "abs":
-    return mags[0] + (az if jnp.iscomplexobj(args[0]) else 0)
+    return mags[0] + (az if np.iscomplexobj(args[0]) else 0)
   if name in ("max", "min"):
     pick = (args[0] >= args[1]) if name == "max" else (args[0] <= args[1])
-    return jnp.where(pick, mags[0], mags[1])
+    return np.where(pick, mags[0], mags[1])
   if name == "clamp":
-    return jnp.where((args[1] > args[0]) & (args[1] < args[2]), mags[1], 0.0)
+    return np.where((args[1] > args[0]) & (args[1] < args[2]), mags[1], 0.0)
   if name == "select_n":
-    return jax.lax.select_n(args[0], *mags[1:])
+    return np.choose(args[0].astype(np.int32), np.broadcast_arrays(*mags[1:]))
   if name == "complex":
     return mags[0] + mags[1]
   if name == "reduce_sum":
-    n = math.prod(args[0].shape[d] for d in params["axes"])
-    return (jax.lax.reduce_sum_p.bind(mags[0], **params) +
-            max(n - 1, 0) * jax.lax.reduce_sum_p.bind(a[0], **params) + az)
+    axes = tuple(params["axes"])
+    n = math.prod(args[0].shape[d] for d in axes)
+    return np.sum(mags[0], axis=axes) + max(n - 1, 0) * np.sum(a[0], axis=axes) + az
   if name in ("reduce_max", "reduce_min"):
-    return jax.lax.reduce_max_p.bind(mags[0], **params)
+    return np.max(mags[0], axis=tuple(params["axes"]))
   if name == "dot_general":
     (contract, _), _ = params["dimension_numbers"]
     k = math.prod(args[0].shape[d] for d in contract)
-    bind = lambda x, y: jax.lax.dot_general_p.bind(x, y, **dict(params, preferred_element_type=None))
+    bind = lambda x, y: np.asarray(jax.lax.dot_general_p.bind(
+        x, y, **dict(params, preferred_element_type=None)))
     return bind(mags[0], a[1]) + bind(a[0], mags[1]) + k * bind(a[0], a[1]) + az
   raise NotImplementedError(f"lockstep's interpreter has no rule for {name}")
 
@@ -150,10 +188,10 @@ def _run(jaxpr, consts, args, mags):
 
   def read(v):
     if isinstance(v, jcore.Literal):
-      return jnp.asarray(v.val), jnp.asarray(_literal_magnitude(v.val))
+      return np.asarray(v.val), _literal_magnitude(v.val)
     return env[v]
 
-  for v, x, m in zip(jaxpr.constvars, consts, [jnp.asarray(_literal_magnitude(c)) for c in consts]):
+  for v, x, m in zip(jaxpr.constvars, consts, [_literal_magnitude(c) for c in consts]):
     env[v] = (x, m)
   for v, x, m in zip(jaxpr.invars, args, mags):
     env[v] = (x, m)
@@ -186,29 +224,35 @@ def _eqn(eqn, vals, ms):
       # The reference keeps every float in its wide type: a storage cast (mu_dtype) is jaxfuse's
       # one rounding, checked against the stored dtype, not a rounding of the reference.
       wide = _wide(params["new_dtype"])
-      if jnp.iscomplexobj(x) and wide is np.float64:
-        return [(jnp.real(x), m)]
-      return [(jnp.asarray(x).astype(wide), m)]
+      if np.iscomplexobj(x) and wide is np.float64:
+        return [(np.real(np.asarray(x)), m)]
+      return [(np.asarray(x).astype(wide), m)]
     z = eqn.primitive.bind(*vals, **params)
-    return [(z, jnp.zeros(jnp.shape(z)))]
+    return [(z, np.zeros(np.shape(z)))]
   floats = [v for v in vals if _is_float(v)]
   if len({jnp.result_type(v) for v in floats}) > 1:  # a float kept wide meets a narrow one
     wide = jnp.result_type(*floats)
-    vals = [jnp.asarray(v).astype(wide) if _is_float(v) else v for v in vals]
+    vals = [np.asarray(v).astype(wide) if _is_float(v) else v for v in vals]
     if "preferred_element_type" in params:
       params = dict(params, preferred_element_type=None)
   if name == "reduce_precision":
     return [(vals[0], ms[0])]
-  z = eqn.primitive.bind(*vals, **params)
+  if name in _NUMPY and all(_is_float(v) and not np.iscomplexobj(v) for v in vals):
+    with np.errstate(all="ignore"):
+      z = _NUMPY[name](*[np.asarray(v) for v in vals])
+  elif name in _MOVES:
+    z = _MOVES[name]([np.asarray(v) for v in vals], params)
+  else:
+    z = eqn.primitive.bind(*vals, **params)
   outs = z if eqn.primitive.multiple_results else [z]
   if not all(_is_float(o) for o in outs):
-    return [(o, jnp.zeros(jnp.shape(o))) for o in outs]
+    return [(o, np.zeros(np.shape(o))) for o in outs]
   if name in _STRUCTURAL:  # elements moved without arithmetic: magnitudes move with them
-    m = eqn.primitive.bind(*ms, **params) if name == "concatenate" else \
-        eqn.primitive.bind(ms[0], *vals[1:], **params)
-    return [(z, m)]
+    move = (lambda *xs: _MOVES[name](xs, params)) if name in _MOVES else \
+        (lambda *xs: eqn.primitive.bind(*xs, **params))
+    return [(z, move(*ms) if name == "concatenate" else move(ms[0], *vals[1:]))]
   if name in _EXACT:
-    return [(z, jnp.zeros(jnp.shape(z)))]
+    return [(z, np.zeros(np.shape(z)))]
   if name in _PARTS:
     return [(z, ms[0])]
   return [(z, _mag_rule(name, vals, ms, z, params))]
@@ -219,7 +263,7 @@ def reference_step(ref, grads, state, params):
   new state, updates) as values, the same as magnitudes)."""
   with jax.enable_x64(True):
     wide = lambda t: jax.tree.map(
-        lambda x: jnp.asarray(x).astype(_wide(x.dtype)) if _is_float(x) else jnp.asarray(x), t)
+        lambda x: np.asarray(x).astype(_wide(x.dtype)) if _is_float(x) else jnp.asarray(x), t)
     g, s, p = wide(grads), wide(state), wide(params)
 
     def step(g, s, p):
@@ -228,7 +272,7 @@ def reference_step(ref, grads, state, params):
 
     closed = jax.make_jaxpr(step)(g, s, p)
     flat, _ = jax.tree.flatten((g, s, p))
-    zeros = [jnp.zeros(jnp.shape(x)) for x in flat]
+    zeros = [np.zeros(np.shape(x)) for x in flat]
     outs = _run(closed.jaxpr, closed.consts, flat, zeros)
     treedef = jax.tree.structure(jax.eval_shape(step, g, s, p))
     values = jax.tree.unflatten(treedef, [np.asarray(v) for v, _ in outs])
