@@ -106,14 +106,14 @@ def test_clip_zero_gradients(device):
     assert np.all(np.asarray(a) == 0)
 
 
-@pytest.mark.parametrize("ratio", [0.3, 5.0])
 @pytest.mark.parametrize("path", ["optax", "fused"])
-def test_clip_adamw_chain_matches_optax(device, ratio, path):
-  """Gradients whose norm is `ratio` times the threshold (clipped, or not), in lockstep."""
+def test_unclipped_chain_matches_optax(device, path):
+  """Gradients whose norm is below the threshold (left alone), in lockstep (clipped ones, and a
+  skipped non-finite step: the conformance suite, for every family)."""
   params = random_tree(8, SHAPES, device=device)
   make = lambda m: optax.chain(m.clip_by_global_norm(1.0), m.adamw(1e-2, weight_decay=0.1))
   lockstep(make(jaxfuse), make(optax), params, 6, path=path,
-           grads=lambda t, p: _grads_with_norm(100 + t, p, ratio * (1 + 0.1 * t)))
+           grads=lambda t, p: _grads_with_norm(100 + t, p, 0.3 * (1 + 0.1 * t)))
 
 
 def test_fused_clip_step_launches_and_no_host_traffic(device):
@@ -149,27 +149,6 @@ def test_nonfinite_without_skip_matches_optax(device, bad):
   po = optax.apply_updates(params, uo)
   assert_trees_close(pf, po, rtol=1e-6, atol=0)  # NaNs in the same places
   assert_trees_close(sf, so, rtol=1e-6, atol=0)
-
-
-@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf, -jnp.inf])
-def test_nonfinite_skip_mode(device, bad):
-  params = random_tree(12, [(9,), (2, 2), ()], device=device)
-  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))
-  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True))
-  state = tx.init(params)
-  p1, s1, _ = step(params, state, _grads_with_norm(13, params, 3.0))
-  g_bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(bad), _grads_with_norm(14, params, 3.0))
-  p2, s2, norm = step(p1, s1, g_bad)
-  assert not np.isfinite(float(norm))
-  for a, b in zip(jax.tree.leaves((p2, s2[1][:-1])), jax.tree.leaves((p1, s1[1][:-1]))):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert int(s2[1][0].count) == 1 and int(s2[1][-1].skipped_steps) == 1
-  # The next finite step proceeds as if the bad one never happened.
-  g3 = _grads_with_norm(15, params, 3.0)
-  p3, s3, _ = step(p2, s2, g3)
-  p3_ref, s3_ref, _ = step(p1, s1, g3)
-  assert_trees_close(p3, p3_ref, rtol=0, atol=0)
-  assert int(s3[1][0].count) == 2
 
 
 def test_skip_mode_on_optax_path(device):
@@ -238,23 +217,6 @@ def test_global_norm_many_leaves(device):
   norm = jax.jit(jaxfuse.global_norm)(tree)
   np.testing.assert_allclose(float(norm), _np_norm(tree), rtol=1e-5)
   assert np.asarray(norm).tobytes() == np.asarray(jax.jit(jaxfuse.global_norm)(tree)).tobytes()
-
-
-def test_optax_protocol_chain_with_skip_and_loss_scale(device):
-  params = random_tree(31, [(12,), (3, 3)], device=device)
-  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))
-  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-  S = jnp.float32(256.0)
-  g = _grads_with_norm(32, params, 3.0)
-  g_scaled = jax.tree.map(lambda x: x * S, g)
-  upd = jax.jit(lambda g, s, p: tf.update(g, s, p, grad_scale=S))
-  uf, sf = upd(g_scaled, tf.init(params), params)
-  uo, _ = to.update(g, to.init(params), params)
-  assert_trees_close(uf, uo, rtol=64 * F32_EPS, atol=0)
-  bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.inf), g_scaled)
-  u_bad, s_bad = upd(bad, sf, params)
-  assert all(np.all(np.asarray(x) == 0) for x in jax.tree.leaves(u_bad))
-  assert int(s_bad[1][-1].skipped_steps) == 1 and int(s_bad[1][0].count) == 1
 
 
 def test_clip_with_infinite_max_norm_follows_optax(device):

@@ -220,19 +220,6 @@ def test_convert_state_both_ways():
   assert_bitwise_equal(p8, params, "params")
 
 
-def test_flax_train_state_and_multi_steps():
-  flax = pytest.importorskip("flax")
-  del flax
-  from jaxfuse.flax import TrainState
-  shapes = QUANTIZED[:1] + FLOAT[:2]
-  params = random_tree(11, shapes, jnp.float32)
-  tx = jaxfuse.multi_steps(jaxfuse.adamw(1e-3, moment_bits=8), 2)
-  ts = TrainState.create(apply_fn=None, params=params, tx=tx)
-  ts = jax.jit(lambda ts, g: ts.apply_gradients(grads=g))(ts, random_tree(12, shapes, jnp.float32))
-  ts = jax.jit(lambda ts, g: ts.apply_gradients(grads=g))(ts, random_tree(13, shapes, jnp.float32))
-  assert not np.array_equal(ts.params["leaf0000"], params["leaf0000"])
-
-
 def test_bad_configurations_raise():
   with pytest.raises(ValueError, match="moment_bits=4"):
     jaxfuse.adamw(1e-3, moment_bits=4)

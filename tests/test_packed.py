@@ -12,6 +12,7 @@ import pytest
 import jaxfuse
 from jaxfuse._optim import families
 from helpers import assert_bitwise_equal, assert_trees_close, random_tree
+from lockstep import lockstep, training_params
 
 # Mixed shapes and dtypes: a quantizable matrix (8-bit states), odd sizes that leave gaps
 # between packed leaves, a scalar, a bf16 matrix and vector (their states in another buffer).
@@ -82,18 +83,10 @@ def test_options_packed_equal_per_leaf(option):
 
 
 def test_optax_protocol_matches_optax():
-  """tx.update on a packed state is optax's AdamW, and apply_updates works on packed params."""
-  params = _params(3, [jnp.float32] * len(SHAPES))
-  tx, ref = jaxfuse.adamw(1e-2, weight_decay=0.1, packed=True), optax.adamw(1e-2, weight_decay=0.1)
-  s, r = tx.init(params), ref.init(params)
-  p, q = params, params
-  for t in range(3):
-    g = random_tree(30 + t, SHAPES, jnp.float32)
-    u, s = jax.jit(tx.update)(g, s, p)
-    v, r = ref.update(g, r, q)
-    p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
-  assert_trees_close(p, q, rtol=1e-5, atol=1e-6)
-  assert_trees_close(jaxfuse.unpack(s), r, rtol=1e-5, atol=1e-7)
+  """tx.update on a packed state is optax's AdamW, in lockstep."""
+  params = training_params(3, SHAPES, jnp.float32)
+  lockstep(jaxfuse.adamw(1e-2, weight_decay=0.1, packed=True), optax.adamw(1e-2, weight_decay=0.1),
+           params, 3, path="optax")
   # update() without params (Adam has no weight decay to read them for), packed params too
   packed = jaxfuse.pack(params)
   for tx, x in ((jaxfuse.adam(1e-2, packed=True), params), (jaxfuse.adam(1e-2), packed)):

@@ -1,5 +1,5 @@
-"""Fewer bytes per parameter: 16-bit second moments (nu_dtype), stochastic rounding of 16-bit
-params, and param remainders (master_weights="remainder"), through the optax protocol and the
+"""Fewer bytes per parameter (their bytes: test_report.py): 16-bit second moments (nu_dtype),
+stochastic rounding of 16-bit params, and param remainders (master_weights="remainder"), through the optax protocol and the
 fused step, against references on fresh random inputs."""
 
 import subprocess
@@ -14,20 +14,20 @@ import pytest
 
 import jaxfuse
 from jaxfuse._optim import rounding as _rounding
-from helpers import assert_bitwise_equal, random_tree, ulp
+from helpers import assert_bitwise_equal, random_tree
 from helpers import normal_grads as grads
 from lockstep import jit_fused as jit_step, jit_protocol
 
 SHAPES = [(), (0,), (1,), (3,), (257,), (3, 7, 5)]
 PATHS = ["optax", "fused"]
-F32_RTOL = 8 * ulp(jnp.float32)  # a few roundings of float32 (XLA and the kernels contract
-                                 # multiply-adds differently)
 
 
 def jit_optax_step(tx):
   """A jitted optax-protocol step returning (params, state)."""
   step = jit_protocol(tx)
   return jax.jit(lambda p, s, g: step(p, s, g)[:2])
+
+
 HALF_DTYPES = [jnp.bfloat16, jnp.float16]
 
 
@@ -52,17 +52,6 @@ def _bits(x):
 
 
 # ---- nu_dtype --------------------------------------------------------------------------------
-
-
-def test_nu_dtype_moves_20_bytes_per_param_and_keeps_4(device):
-  params = random_tree(2, [(1 << 16,), (300, 7)], device=device)
-  n = sum(x.size for x in jax.tree.leaves(params))
-  tx = jaxfuse.adamw(1e-3, mu_dtype=jnp.bfloat16, nu_dtype=jnp.bfloat16)
-  fn = lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)
-  r = jaxfuse.report(jax.jit(fn, donate_argnums=(0, 1)), params, tx.init(params),
-                     grads(3, params))
-  assert r.bytes_moved == pytest.approx(20 * n, rel=0.01)
-  assert r.state_bytes_per_param == pytest.approx(4, rel=0.01)
 
 
 def test_bad_nu_dtype_names_the_problem():
@@ -226,20 +215,9 @@ def test_remainders_split_and_join_every_float32_pattern_class():
   assert np.all(error <= spacing / 2)
 
 
-def test_remainders_keep_2_bytes_per_param(device):
-  params = random_tree(10, [(1 << 16,), (300, 7)], jnp.bfloat16, device=device)
-  n = sum(x.size for x in jax.tree.leaves(params))
-  for master_weights, extra in ((True, 4), ("remainder", 2)):
-    tx = jaxfuse.adamw(1e-3, master_weights=master_weights)
-    fn = lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)
-    r = jaxfuse.report(jax.jit(fn, donate_argnums=(0, 1)), params, tx.init(params),
-                       grads(11, params))
-    assert r.state_bytes_per_param == pytest.approx(8 + extra, rel=0.01)
-    # grads, params, moments and the master's 2 or 4 bytes read and written
-    assert r.bytes_moved == pytest.approx((2 + 2 * 2 + 2 * 8 + 2 * extra) * n, rel=0.01)
-
-
 def test_remainders_in_a_tree_with_float32_leaves(device):
+  """Remainders for the bf16 leaves only, in a call of their own (the values in lockstep: the
+  conformance suite's remainders on mixed trees)."""
   params = {"w": random_tree(12, [(301,)], jnp.bfloat16)["leaf0000"],
             "b": random_tree(13, [(17,)])["leaf0000"]}
   params = jax.device_put(params, device)
@@ -249,9 +227,6 @@ def test_remainders_in_a_tree_with_float32_leaves(device):
   text = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)).lower(
       params, state, grads(14, params)).as_text()
   assert text.count("jaxfuse_adam") == 2  # bf16 with remainders, float32 without
-  p_r, _ = _run(tx, params, "fused", steps=5)
-  p_o, _ = _run(optax.adamw(1e-2), params, "optax", steps=5)
-  np.testing.assert_allclose(p_r["b"], p_o["b"], rtol=5 * 8 * F32_RTOL)
 
 
 def test_remainder_and_rounding_options_are_checked():
@@ -366,6 +341,7 @@ _MODES = {
     "nu_bf16": dict(nu_dtype=jnp.bfloat16, mu_dtype=jnp.bfloat16),
     "remainder": dict(master_weights="remainder"),
     "stochastic": dict(stochastic_rounding=True, seed=1),
+    "8-bit": dict(moment_bits=8, master_weights=True),
 }
 
 
@@ -374,7 +350,7 @@ def test_modes_under_multi_steps_and_in_a_flax_train_state(device, mode):
   """jaxfuse.multi_steps and jaxfuse.flax.TrainState run the modes' fused step: the same
   params as the step called directly."""
   flax = pytest.importorskip("jaxfuse.flax")
-  params = random_tree(20, [(64,), (8, 8)], jnp.bfloat16, device=device)
+  params = random_tree(20, [(64,), (8, 128)], jnp.bfloat16, device=device)  # 8 blocks of 128
   tx = jaxfuse.adamw(1e-2, **_MODES[mode])
   state = flax.TrainState.create(apply_fn=None, params=params, tx=tx)
   step = jax.jit(lambda st, g: st.apply_gradients(grads=g))

@@ -105,7 +105,9 @@ def test_norm_of_no_leaves_is_one_finishing_launch():
 @pytest.mark.parametrize("dtype,adam_kwargs,state_per_param,step_per_param", [
     (jnp.float32, {}, 8, 28),
     (jnp.float32, {"mu_dtype": jnp.bfloat16}, 6, 24),
+    (jnp.float32, {"mu_dtype": jnp.bfloat16, "nu_dtype": jnp.bfloat16}, 4, 20),
     (jnp.bfloat16, {"master_weights": True}, 12, 30),  # g, p 2 B; m, v, master 4 B
+    (jnp.bfloat16, {"master_weights": "remainder"}, 10, 26),  # the master's low 2 B
 ])
 def test_bytes_per_param(dtype, adam_kwargs, state_per_param, step_per_param):
   """The fused step moves exactly its buffers' bytes: p, g, m, v read and p, m, v written (28 B

@@ -68,7 +68,9 @@ class FamilyCases:
   """The options a family's checks run with, beside the registry's variants."""
 
   configs: dict[str, Config]
-  inject: tuple[dict, dict]  # inject_hyperparams: (the arguments, the changes halfway)
+  # inject_hyperparams: (the arguments, the changes halfway; a hyperparameter given as a
+  # schedule is written into the state each step, so the changes name others)
+  inject: tuple[dict, dict]
   near_zero: Optional[Callable] = None  # (b1 of the config) -> masks, for discontinuous steps
 
 
@@ -90,8 +92,8 @@ CASES = {
         "decay schedule": Config("adamw", dict(
             learning_rate=1e-2, weight_decay=optax.linear_schedule(0.1, 0.0, 30))),
         "nadamw": Config("nadamw", dict(learning_rate=1e-2, weight_decay=0.1)),
-    }, inject=(dict(learning_rate=1e-2, b1=0.9, weight_decay=0.1),
-               dict(learning_rate=3e-3, b1=0.8))),
+    }, inject=(dict(learning_rate=optax.linear_schedule(1e-2, 1e-3, 6), b1=0.9,
+                    weight_decay=0.1), dict(b1=0.8, weight_decay=0.05))),
     "sgd": FamilyCases({
         "schedule": Config("sgd", dict(learning_rate=optax.linear_schedule(0.1, 0.01, 15),
                                        momentum=0.5)),

@@ -125,10 +125,11 @@ def test_master_weights(device, family, path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_remainders_packed(device, family):
   """Param remainders (the float32 master in bf16 params and int16 halves; a master copy in
-  the trust-ratio families, which take no remainders) in packed state lists: the master follows
-  float32 optax; the state is a handful of buffers."""
+  the trust-ratio families, which take no remainders) in packed state lists, on a tree of bf16
+  and float32 leaves (which keep no remainders): the master follows float32 optax; the state is
+  a handful of buffers."""
   config = first(FAMILIES[family])
-  params = training_params(9, SHAPES, jnp.bfloat16, device)
+  params = training_params(9, SHAPES, [jnp.bfloat16, jnp.float32] * (len(SHAPES) // 2), device)
   master = True if FAMILIES[family].trust_ratio else "remainder"
   tx = config.ours(master_weights=master, packed=True)
   s0 = tx.init(params)
