@@ -108,7 +108,8 @@ def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
 # Operations that move elements, in NumPy (of any dtype): (operands, params) -> result.
 _MOVES = {
     "broadcast_in_dim": lambda xs, p: _broadcast_in_dim(xs[0], **p),
-    "reshape": lambda xs, p: np.reshape(xs[0], p["new_sizes"]),
+    "reshape": lambda xs, p: np.reshape(xs[0] if p.get("dimensions") is None
+                                        else np.transpose(xs[0], p["dimensions"]), p["new_sizes"]),
     "squeeze": lambda xs, p: np.squeeze(xs[0], axis=tuple(p["dimensions"])),
     "expand_dims": lambda xs, p: np.expand_dims(xs[0], tuple(p["dimensions"])),
     "transpose": lambda xs, p: np.transpose(xs[0], p["permutation"]),
