@@ -1,6 +1,6 @@
 """Fewer bytes per parameter (their bytes: test_report.py): 16-bit second moments (nu_dtype),
-stochastic rounding of 16-bit params, and param remainders (master_weights="remainder"), through the optax protocol and the
-fused step, against references on fresh random inputs."""
+stochastic rounding of 16-bit params, and param remainders (master_weights="remainder"),
+through the optax protocol and the fused step, against references on fresh random inputs."""
 
 import subprocess
 import sys
