@@ -1,7 +1,7 @@
 """The fused step's mechanics, on jaxfuse.adam / adamw: in place, one call per
 MAX_LEAVES_PER_CALL leaves, no recompiles, inside optax's wrappers, vmap, the updates' dtypes,
-the handler's own checks (one call per dtype class: test_dtypes.py; flax: test_frameworks.py). What every family must pass is
-families/test_conformance.py."""
+the handler's own checks (one call per dtype class: test_dtypes.py; flax: test_frameworks.py).
+What every family must pass is families/test_conformance.py."""
 
 import jax
 import jax.numpy as jnp
