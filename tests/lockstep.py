@@ -105,7 +105,7 @@ def _broadcast_in_dim(x, shape, broadcast_dimensions, **_):
   return np.broadcast_to(x.reshape(kept), shape)
 
 
-# Operations that move elements, in NumPy (of any dtype): (operands, params) -> result.
+# Operations that move or pick elements, in NumPy (of any dtype): (operands, params) -> result.
 _MOVES = {
     "broadcast_in_dim": lambda xs, p: _broadcast_in_dim(xs[0], **p),
     "reshape": lambda xs, p: np.reshape(xs[0] if p.get("dimensions") is None
@@ -165,7 +165,7 @@ def _numpy_mag_rule(name, args, mags, z, params):
   if name == "clamp":
     return np.where((args[1] > args[0]) & (args[1] < args[2]), mags[1], 0.0)
   if name == "select_n":
-    return np.choose(args[0].astype(np.int32), np.broadcast_arrays(*mags[1:]))
+    return _MOVES["select_n"]([args[0], *mags[1:]], params)
   if name == "complex":
     return mags[0] + mags[1]
   if name == "reduce_sum":

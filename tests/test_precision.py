@@ -18,7 +18,6 @@ from helpers import assert_bitwise_equal, random_tree
 from helpers import normal_grads as grads
 from lockstep import jit_fused as jit_step, jit_protocol
 
-SHAPES = [(), (0,), (1,), (3,), (257,), (3, 7, 5)]
 PATHS = ["optax", "fused"]
 
 
