@@ -125,6 +125,62 @@ DECODER_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 2.5 * ulp(jnp.bfloat16),
                jnp.float16: 5 * ulp(jnp.float16)}
 
 
+fused_decoder = jax.jit(jaxfuse.persistent_decoder, static_argnums=(4,))
+reference_decoder = jax.jit(jaxfuse.decoder_reference, static_argnums=(4,))
+
+
+def f32(a):
+  """`a` as a float32 NumPy array (through jax, which converts every dtype it holds)."""
+  return np.asarray(jnp.asarray(a, jnp.float32))
+
+
+def rel_err(got, want):
+  """max |got - want| / max |want|, in float64 (exact for every dtype the decoder takes)."""
+  got, want = _exact(got), _exact(want)
+  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def assert_decoder_matches_reference(x, positions, w, cache, cfg, dtype):
+  """One persistent_decoder step against decoder_reference's on the same operands: the output
+  of x's shape in `dtype`, finite and within DECODER_TOL; the k/v rows the step writes (each row
+  at its position, in every layer) within DECODER_TOL too; every other cache entry bitwise
+  unchanged. Returns the step's (out, cache)."""
+  out, new = fused_decoder(x, positions, w, cache, cfg)
+  ref, ref_cache = reference_decoder(x, positions, w, cache, cfg)
+  assert out.dtype == dtype and out.shape == x.shape
+  assert np.isfinite(f32(out)).all()
+  assert rel_err(out, ref) < DECODER_TOL[dtype]
+  written = np.zeros(cache.k.shape[:3], bool)
+  written[:, np.arange(x.shape[0]), np.asarray(positions)] = True
+  for name in ("k", "v"):
+    got, want, old = (np.asarray(getattr(c, name)) for c in (new, ref_cache, cache))
+    assert rel_err(got[written], want[written]) < DECODER_TOL[dtype], name
+    assert_bitwise_equal(got[~written], old[~written], f"cache.{name} outside the written rows")
+  return out, new
+
+
+def small_decoder_problem(device, quantization=None, dtype=jnp.float32):
+  """(cfg, x, positions, w, cache) of a 2-row step with every optional weight of `quantization`
+  (biases, q/k norms, and the scales when quantized): the argument-checking tests' operands."""
+  cfg = jaxfuse.DecoderConfig(2, 64, 4, 2, 32, 96, 16, qkv_bias=True, qk_norm=True,
+                              quantization=quantization)
+  x, w, cache = random_decoder_problem(cfg, 2, dtype, 1, device)
+  return cfg, x, jnp.array([1, 2], jnp.int32), w, cache
+
+
+@jax.jit
+def reference_logits(model, tokens):
+  """fp32 logits [B, T, V] of decoder_reference (fp32 activations) over ``tokens`` [B, T] from
+  position 0, causal: the logits at t depend on tokens[:, :t + 1] only (one compilation per
+  model config, dtype and tiedness: the config is static in the DecoderModel pytree)."""
+  B, T = tokens.shape
+  cfg = dataclasses.replace(model.config, max_seq_len=T)
+  cache = jaxfuse.KVCache(*(jnp.zeros(cfg.cache_shape(B), model.dtype),) * 2)
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  h, _ = jaxfuse.decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, cfg)
+  return model.logits(h)
+
+
 # Matrices larger than one CPU GEMV work item: K = 600 and 1104 rows (2 and 3 splits of 512, the
 # last one partial), N = 600 and 1104 (neither a multiple of the 64-column strips; 5 column
 # ranges at 17 rows), enough work for the thread pool; sizes multiples of 8, as the CUDA kernel
@@ -159,7 +215,8 @@ def _exact(x):
 def count_custom_calls(hlo_text, target):
   """Custom calls to handler `target` in compiled HLO text or lowered StableHLO text."""
   target = _ffi.target(target)  # the CUDA-on-CPU check runs the suite under other target names
-  return hlo_text.count(f'custom_call_target="{target}"') + hlo_text.count(f"custom_call @{target}(")
+  return (hlo_text.count(f'custom_call_target="{target}"')
+          + hlo_text.count(f"custom_call @{target}("))
 
 
 def zero_size_float_operands(lowered):

@@ -22,7 +22,7 @@ from jax.experimental import checkify
 import jaxfuse
 from jaxfuse._decode import generation
 from hf_checkpoints import write_checkpoint
-from helpers import random_decoder_problem
+from helpers import random_decoder_problem, reference_logits
 
 # Near-tie tolerance on logits, relative to the largest |logit| of the step: fp32 differs by
 # summation order only (~1e-6); a 16-bit model by its prefill's 16-bit matrix inputs and one
@@ -42,37 +42,18 @@ def random_model(dtype=jnp.float32, vocab=61, tied=False, seed=0, hidden=64, **f
   return jaxfuse.DecoderModel(cfg, w, embed, final_norm, head)
 
 
-@functools.partial(jax.jit, static_argnames=("width",))
-def _reference_logits(model, seq, lengths, *, width):
-  """fp32 logits after row b's first lengths[b] tokens of ``seq``: decoder_reference (fp32
-  activations) over the whole sequence from position 0."""
-  B, T = seq.shape
-  t = jnp.arange(T, dtype=jnp.int32)
-  positions = jnp.where(t[None] < lengths[:, None], t[None], -1)
-  cfg = dataclasses.replace(model.config, max_seq_len=width)
-  h, _ = jaxfuse.decoder_reference(model.embed_tokens(seq), positions, model.layers,
-                                   jaxfuse.init_cache(model, B, width), cfg)
-  return model.logits(h[jnp.arange(B), lengths - 1])
-
-
-def teacher_forced_logits(model, prompts, lengths, out):
-  """fp32 [B, N, V]: the reference's next-token logits before each generated token."""
-  prompts, lengths, out = (np.asarray(a) for a in (prompts, lengths, out))
-  B, T = prompts.shape
-  N = out.shape[1]
-  seq = np.zeros((B, T + N), np.int32)
+def assert_follows_reference(model, prompts, lengths, out, count, tol):
+  """Each of row b's first count[b] tokens is the reference's argmax up to a near-tie."""
+  prompts, lengths, out, count = (np.asarray(a) for a in (prompts, lengths, out, count))
+  (B, T), N = prompts.shape, out.shape[1]
+  seq = np.zeros((B, T + N), np.int32)  # each row's prompt, then its generated tokens
   for b in range(B):
     seq[b, :lengths[b]] = prompts[b, :lengths[b]]
     seq[b, lengths[b]:lengths[b] + N] = np.maximum(out[b], 0)
-  steps = [_reference_logits(model, seq, lengths + i, width=T + N) for i in range(N)]
-  return np.stack([np.asarray(s) for s in steps], axis=1)
-
-
-def assert_follows_reference(model, prompts, lengths, out, count, tol):
-  """Each of row b's first count[b] tokens is the reference's argmax up to a near-tie."""
-  ref = teacher_forced_logits(model, prompts, lengths, out)
-  out, count = np.asarray(out), np.asarray(count)
-  for b in range(out.shape[0]):
+  # Causal: the logits after token t see tokens 0..t only, so one pass teacher-forces every step.
+  ref = np.asarray(reference_logits(model, jnp.asarray(seq)))
+  ref = ref[np.arange(B)[:, None], lengths[:, None] - 1 + np.arange(N)]  # [B, N, V]
+  for b in range(B):
     for i in range(count[b]):
       logits = ref[b, i]
       best = logits.max()
@@ -90,17 +71,20 @@ def prompts_for(model, batch, width, seed):
 
 
 # Each architecture from Hugging Face files (tests/hf_checkpoints.py; test_hf.py checks load_hf's
-# logits against an independent NumPy forward pass): fp32 and bf16, tied and untied, scaled RoPE.
-HF_CASES = [("LlamaForCausalLM", "llama3", "float32", False),
-            ("MistralForCausalLM", "default", "bfloat16", False),
-            ("Qwen2ForCausalLM", "default", "float32", True),
-            ("Qwen3ForCausalLM", "default", "bfloat16", False)]
+# logits against an independent NumPy forward pass): fp32 and bf16, tied and untied, scaled RoPE;
+# and an int8 model (load_hf(quantize=)), against the reference on the same quantized weights.
+HF_CASES = [("LlamaForCausalLM", "llama3", "float32", False, None),
+            ("MistralForCausalLM", "default", "bfloat16", False, None),
+            ("Qwen2ForCausalLM", "default", "float32", True, None),
+            ("Qwen3ForCausalLM", "default", "bfloat16", False, None),
+            ("MistralForCausalLM", "default", "bfloat16", False, "int8")]
 
 
-@pytest.mark.parametrize("arch,rope,dtype,tied", HF_CASES, ids=[c[0][:-11] for c in HF_CASES])
-def test_greedy_follows_reference(tmp_path, arch, rope, dtype, tied):
+@pytest.mark.parametrize("arch,rope,dtype,tied,quantize", HF_CASES,
+                         ids=[c[0][:-11] + (f"-{c[4]}" if c[4] else "") for c in HF_CASES])
+def test_greedy_follows_reference(tmp_path, arch, rope, dtype, tied, quantize):
   write_checkpoint(tmp_path, arch, dtype=dtype, tied=tied, rope=rope, seed=len(arch))
-  model = jaxfuse.load_hf(tmp_path)
+  model = jaxfuse.load_hf(tmp_path, quantize=quantize)
   dtype = model.dtype.type
   prompts, lengths = prompts_for(model, 4, 7, seed=1)
   out, count = jaxfuse.generate(model, prompts, lengths, 9)
@@ -128,7 +112,7 @@ def test_decode_step_logits():
   for b in range(3):
     seq[b, :lengths[b]] = prompts[b, :lengths[b]]
     seq[b, lengths[b]] = token[b]
-  want = _reference_logits(model, seq, lengths + 1, width=12)
+  want = np.asarray(reference_logits(model, jnp.asarray(seq)))[np.arange(3), lengths]
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
   # A traced out-of-range position: NaN logits for that row, the others unaffected.
   bad_positions = jnp.asarray([-1, 5, 12], jnp.int32)
@@ -307,23 +291,15 @@ def test_sampling_rules():
 
 
 def test_inside_jit_and_edge_lengths():
+  """Under jit the tokens of an eager call; traced prompt lengths (which set every position)
+  under checkify with check_positions: a bad row is reported, a good batch passes with those
+  tokens; the longest generation the model supports."""
   model = random_model()
   prompts, lengths = prompts_for(model, 2, 4, seed=6)
   want, want_n = jaxfuse.generate(model, prompts, lengths, 1)
   assert want.shape == (2, 1) and np.all(np.asarray(want_n) == 1)
   got, got_n = jax.jit(lambda t, n: jaxfuse.generate(model, t, n, 1))(prompts, lengths)
   np.testing.assert_array_equal(got, want)
-  # The longest generation the model supports: prompt width + new tokens == max_seq_len.
-  out, n = jaxfuse.generate(model, prompts, lengths, model.config.max_seq_len - 4)
-  assert np.all(np.asarray(n) == model.config.max_seq_len - 4)
-
-
-def test_checkify_prompt_lengths():
-  """Traced prompt lengths (which set every position) under checkify with check_positions: a
-  bad row is reported, a good batch passes with the tokens of an eager call."""
-  model = random_model()
-  prompts, lengths = prompts_for(model, 2, 4, seed=6)
-  want, _ = jaxfuse.generate(model, prompts, lengths, 1)
   checked = checkify.checkify(jax.jit(
       lambda t, n: jaxfuse.generate(model, t, n, 1, check_positions=True)))
   err, (got, _) = checked(prompts, lengths)
@@ -334,6 +310,9 @@ def test_checkify_prompt_lengths():
     with pytest.raises(checkify.JaxRuntimeError, match=rf"generate: prompt_lengths\[{row}\] = "
                        rf"{bad[row]} is outside \[1, 4\] \(the prompt width\)"):
       err.throw()
+  # prompt width + new tokens == max_seq_len
+  out, n = jaxfuse.generate(model, prompts, lengths, model.config.max_seq_len - 4)
+  assert np.all(np.asarray(n) == model.config.max_seq_len - 4)
 
 
 def test_bad_arguments():
@@ -424,17 +403,7 @@ def test_generate_hf_example(tmp_path, monkeypatch, capsys):
   runpy.run_path(example, run_name="__main__")
   out = capsys.readouterr().out
   assert "persistent / reference speed" in out and "tokens identical" in out
-  assert "[0] [5, 17, 3] | [" in out or "[0] w5 w17 w3|" in out
-  if Tokenizer is not None:
-    assert "[1] w1 w2 w40|w" in out
-
-
-def test_generate_with_a_quantized_model_follows_its_reference(tmp_path):
-  """An int8 model (load_hf(quantize=)): each token is decoder_reference's argmax on the same
-  quantized weights, up to a bf16 near-tie."""
-  write_checkpoint(tmp_path, "MistralForCausalLM", dtype="bfloat16", seed=7)
-  model = jaxfuse.load_hf(tmp_path, quantize="int8")
-  prompts, lengths = prompts_for(model, 4, 7, seed=1)
-  out, count = jaxfuse.generate(model, prompts, lengths, 9)
-  assert np.all(np.asarray(count) == 9)
-  assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[jnp.bfloat16])
+  if Tokenizer is None:  # token ids in, token ids out
+    assert "[0] [5, 17, 3] | [" in out
+  else:  # both prompts decoded through tokenizer.json
+    assert "[0] w5 w17 w3|" in out and "[1] w1 w2 w40|w" in out

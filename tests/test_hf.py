@@ -8,15 +8,13 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 import jaxfuse
-from jaxfuse import KVCache, decoder_reference
-from hf_checkpoints import (DTYPES, ROPES, hf_forward, hf_rope_inv_freq, read_config,
-                            save_tensors, write_checkpoint, write_json)
+from hf_checkpoints import (ROPES, hf_forward, hf_rope_inv_freq, read_config, save_tensors,
+                            write_checkpoint, write_json)
+from helpers import assert_bitwise_equal, reference_logits, rel_err
 
 # Tolerance on max|logits - hf_forward| / max|hf_forward| (float64). fp32: the loader copies
 # weights exactly and the decoder computes in fp32, so only summation order and fp32 RoPE tables
@@ -26,22 +24,6 @@ from hf_checkpoints import (DTYPES, ROPES, hf_forward, hf_rope_inv_freq, read_co
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
 TOKENS = np.array([[1, 5, 17, 42, 96, 3], [2, 0, 64, 8, 8, 31]], np.int32)  # B=2, T=6
-
-
-@jax.jit
-def prompt_logits(model, tokens):
-  """fp32 logits [B, T, V] of a causal prefill of ``tokens`` from position 0 (one compilation per
-  model config, dtype and tiedness: the config is static in the DecoderModel pytree)."""
-  B, T = tokens.shape
-  config = dataclasses.replace(model.config, max_seq_len=T)
-  cache = KVCache(*(jnp.zeros(config.cache_shape(B), model.dtype),) * 2)
-  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  h, _ = decoder_reference(model.embed_tokens(tokens), positions, model.layers, cache, config)
-  return model.logits(h)
-
-
-def rel_err(got, want):
-  return float(np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want)))
 
 
 # ---- loading and logits ------------------------------------------------------------------------
@@ -99,7 +81,7 @@ def test_logits_match_hf(tmp_path, arch, rope, dtype, tied, sharded, config_styl
                                 tensors["model.layers.1.mlp.down_proj.weight"].T)
 
   want = hf_forward(tensors, hf_config, TOKENS)
-  assert rel_err(prompt_logits(model, jnp.asarray(TOKENS)), want) < TOL[dtype]
+  assert rel_err(reference_logits(model, jnp.asarray(TOKENS)), want) < TOL[dtype]
   if scaling is not None:  # a loader ignoring the scaling rule would fail (7e-2 to 0.2 here)
     unscaled = {k: v for k, v in hf_config.items() if k not in ("rope_scaling", "rope_parameters")}
     assert rel_err(hf_forward(tensors, unscaled, TOKENS), want) > 2 * TOL[dtype]
@@ -159,14 +141,14 @@ def test_ignored_tensors(tmp_path):
 
 # ---- stop tokens -------------------------------------------------------------------------------
 
+# An int eos_token_id in config.json (the checkpoints' 2): test_logits_match_hf checks it.
 @pytest.mark.parametrize("config_eos, generation, want", [
-    (2, None, (2,)),
     ([7, 9], None, (7, 9)),
     (None, None, ()),
     (2, {"eos_token_id": [2, 5]}, (2, 5)),
     (2, {"eos_token_id": 6}, (6,)),
     (2, {"bos_token_id": 1}, (2,)),  # no eos there: config.json's
-], ids=["config-int", "config-list", "config-null", "generation-list", "generation-int",
+], ids=["config-list", "config-null", "generation-list", "generation-int",
         "generation-without-eos"])
 def test_stop_tokens(tmp_path, config_eos, generation, want):
   write_checkpoint(tmp_path, "Qwen3ForCausalLM", eos_token_id=config_eos)
@@ -418,19 +400,6 @@ def test_float64_checkpoint_needs_a_dtype(tmp_path):
   assert jaxfuse.load_hf(tmp_path, dtype="float32").dtype == jnp.float32
 
 
-def test_hf_checkpoint_helper_roundtrip(tmp_path):
-  """write_checkpoint returns what it stored, in the dtype asked for."""
-  tensors = write_checkpoint(tmp_path, "Qwen3ForCausalLM", dtype="bfloat16", sharded=True)
-  stored = {}
-  for name in os.listdir(tmp_path):
-    if name.endswith(".safetensors"):
-      stored.update(load_file(tmp_path / name))
-  assert stored.keys() == tensors.keys()
-  for name, value in tensors.items():
-    assert value.dtype == DTYPES["bfloat16"] == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(stored[name], value)
-
-
 # ---- quantized (jaxfuse.quantize, load_hf(quantize=)) against unquantized ----------------------
 
 def teacher_forced_logits(model, tokens):
@@ -465,8 +434,7 @@ def test_hf_model_logits_close_to_unquantized(tmp_path, arch, dtype, quantizatio
   model = jaxfuse.load_hf(tmp_path)
   quantized = jaxfuse.load_hf(tmp_path, quantize=quantization)
   direct = jaxfuse.quantize(model, quantization)
-  for a, b in zip(jax.tree.leaves(quantized), jax.tree.leaves(direct)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert_bitwise_equal(quantized, direct, "load_hf(quantize=) against jaxfuse.quantize")
   assert quantized.head_quantized
   if quantization == "fp8":  # (the option, once: it only forwards head=)
     kept = jaxfuse.load_hf(tmp_path, quantize=quantization, quantize_head=False)

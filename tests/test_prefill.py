@@ -5,7 +5,8 @@ same places as the prefill (matrix and attention inputs, fp32 sums), so the two 
 summation order: about sqrt(K) fp32 ulps of the largest output before the final rounding to the
 model's dtype, hence at most one ulp of a 16-bit dtype. Against the fp32-activation oracle a
 16-bit prefill differs by the rounding of its inputs (2^-8 relative for bf16, compounding over
-the layers).
+the layers). The kernel's decode step on a prefilled cache: test_generate.py's
+test_decode_step_logits.
 """
 
 import dataclasses
@@ -18,7 +19,7 @@ import pytest
 import jaxfuse
 from jaxfuse._decode import prefill as prefill_module
 from jaxfuse._decode.prefill import prefill_stack
-from helpers import random_decoder_problem, ulp
+from helpers import f32, random_decoder_problem, ulp
 
 FEATURES = {
     "gqa": {},
@@ -54,10 +55,6 @@ def reference(x, lengths, w, cache, cfg, activation_dtype):
 
 def valid_rows(lengths, T):
   return np.arange(T)[None] < np.asarray(lengths)[:, None]
-
-
-def f32(a):
-  return np.asarray(jnp.asarray(a, jnp.float32))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
@@ -120,22 +117,6 @@ def test_program_does_not_grow_with_depth():
     return sum(1 for line in text.splitlines() if " = " in line)
 
   assert hlo_ops(2) == hlo_ops(12)
-
-
-def test_prefill_then_decode_continues_the_sequence():
-  """prefill of n tokens + decode steps = the oracle over the whole sequence (fp32)."""
-  cfg = config()
-  x, lengths, w, cache = problem(cfg, jnp.float32, T=8)
-  _, c = jax.jit(prefill_stack, static_argnums=4)(x, lengths, w, cache, cfg)
-  extra = jnp.asarray(np.random.default_rng(5).standard_normal((3, 64)), jnp.float32)
-  h, c = jaxfuse.persistent_decoder(extra, lengths, w, c, cfg)
-  seq = np.zeros((3, 9, 64), np.float32)
-  for b, n in enumerate(np.asarray(lengths)):
-    seq[b, :n] = np.asarray(x[b, :n])
-    seq[b, n] = np.asarray(extra[b])
-  want, _ = reference(jnp.asarray(seq), lengths + 1, w, cache, cfg, None)
-  want = f32(want)[np.arange(3), np.asarray(lengths)]
-  np.testing.assert_allclose(f32(h), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def test_prefill_validates_layers():

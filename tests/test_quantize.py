@@ -1,7 +1,8 @@
 """Weight-only int8 / fp8 decoding: jaxfuse.quantize's error bound, and the quantized persistent
 decoder against decoder_reference on the same quantized weights (every dtype and architecture
-feature, every fp8 code). Quantized Hugging Face models against their unquantized selves:
-test_hf.py; generation with one: test_generate.py."""
+feature, every fp8 code). Quantized matrices split across GEMV work items: test_decoder.py;
+quantized Hugging Face models against their unquantized selves: test_hf.py; generation with one:
+test_generate.py."""
 
 import dataclasses
 
@@ -13,23 +14,12 @@ import pytest
 import jaxfuse
 from jaxfuse import DecoderConfig, RopeScaling, decoder_reference, persistent_decoder
 from jaxfuse._decode.quantize import MATRICES, quantize_matrix
-from helpers import DECODER_TOL, SPLIT_CONFIG, random_decoder_problem, stable_seed
+from helpers import (DECODER_TOL, assert_decoder_matches_reference, f32,
+                     fused_decoder as fused, random_decoder_problem, reference_decoder as reference,
+                     rel_err, small_decoder_problem, stable_seed)
 
 FORMATS = ["int8", "fp8"]
 QMAX = {"int8": 127.0, "fp8": 448.0}
-
-fused = jax.jit(persistent_decoder, static_argnums=(4,))
-reference = jax.jit(decoder_reference, static_argnums=(4,))
-
-
-def f32(a):
-  return np.asarray(jnp.asarray(a, jnp.float32))
-
-
-def rel_err(a, b):
-  a, b = f32(a), f32(b)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
 
 def heavy_tailed(rng, shape):
   """Normal values times 10^u, u uniform in [-7, 0]: every binade of e4m3 below a column's
@@ -144,25 +134,7 @@ def test_kernel_matches_reference(device, case, quantization, dtype):
   x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=stable_seed(case), device=device)
   assert w.wq.dtype == cfg.matrix_dtype(dtype) and w.w_down_scale.dtype == jnp.float32
   pos = jax.device_put(np.arange(batch, dtype=np.int32) * 7 % cfg.max_seq_len, device)
-  out, new = fused(x, pos, w, cache, cfg)
-  ref, ref_cache = reference(x, pos, w, cache, cfg)
-  assert out.dtype == dtype and np.all(np.isfinite(f32(out)))
-  assert rel_err(out, ref) < DECODER_TOL[dtype]
-  rows = np.arange(batch)
-  for got, want in ((new.k, ref_cache.k), (new.v, ref_cache.v)):
-    assert rel_err(f32(got)[:, rows, np.asarray(pos)], f32(want)[:, rows, np.asarray(pos)]) \
-        < DECODER_TOL[dtype]
-
-
-@pytest.mark.parametrize("quantization", FORMATS)
-@pytest.mark.parametrize("batch", [1, 17])
-def test_kernel_matches_reference_across_splits(device, quantization, batch):
-  """Matrices larger than one CPU GEMV work item (helpers.SPLIT_CONFIG)."""
-  cfg = dataclasses.replace(SPLIT_CONFIG, quantization=quantization)
-  x, w, cache = random_decoder_problem(cfg, batch, jnp.bfloat16, seed=batch, device=device)
-  pos = jax.device_put(np.arange(batch, dtype=np.int32) % cfg.max_seq_len, device)
-  out, _ = fused(x, pos, w, cache, cfg)
-  assert rel_err(out, reference(x, pos, w, cache, cfg)[0]) < DECODER_TOL[jnp.bfloat16]
+  assert_decoder_matches_reference(x, pos, w, cache, cfg, dtype)
 
 
 def test_every_fp8_code(device):
@@ -235,14 +207,9 @@ def test_every_fp8_code_of_a_head(device):
 
 # ---- errors -------------------------------------------------------------------------------------
 
-def _quantized_problem():
-  cfg = DecoderConfig(2, 64, 4, 2, 16, 96, 16, quantization="int8")
-  x, w, cache = random_decoder_problem(cfg, 2, jnp.bfloat16, seed=1)
-  return cfg, x, jnp.array([1, 2], jnp.int32), w, cache
-
-
 def test_bad_quantized_operands():
-  cfg, x, pos, w, cache = _quantized_problem()
+  # bf16 activations: a bf16 scale (of x's dtype) is refused all the same.
+  cfg, x, pos, w, cache = small_decoder_problem(jax.devices("cpu")[0], "int8", jnp.bfloat16)
   with pytest.raises(TypeError, match=r"wq has dtype bfloat16, expected int8 "
                                       r"\(cfg.quantization='int8'\)"):
     persistent_decoder(x, pos, w._replace(wq=w.wq.astype(jnp.bfloat16)), cache, cfg)
