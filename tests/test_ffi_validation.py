@@ -12,11 +12,12 @@ optim/families/adam.h, optim/clip.h, decoder/decoder.h); the vector layouts and 
 shares with them come from _ffi.contract(). The tests below build those vectors and lists by
 position on purpose: they pin the wire contract (test_vector_layouts_are_pinned checks that the
 positions are the contract's).
-Cases already covered in test_adam.py (test_handler_rejects_inconsistent_calls) and
-test_decoder.py (test_handler_validates_buffers) are not repeated here.
+Each target's bad calls are one table: rows of (id, how the row corrupts a well-formed call, the
+expected message). The decoder's whole-model step operands are checked in test_decoder.py.
 """
 
 import contextlib
+import functools
 import itertools
 import os
 import re
@@ -51,6 +52,32 @@ def xla_error(match):
   return pytest.raises(Exception, match=match)
 
 
+def _expect(op, match):
+  """XLA's own messages ("Wrong ...", "Unsupported array ...") come before the handler runs, so
+  they do not name the op."""
+  if match.startswith(("Wrong ", "Unsupported array")):
+    return xla_error(match)
+  return jaxfuse_error(op, match)
+
+
+def _rows(*rows):
+  """pytest params (bad, match) from rows (id, bad, match)."""
+  ids = [row[0] for row in rows]
+  assert len(set(ids)) == len(ids), sorted(i for i in ids if ids.count(i) > 1)
+  return [pytest.param(bad, match, id=i) for i, bad, match in rows]
+
+
+def _x64(bad):
+  """Marks a row with a 64-bit operand: without jax_enable_x64 while its call is built and made,
+  jax would make that operand 32-bit."""
+  bad.x64 = True
+  return bad
+
+
+def _x64_if(bad):
+  return jax.enable_x64(True) if getattr(bad, "x64", False) else contextlib.nullcontext()
+
+
 def _rng_array(rng, shape, dtype):
   if jnp.issubdtype(dtype, jnp.complexfloating):
     return np.asarray(rng.standard_normal(shape) + 1j * rng.standard_normal(shape) + 0.5, dtype)
@@ -62,7 +89,9 @@ def _rng_array(rng, shape, dtype):
 def _run(call, operands, attrs):
   """Runs an ffi_call under a fresh jit. Eager dispatch would reuse an executable compiled for
   attributes that compare equal (np.int32(1) == np.int64(1), True == np.int64(1)), so a call
-  with an attribute of the wrong type would run the earlier, well-typed executable."""
+  with an attribute of the wrong type would run the earlier, well-typed executable. A plain
+  Python int becomes an s64 attribute, the type of jaxfuse's integer attributes."""
+  attrs = {k: np.int64(v) if type(v) is int else v for k, v in attrs.items()}
   return jax.block_until_ready(jax.jit(lambda *args: call(*args, **attrs))(*operands))
 
 
@@ -219,27 +248,6 @@ def test_adam_master_params(device):
       _adam_call(ops, res, aliases, 2, master=True)
 
 
-@pytest.mark.parametrize("what, operand, match, ours", [
-    ("count_f32", 0, "Wrong buffer dtype: expected S32 but got F32", False),
-    ("count_rank1", 0, "Wrong buffer rank: expected 0 but got 1", False),
-    ("hyper_bf16", 1, "hyper must be float32 or float64", True),
-    ("hyper_rank2", 1, "hyper must have rank 1, got 2", True),
-    ("hyper_9", 1, "hyper has 9 elements, expected 8", True),
-    ("grad_ctrl_i32", 2, "grad_ctrl must be float32 or float64", True),
-    ("grad_ctrl_5", 2, "grad_ctrl has 5 elements, expected 4", True),
-    ("grad_ctrl_scalar", 2, "grad_ctrl must have rank 1, got 0", True),
-])
-def test_adam_fixed_operand_types(device, what, operand, match, ours):
-  ops, res, aliases = _adam_in_place(device)
-  bad = {"count_f32": np.float32(3), "count_rank1": np.array([3], np.int32),
-         "hyper_bf16": np.zeros(8, jnp.bfloat16), "hyper_rank2": np.zeros((2, 4), np.float32),
-         "hyper_9": np.zeros(9, np.float32), "grad_ctrl_i32": np.ones(4, np.int32),
-         "grad_ctrl_5": np.ones(5, np.float32), "grad_ctrl_scalar": np.float32(1)}[what]
-  ops[operand] = jax.device_put(bad, device)
-  with (jaxfuse_error("jaxfuse_adam", match) if ours else xla_error(match)):
-    _adam_call(ops, res, aliases)
-
-
 def test_adam_float64_vectors(device):
   """Under jax_enable_x64 the vectors are float64; the kernel reads either."""
   with jax.enable_x64(True):
@@ -252,34 +260,6 @@ def test_adam_float64_vectors(device):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
 
 
-def test_adam_count_int64(device):
-  with jax.enable_x64(True):
-    ops, res, aliases = _adam_in_place(device)
-    ops[0] = jax.device_put(np.array(3, np.int64), device)
-    with xla_error("Wrong buffer dtype: expected S32 but got S64"):
-      _adam_call(ops, res, aliases)
-
-
-@pytest.mark.parametrize("result, match", [
-    (S((), F32), "Wrong buffer dtype: expected S32 but got F32"),
-    (S((1,), I32), "Wrong buffer rank: expected 0 but got 1"),
-])
-def test_adam_new_count_result_type(device, result, match):
-  ops, res, aliases = _adam_in_place(device)
-  res[0] = result
-  with xla_error(match):
-    _adam_call(ops, res, aliases)
-
-
-@pytest.mark.parametrize("lst, dtype", list(itertools.product(
-    _LISTS + ("master_params",), [I32, U8, jnp.bool_])))
-def test_adam_tensor_dtype(device, lst, dtype):
-  """A non-float buffer in any list is rejected and named (list and tensor index)."""
-  ops, res, aliases = _adam_in_place(device, {lst: dtype}, master=F32)
-  with jaxfuse_error("jaxfuse_adam", rf"list '{lst}' tensor 0: unsupported dtype"):
-    _adam_call(ops, res, aliases, master=True)
-
-
 @pytest.mark.parametrize("lst", _LISTS)
 def test_adam_tensor_float64(device, lst):
   """A float64 buffer in any list is taken: the call then computes in double."""
@@ -288,14 +268,6 @@ def test_adam_tensor_float64(device, lst):
     assert ops[3 + _LISTS.index(lst)].dtype == jnp.float64
     out = _adam_call(ops, res, aliases)
     assert all(np.isfinite(np.asarray(x)).all() for x in out[1:])
-
-
-@pytest.mark.parametrize("lst", _LISTS[1:] + ("master_params",))
-def test_adam_complex_and_real_lists(device, lst):
-  """A tensor's lists are all complex or all real."""
-  ops, res, aliases = _adam_in_place(device, {lst: jnp.complex64}, master=F32)
-  with jaxfuse_error("jaxfuse_adam", rf"tensor 0: list '{lst}' is complex, list 'grads' is not"):
-    _adam_call(ops, res, aliases, master=True)
 
 
 def test_adam_complex_and_real_tensors(device):
@@ -307,62 +279,6 @@ def test_adam_complex_and_real_tensors(device):
   ops, res, aliases = _adam_in_place(device, {}, complex64)
   with jaxfuse_error("jaxfuse_adam", r"tensor 1 is complex, tensor 0 is not \(one call takes"):
     _adam_call(ops, res, aliases, 2)
-
-
-@pytest.mark.parametrize("lst", ["mu", "nu", "master_params"])  # params: test_adam.py
-def test_adam_element_count_mismatch(device, lst):
-  """Tensor 1 of two has a list whose element count differs from its grads."""
-  ops, res, aliases = _adam_in_place(device, {}, {}, master=F32, sizes={(1, lst): 5})
-  with jaxfuse_error("jaxfuse_adam", rf"tensor 1: list '{lst}' has 5 elements, list 'grads' has 3"):
-    _adam_call(ops, res, aliases, 2, master=True)
-
-
-@pytest.mark.parametrize("lst, t", [("params", 0), ("mu", 1), ("nu", 0), ("master_params", 1)])
-def test_adam_in_place_outputs_must_alias(device, lst, t):
-  """Every result list is updated in place: one missing alias is named (list and tensor)."""
-  ops, res, aliases = _adam_in_place(device, {}, {}, master=F32)
-  del aliases[3 + 2 * (_LISTS + ("master_params",)).index(lst) + t]
-  with jaxfuse_error("jaxfuse_adam", rf"output '{lst}' of tensor {t} is not aliased"):
-    _adam_call(ops, res, aliases, 2, master=True)
-
-
-@pytest.mark.parametrize("flags", [-1, 4, 2**40])  # 2: test_adam.py
-def test_adam_flags_beyond_the_op(device, flags):
-  ops, res, aliases = _adam_in_place(device)
-  with jaxfuse_error("jaxfuse_adam", rf"flags {flags} has bits beyond the 1 flags of the op"):
-    _adam_call(ops, res, aliases, flags=np.int64(flags))
-
-
-@pytest.mark.parametrize("tensor_flags, match", [
-    ([], "tensor_flags has 0 entries, expected num_tensors=2"),
-    ([0, 0, 0], "tensor_flags has 3 entries, expected num_tensors=2"),
-    ([0, 2], "tensor_flags entry 1 is 2, expected < 2"),  # bit 1: no such tensor flag
-    ([255, 1], "tensor_flags entry 0 is 255, expected < 2"),
-])
-def test_adam_tensor_flags(device, tensor_flags, match):
-  ops, res, aliases = _adam_in_place(device, {}, {})
-  with jaxfuse_error("jaxfuse_adam", match):
-    _adam_call(ops, res, aliases, 2, tensor_flags=np.array(tensor_flags, np.uint8))
-
-
-def test_adam_attribute_types(device):
-  ops, res, aliases = _adam_in_place(device)
-  with xla_error("Wrong scalar data type: expected S64 but got S32"):
-    _adam_call(ops, res, aliases, num_tensors=np.int32(1))
-  with xla_error("Wrong scalar data type: expected S64 but got PRED"):
-    _adam_call(ops, res, aliases, flags=True)
-  with xla_error("Wrong scalar data type: expected PRED but got S64"):
-    _adam_call(ops, res, aliases, master=np.int64(0))
-  with xla_error("Wrong array data type: expected U8 but got S32"):
-    _adam_call(ops, res, aliases, tensor_flags=np.zeros(1, np.int32))
-  with xla_error("Wrong attribute type: expected array but got scalar"):
-    _adam_call(ops, res, aliases, tensor_flags=np.uint8(0))
-  with xla_error("Unsupported array element type for attribute: tensor_flags"):
-    _adam_call(ops, res, aliases, tensor_flags=np.zeros(1, bool))
-  with xla_error(r"Wrong number of attributes: expected 10 but got 9"):
-    _adam_call(ops, res, aliases, flags=None)
-  with xla_error("Wrong array data type: expected S64 but got S32"):
-    _adam_call(ops, res, aliases, packed_offsets=np.zeros(0, np.int32))
 
 
 def test_adam_packed_lists(device):
@@ -404,18 +320,118 @@ def test_adam_packed_lists(device):
     call(offsets * 2, packed_lists=np.int64(16))
 
 
-@pytest.mark.parametrize("n", [-1, 0, 3, -(2**62), 2**62, 2**63 - 1])  # 2: test_adam.py
-def test_adam_num_tensors_inconsistent(device, n):
-  """num_tensors is checked against tensor_flags' entries, then the operand count, before
-  anything is sized by it."""
-  ops, res, aliases = _adam_in_place(device)
-  if n < 0 or n > 3:
-    with jaxfuse_error("jaxfuse_adam", f"tensor_flags has 1 entries, expected num_tensors={n}"):
-      _adam_call(ops, res, aliases, num_tensors=np.int64(n))
-    return
-  with jaxfuse_error("jaxfuse_adam", rf"4 tensor operands and 3 tensor results do not fit "
-                                     rf"num_tensors={n} \(expected 4 and 3 per tensor\)"):
-    _adam_call(ops, res, aliases, num_tensors=np.int64(n), tensor_flags=np.zeros(n, np.uint8))
+def _adam_good(device, *tensors, master_dtype=None, sizes=None, ops=None, res=None,
+               unaliased=None, **call):
+  """_adam_call's arguments for a well-formed call over `tensors` (_adam_in_place's; master params
+  on with `master_dtype`), then corrupted as a row says: `ops` and `res` replace operands and
+  results by index (one past the end appends), `unaliased` drops that operand's alias, and `call`
+  replaces operands, results or aliases whole, or sets attributes."""
+  operands, results, aliases = _adam_in_place(device, *tensors, master=master_dtype, sizes=sizes)
+  for good, new in ((operands, ops or {}), (results, res or {})):
+    for i, x in new.items():
+      good[i:i + 1] = [x]
+  aliases.pop(unaliased, None)
+  call = {"operands": operands, "results": results, "aliases": aliases, "n": len(tensors) or 1,
+          "master": master_dtype is not None, **call}
+  call["operands"] = jax.device_put(call["operands"], device)
+  return call
+
+
+_MASTER_LISTS = _LISTS + ("master_params",)
+_FITS = (r"4 tensor operands and 3 tensor results do not fit num_tensors={} "
+         r"\(expected 4 and 3 per tensor\)")
+
+# Each row's `bad` gets a function that makes a good call's arguments (_adam_good).
+_ADAM_BAD = _rows(
+    # The fixed operands and result (fixed types: XLA's binding checks those).
+    ("count_f32", lambda g: g(ops={0: np.float32(3)}),
+     "Wrong buffer dtype: expected S32 but got F32"),
+    ("count_rank1", lambda g: g(ops={0: np.array([3], np.int32)}),
+     "Wrong buffer rank: expected 0 but got 1"),
+    ("count_s64", _x64(lambda g: g(ops={0: np.array(3, np.int64)})),
+     "Wrong buffer dtype: expected S32 but got S64"),
+    ("hyper_bf16", lambda g: g(ops={1: np.zeros(8, BF16)}), "hyper must be float32 or float64"),
+    ("hyper_rank2", lambda g: g(ops={1: np.zeros((2, 4), F32)}), "hyper must have rank 1, got 2"),
+    *[(f"hyper_{k}", lambda g, k=k: g(ops={1: np.zeros(k, F32)}),
+       f"hyper has {k} elements, expected 8") for k in (3, 9)],
+    ("grad_ctrl_i32", lambda g: g(ops={2: np.ones(4, I32)}),
+     "grad_ctrl must be float32 or float64"),
+    ("grad_ctrl_5", lambda g: g(ops={2: np.ones(5, F32)}), "grad_ctrl has 5 elements, expected 4"),
+    ("grad_ctrl_scalar", lambda g: g(ops={2: np.float32(1)}), "grad_ctrl must have rank 1, got 0"),
+    ("new_count_f32", lambda g: g(res={0: S((), F32)}),
+     "Wrong buffer dtype: expected S32 but got F32"),
+    ("new_count_rank1", lambda g: g(res={0: S((1,), I32)}),
+     "Wrong buffer rank: expected 0 but got 1"),
+    # A non-float buffer in any list is named (list and tensor index).
+    *[(f"{lst}_{np.dtype(dt).name}", lambda g, lst=lst, dt=dt: g({lst: dt}, master_dtype=F32),
+       rf"list '{lst}' tensor 0: unsupported dtype")
+      for lst, dt in itertools.product(_MASTER_LISTS, [I32, U8, jnp.bool_])],
+    # A tensor's lists are all complex or all real.
+    *[(f"{lst}_complex", lambda g, lst=lst: g({lst: jnp.complex64}, master_dtype=F32),
+       rf"tensor 0: list '{lst}' is complex, list 'grads' is not") for lst in _MASTER_LISTS[1:]],
+    # Tensor 1 of two has a list whose element count differs from its grads.
+    *[(f"{lst}_5_elements", lambda g, lst=lst: g({}, {}, master_dtype=F32, sizes={(1, lst): 5}),
+       rf"tensor 1: list '{lst}' has 5 elements, list 'grads' has 3")
+      for lst in _MASTER_LISTS[1:]],
+    # Every result list is updated in place: a missing alias is named (list and tensor).
+    *[(f"{lst}_{t}_unaliased",
+       lambda g, k=3 + 2 * _MASTER_LISTS.index(lst) + t: g({}, {}, master_dtype=F32, unaliased=k),
+       rf"output '{lst}' of tensor {t} is not aliased")
+      for lst, t in [("params", 0), ("mu", 1), ("nu", 0), ("master_params", 1)]],
+    ("none_aliased", lambda g: g(aliases={}), "output 'params' of tensor 0 is not aliased"),
+    *[(f"flags_{f}", lambda g, f=f: g(flags=f),
+       rf"flags {f} has bits beyond the 1 flags of the op") for f in (-1, 2, 4, 2**40)],
+    *[(f"tensor_flags_{name}", lambda g, f=f: g({}, {}, tensor_flags=np.array(f, np.uint8)), m)
+      for name, f, m in [
+          ("none", [], "tensor_flags has 0 entries, expected num_tensors=2"),
+          ("3", [0, 0, 0], "tensor_flags has 3 entries, expected num_tensors=2"),
+          ("bit1", [0, 2], "tensor_flags entry 1 is 2, expected < 2"),  # no such tensor flag
+          ("255", [255, 1], "tensor_flags entry 0 is 255, expected < 2")]],
+    # num_tensors is checked against tensor_flags' entries, then the operand count, before
+    # anything is sized by it.
+    *[(f"num_tensors_{n}", lambda g, n=n: g(num_tensors=n),
+       f"tensor_flags has 1 entries, expected num_tensors={n}")
+      for n in (-1, -(2**62), 2**62, 2**63 - 1)],
+    *[(f"num_tensors_{n}", lambda g, n=n: g(num_tensors=n, tensor_flags=np.zeros(n, np.uint8)),
+       _FITS.format(n)) for n in (0, 2, 3)],
+    ("operand_extra", lambda g: g(ops={7: np.ones(4, F32)}),
+     "5 tensor operands and 3 tensor results do not fit"),
+    ("result_missing", lambda g: g(results=[S((), I32)] + [S((4,), F32)] * 2, aliases={4: 1, 5: 2}),
+     "4 tensor operands and 2 tensor results do not fit"),
+    ("result_extra", lambda g: g(res={4: S((4,), F32)}),
+     "4 tensor operands and 4 tensor results do not fit"),
+    ("no_tensor_results", lambda g: g(results=[S((), I32)], aliases={}),
+     "4 tensor operands and 0 tensor results do not fit"),
+    ("two_operands", lambda g: g(operands=[np.array(3, np.int32), np.zeros(8, F32)],
+                                 results=[S((), I32)], aliases={}), "Wrong number of arguments"),
+    ("master_without_lists", lambda g: g(master=True),
+     r"do not fit num_tensors=1 \(expected 5 and 4 per tensor\)"),
+    ("master_lists_unflagged", lambda g: g(master_dtype=F32, master=False),
+     r"do not fit num_tensors=1 \(expected 4 and 3 per tensor\)"),
+    # Attribute types.
+    ("num_tensors_s32", lambda g: g(num_tensors=np.int32(1)),
+     "Wrong scalar data type: expected S64 but got S32"),
+    ("flags_pred", lambda g: g(flags=True), "Wrong scalar data type: expected S64 but got PRED"),
+    ("master_s64", lambda g: g(master=np.int64(0)),
+     "Wrong scalar data type: expected PRED but got S64"),
+    ("tensor_flags_s32", lambda g: g(tensor_flags=np.zeros(1, np.int32)),
+     "Wrong array data type: expected U8 but got S32"),
+    ("tensor_flags_scalar", lambda g: g(tensor_flags=np.uint8(0)),
+     "Wrong attribute type: expected array but got scalar"),
+    ("tensor_flags_bool", lambda g: g(tensor_flags=np.zeros(1, bool)),
+     "Unsupported array element type for attribute: tensor_flags"),
+    ("no_flags", lambda g: g(flags=None), "Wrong number of attributes: expected 10 but got 9"),
+    ("packed_offsets_s32", lambda g: g(packed_offsets=np.zeros(0, np.int32)),
+     "Wrong array data type: expected S64 but got S32"),
+)
+
+
+@pytest.mark.parametrize("bad, match", _ADAM_BAD)
+def test_adam_bad_call(device, bad, match):
+  with _x64_if(bad):
+    call = bad(functools.partial(_adam_good, device))
+    with _expect("jaxfuse_adam", match):
+      _adam_call(**call)
 
 
 # ---- trust-ratio families: jaxfuse_lamb (Adam's operands, then trust_sums u32[rows, n, 4]) and
@@ -463,35 +479,6 @@ def test_lamb_trust_sums_workspace(device):
     call(2 * partial)
 
 
-def test_adam_operand_and_result_counts(device):
-  ops, res, aliases = _adam_in_place(device)
-  # One tensor operand too many (5 for num_tensors=1 without master params).
-  with jaxfuse_error("jaxfuse_adam", "5 tensor operands and 3 tensor results do not fit"):
-    _adam_call(ops + [ops[3]], res, aliases)
-  # One tensor result too few, and one too many.
-  with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 2 tensor results do not fit"):
-    _adam_call(ops, res[:3], {4: 1, 5: 2})
-  with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 4 tensor results do not fit"):
-    _adam_call(ops, res + [S((4,), F32)], aliases)
-  # Fewer than the three fixed operands.
-  with xla_error("Wrong number of arguments"):
-    _adam_call(ops[:2], [S((), I32)], {})
-  # No results at all beyond the count.
-  with jaxfuse_error("jaxfuse_adam", "4 tensor operands and 0 tensor results do not fit"):
-    _adam_call(ops, [S((), I32)], {})
-
-
-def test_adam_master_flag_inconsistent(device):
-  # master=True but no master operand / result.
-  ops, res, aliases = _adam_in_place(device)
-  with jaxfuse_error("jaxfuse_adam", r"do not fit num_tensors=1 \(expected 5 and 4 per tensor\)"):
-    _adam_call(ops, res, aliases, master=True)
-  # master=False with a master operand and result.
-  ops, res, aliases = _adam_in_place(device, master=F32)
-  with jaxfuse_error("jaxfuse_adam", r"do not fit num_tensors=1 \(expected 4 and 3 per tensor\)"):
-    _adam_call(ops, res, aliases)
-
-
 # ---- jaxfuse_global_norm -----------------------------------------------------------------------
 # operands: norm_params f32/f64[2], peer_sums u32[R, 4], n grads
 # results:  norm f32/f64[], grad_ctrl f32/f64[4], workspace u8[workspace_bytes], own_sum u32[4]
@@ -503,10 +490,9 @@ _NO_PEERS = np.zeros((0, 4), np.uint32)
 
 
 def _norm_call(operands, results=_NORM_RESULTS, **attrs):
-  a = dict(clip=True, skip_nonfinite=False, clip_apply_loss_scale=True)
-  a.update(attrs)
+  a = {"clip": True, "skip_nonfinite": False, "clip_apply_loss_scale": True, **attrs}
   call = jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), results)
-  return _run(call, operands, a)
+  return _run(call, operands, {k: v for k, v in a.items() if v is not None})
 
 
 def _norm_operands(device, *dtypes, seed=2):
@@ -542,30 +528,6 @@ def test_norm_own_sum_and_peer_rows(device):
   np.testing.assert_array_equal(np.asarray(own), np.zeros(4, np.uint32))
   np.testing.assert_allclose(float(norm), np.sqrt(_sum_rows(ops[2:]).view(np.float64)[0, 0]),
                              rtol=1e-7)
-  with jaxfuse_error("jaxfuse_global_norm", "peer_sums rows have 3 words, expected 4"):
-    _norm_call([ops[0], jax.device_put(np.zeros((2, 3), np.uint32), device), *ops[2:]])
-  with xla_error("Wrong buffer dtype: expected U32 but got F32"):
-    _norm_call([ops[0], jax.device_put(np.zeros((2, 4), np.float32), device), *ops[2:]])
-
-
-def test_norm_params_operand(device):
-  ops = _norm_operands(device, F32)
-  with jaxfuse_error("jaxfuse_global_norm", "norm_params has 3 elements, expected 2"):
-    _norm_call([jax.device_put(np.ones(3, np.float32), device), *ops[1:]])
-  with jaxfuse_error("jaxfuse_global_norm", "norm_params must be float32 or float64"):
-    _norm_call([jax.device_put(np.ones(2, np.float16), device), *ops[1:]])
-  with jaxfuse_error("jaxfuse_global_norm", "norm_params must have rank 1, got 2"):
-    _norm_call([jax.device_put(np.ones((1, 2), np.float32), device), *ops[1:]])
-  with xla_error("Wrong number of arguments"):  # not even the norm_params operand
-    _run(jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), _NORM_RESULTS), [],
-         dict(clip=True, skip_nonfinite=False, clip_apply_loss_scale=True))
-
-
-@pytest.mark.parametrize("dtype", [I32, U8, jnp.bool_])
-def test_norm_grads_dtype(device, dtype):
-  ops = _norm_operands(device, F32, dtype)
-  with jaxfuse_error("jaxfuse_global_norm", "list 'grads' tensor 1: unsupported dtype"):
-    _norm_call(ops)
 
 
 def test_norm_grads_float64_and_complex(device):
@@ -584,43 +546,64 @@ def test_norm_grads_float64_and_complex(device):
 _NORM, _GCTRL, _PART, _OWN = _NORM_RESULTS
 
 
-@pytest.mark.parametrize("results, match, ours", [
-    ([S((1,), F32), _GCTRL, _PART, _OWN], "norm must have rank 0, got 1", True),
-    ([S((), BF16), _GCTRL, _PART, _OWN], "norm must be float32 or float64", True),
-    ([_NORM, S((5,), F32), _PART, _OWN], "grad_ctrl result has 5 elements, expected 4", True),
-    ([_NORM, S((3,), F32), _PART, _OWN], "grad_ctrl result has 3 elements, expected 4", True),
-    ([_NORM, _GCTRL, S((_WORKSPACE - 1,), U8), _OWN],
-     f"workspace has {_WORKSPACE - 1} bytes, expected {_WORKSPACE}", True),
-    ([_NORM, _GCTRL, S((2 * _WORKSPACE,), U8), _OWN],
-     f"workspace has {2 * _WORKSPACE} bytes, expected {_WORKSPACE}", True),
-    ([_NORM, _GCTRL, S((_WORKSPACE // 4,), F32), _OWN],
-     "Wrong buffer dtype: expected U8 but got F32", False),
-    ([_NORM, _GCTRL, _PART, S((5,), jnp.uint32)], "own_sum has 5 words, expected 4", True),
-    ([_NORM, _GCTRL, _PART], "Wrong number of results: expected 4 but got 3", False),
-    ([_NORM, _GCTRL, _PART, _OWN, _GCTRL], "Wrong number of results: expected 4 but got 5",
-     False),
-])
-def test_norm_results(device, results, match, ours):
-  ops = _norm_operands(device, F32)
-  with (jaxfuse_error("jaxfuse_global_norm", match) if ours else xla_error(match)):
-    _norm_call(ops, results)
+def _norm_op(i, x):
+  """Row: operand i of the good call replaced by x."""
+  return lambda ops: dict(operands=ops[:i] + [x] + ops[i + 1:])
 
 
-def test_norm_attributes(device):
+def _norm_res(*results):
+  return lambda ops: dict(results=list(results))
+
+
+# Each row's `bad` gets a good call's operands (norm_params, peer_sums, one float32 grad).
+_NORM_BAD = _rows(
+    ("norm_params_3", _norm_op(0, np.ones(3, F32)), "norm_params has 3 elements, expected 2"),
+    ("norm_params_f16", _norm_op(0, np.ones(2, np.float16)),
+     "norm_params must be float32 or float64"),
+    ("norm_params_rank2", _norm_op(0, np.ones((1, 2), F32)),
+     "norm_params must have rank 1, got 2"),
+    ("no_operands", lambda ops: dict(operands=[]), "Wrong number of arguments"),
+    ("peer_sums_3_words", _norm_op(1, np.zeros((2, 3), np.uint32)),
+     "peer_sums rows have 3 words, expected 4"),
+    ("peer_sums_f32", _norm_op(1, np.zeros((2, 4), F32)),
+     "Wrong buffer dtype: expected U32 but got F32"),
+    *[(f"grads_{np.dtype(dt).name}", lambda ops, dt=dt: dict(operands=ops + [np.ones(5, dt)]),
+       "list 'grads' tensor 1: unsupported dtype") for dt in (I32, U8, jnp.bool_)],
+    ("norm_rank1", _norm_res(S((1,), F32), _GCTRL, _PART, _OWN), "norm must have rank 0, got 1"),
+    ("norm_bf16", _norm_res(S((), BF16), _GCTRL, _PART, _OWN), "norm must be float32 or float64"),
+    *[(f"grad_ctrl_{k}", _norm_res(_NORM, S((k,), F32), _PART, _OWN),
+       f"grad_ctrl result has {k} elements, expected 4") for k in (3, 5)],
+    *[(f"workspace_{name}", _norm_res(_NORM, _GCTRL, S((size,), U8), _OWN),
+       f"workspace has {size} bytes, expected {_WORKSPACE}")
+      for name, size in [("short", _WORKSPACE - 1), ("double", 2 * _WORKSPACE)]],
+    ("workspace_f32", _norm_res(_NORM, _GCTRL, S((_WORKSPACE // 4,), F32), _OWN),
+     "Wrong buffer dtype: expected U8 but got F32"),
+    ("own_sum_5", _norm_res(_NORM, _GCTRL, _PART, S((5,), jnp.uint32)),
+     "own_sum has 5 words, expected 4"),
+    ("results_3", _norm_res(_NORM, _GCTRL, _PART), "Wrong number of results: expected 4 but got 3"),
+    ("results_5", _norm_res(_NORM, _GCTRL, _PART, _OWN, _GCTRL),
+     "Wrong number of results: expected 4 but got 5"),
+    ("clip_s64", lambda ops: dict(clip=np.int64(1)),
+     "Wrong scalar data type: expected PRED but got S64"),
+    ("attributes_2", lambda ops: dict(clip_apply_loss_scale=None),
+     "Wrong number of attributes: expected 3 but got 2"),
+)
+
+
+@pytest.mark.parametrize("bad, match", _NORM_BAD)
+def test_norm_bad_call(device, bad, match):
   ops = _norm_operands(device, F32)
-  with xla_error("Wrong scalar data type: expected PRED but got S64"):
-    _norm_call(ops, clip=np.int64(1))
-  with xla_error("Wrong number of attributes: expected 3 but got 2"):
-    _run(jax.ffi.ffi_call(_ffi.target("jaxfuse_global_norm"), _NORM_RESULTS), ops,
-         dict(clip=True, skip_nonfinite=False))
+  call = {"operands": ops, **bad(ops)}
+  with _expect("jaxfuse_global_norm", match):
+    _norm_call(jax.device_put(call.pop("operands"), device), **call)
 
 
 # ---- jaxfuse_decoder ---------------------------------------------------------------------------
 # operands: x, positions, rope_inv_freq, 21 weights, k_cache, v_cache, then the whole-model
-# step's (empty here: test_decoder.py's test_handler_validates_buffers checks them); results:
-# out, k_cache, v_cache, logits, next_tokens, workspace; attributes: the DecoderConfig fields but
-# rope_theta and rope_scaling (which make rope_inv_freq), and model_step, sample, timeline,
-# stage_kernels, temperature, top_k, top_p.
+# step's (empty here: test_decoder.py checks them); results: out, k_cache, v_cache, logits,
+# next_tokens, workspace; attributes: the DecoderConfig fields but rope_theta and rope_scaling
+# (which make rope_inv_freq), and model_step, sample, timeline, stage_kernels, temperature,
+# top_k, top_p.
 # Tiny config; batch 4.
 
 # Every optional weight in use, so that each operand's checks are exercised: int8 matrices.
@@ -699,14 +682,6 @@ _SIZE_ATTRS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_d
                "intermediate_size", "max_seq_len")
 
 
-@pytest.mark.parametrize("name, value", [(n, v) for n in _SIZE_ATTRS for v in (0, -3)] +
-                         [("max_seq_len", 2**31 - 1), ("hidden_size", 2**62),
-                          ("num_layers", -(2**63))])
-def test_decoder_size_attribute_out_of_range(device, name, value):
-  with jaxfuse_error("jaxfuse_decoder", rf"{name}={value} must be a positive integer below"):
-    _dec_call(device, _dec_operands(device), **{name: np.int64(value)})
-
-
 _OVERFLOW_SCRIPT = """
 import sys
 import jax, numpy as np
@@ -736,164 +711,137 @@ def test_decoder_overflowing_sizes_are_rejected(device):
   assert proc.stdout.count("jaxfuse_decoder") == 1, proc.stdout
 
 
-@pytest.mark.parametrize("over, match", [
-    (dict(head_dim=np.int64(7)), "head_dim=7 must be even"),
-    (dict(num_heads=np.int64(3), num_kv_heads=np.int64(2)),
-     "num_heads=3 is not a multiple of num_kv_heads=2"),
-    (dict(rms_norm_eps=np.float32(-1.0)), "rms_norm_eps=-1 must be finite and >= 0"),
-    (dict(rms_norm_eps=np.float32(np.nan)), "rms_norm_eps=nan must be finite and >= 0"),
-    (dict(rms_norm_eps=np.float32(np.inf)), "rms_norm_eps=inf must be finite and >= 0"),
-])
-def test_decoder_bad_config_attributes(device, over, match):
-  with jaxfuse_error("jaxfuse_decoder", match):
-    _dec_call(device, _dec_operands(device), **over)
+_K_CACHE = _OPERANDS.index("k_cache")
+_NEED = _workspace_bytes(_CFG, _B, F32)  # the good call's workspace size
 
 
-@pytest.mark.parametrize("over, match", [
-    (dict(num_layers=np.int64(2)), r"attn_norm does not have shape \[2,16\]"),
-    (dict(hidden_size=np.int64(32)), r"x must have shape \[B, 32\]"),
-    (dict(num_heads=np.int64(4)), r"wq does not have shape \[1,16,32\]"),
-    (dict(num_kv_heads=np.int64(2)), r"wk does not have shape \[1,16,16\]"),
-    (dict(head_dim=np.int64(4)), r"rope_inv_freq must have shape \[2\] \(head_dim / 2\)"),
-    (dict(qkv_bias=np.bool_(False)), r"q_bias does not have shape \[1,0\]"),
-    (dict(qk_norm=np.bool_(False)), r"q_norm does not have shape \[1,0\]"),
-    (dict(intermediate_size=np.int64(32)), r"w_gate does not have shape \[1,16,32\]"),
-    (dict(max_seq_len=np.int64(8)), r"k_cache does not have shape \[1,4,8,1,8\]"),
-    (dict(max_seq_len=np.int64(2)), r"k_cache does not have shape \[1,4,2,1,8\]"),
-    (dict(quantized=np.bool_(False)), r"wq must have dtype float32"),
-])
-def test_decoder_attributes_inconsistent_with_operands(device, over, match):
-  with jaxfuse_error("jaxfuse_decoder", match):
-    _dec_call(device, _dec_operands(device), **over)
+def _dec_attr(**attrs):
+  """Row: attributes over the good call's."""
+  return lambda ops: attrs
 
 
-def test_decoder_attribute_types(device):
-  ops = _dec_operands(device)
-  with xla_error("Wrong scalar data type: expected F32 but got F64"):
-    _dec_call(device, ops, rms_norm_eps=np.float64(1e-5))
-  with xla_error("Wrong scalar data type: expected PRED but got S64"):
-    _dec_call(device, ops, qk_norm=np.int64(1))
-  with xla_error("Wrong scalar data type: expected S64 but got S32"):
-    _dec_call(device, ops, num_layers=np.int32(1))
-  with xla_error("Wrong number of attributes: expected 18 attributes but got 17"):
-    _dec_call(device, ops, qkv_bias=None)
+def _dec_op(name, bad):
+  """Row: operand `name` replaced by bad(the good one); the results follow the new operands."""
+  return lambda ops: dict(ops=dict(ops, **{name: bad(ops[name])}))
 
 
-def test_decoder_rope_table(device):
-  ops = _dec_operands(device)
-  with jaxfuse_error("jaxfuse_decoder", r"rope_inv_freq must have shape \[4\] \(head_dim / 2\)"):
-    _dec_call(device, dict(ops, rope_inv_freq=ops["rope_inv_freq"][:-1]))
-  with xla_error("Wrong buffer dtype: expected F32 but got BF16"):
-    _dec_call(device, dict(ops, rope_inv_freq=ops["rope_inv_freq"].astype(jnp.bfloat16)))
+def _dec_x(ops, x):
+  """x replaced by `x`, with the out result of its shape and dtype."""
+  return dict(ops=dict(ops, x=x), results=[S(x.shape, x.dtype)] + _dec_results(ops)[1:])
 
 
-def test_decoder_x(device):
-  ops = _dec_operands(device)
-  bad = dict(ops, x=ops["x"].astype(np.int32))
-  with jaxfuse_error("jaxfuse_decoder", "x must be float32, bfloat16 or float16"):
-    _dec_call(device, bad, results=_dec_results(ops))
-  for shape in [(1, _B, 16), (_B * 16,), (_B, 17)]:
-    bad = dict(ops, x=np.ones(shape, np.float32))
-    with jaxfuse_error("jaxfuse_decoder", r"x must have shape \[B, 16\]"):
-      _dec_call(device, bad, results=[S(shape, F32)] + _dec_results(ops)[1:])
-
-
-def test_decoder_x_float64(device):
-  with jax.enable_x64(True):
-    ops = _dec_operands(device)
-    bad = dict(ops, x=ops["x"].astype(np.float64))
-    with jaxfuse_error("jaxfuse_decoder", "x must be float32, bfloat16 or float16"):
-      _dec_call(device, bad, results=[S(ops["x"].shape, jnp.float64)] + _dec_results(ops)[1:])
-
-
-def test_decoder_positions(device):
-  ops = _dec_operands(device)
-  with xla_error("Wrong buffer dtype: expected S32 but got F32"):
-    _dec_call(device, dict(ops, positions=ops["positions"].astype(np.float32)))
-  with xla_error("Wrong buffer rank: expected 1 but got 2"):
-    _dec_call(device, dict(ops, positions=ops["positions"][None]))
-  with jaxfuse_error("jaxfuse_decoder", r"positions must have shape \[4\]"):
-    _dec_call(device, dict(ops, positions=np.arange(_B + 1, dtype=np.int32)))
-  with jax.enable_x64(True):
-    with xla_error("Wrong buffer dtype: expected S32 but got S64"):
-      _dec_call(device, dict(ops, positions=ops["positions"].astype(np.int64)))
-
-
-@pytest.mark.parametrize("name", _WEIGHTS)
-def test_decoder_weight_shape_and_dtype(device, name):
-  ops = _dec_operands(device)
-  w = ops[name]
-  want = re.escape("[" + ",".join(str(s) for s in w.shape) + "]")
-  with jaxfuse_error("jaxfuse_decoder", rf"{name} does not have shape {want}"):
-    _dec_call(device, dict(ops, **{name: w[..., :-1]}))
-  with jaxfuse_error("jaxfuse_decoder", rf"{name} does not have shape"):
-    _dec_call(device, dict(ops, **{name: w.reshape(-1)}))
-  if name == "wq":  # the matrices' dtype is wq's
-    message = "wq must be int8 or float8_e4m3fn when quantized is set"
+def _dec_weight_rows(name):
+  """A weight cut short, flattened, and of another dtype (the matrices' dtype is wq's)."""
+  want = re.escape("[" + ",".join(str(s) for s in _CFG.weight_shapes()[name]) + "]")
+  if name == "wq":
+    dtype = "wq must be int8 or float8_e4m3fn when quantized is set"
   else:
-    message = rf"{name} must have dtype {'int8' if _WEIGHT_KINDS[name] == 'matrix' else 'float32'}"
-  with jaxfuse_error("jaxfuse_decoder", message):
-    _dec_call(device, dict(ops, **{name: w.astype(jnp.bfloat16)}))
+    dtype = rf"{name} must have dtype {'int8' if _WEIGHT_KINDS[name] == 'matrix' else 'float32'}"
+  return [(f"{name}_short", _dec_op(name, lambda w: w[..., :-1]),
+           rf"{name} does not have shape {want}"),
+          (f"{name}_flat", _dec_op(name, lambda w: w.reshape(-1)), rf"{name} does not have shape"),
+          (f"{name}_bf16", _dec_op(name, lambda w: w.astype(BF16)), dtype)]
 
 
-def test_decoder_caches(device):
-  ops = _dec_operands(device)
-  for cache, bad in [("k_cache", ops["k_cache"][:, :2]), ("v_cache", ops["v_cache"][..., :4]),
-                     ("k_cache", ops["k_cache"][0])]:
-    bad_ops = dict(ops, **{cache: bad})
-    with jaxfuse_error("jaxfuse_decoder", rf"{cache} does not have shape \[1,4,4,1,8\]"):
-      _dec_call(device, bad_ops, results=_dec_results(bad_ops))
-  for cache, dtype in [("k_cache", jnp.bfloat16), ("v_cache", np.int32)]:
-    bad_ops = dict(ops, **{cache: ops[cache].astype(dtype)})
-    with jaxfuse_error("jaxfuse_decoder", rf"{cache} must have dtype float32"):
-      _dec_call(device, bad_ops, results=_dec_results(bad_ops))
+# Each row's `bad` gets the good call's operands and returns _dec_call's arguments over them.
+_DEC_BAD = _rows(
+    *[(f"{name}_{v}", _dec_attr(**{name: v}),
+       rf"{name}={v} must be a positive integer below")
+      for name, v in [(n, v) for n in _SIZE_ATTRS for v in (0, -3)] +
+      [("max_seq_len", 2**31 - 1), ("hidden_size", 2**62), ("num_layers", -(2**63))]],
+    ("head_dim_7", _dec_attr(head_dim=7), "head_dim=7 must be even"),
+    ("num_heads_3_of_2", _dec_attr(num_heads=3, num_kv_heads=2),
+     "num_heads=3 is not a multiple of num_kv_heads=2"),
+    ("num_kv_heads_3", _dec_attr(num_kv_heads=3),
+     "num_heads=2 is not a multiple of num_kv_heads=3"),
+    *[(f"rms_norm_eps_{v}", _dec_attr(rms_norm_eps=np.float32(v)),
+       f"rms_norm_eps={v} must be finite and >= 0") for v in ("-1", "nan", "inf")],
+    # Attributes that do not fit the operands.
+    ("num_layers_2", _dec_attr(num_layers=2), r"attn_norm does not have shape \[2,16\]"),
+    ("hidden_size_32", _dec_attr(hidden_size=32), r"x must have shape \[B, 32\]"),
+    ("num_heads_4", _dec_attr(num_heads=4), r"wq does not have shape \[1,16,32\]"),
+    ("num_kv_heads_2", _dec_attr(num_kv_heads=2), r"wk does not have shape \[1,16,16\]"),
+    *[(f"head_dim_{d}", _dec_attr(head_dim=d),
+       rf"rope_inv_freq must have shape \[{d // 2}\] \(head_dim / 2\)") for d in (4, 16)],
+    ("no_qkv_bias", _dec_attr(qkv_bias=False), r"q_bias does not have shape \[1,0\]"),
+    ("no_qk_norm", _dec_attr(qk_norm=False), r"q_norm does not have shape \[1,0\]"),
+    ("intermediate_size_32", _dec_attr(intermediate_size=32),
+     r"w_gate does not have shape \[1,16,32\]"),
+    *[(f"max_seq_len_{s}", _dec_attr(max_seq_len=s),
+       rf"k_cache does not have shape \[1,4,{s},1,8\]") for s in (8, 2)],
+    ("not_quantized", _dec_attr(quantized=False), r"wq must have dtype float32"),
+    # Attribute types and count.
+    ("rms_norm_eps_f64", _dec_attr(rms_norm_eps=np.float64(1e-5)),
+     "Wrong scalar data type: expected F32 but got F64"),
+    ("qk_norm_s64", _dec_attr(qk_norm=np.int64(1)),
+     "Wrong scalar data type: expected PRED but got S64"),
+    ("num_layers_s32", _dec_attr(num_layers=np.int32(1)),
+     "Wrong scalar data type: expected S64 but got S32"),
+    ("no_qkv_bias_attribute", _dec_attr(qkv_bias=None),
+     "Wrong number of attributes: expected 18 attributes but got 17"),
+    # Operands.
+    ("rope_short", _dec_op("rope_inv_freq", lambda t: t[:-1]),
+     r"rope_inv_freq must have shape \[4\] \(head_dim / 2\)"),
+    ("rope_bf16", _dec_op("rope_inv_freq", lambda t: t.astype(BF16)),
+     "Wrong buffer dtype: expected F32 but got BF16"),
+    ("x_int32", lambda ops: dict(ops=dict(ops, x=ops["x"].astype(np.int32)),
+                                 results=_dec_results(ops)),
+     "x must be float32, bfloat16 or float16"),
+    ("x_float64", _x64(lambda ops: _dec_x(ops, ops["x"].astype(np.float64))),
+     "x must be float32, bfloat16 or float16"),
+    *[(f"x_{'x'.join(map(str, shape))}", lambda ops, shape=shape: _dec_x(ops, np.ones(shape, F32)),
+       r"x must have shape \[B, 16\]") for shape in [(1, _B, 16), (_B * 16,), (_B, 17)]],
+    ("positions_f32", _dec_op("positions", lambda p: p.astype(F32)),
+     "Wrong buffer dtype: expected S32 but got F32"),
+    ("positions_s64", _x64(_dec_op("positions", lambda p: p.astype(np.int64))),
+     "Wrong buffer dtype: expected S32 but got S64"),
+    ("positions_rank2", _dec_op("positions", lambda p: p[None]),
+     "Wrong buffer rank: expected 1 but got 2"),
+    ("positions_5", _dec_op("positions", lambda p: np.arange(_B + 1, dtype=np.int32)),
+     r"positions must have shape \[4\]"),
+    *itertools.chain.from_iterable(_dec_weight_rows(name) for name in _WEIGHTS),
+    *[(f"{cache}_{what}", _dec_op(cache, bad), rf"{cache} does not have shape \[1,4,4,1,8\]")
+      for cache, what, bad in [("k_cache", "batch_2", lambda c: c[:, :2]),
+                               ("v_cache", "head_dim_4", lambda c: c[..., :4]),
+                               ("k_cache", "rank4", lambda c: c[0])]],
+    *[(f"{cache}_{np.dtype(dt).name}", _dec_op(cache, lambda c, dt=dt: c.astype(dt)),
+       rf"{cache} must have dtype float32") for cache, dt in [("k_cache", BF16),
+                                                              ("v_cache", np.int32)]],
+    ("operand_extra", lambda ops: dict(operand_list=[ops[k] for k in _OPERANDS] + [ops["x"]]),
+     f"Wrong number of arguments: expected {len(_OPERANDS)} but got {len(_OPERANDS) + 1}"),
+    ("operand_missing",  # the caches move up one place
+     lambda ops: dict(operand_list=[ops[k] for k in _OPERANDS[:10] + _OPERANDS[11:]],
+                      aliases={_K_CACHE - 1: 1, _K_CACHE: 2}),
+     f"Wrong number of arguments: expected {len(_OPERANDS)} but got {len(_OPERANDS) - 1}"),
+    # Results.
+    ("out_4x17", lambda ops: dict(results=[S((_B, 17), F32)] + _dec_results(ops)[1:]),
+     r"out does not have shape \[4,16\]"),
+    ("out_bf16", lambda ops: dict(results=[S((_B, 16), BF16)] + _dec_results(ops)[1:]),
+     r"out must have dtype float32"),
+    ("caches_unaliased", lambda ops: dict(aliases={_K_CACHE + 1: 2}),
+     "k/v cache results are not aliased"),
+    ("results_5", lambda ops: dict(results=_dec_results(ops)[:5]),
+     "Wrong number of results: expected 6 but got 5"),
+    ("results_7", lambda ops: dict(results=_dec_results(ops) + [S((1,), U8)]),
+     "Wrong number of results: expected 6 but got 7"),
+    # The workspace is exactly the layout's size: a different size means jaxfuse/_decode's
+    # _workspace_bytes and decoder_layout() disagree.
+    *[(f"workspace_{name}", lambda ops, size=size: dict(results=_dec_results(ops, size)),
+       rf"workspace has {size} bytes, expected {_NEED}")
+      for name, size in [("empty", 0)] + [(f"{d:+d}", _NEED + d) for d in (-256, -1, 1, 4096)]],
+    ("workspace_f32", lambda ops: dict(results=_dec_results(ops, _NEED // 4, F32)),
+     "Wrong buffer dtype: expected U8 but got F32"),
+    ("workspace_rank2", lambda ops: dict(results=_dec_results(ops)[:5] + [S((1, _NEED), U8)]),
+     "Wrong buffer rank: expected 1 but got 2"),
+)
 
 
-def test_decoder_results(device):
-  ops = _dec_operands(device)
-  good = _dec_results(ops)
-  with jaxfuse_error("jaxfuse_decoder", r"out does not have shape \[4,16\]"):
-    _dec_call(device, ops, results=[S((_B, 17), F32)] + good[1:])
-  with jaxfuse_error("jaxfuse_decoder", r"out must have dtype float32"):
-    _dec_call(device, ops, results=[S((_B, 16), BF16)] + good[1:])
-  with jaxfuse_error("jaxfuse_decoder", "k/v cache results are not aliased"):
-    _dec_call(device, ops, aliases={_OPERANDS.index("v_cache"): 2})
-  with xla_error("Wrong number of results: expected 6 but got 5"):
-    _dec_call(device, ops, results=good[:5])
-  with xla_error("Wrong number of results: expected 6 but got 7"):
-    _dec_call(device, ops, results=good + [S((1,), U8)])
-
-
-@pytest.mark.parametrize("delta", [-256, -1, 1, 4096])
-def test_decoder_workspace_size(device, delta):
-  """The workspace is exactly the layout's size: a different size means jaxfuse/_decode's
-  _workspace_bytes and decoder_layout() disagree."""
-  ops = _dec_operands(device)
-  need = _workspace_bytes(_CFG, _B, jnp.float32)
-  with jaxfuse_error("jaxfuse_decoder", rf"workspace has {need + delta} bytes, expected {need}"):
-    _dec_call(device, ops, results=_dec_results(ops, ws_bytes=need + delta))
-
-
-def test_decoder_workspace_type(device):
-  ops = _dec_operands(device)
-  need = _workspace_bytes(_CFG, _B, jnp.float32)
-  with jaxfuse_error("jaxfuse_decoder", rf"workspace has 0 bytes, expected {need}"):
-    _dec_call(device, ops, results=_dec_results(ops, ws_bytes=0))
-  with xla_error("Wrong buffer dtype: expected U8 but got F32"):
-    _dec_call(device, ops, results=_dec_results(ops, ws_bytes=need // 4, ws_dtype=F32))
-  with xla_error("Wrong buffer rank: expected 1 but got 2"):
-    _dec_call(device, ops, results=_dec_results(ops)[:5] + [S((1, need), U8)])
-
-
-def test_decoder_operand_count(device):
-  ops = _dec_operands(device)
-  args = [ops[k] for k in _OPERANDS]
-  n = len(_OPERANDS)
-  with xla_error(f"Wrong number of arguments: expected {n} but got {n + 1}"):
-    _dec_call(device, ops, operand_list=args + [ops["x"]])
-  with xla_error(f"Wrong number of arguments: expected {n} but got {n - 1}"):
-    k = _OPERANDS.index("k_cache")  # the caches move up one place
-    _dec_call(device, ops, operand_list=args[:10] + args[11:], aliases={k - 1: 1, k: 2})
+@pytest.mark.parametrize("bad, match", _DEC_BAD)
+def test_decoder_bad_call(device, bad, match):
+  with _x64_if(bad):
+    ops = _dec_operands(device)
+    with _expect("jaxfuse_decoder", match):
+      _dec_call(device, **{"ops": ops, **bad(ops)})
 
 
 def _quantized_call(device, size=256, codes=(np.int8, np.uint8), blocks=None):
@@ -916,9 +864,11 @@ def test_adam_quantized_states_checked(device):
   """8-bit states: the codes' dtypes, one scale per block, whole blocks, no float64."""
   out = _quantized_call(device)
   assert np.asarray(out[4]).any()  # the scales of the first moment were written
-  with xla_error(r"list 'mu' tensor 0: unsupported dtype \(int8 or uint8 only\)"):
+  with jaxfuse_error("jaxfuse_adam", r"list 'mu' tensor 0: unsupported dtype "
+                                     r"\(int8 or uint8 only\)"):
     _quantized_call(device, codes=(np.float32, np.uint8))
-  with xla_error(r"list 'mu_scales' has 3 block values, expected 2"):
+  with jaxfuse_error("jaxfuse_adam", r"list 'mu_scales' has 3 block values, expected 2"):
     _quantized_call(device, blocks=3)
-  with xla_error(r"tensor 0 has 200 elements; quantized states take whole blocks of 128"):
+  with jaxfuse_error("jaxfuse_adam", r"tensor 0 has 200 elements; quantized states take whole "
+                                     r"blocks of 128"):
     _quantized_call(device, size=200)
