@@ -81,7 +81,7 @@ def _literal_magnitude(value):
 
 
 _STRUCTURAL = {"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
-               "dynamic_slice", "concatenate", "copy", "copy_p", "neg", "rev", "gather"}
+               "dynamic_slice", "concatenate", "copy", "copy_p", "rev", "gather"}
 _PARTS = {"real", "imag", "conj"}  # of a complex value: its magnitude bounds each part's error
 # Exact on their input; where the input is within its error of a jump (sign at 0, floor at an
 # integer) the step is discontinuous there, and a case names those elements (near_zero).
@@ -119,16 +119,12 @@ _MOVES = {
 }
 
 
+@np.errstate(all="ignore")
 def _mag_rule(name, args, mags, z, params):
   """The magnitude of result z of one operation (see the module docstring). In NumPy: on the
   CPU every jax operation on a new shape is a compile of its own."""
   args, z = [np.asarray(x) for x in args], np.asarray(z)
   mags = [np.asarray(m, np.float64) for m in mags]
-  with np.errstate(all="ignore"):
-    return _numpy_mag_rule(name, args, mags, z, params)
-
-
-def _numpy_mag_rule(name, args, mags, z, params):
   a = [np.abs(x) if _is_float(x) else x for x in args]
   az = np.abs(z)
   safe = lambda x: np.where(x == 0, 1.0, x)
@@ -157,6 +153,8 @@ def _numpy_mag_rule(name, args, mags, z, params):
     return (az + 1) * mags[0] + az
   if name in ("sin", "cos", "tanh", "logistic", "atan", "erf"):
     return mags[0] + az
+  if name == "neg":  # exact: the error is the operand's, its sign aside
+    return mags[0]
   if name == "abs":
     return mags[0] + (az if np.iscomplexobj(args[0]) else 0)
   if name in ("max", "min"):
@@ -215,9 +213,7 @@ def _eqn(eqn, vals, ms):
     return _run(closed.jaxpr, closed.consts, vals[-n:] if name.startswith("custom") else vals,
                 ms[-n:] if name.startswith("custom") else ms)
   if name == "cond":
-    branches = params["branches"]
-    index = int(vals[0])
-    b = branches[index]
+    b = params["branches"][int(vals[0])]
     return _run(b.jaxpr, b.consts, vals[1:], ms[1:])
   if name == "convert_element_type":
     x, m = vals[0], ms[0]
@@ -369,19 +365,19 @@ def _per_element(q, per_block, values=None):
 
 # ---- inputs at training's magnitudes -------------------------------------------------------
 
-def training_tree(seed, like, low=-8.0, high=2.0):
+def training_tree(seed, like):
   """A tree shaped and typed like `like` (placed on its devices), each element of random sign
-  and magnitude 10^U(low, high): many binades within every leaf, float16's subnormals and
+  and magnitude 10^U(-8, 2): many binades within every leaf, float16's subnormals and
   below included; every fourth leaf scaled by 1e-6 more (a leaf of tiny second moments)."""
   rng = np.random.default_rng(seed)
 
   def leaf(i, x):
     shape, dtype = jnp.shape(x), jnp.result_type(x)
-    v = np.sign(rng.standard_normal(shape)) * 10.0 ** rng.uniform(low, high, shape)
+    v = np.sign(rng.standard_normal(shape)) * 10.0 ** rng.uniform(-8, 2, shape)
     if i % 4 == 3:
       v = v * 1e-6
     if jnp.issubdtype(dtype, jnp.complexfloating):
-      v = v + 1j * np.sign(rng.standard_normal(shape)) * 10.0 ** rng.uniform(low, high, shape)
+      v = v + 1j * np.sign(rng.standard_normal(shape)) * 10.0 ** rng.uniform(-8, 2, shape)
     out = jnp.asarray(v, dtype)
     devices = getattr(x, "devices", None)
     return jax.device_put(out, next(iter(devices()))) if devices else out
@@ -463,18 +459,35 @@ def _paths(tree):
           jax.tree_util.tree_flatten_with_path(tree, is_leaf=_moments.is_quantized)[0]]
 
 
+def _fused(tx, **kwargs):
+  return lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, **kwargs)
+
+
+def _protocol(tx, **kwargs):
+  def step(p, s, g):
+    u, s = tx.update(g, s, p, **kwargs)
+    return optax.apply_updates(p, u), s, u
+  return step
+
+
 def jit_fused(tx, **kwargs):
   """A jitted fused step donating params and state, in the order of its outputs."""
-  return jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, **kwargs),
-                 donate_argnums=(0, 1))
+  return jax.jit(_fused(tx, **kwargs), donate_argnums=(0, 1))
 
 
 def jit_protocol(tx, **kwargs):
   """A jitted optax-protocol step: (new params, new state, updates)."""
-  def step(p, s, g):
-    u, s = tx.update(g, s, p, **kwargs)
-    return optax.apply_updates(p, u), s, u
-  return jax.jit(step)
+  return jax.jit(_protocol(tx, **kwargs))
+
+
+def jit_step(path, tx, *, donate=False, **kwargs):
+  """A jitted step (params, state, grads) -> (new params, new state) through `path`: "fused"
+  (jaxfuse.fused_step, params and state donated if `donate`) or "optax" (tx.update then
+  optax.apply_updates, donating nothing)."""
+  if path == "fused":
+    return jax.jit(_fused(tx, **kwargs), donate_argnums=(0, 1) if donate else ())
+  step = _protocol(tx, **kwargs)
+  return jax.jit(lambda p, s, g: step(p, s, g)[:2])
 
 
 def copy_tree(tree):
@@ -490,10 +503,13 @@ def lockstep(ours, ref, params, steps, *, path, seed=0, grad_scale=None, near_ze
   (hyperparameters changed mid-run). `algorithm_rtol`: for a step whose algorithm differs from
   the twin's by design (jaxfuse.muon's Newton-Schulz iteration through its Gram matrix), the
   bound of that difference relative to each leaf's largest element, added to every bound.
-  Returns the final (params, state)."""
+  The jitted step must trace once. Returns the final (params, state)."""
   grads = grads or (lambda t, p: training_tree(seed * 1000 + t, _packing.unpack(p)))
   kwargs = {} if grad_scale is None else dict(grad_scale=grad_scale)
-  step = jit_fused(ours, **kwargs) if path == "fused" else jit_protocol(ours, **kwargs)
+  fn = _fused(ours, **kwargs) if path == "fused" else _protocol(ours, **kwargs)
+  traced = []  # the step (t) at each trace of the jitted step
+  step = jax.jit(lambda *args: (traced.append(t), fn(*args))[1],
+                 donate_argnums=(0, 1) if path == "fused" else ())
   p = copy_tree(params)
   s = jax.jit(ours.init)(params) if state is None else state
   for t in range(steps):
@@ -506,12 +522,18 @@ def lockstep(ours, ref, params, steps, *, path, seed=0, grad_scale=None, near_ze
                                                                   s_in, p_in)
     masks = None if near_zero is None else near_zero(g_seen, s_in)
     out = step(p, s, g)
+    # No recompile: the state from init (or the caller) has the types of the step's own, and
+    # schedules' and inject_hyperparams' values are data of the step, not constants of a trace.
+    assert traced == [0], f"step {t} ({path}) traced the step again"
     p, s = out[0], out[1]
     check = StepCheck(stochastic=stochastic, leaf_rtol=algorithm_rtol)
     master = _keeps_master(s)
     full = jaxfuse.master_params(p, s) if master else _packing.unpack(p)
     mask_leaves = jax.tree.leaves(masks) if masks is not None else [None] * len(
         jax.tree.leaves(p_ref))
+    if len(jax.tree.leaves(full)) != len(jax.tree.leaves(p_ref)):
+      check.failures.append(f"params have {len(jax.tree.leaves(full))} leaves, optax's "
+                            f"{len(jax.tree.leaves(p_ref))}")
     for name, a, e, m, k in zip(_paths(p_ref), jax.tree.leaves(full), jax.tree.leaves(p_ref),
                                 jax.tree.leaves(p_mag), mask_leaves):
       # Through the optax protocol a 16-bit param is p + u rounded, u already rounded to its

@@ -1,7 +1,8 @@
 """The fused step's mechanics, on jaxfuse.adam / adamw: in place, one call per
-MAX_LEAVES_PER_CALL leaves, no recompiles, inside optax's wrappers, vmap, the updates' dtypes,
-the handler's own checks (one call per dtype class: test_dtypes.py; flax: test_frameworks.py).
-What every family must pass is families/test_conformance.py."""
+MAX_LEAVES_PER_CALL leaves, inside optax's wrappers, vmap, the updates' dtypes (one call per
+dtype class: test_dtypes.py; flax: test_frameworks.py; the handler's own checks:
+test_ffi_validation.py). What every family must pass is families/test_conformance.py, with
+lockstep's check that the step traces once."""
 
 import jax
 import jax.numpy as jnp
@@ -10,19 +11,15 @@ import optax
 import pytest
 
 import jaxfuse
-from jaxfuse._core import ffi as _ffi
 from jaxfuse._optim import kernel_path as _kernel_path
-from helpers import (UNPACKED, assert_trees_close, count_custom_calls, normal_grads, random_tree,
-                     ulp)
-from lockstep import jit_fused as jit_step, lockstep, training_params
+from helpers import assert_trees_close, count_custom_calls, normal_grads, random_tree, ulp
+from lockstep import jit_fused, lockstep, training_params
 
 F32_EPS = ulp(jnp.float32)
 # One step of Adam is ~10 fp32 operations; XLA and the kernel may differ in FMA contraction and
 # in pow(): a few ulp of the result per step.
 STEP_RTOL = 16 * F32_EPS
 
-
-_grads = normal_grads
 
 @pytest.mark.slow
 def test_large_leaf(device):
@@ -34,8 +31,8 @@ def test_fused_step_updates_in_place(device):
   params = random_tree(8, [(1000,), (33, 3)], device=device)
   tx = jaxfuse.adamw(1e-2)
   state = tx.init(params)
-  step = jit_step(tx)
-  g = _grads(0, params)
+  step = jit_fused(tx)
+  g = normal_grads(0, params)
   params, state = step(params, state, g)  # first call: buffers now owned by the step's outputs
   before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves((params, state[0].mu, state[0].nu))]
   params, state = step(params, state, g)
@@ -45,22 +42,6 @@ def test_fused_step_updates_in_place(device):
   text = step.lower(params, state, g).compile().as_text()
   assert count_custom_calls(text, "jaxfuse_adam") == 1
   assert not [l for l in text.splitlines() if " copy(" in l and "f32[1000]" in l], text
-
-
-def test_no_recompile_across_steps_and_schedules(device):
-  params = random_tree(10, [(64,), (8, 8)], device=device)
-  tx = jaxfuse.adamw(optax.exponential_decay(1e-2, 10, 0.5))
-  traces = []
-
-  def fn(p, s, g):
-    traces.append(1)  # runs once per trace
-    return jaxfuse.fused_step(tx, g, s, p)
-
-  step = jax.jit(fn, donate_argnums=(0, 1))
-  state = tx.init(params)
-  for t in range(6):
-    params, state = step(params, state, _grads(t, params))
-  assert len(traces) == 1
 
 
 # ---- optax wrappers -----------------------------------------------------------------------
@@ -95,41 +76,9 @@ def test_rejects_integer_grads_and_a_state_of_other_params():
     tx.update(params, jaxfuse.adamw(1e-3).init({"w": jnp.ones((4,))}), params)
 
 
-def test_rejects_unfusable_transform():
-  params = {"w": jnp.ones((3,))}
-  tx = optax.adamw(1e-3)
-  with pytest.raises(TypeError, match="no jaxfuse optimizer ran in this transform"):
-    jaxfuse.fused_step(tx, params, tx.init(params), params)
-
-
-def test_handler_rejects_inconsistent_calls():
-  """The FFI handler validates what it receives and fails with a message, never a crash."""
-  xs = [jnp.ones((4,))] * 4  # grads, params, mu, nu of one tensor
-  layout = _ffi.contract("jaxfuse_adam").names
-  count = jnp.zeros((), jnp.int32)
-  hyper, grad_ctrl = jnp.zeros((len(layout["hyper"]),)), jnp.zeros((len(layout["grad_ctrl"]),))
-  results = [jax.ShapeDtypeStruct((), jnp.int32)] + [jax.ShapeDtypeStruct((4,), jnp.float32)] * 3
-  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results, vmap_method="sequential")
-  attrs = dict(flags=np.int64(0), master=False, remainders=False, stochastic_rounding=False,
-               quantized_states=False, tensor_flags=np.zeros(1, np.uint8), **UNPACKED)
-  one = dict(attrs, num_tensors=np.int64(1))
-  with pytest.raises(Exception, match="do not fit num_tensors=2"):
-    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, num_tensors=np.int64(2),
-                               **dict(attrs, tensor_flags=np.zeros(2, np.uint8))))
-  with pytest.raises(Exception, match="hyper has 3 elements"):
-    jax.block_until_ready(call(count, jnp.zeros((3,)), grad_ctrl, *xs, **one))
-  with pytest.raises(Exception, match="not aliased"):  # params, mu, nu updated in place
-    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, **one))
-  with pytest.raises(Exception, match="flags 2 has bits beyond"):
-    jax.block_until_ready(call(count, hyper, grad_ctrl, *xs, **dict(one, flags=np.int64(2))))
-  call = jax.ffi.ffi_call(_ffi.target("jaxfuse_adam"), results,
-                          input_output_aliases={4: 1, 5: 2, 6: 3})
-  with pytest.raises(Exception, match="list 'params' has 4 elements, list 'grads' has 5"):
-    jax.block_until_ready(call(count, hyper, grad_ctrl, jnp.ones((5,)), *xs[1:], **one))
-
-
 def test_vmap_over_an_ensemble(device):
-  """vmap over a leading ensemble axis (the FFI call is applied per member)."""
+  """The optax protocol vmapped over a leading ensemble axis (XLA's math: the fused step under
+  vmap is test_first_use.py's)."""
   params = random_tree(22, [(3, 5), (5,)], device=device)
   params = jax.tree.map(lambda x: jnp.stack([x, 2 * x, -x]), params)
   grads = jax.tree.map(lambda x: jnp.cos(x), params)
@@ -156,14 +105,6 @@ def test_update_dtypes_match_optax(device, param_dtype, grad_dtype, mu_dtype):
   assert_trees_close(uf, uo, rtol=max(4 * coarsest, STEP_RTOL), atol=0)
 
 
-def test_master_weights_with_fp32_leaves(device):
-  """A tree mixing bf16 and fp32 params with master weights, through the donated fused step."""
-  params = training_params(24, [(9,), (4, 4)], [jnp.bfloat16, jnp.float32], device)
-  p, _ = lockstep(jaxfuse.adamw(1e-2, master_weights=True), optax.adamw(1e-2), params, 4,
-                  path="fused")
-  assert p["leaf0000"].dtype == jnp.bfloat16 and p["leaf0001"].dtype == jnp.float32
-
-
 def test_fused_step_over_several_calls(device, monkeypatch):
   """More leaves than one FFI call takes: every call updates its leaves in place, with clipping
   and the non-finite skip deciding for the whole tree. The calls are cut at 16 leaves here (the
@@ -175,12 +116,12 @@ def test_fused_step_over_several_calls(device, monkeypatch):
   params = random_tree(26, [(1 + 12 * (i % 5),) for i in range(2 * 16 + 7)], device=device)
   tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2, skip_nonfinite=True))
   to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-  step = jit_step(tf)
+  step = jit_fused(tf)
   sf = jax.jit(tf.init)(params)  # eagerly, every leaf shape would be a compile of its own
   assert count_custom_calls(step.lower(params, sf, params).as_text(), "jaxfuse_adam") == 3
   pf, sf = lockstep(tf, to, params, 3, path="fused", seed=5, state=sf)
   # A NaN in the last leaf (in the last call) stops the update of the first leaf too.
-  g = _grads(600, params)
+  g = normal_grads(600, params)
   last = sorted(g)[-1]
   g[last] = g[last].at[0].set(jnp.nan)
   before = np.asarray(pf["leaf0000"])
@@ -189,20 +130,10 @@ def test_fused_step_over_several_calls(device, monkeypatch):
   assert int(sf[1][-1].skipped_steps) == 1 and int(sf[1][0].count) == 3
 
 
-def test_fused_step_on_a_one_transform_chain(device):
-  params = random_tree(27, [(5,), (2, 3)], device=device)
-  grads = _grads(0, params)
-  tf, to = optax.chain(jaxfuse.adamw(1e-2)), optax.chain(optax.adamw(1e-2))
-  pf, sf = jaxfuse.fused_step(tf, grads, tf.init(params), params)
-  u, so = to.update(grads, to.init(params), params)
-  assert jax.tree.structure(sf) == jax.tree.structure(so)
-  assert_trees_close(pf, optax.apply_updates(params, u), rtol=STEP_RTOL, atol=0)
-
-
 def test_grad_scale_without_skip(device):
   """A bare loss scale needs no global-norm pass: one custom call, same step as unscaled grads."""
   params = random_tree(28, [(33,), (4, 4)], device=device)
-  g = _grads(29, params)
+  g = normal_grads(29, params)
   S = jnp.float32(1024.0)
   g_scaled = jax.tree.map(lambda x: x * S, g)
   tf, to = jaxfuse.adamw(1e-2), optax.adamw(1e-2)

@@ -13,8 +13,6 @@ from helpers import assert_trees_close, count_custom_calls, init_beside, random_
 from lockstep import lockstep
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5)]
-# optax's global norm (optax.tree.norm in newer optax, optax.global_norm before).
-optax_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 F32_EPS = ulp(jnp.float32)
 
 
@@ -30,11 +28,17 @@ def test_global_norm_matches_optax(device, dtype):
   tree = random_tree(0, SHAPES, dtype=dts if dtype != "mixed" else dts[:len(SHAPES)], device=device)
   norm = jax.jit(jaxfuse.global_norm)(tree)
   assert norm.dtype == jnp.float32 and norm.shape == ()
-  # fp32 accumulation of n terms: relative error ~ n * eps in the worst case, ~sqrt(n) typical.
+  # Both norms in float64 from exact squares (16- and 32-bit values square exactly): each sum
+  # of n squares within n * eps64 / 2 relative, its root half that plus eps64 / 2; then the
+  # float32 rounding, eps32 / 2. First order eps32 / 2 + (n + 2) * eps64 / 2; twice the float64
+  # part covers the second-order terms.
   n = sum(x.size for x in jax.tree.leaves(tree))
-  np.testing.assert_allclose(float(norm), _np_norm(tree), rtol=math.sqrt(n) * F32_EPS)
+  eps64 = float(np.finfo(np.float64).eps)
+  np.testing.assert_allclose(float(norm), _np_norm(tree), rtol=F32_EPS / 2 + (n + 2) * eps64)
   if dtype == jnp.float32:
-    np.testing.assert_allclose(float(norm), float(optax_norm(tree)), rtol=math.sqrt(n) * F32_EPS)
+    # optax sums the squares in float32: ~n * eps32 relative in the worst case, ~sqrt(n) typical.
+    np.testing.assert_allclose(float(norm), float(optax.tree.norm(tree)),
+                               rtol=math.sqrt(n) * F32_EPS)
 
 
 def test_global_norm_is_deterministic(device):
@@ -55,7 +59,7 @@ def test_global_norm_fp16_no_overflow(device):
   """Squares of fp16 values above 256 overflow fp16; jaxfuse accumulates in fp32."""
   tree = random_tree(2, [(4096,), (17,)], scale=1e4, device=device)
   tree = jax.tree.map(lambda x: jnp.clip(x, -6e4, 6e4).astype(jnp.float16), tree)
-  assert not np.isfinite(float(optax_norm(tree)))  # optax squares in fp16
+  assert not np.isfinite(float(optax.tree.norm(tree)))  # optax squares in fp16
   norm = float(jaxfuse.global_norm(tree))
   assert np.isfinite(norm) and norm > 1e5
   np.testing.assert_allclose(norm, _np_norm(tree), rtol=1e-5)
@@ -73,19 +77,6 @@ def _grads_with_norm(seed, params, target_norm):
                   device=jax.tree.leaves(params)[0].devices().pop())
   g = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(g))
   return jax.tree.map(lambda x: x * (target_norm / _np_norm(g)), g)
-
-
-@pytest.mark.parametrize("ratio", [0.5, 2.0, 100.0])
-def test_clip_matches_optax(device, ratio):
-  params = random_tree(4, SHAPES, device=device)
-  g = _grads_with_norm(5, params, ratio * 1.0)
-  uf, sf = jax.jit(jaxfuse.clip_by_global_norm(1.0).update)(g, optax.EmptyState())
-  uo, so = optax.clip_by_global_norm(1.0).update(g, optax.EmptyState())
-  assert sf == so
-  assert_trees_close(uf, uo, rtol=4 * F32_EPS, atol=0)
-  if ratio < 1:  # below the threshold: bitwise unchanged
-    for a, b in zip(jax.tree.leaves(uf), jax.tree.leaves(g)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_clip_at_threshold(device):
@@ -151,16 +142,6 @@ def test_nonfinite_without_skip_matches_optax(device, bad):
   assert_trees_close(sf, so, rtol=1e-6, atol=0)
 
 
-def test_skip_mode_on_optax_path(device):
-  params = random_tree(16, [(5,)], device=device)
-  tx = jaxfuse.adam(1e-2, skip_nonfinite=True)
-  state = tx.init(params)
-  g = {"leaf0000": jnp.array([1.0, jnp.nan, 0.0, 2.0, 3.0])}
-  u, s = jax.jit(tx.update)(g, state, params)
-  assert np.all(np.asarray(u["leaf0000"]) == 0)
-  assert int(s[0].count) == 0 and int(s[-1].skipped_steps) == 1
-
-
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
 def test_loss_scaling(device, dtype):
   """Gradients of a loss scaled by S, with grad_scale=S, step like the unscaled gradients."""
@@ -176,23 +157,11 @@ def test_loss_scaling(device, dtype):
       params, tf.init(params), g_scaled, jnp.float32(S))
   uo, so = to.update(g_ref, to.init(params), params)
   po = optax.apply_updates(params, uo)
-  np.testing.assert_allclose(float(norm), float(optax_norm(g_ref)), rtol=1e-5)
+  np.testing.assert_allclose(float(norm), float(optax.tree.norm(g_ref)), rtol=1e-5)
   assert_trees_close(pf, po, rtol=64 * F32_EPS, atol=0)
   # The optax protocol with the grad_scale extra argument gives the same step.
   u, _ = tf.update(g_scaled, tf.init(params), params, grad_scale=jnp.float32(S))
   assert_trees_close(optax.apply_updates(params, u), po, rtol=64 * F32_EPS, atol=0)
-
-
-def test_loss_scaling_with_skip(device):
-  """An fp16 overflow in scaled gradients is skipped, then training resumes."""
-  params = random_tree(19, [(8,)], device=device)
-  tx = jaxfuse.adamw(1e-2, skip_nonfinite=True)
-  step = jax.jit(lambda p, s, g, c: jaxfuse.fused_step(tx, g, s, p, grad_scale=c))
-  state = tx.init(params)
-  g = jnp.full((8,), 7e4, jnp.float32).astype(jnp.float16)  # overflows fp16 to inf
-  p2, s2 = step(params, state, {"leaf0000": g}, jnp.float32(2.0 ** 15))
-  np.testing.assert_array_equal(np.asarray(p2["leaf0000"]), np.asarray(params["leaf0000"]))
-  assert int(s2[-1].skipped_steps) == 1
 
 
 def test_clip_rejects_bad_leaves():

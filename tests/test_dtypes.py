@@ -1,7 +1,7 @@
 """Everything optax accepts, jaxfuse accepts, beyond each family's float64 and complex leaves
 (families/test_conformance.py): NumPy and Python leaves, trees mixing dtypes in one call per
 dtype class, the norm's and the clip's dtypes; plus the parity bugs found by running jaxfuse
-against optax (zero weight decay, update without params, mu_dtype checks, traced masks) and the
+against optax (zero weight decay, update without params, state dtype checks, traced masks) and the
 master-weights update dtype."""
 
 import math
@@ -97,14 +97,6 @@ def test_global_norm_of_large_constant_leaf(size):
   assert abs(norm - exact) <= ulp(jnp.float32) * exact  # the rounding of the result, no more
 
 
-def test_float64_norm_accuracy():
-  with jax.enable_x64(True):
-    tree = random_tree(23, [(1000,), (12345,), (3, 7)], jnp.float64)
-    exact = math.sqrt(math.fsum(float(x) ** 2 for leaf in tree.values()
-                                for x in np.asarray(leaf).ravel()))
-    np.testing.assert_allclose(float(jaxfuse.global_norm(tree)), exact, rtol=1e-14)
-
-
 # ---- parity bugs -------------------------------------------------------------------------------
 
 NAN_PARAMS = {"w": jnp.array([jnp.nan, jnp.inf, 1.0]), "b": jnp.array([-jnp.inf, 2.0])}
@@ -166,17 +158,30 @@ def test_adam_update_without_params():
     tx.update(grads, tx.init(params))
 
 
-def test_unsupported_mu_dtype_is_refused():
-  with pytest.raises(ValueError, match="mu_dtype int32 is not supported"):
-    jaxfuse.adam(LR, mu_dtype=jnp.int32)
-  with pytest.raises(ValueError, match="mu_dtype float8_e4m3fn is not supported"):
-    jaxfuse.adamw(LR, mu_dtype=jnp.float8_e4m3fn)
-  real = {"w": jnp.ones(3)}
-  with pytest.raises(ValueError, match=r"mu_dtype complex64 does not fit params leaf \['w'\]"):
-    jaxfuse.adam(LR, mu_dtype=jnp.complex64).init(real)
-  cplx = {"z": jnp.ones(3, jnp.complex64)}
-  with pytest.raises(ValueError, match=r"mu_dtype bfloat16 does not fit params leaf \['z'\]"):
-    jaxfuse.adam(LR, mu_dtype=jnp.bfloat16).init(cplx)
+_REAL, _COMPLEX = {"w": jnp.ones(3)}, {"z": jnp.ones(3, jnp.complex64)}
+
+
+@pytest.mark.parametrize("fn, kwargs, params, match", [
+    # Refused when the transform is made (params None), or by init naming the leaf.
+    ("adam", dict(mu_dtype=jnp.int32), None, "mu_dtype int32 is not supported"),
+    ("adamw", dict(mu_dtype=jnp.float8_e4m3fn), None, "mu_dtype float8_e4m3fn is not supported"),
+    ("adam", dict(mu_dtype=jnp.complex64), _REAL,
+     r"mu_dtype complex64 does not fit params leaf \['w'\]"),
+    ("adam", dict(mu_dtype=jnp.bfloat16), _COMPLEX,
+     r"mu_dtype bfloat16 does not fit params leaf \['z'\]"),
+    ("adam", dict(nu_dtype=jnp.int8), _REAL, "nu_dtype int8 is not supported"),
+    ("adam", dict(nu_dtype=jnp.bfloat16), _COMPLEX,
+     r"nu_dtype bfloat16 does not fit params leaf \['z'\]"),
+    ("sgd", dict(momentum=0.9, accumulator_dtype=jnp.int32), _REAL,
+     "accumulator_dtype int32 is not supported"),
+    ("sgd", dict(momentum=0.9, accumulator_dtype=jnp.bfloat16), _COMPLEX,
+     r"accumulator_dtype bfloat16 does not fit params leaf \['z'\] \(complex64\)"),
+])
+def test_a_state_dtype_that_does_not_fit_is_refused(fn, kwargs, params, match):
+  with pytest.raises(ValueError, match=match):
+    tx = getattr(jaxfuse, fn)(LR, **kwargs)
+    if params is not None:
+      tx.init(params)
 
 
 def test_traced_mask_gets_jaxfuse_message():

@@ -14,6 +14,7 @@ import pytest
 
 import jaxfuse
 from helpers import Snapshot, assert_bitwise_equal, random_decoder_problem, random_tree
+from lockstep import jit_step
 
 # A leaf above the CPU handlers' 65536-element chunk, so that a bad value can sit in a chunk
 # other than the first (and the CPU work spreads over the thread pool).
@@ -90,16 +91,7 @@ def test_nonfinite_step_leaves_everything_bitwise_unchanged(request, device, pat
   params = random_tree(seed, SHAPES, dtype=dtype, device=device)
   tx = _make_tx(clip, master)
   state = tx.init(params)
-
-  if path == "optax":
-    update = jax.jit(tx.update)
-
-    def step(p, s, g):
-      u, s = update(g, s, p)
-      return optax.apply_updates(p, u), s
-  else:
-    # In place: params and state donated, in the order they are returned.
-    step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
+  step = jit_step(path, tx, donate=True)  # the fused step in place
 
   for _ in range(2):  # moments, count (and master params) away from their initial values
     params, state = step(params, state, _grads(rng, params))
@@ -168,15 +160,7 @@ def test_restored_run_is_bitwise_the_uninterrupted_run(device, tmp_path, path, k
       jaxfuse.clip_by_global_norm(1.0),
       jaxfuse.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 3, 20), weight_decay=0.1,
                     master_weights=cfg["master"], skip_nonfinite=cfg["skip"]))
-  if path == "fused":
-    step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
-  else:
-    update = jax.jit(tx.update)
-
-    def step(p, s, g):
-      u, s = update(g, s, p)
-      return optax.apply_updates(p, u), s
-
+  step = jit_step(path, tx, donate=True)
   rng = np.random.default_rng(seed)
   grads = [_grads(rng, params, scale=float(s)) for s in (1.0, 3.0, 0.2, 1.0, 5.0, 0.5, 1.0)]
   state = tx.init(params)

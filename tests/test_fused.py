@@ -20,11 +20,6 @@ def _grads(seed, params, scale=1.0):
   return random_tree(seed, [p.shape for p in jax.tree.leaves(params)], scale=scale)
 
 
-def _assert_same_step(jf_tx, optax_tx, params, steps=8):
-  """The fused step of `jf_tx` is `optax_tx`'s, in lockstep."""
-  lockstep(jf_tx, optax_tx, params, steps, path="fused")
-
-
 def _multi_steps_twin(inner, k, **kwargs):
   """optax.MultiSteps of `inner`, its accumulator as wide as lockstep's reference."""
   with jax.enable_x64(True):
@@ -40,7 +35,7 @@ def test_named_and_nested_chains_with_transforms_before_the_adam(device):
   def make(mod):
     pre = optax.chain(optax.scale(0.5), mod.clip_by_global_norm(0.2))
     return optax.named_chain(("pre", pre), ("opt", optax.chain(mod.adamw(1e-2))))
-  _assert_same_step(make(jaxfuse), make(optax), _params(device))
+  lockstep(make(jaxfuse), make(optax), _params(device), 8, path="fused")
 
 
 def test_zero_size_leaves_reach_no_kernel(device):
@@ -54,7 +49,8 @@ def test_zero_size_leaves_reach_no_kernel(device):
     lowered = jax.jit(step).lower(params, tx.init(params), _grads(0, params))
     assert count_custom_calls(lowered.as_text(), target) == 1, target
     assert zero_size_float_operands(lowered) == [], target
-  _assert_same_step(tx, optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)), params)
+  twin = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+  lockstep(tx, twin, params, 8, path="fused")
 
 
 @pytest.mark.parametrize("use_grad_mean", [True, False])
@@ -62,7 +58,7 @@ def test_multi_steps_matches_optax_multisteps(use_grad_mean, device):
   make = lambda mod: optax.chain(mod.clip_by_global_norm(0.3), mod.adamw(1e-2))
   jf = jaxfuse.multi_steps(make(jaxfuse), 3, use_grad_mean=use_grad_mean)
   ref = _multi_steps_twin(make(optax), 3, use_grad_mean=use_grad_mean)
-  _assert_same_step(jf, ref, _params(device), steps=8)
+  lockstep(jf, ref, _params(device), 8, path="fused")
   # the optax protocol of jaxfuse.multi_steps is optax.MultiSteps's
   lockstep(jf, ref, _params(device), 4, path="optax")
 
@@ -71,7 +67,7 @@ def test_multi_steps_with_a_schedule_of_k(device):
   every_k = lambda step: jnp.where(step < 2, 2, 3)
   jf = jaxfuse.multi_steps(jaxfuse.adam(1e-2), every_k)
   ref = _multi_steps_twin(optax.adam(1e-2), every_k)
-  _assert_same_step(jf, ref, _params(device), steps=10)
+  lockstep(jf, ref, _params(device), 10, path="fused")
 
 
 def test_multi_steps_keeps_state_in_place(device):

@@ -139,7 +139,7 @@ def cpp_graph():
   return graph
 
 
-def test_python_imports_stay_in_their_wings():
+def test_python_imports_stay_in_their_wings_and_close_no_cycle():
   graph = python_graph()
   assert {"jaxfuse._core.ffi", "jaxfuse._optim.kernel_path",
           "jaxfuse._decode.kernel"} <= set(graph), "the walk found the package"
@@ -147,14 +147,11 @@ def test_python_imports_stay_in_their_wings():
   bad = wing_violations(graph, python_wing, PYTHON_WINGS)
   bad += [f"{m} -> {s}" for m, succs in graph.items() for s in succs if s.startswith("tools")]
   assert not bad, "imports across wings, or from the package into tools/:\n" + "\n".join(bad)
-
-
-def test_python_imports_have_no_cycle():
-  cycle = find_cycle(python_graph())
+  cycle = find_cycle(graph)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-def test_cpp_includes_stay_in_their_wings():
+def test_cpp_includes_stay_in_their_wings_and_close_no_cycle():
   graph = cpp_graph()
   sources = cpp_sources()
   unresolved = sorted(f"{f} includes \"{inc}\"" for f, incs in graph.items() for inc in incs
@@ -164,10 +161,7 @@ def test_cpp_includes_stay_in_their_wings():
   bad = wing_violations(graph, lambda rel: rel.split(os.sep)[0], CPP_WINGS)
   assert not bad, "includes across wings:\n" + "\n".join(bad)
   assert "core/op.h" in graph["optim/optimizer.h"], "the walk sees includes"
-
-
-def test_cpp_includes_have_no_cycle():
-  cycle = find_cycle(cpp_graph())
+  cycle = find_cycle(graph)
   assert cycle is None, "include cycle: " + " -> ".join(cycle)
 
 

@@ -11,6 +11,7 @@ import pytest
 import jaxfuse
 from jaxfuse._optim import moments as _moments
 from helpers import assert_bitwise_equal, random_tree
+from lockstep import jit_step
 
 BLOCK = 128
 QUANTIZED = [(32, 128), (3, 5, 512), (4096,), (64, 100), (5, 3, 3, 64, 64)]
@@ -169,13 +170,7 @@ def test_modes_fused_and_optax_agree(mode):
   params = random_tree(4, shapes, dtype)
   tx = optax.chain(jaxfuse.clip_by_global_norm(1.0),
                    jaxfuse.adamw(1e-3, weight_decay=0.1, moment_bits=8, **MODES[mode]))
-  fused = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(2.0)))
-
-  @jax.jit
-  def twin(p, s, g):
-    u, s = tx.update(g, s, p, grad_scale=jnp.float32(2.0))
-    return optax.apply_updates(p, u), s
-
+  fused, twin = (jit_step(path, tx, grad_scale=jnp.float32(2.0)) for path in ("fused", "optax"))
   pf, sf = pt, st = params, tx.init(params)
   for t in range(5):
     g = random_tree(10 + t, shapes, dtype)
@@ -191,19 +186,6 @@ def test_modes_fused_and_optax_agree(mode):
     p2, s2 = fused(pf, sf, bad)
     assert_bitwise_equal((p2, s2[1][:-1]), (pf, sf[1][:-1]), "a skipped step")
     assert int(s2[1][-1].skipped_steps) == 1
-
-
-def test_checkpoint_restore_continues_bit_for_bit():
-  shapes = QUANTIZED + FLOAT
-  params = random_tree(5, shapes, jnp.float32)
-  tx = jaxfuse.adamw(1e-3, moment_bits=8)
-  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
-  p, s = step(params, tx.init(params), random_tree(6, shapes, jnp.float32))
-  saved = jax.tree.map(np.asarray, (p, s))  # what a checkpointer writes
-  leaves, treedef = jax.tree.flatten(saved)
-  restored = jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
-  g = random_tree(7, shapes, jnp.float32)
-  assert_bitwise_equal(step(*restored, g), step(p, s, g), "restored vs uninterrupted")
 
 
 def test_convert_state_both_ways():

@@ -17,7 +17,7 @@ from optax.contrib import _muon as optax_muon
 import jaxfuse
 from helpers import assert_trees_close, normal_grads as grads, random_tree, ulp
 from jaxfuse._optim import newton_schulz
-from lockstep import jit_fused as jit_step, lockstep
+from lockstep import jit_fused, lockstep
 
 NS_RTOL = 64 * ulp(jnp.float32)
 
@@ -114,7 +114,7 @@ def test_fused_step_with_clip_scale_and_nonfinite_skip(device):
   params = _params(device)
   tx = optax.chain(jaxfuse.clip_by_global_norm(0.5), jaxfuse.muon(2e-2, skip_nonfinite=True))
   ref = optax.chain(optax.clip_by_global_norm(0.5), jaxfuse.muon(2e-2, skip_nonfinite=True))
-  step = jit_step(tx, grad_scale=jnp.float32(4.0))
+  step = jit_fused(tx, grad_scale=jnp.float32(4.0))
   p, s = jax.tree.map(jnp.copy, params), tx.init(params)
   p_r, s_r = params, ref.init(params)
   for t in range(3):
@@ -139,7 +139,7 @@ def test_master_weights_and_gram_in_bf16(device):
   params = _params(device, jnp.bfloat16)
   kw = dict(master_weights=True, ns_method="gram", ns_dtype=jnp.bfloat16)
   tx = jaxfuse.muon(2e-2, **kw)
-  step = jit_step(tx)
+  step = jit_fused(tx)
   p, s = jax.tree.map(jnp.copy, params), tx.init(params)
   p_o, s_o = params, tx.init(params)
   for t in range(3):
@@ -166,7 +166,7 @@ def test_8bit_momentum(device):
   mu = state.inner_states["muon"].inner_state[0].mu
   assert mu["big"].codes.dtype == jnp.int8 and mu["a"].dtype == jnp.float32
   floats = jaxfuse.muon(2e-2)
-  step, ref = jit_step(tx), jit_step(floats)
+  step, ref = jit_fused(tx), jit_fused(floats)
   p, s, p_f, s_f = (jax.tree.map(jnp.copy, params), state, jax.tree.map(jnp.copy, params),
                     floats.init(params))
   for t in range(3):

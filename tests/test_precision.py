@@ -14,31 +14,16 @@ import pytest
 
 import jaxfuse
 from jaxfuse._optim import rounding as _rounding
-from helpers import assert_bitwise_equal, random_tree
+from helpers import assert_bitwise_equal, count_custom_calls, random_tree
 from helpers import normal_grads as grads
-from lockstep import jit_fused as jit_step, jit_protocol
+from lockstep import jit_step
 
 PATHS = ["optax", "fused"]
-
-
-def jit_optax_step(tx):
-  """A jitted optax-protocol step returning (params, state)."""
-  step = jit_protocol(tx)
-  return jax.jit(lambda p, s, g: step(p, s, g)[:2])
-
-
 HALF_DTYPES = [jnp.bfloat16, jnp.float16]
 
 
-def _step(path, tx):
-  """A jitted step through `path`, donating nothing (the tests reuse their inputs)."""
-  if path == "fused":
-    return jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
-  return jit_optax_step(tx)
-
-
-def _run(tx, params, path, steps, seed=1, grad_fn=grads):
-  step = _step(path, tx)
+def _run(tx, params, path, steps, seed=1, grad_fn=grads, **kwargs):
+  step = jit_step(path, tx, **kwargs)
   p, s = jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx.init(params)
   for t in range(steps):
     p, s = step(p, s, grad_fn(seed * 1000 + t, params))
@@ -48,17 +33,6 @@ def _run(tx, params, path, steps, seed=1, grad_fn=grads):
 def _bits(x):
   x = np.asarray(x)
   return x.view(np.dtype(f"uint{8 * x.dtype.itemsize}"))
-
-
-# ---- nu_dtype --------------------------------------------------------------------------------
-
-
-def test_bad_nu_dtype_names_the_problem():
-  params = {"w": jnp.ones(3), "z": jnp.ones(2, jnp.complex64)}
-  with pytest.raises(ValueError, match="nu_dtype int8 is not supported"):
-    jaxfuse.adam(1e-3, nu_dtype=jnp.int8).init({"w": jnp.ones(3)})
-  with pytest.raises(ValueError, match=r"nu_dtype bfloat16 does not fit params leaf \['z'\]"):
-    jaxfuse.adam(1e-3, nu_dtype=jnp.bfloat16).init(params)
 
 
 # ---- stochastic rounding ---------------------------------------------------------------------
@@ -86,10 +60,10 @@ def test_stochastic_rounding_is_unbiased(device, path, dtype, value):
   params, g, exact, ulp_v = _tiny_step(dtype, value, n, fraction)
   params, g = jax.device_put((params, g), device)
   plain = jaxfuse.sgd(1e-3)
-  p_plain, _ = _step(path, plain)(params, plain.init(params), g)
+  p_plain, _ = jit_step(path, plain)(params, plain.init(params), g)
   np.testing.assert_array_equal(np.asarray(p_plain["w"]), np.asarray(params["w"]))
   tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=7)
-  p, _ = _step(path, tx)(params, tx.init(params), g)
+  p, _ = jit_step(path, tx)(params, tx.init(params), g)
   values = np.asarray(p["w"], np.float64)
   start = float(params["w"][0])
   assert set(np.unique(values)) <= {start, start + ulp_v}
@@ -105,10 +79,7 @@ def test_stochastic_rounding_mean_over_steps_tracks_the_exact_path(device, dtype
   params, g, _, ulp_v = _tiny_step(dtype, 0.625, n, fraction)
   params, g = jax.device_put((params, g), device)
   tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=3)
-  step = jit_step(tx)
-  p, s = jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx.init(params)
-  for _ in range(steps):
-    p, s = step(p, s, g)
+  p, _ = _run(tx, params, "fused", steps, grad_fn=lambda t, p: g)
   drift = (np.asarray(p["w"], np.float64).mean() - 0.625) / ulp_v
   # Each step's rounding error has variance at most 1/4 ulp^2 per element.
   assert abs(drift - steps * fraction) < 4 * np.sqrt(steps * 0.25 / n)
@@ -121,12 +92,12 @@ def test_stochastic_rounding_is_deterministic_and_the_paths_agree_bitwise(device
   runs = {}
   for path in PATHS:
     tx = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=11)
-    runs[path] = _step(path, tx)(params, tx.init(params), g)
-  again = _step("fused", tx)(params, tx.init(params), g)
+    runs[path] = jit_step(path, tx)(params, tx.init(params), g)
+  again = jit_step("fused", tx)(params, tx.init(params), g)
   assert_bitwise_equal(runs["fused"][0], runs["optax"][0], "fused step against optax protocol")
   assert_bitwise_equal(again[0], runs["fused"][0], "a second call")
   other = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=2**32 - 1)
-  p_other, _ = _step("fused", other)(params, other.init(params), g)
+  p_other, _ = jit_step("fused", other)(params, other.init(params), g)
   differ = np.mean(_bits(p_other["leaf0000"]) != _bits(runs["fused"][0]["leaf0000"]))
   assert 0.05 < differ < 0.95  # another seed draws other bits
 
@@ -154,8 +125,8 @@ def test_stochastic_rounding_leaves_float32_leaves_as_plain_rounding(device):
   params = random_tree(7, [(65,), (8, 3)], device=device)
   g = grads(8, params)
   sr, plain = jaxfuse.adamw(1e-2, stochastic_rounding=True), jaxfuse.adamw(1e-2)
-  a, _ = _step("fused", sr)(params, sr.init(params), g)
-  b, _ = _step("fused", plain)(params, plain.init(params), g)
+  a, _ = jit_step("fused", sr)(params, sr.init(params), g)
+  b, _ = jit_step("fused", plain)(params, plain.init(params), g)
   assert_bitwise_equal(a, b, "float32 params")
 
 
@@ -167,7 +138,7 @@ def test_stochastic_rounding_elements_follow_the_counter_based_bits(device):
   g = {"a": jnp.ones(3), "w": jnp.full((777,), 0.37, jnp.float32)}
   params, g = jax.device_put((params, g), device)
   tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=2024)
-  p, s = jit_optax_step(tx)(params, tx.init(params), g)
+  p, s = jit_step("optax", tx)(params, tx.init(params), g)
   exact = np.asarray(params["w"], np.float32) - np.float32(1e-3) * np.float32(0.37)
   bits = np.asarray(_rounding.element_bits(_rounding.stream(2024, 1, 0, jnp.int32(0)), (777,)))
   low = exact.view(np.uint32) & 0xFFFF
@@ -179,23 +150,40 @@ def test_stochastic_rounding_elements_follow_the_counter_based_bits(device):
 # ---- param remainders ------------------------------------------------------------------------
 
 
+def _clipped_run(tx, params, path, first):
+  """5 steps of jaxfuse's clip then `tx` on the grads of a loss scaled by 8 (seeded first + t),
+  a NaN in each leaf at step 2."""
+  def grad_fn(t, p):
+    g = grads(first + t, p, scale=8.0)
+    return jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), g) if t == 2 else g
+  return _run(optax.chain(jaxfuse.clip_by_global_norm(0.5), tx), params, path, 5, seed=0,
+              grad_fn=grad_fn, grad_scale=jnp.float32(8.0))
+
+
 @pytest.mark.parametrize("path", PATHS)
-def test_remainders_reproduce_the_float32_master_bit_for_bit_over_100_steps(device, path):
+@pytest.mark.parametrize("clip", [False, True], ids=["100 steps", "clip scale skip"])
+def test_remainders_reproduce_the_float32_master_bit_for_bit(device, path, clip):
   """AdamW on bf16 params with remainders and with a float32 master copy runs the same math on
-  the same float32 values: after 100 steps params joined to remainders are the master copy,
-  bit for bit, and the params its rounding (ties away from zero)."""
+  the same float32 values: params joined to remainders are the master copy, bit for bit, and
+  the params its rounding (ties away from zero); over 100 steps, or under jaxfuse's clip, a
+  loss scale and a skipped non-finite step."""
   params = random_tree(9, [(4099,), (3, 7, 5), ()], jnp.bfloat16, device=device)
-  kwargs = dict(learning_rate=3e-3, weight_decay=0.1)
-  p_r, s_r = _run(jaxfuse.adamw(**kwargs, master_weights="remainder"), params, path, steps=100)
-  p_m, s_m = _run(jaxfuse.adamw(**kwargs, master_weights=True), params, path, steps=100)
-  assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(s_r[-1].param_remainders))
+  runs = {}
+  for mode in ("remainder", True):
+    tx = jaxfuse.adamw(3e-3, weight_decay=0.1, master_weights=mode, skip_nonfinite=clip)
+    runs[mode] = _clipped_run(tx, params, path, 17) if clip else _run(tx, params, path, 100)
+  (p_r, s_r), (_, s_m) = runs["remainder"], runs[True]
+  adam_r, adam_m = (s[-1] if clip else s for s in (s_r, s_m))
+  assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(adam_r[-1].param_remainders))
   masters = jaxfuse.master_params(p_r, s_r)
-  assert_bitwise_equal(masters, s_m[-1].master_params, "params joined to remainders")
+  assert_bitwise_equal(masters, adam_m[-1].master_params, "params joined to remainders")
   for p, m in zip(jax.tree.leaves(p_r), jax.tree.leaves(masters)):
     bits = np.asarray(m).view(np.uint32)
     nearest = ((bits + 0x8000) & 0xFFFF0000).astype(np.uint32)  # ties away from zero
     np.testing.assert_array_equal(np.asarray(p, np.float32).view(np.uint32), nearest)
-  assert_bitwise_equal(s_r[0], s_m[0], "moments")
+  assert_bitwise_equal(adam_r[0], adam_m[0], "moments")
+  if clip:
+    assert int(adam_r[-1].skipped_steps) == int(adam_m[-1].skipped_steps) == 1
 
 
 def test_remainders_split_and_join_every_float32_pattern_class():
@@ -223,9 +211,8 @@ def test_remainders_in_a_tree_with_float32_leaves(device):
   tx = jaxfuse.adamw(1e-2, master_weights="remainder")
   state = tx.init(params)
   assert state[-1].param_remainders["b"].shape == (0,)
-  text = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p)).lower(
-      params, state, grads(14, params)).as_text()
-  assert text.count("jaxfuse_adam") == 2  # bf16 with remainders, float32 without
+  text = jit_step("fused", tx).lower(params, state, grads(14, params)).as_text()
+  assert count_custom_calls(text, "jaxfuse_adam") == 2  # bf16 with remainders, float32 without
 
 
 def test_remainder_and_rounding_options_are_checked():
@@ -286,49 +273,12 @@ def test_convert_state_inside_a_chain(device):
 # ---- every mode through the generic features -------------------------------------------------
 
 
-def _clipped_step(tx, path):
-  """jaxfuse's clip then `tx`, with a loss scale of 8, through `path` (unjitted compare)."""
-  chained = optax.chain(jaxfuse.clip_by_global_norm(0.5), tx)
-  scale = jnp.float32(8.0)
-  if path == "fused":
-    return chained, jax.jit(lambda p, s, g: jaxfuse.fused_step(chained, g, s, p,
-                                                                grad_scale=scale))
-  def step(p, s, g):
-    u, s = chained.update(g, s, p, grad_scale=scale)
-    return optax.apply_updates(p, u), s
-  return chained, jax.jit(step)
-
-
-def _nonfinite_at(t, g):
-  return jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), g) if t == 2 else g
-
-
-@pytest.mark.parametrize("path", PATHS)
-def test_remainders_follow_the_master_copy_under_clip_loss_scale_and_skip(device, path):
-  params = random_tree(16, [(513,), (6, 5)], jnp.bfloat16, device=device)
-  results = {}
-  for mode in ("remainder", True):
-    tx, step = _clipped_step(jaxfuse.adamw(1e-2, master_weights=mode, skip_nonfinite=True), path)
-    p, s = params, tx.init(params)
-    for t in range(5):
-      p, s = step(p, s, _nonfinite_at(t, grads(17 + t, params, scale=8.0)))
-    results[mode] = (jaxfuse.master_params(p, s[-1]), s[-1][-1].skipped_steps)
-  assert_bitwise_equal(results["remainder"][0], results[True][0], "masters")
-  assert int(results["remainder"][1]) == int(results[True][1]) == 1
-
-
 def test_stochastic_rounding_paths_agree_under_clip_loss_scale_and_skip(device):
-  params = random_tree(18, [(513,), (6, 5)], [jnp.bfloat16, jnp.float16], device=device)
   """XLA's math and the kernels' may differ by an ulp of float32, which moves a 16-bit value to
   its other neighbour now and then: the paths agree within one 16-bit ulp."""
-  results = {}
-  for path in PATHS:
-    tx, step = _clipped_step(
-        jaxfuse.adamw(1e-2, stochastic_rounding=True, seed=9, skip_nonfinite=True), path)
-    p, s = params, tx.init(params)
-    for t in range(5):
-      p, s = step(p, s, _nonfinite_at(t, grads(19 + t, params, scale=8.0)))
-    results[path] = p, s
+  params = random_tree(18, [(513,), (6, 5)], [jnp.bfloat16, jnp.float16], device=device)
+  tx = jaxfuse.adamw(1e-2, stochastic_rounding=True, seed=9, skip_nonfinite=True)
+  results = {path: _clipped_run(tx, params, path, 19) for path in PATHS}
   for leaf in results["fused"][0]:
     fused, xla = (_bits(results[k][0][leaf]).astype(np.int64) for k in ("fused", "optax"))
     assert np.mean(fused != xla) < 0.05

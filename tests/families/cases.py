@@ -17,8 +17,7 @@ import optax
 
 import jaxfuse
 from jaxfuse._optim import families
-
-EPS32 = float(np.finfo(np.float32).eps)
+from lockstep import EPS32
 
 
 @dataclasses.dataclass(frozen=True)
