@@ -260,17 +260,13 @@ def generated_params(cls: type) -> dict:
   return out
 
 
-def skip_cases(cls: type, cases: Iterable[tuple]) -> list:
+def skip_cases(cls: type, cases: Iterable[tuple]) -> None:
   """Skips exact generated cases with unittest.skip: each case is (method name as written in
-  the source, its full parameter dict, reason) and must match exactly one generated method.
-  Returns the names of the skipped methods."""
+  the source, its full parameter dict, reason) and must match exactly one generated method."""
   params = generated_params(cls)
   source_name = lambda m: getattr(getattr(getattr(cls, m), "__wrapped__", None), "__name__", None)
-  names = []
   for method, wanted, reason in cases:
     hits = [m for m, p in params.items() if p == wanted and source_name(m) == method]
     if len(hits) != 1:
       raise LookupError(f"{cls.__name__}.{method}{wanted}: {len(hits)} generated cases match")
     setattr(cls, hits[0], unittest.skip(reason)(getattr(cls, hits[0])))
-    names += hits
-  return names

@@ -48,12 +48,16 @@ def make_mesh(name, kind):
   return jax.make_mesh(shape, axes, axis_types=(axis_type,) * len(axes))
 
 
-def tree_and_specs(name, kind, seed):
-  del kind
+def tree_and_specs(name, seed):
   leaves = LEAVES[name]
   tree = random_tree(seed, [s for s, _ in leaves])
   specs = dict(zip(tree, [spec for _, spec in leaves]))
   return tree, specs
+
+
+def grads_for(seed, params):
+  """Random normal float32 gradients with the params' shapes (and keys: both are random_tree's)."""
+  return random_tree(seed, [jnp.shape(x) for x in params.values()])
 
 
 def put(tree, mesh, specs):
@@ -89,8 +93,9 @@ def mesh_name(request):
   return request.param
 
 
-def optax_reference(params, grads, steps=1):
-  tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), optax.adamw(LR, weight_decay=WD))
+def optax_reference(params, grads, steps=1, opt=None):
+  """optax's clip and `opt` (default: AdamW), `steps` steps: (params, state)."""
+  tx = optax.chain(optax.clip_by_global_norm(MAX_NORM), opt or optax.adamw(LR, weight_decay=WD))
   state = tx.init(params)
   for g in grads[:steps]:
     u, state = tx.update(g, state, params)
@@ -103,9 +108,8 @@ def test_fused_clip_adamw_step(mesh_name, kind):
   shardings; no all-gather and one all-reduce; donated buffers are used in place; per-device
   memory about an eighth of the replicated step's."""
   mesh = make_mesh(mesh_name, kind)
-  params, specs = tree_and_specs(mesh_name, kind, 1)
-  grads = [random_tree(s, [jnp.shape(x) for x in params.values()]) for s in (2, 3)]
-  grads = [dict(zip(params, g.values())) for g in grads]
+  params, specs = tree_and_specs(mesh_name, 1)
+  grads = [grads_for(s, params) for s in (2, 3)]
   expected, expected_state = optax_reference(params, grads, steps=2)
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   with jax.set_mesh(mesh):
@@ -149,8 +153,8 @@ def compile_replicated(step, params, tx, grads):
 def test_optax_protocol(mesh_name, kind):
   """tx.update + optax.apply_updates: optax's values, updates sharded as the grads, no gather."""
   mesh = make_mesh(mesh_name, kind)
-  params, specs = tree_and_specs(mesh_name, kind, 4)
-  grads = dict(zip(params, random_tree(5, [jnp.shape(x) for x in params.values()]).values()))
+  params, specs = tree_and_specs(mesh_name, 4)
+  grads = grads_for(5, params)
   expected, _ = optax_reference(params, [grads])
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   with jax.set_mesh(mesh):
@@ -172,7 +176,7 @@ def test_global_norm(mesh_name, kind):
   """The norm of the whole arrays on every device: the float64 norm rounded (within one float32
   ulp), the same bits as the unsharded jaxfuse norm's and run to run; one all-reduce."""
   mesh = make_mesh(mesh_name, kind)
-  tree, specs = tree_and_specs(mesh_name, kind, 6)
+  tree, specs = tree_and_specs(mesh_name, 6)
   exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in tree.values()))
   unsharded = jax.jit(jaxfuse.global_norm)(jax.device_put(tree, jax.devices()[0]))
   with jax.set_mesh(mesh):
@@ -191,7 +195,7 @@ def test_zero_size_leaves_reach_no_kernel(mesh_name, kind):
   custom_partitioning op (Auto axes) around it: jaxlib 0.11.2's compiler segfaults on a zero-size
   shard_map operand. (test_fused_clip_adamw_step checks the values.)"""
   mesh = make_mesh(mesh_name, kind)
-  params, specs = tree_and_specs(mesh_name, kind, 19)
+  params, specs = tree_and_specs(mesh_name, 19)
   params.update(empty=jnp.zeros((0, 8)), empty_split=jnp.zeros((8, 0)))
   specs.update(empty=P(), empty_split=P(mesh.axis_names[0]))
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
@@ -209,8 +213,8 @@ def test_training_loop_in_scan_and_fori_loop(kind):
   """The fused step as a lax.scan / fori_loop carry (the Explicit-axes case failed with a carry
   type mismatch before); three steps equal optax's."""
   mesh = make_mesh("fsdp", kind)
-  params, specs = tree_and_specs("fsdp", kind, 7)
-  grads = dict(zip(params, random_tree(8, [jnp.shape(x) for x in params.values()]).values()))
+  params, specs = tree_and_specs("fsdp", 7)
+  grads = grads_for(8, params)
   expected, _ = optax_reference(params, [grads] * 3, steps=3)
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   with jax.set_mesh(mesh):
@@ -228,8 +232,8 @@ def test_training_loop_in_scan_and_fori_loop(kind):
 def test_jit_with_in_and_out_shardings():
   """No mesh context: shardings given to jit only (Auto axes)."""
   mesh = make_mesh("fsdp", "auto")
-  params, specs = tree_and_specs("fsdp", "auto", 9)
-  grads = dict(zip(params, random_tree(10, [jnp.shape(x) for x in params.values()]).values()))
+  params, specs = tree_and_specs("fsdp", 9)
+  grads = grads_for(10, params)
   expected, _ = optax_reference(params, [grads])
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   sh = {k: NamedSharding(mesh, specs[k]) for k in params}
@@ -252,7 +256,7 @@ def test_inside_shard_map_with_axis_name():
   makes the norm the whole tree's (without it, it is the shard's own)."""
   mesh = make_mesh("fsdp", "explicit")
   params = random_tree(11, [(64, 16), (32,)])
-  grads = dict(zip(params, random_tree(12, [(64, 16), (32,)]).values()))
+  grads = random_tree(12, [(64, 16), (32,)])
   expected, _ = optax_reference(params, [grads])
   specs = {k: P("fsdp") for k in params}
   with jax.set_mesh(mesh):
@@ -296,10 +300,14 @@ def test_batch_sharded_decoder(kind):
     _check_batch_sharded_model_step(kind, quantization)
 
 
+# The decoder of both batch-sharded cases.
+DECODER = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
+               intermediate_size=96, max_seq_len=24)
+
+
 def _check_batch_sharded_model_step(kind, quantization):
   """A tied head; quantized (jaxfuse.quantize), its own int8 rows and their scales."""
-  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                              head_dim=16, intermediate_size=96, max_seq_len=24)
+  cfg = jaxfuse.DecoderConfig(**DECODER)
   _, w, cache = random_decoder_problem(cfg, 16, jnp.float32, 15)
   rng = np.random.default_rng(16)
   model = jaxfuse.DecoderModel(cfg, w, jnp.asarray(rng.standard_normal((40, 64)), jnp.float32),
@@ -325,9 +333,7 @@ def _check_batch_sharded_model_step(kind, quantization):
 
 
 def _check_batch_sharded_decoder(kind, quantization):
-  cfg = jaxfuse.DecoderConfig(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                              head_dim=16, intermediate_size=96, max_seq_len=24,
-                              quantization=quantization)
+  cfg = jaxfuse.DecoderConfig(**DECODER, quantization=quantization)
   x, w, cache = random_decoder_problem(cfg, 16, jnp.float32, 14)
   positions = jnp.arange(16, dtype=jnp.int32) % cfg.max_seq_len
   want_h, want_cache = jax.jit(jaxfuse.persistent_decoder, static_argnums=4)(
@@ -358,42 +364,12 @@ def _check_batch_sharded_decoder(kind, quantization):
       jax.jit(lambda c: jaxfuse.persistent_decoder(xs, ps, ws, c, cfg))(head_dims)
 
 
-def test_uneven_shards_inside_jit():
-  """On Auto axes the compiler may split a dimension the mesh does not divide (here by a
-  sharding constraint inside jit), padding the last shards: the norm must not count the
-  padding, and the step must still be optax's."""
-  mesh = make_mesh("fsdp", "auto")
-  params = random_tree(15, [(100, 3), (13,)])
-  grads = dict(zip(params, random_tree(16, [(100, 3), (13,)]).values()))
-  expected, _ = optax_reference(params, [grads])
-  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
-  split = lambda t: jax.tree.map(
-      lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("fsdp"))), t)
-
-  @functools.partial(jax.jit, in_shardings=NamedSharding(mesh, P()))  # inputs whole
-  def step(p, s, g):
-    p, g = split(p), split(jax.tree.map(lambda x: x * 1.0, g))
-    return jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True)
-
-  with jax.set_mesh(mesh):
-    text = step.lower(params, tx.init(params), grads).compile().as_text()
-    # The kernels run on 13-row shards (8 x 13 = 104 rows, 4 of padding) with one all-reduce;
-    # the outputs are gathered after them only because a jit output cannot be split unevenly.
-    adam = [line for line in text.splitlines() if 'custom_call_target="jaxfuse_adam"' in line]
-    assert len(adam) == 1 and "f32[13,3]" in adam[0] and "f32[100,3]" not in adam[0]
-    assert collectives(text)[1] == 1
-    new_p, _, norm = step(params, tx.init(params), grads)
-  exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in grads.values()))
-  np.testing.assert_allclose(float(norm), exact, rtol=ulp(jnp.float32))
-  assert_trees_close(new_p, expected, rtol=4 * ulp(jnp.float32), atol=0)
-
-
 def test_grads_split_otherwise_than_params(kind):
   """Gradients split along another dimension than the params: the params and moments keep their
   sharding (the gradients are resharded to it), values are optax's."""
   mesh = make_mesh("fsdp", kind)
   params = random_tree(17, [(64, 32), (16, 40)])
-  grads = dict(zip(params, random_tree(18, [(64, 32), (16, 40)]).values()))
+  grads = random_tree(18, [(64, 32), (16, 40)])
   expected, _ = optax_reference(params, [grads])
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), jaxfuse.adamw(LR, weight_decay=WD))
   p_specs = {"leaf0000": P("fsdp"), "leaf0001": P(None, "fsdp")}
@@ -414,16 +390,11 @@ def test_trust_ratio_families(mesh_name, kind, family):
   optax's; params and state keep their shardings; no all-gather, and one all-reduce per call
   besides the clip's."""
   mesh = make_mesh(mesh_name, kind)
-  params, specs = tree_and_specs(mesh_name, kind, 19)
-  grads = [dict(zip(params, random_tree(s, [jnp.shape(x) for x in params.values()]).values()))
-           for s in (20, 21)]
+  params, specs = tree_and_specs(mesh_name, 19)
+  grads = [grads_for(s, params) for s in (20, 21)]
   make = lambda m: (m.lamb(LR, weight_decay=WD) if family == "lamb"
                     else m.lars(0.5, weight_decay=WD, momentum=0.8))
-  to = optax.chain(optax.clip_by_global_norm(MAX_NORM), make(optax))
-  expected, state = params, to.init(params)
-  for g in grads:
-    u, state = to.update(g, state, expected)
-    expected = optax.apply_updates(expected, u)
+  expected, _ = optax_reference(params, grads, steps=2, opt=make(optax))
   tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), make(jaxfuse))
   with jax.set_mesh(mesh):
     p = put(params, mesh, specs)
@@ -437,38 +408,45 @@ def test_trust_ratio_families(mesh_name, kind, family):
   assert_trees_close(p, expected, rtol=8 * ulp(jnp.float32), atol=0, what="params")
 
 
-def test_trust_ratio_on_uneven_shards():
-  """The compiler's padding of an uneven split does not reach a leaf's sums."""
+@pytest.mark.parametrize("family,seed,kernel,ulps", [("adamw", 15, "jaxfuse_adam", 4),
+                                                     ("lamb", 22, "jaxfuse_lamb_trust_sums", 8)])
+def test_uneven_shards_inside_jit(family, seed, kernel, ulps):
+  """On Auto axes the compiler may split a dimension the mesh does not divide (here by a
+  sharding constraint inside jit), padding the last shards: the norm and LAMB's per-leaf sums
+  must not count the padding, and the step must still be optax's."""
   mesh = make_mesh("fsdp", "auto")
-  params = random_tree(22, [(100, 3), (13,)])
-  grads = dict(zip(params, random_tree(23, [(100, 3), (13,)]).values()))
-  tx, to = jaxfuse.lamb(LR, weight_decay=WD), optax.lamb(LR, weight_decay=WD)
-  u, _ = to.update(grads, to.init(params), params)
-  expected = optax.apply_updates(params, u)
+  params, grads = random_tree(seed, [(100, 3), (13,)]), random_tree(seed + 1, [(100, 3), (13,)])
+  make = lambda m: getattr(m, family)(LR, weight_decay=WD)
+  expected, _ = optax_reference(params, [grads], opt=make(optax))
+  tx = optax.chain(jaxfuse.clip_by_global_norm(MAX_NORM), make(jaxfuse))
   split = lambda t: jax.tree.map(
       lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("fsdp"))), t)
 
-  @functools.partial(jax.jit, in_shardings=NamedSharding(mesh, P()))
+  @functools.partial(jax.jit, in_shardings=NamedSharding(mesh, P()))  # inputs whole
   def step(p, s, g):
     p, g = split(p), split(jax.tree.map(lambda x: x * 1.0, g))
-    return jaxfuse.fused_step(tx, g, s, p)
+    return jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True)
 
   with jax.set_mesh(mesh):
     text = step.lower(params, tx.init(params), grads).compile().as_text()
-    sums = [line for line in text.splitlines()
-            if 'custom_call_target="jaxfuse_lamb_trust_sums"' in line]
-    assert len(sums) == 1 and "f32[13,3]" in sums[0] and "f32[100,3]" not in sums[0]
-    new_p, _ = step(params, tx.init(params), grads)
-  assert_trees_close(new_p, expected, rtol=8 * ulp(jnp.float32), atol=0)
+    # The kernels run on 13-row shards (8 x 13 = 104 rows, 4 of padding) with one all-reduce
+    # (and one of LAMB's sums); the outputs are gathered after them only because a jit output
+    # cannot be split unevenly.
+    calls = [line for line in text.splitlines() if f'custom_call_target="{kernel}"' in line]
+    assert len(calls) == 1 and "f32[13,3]" in calls[0] and "f32[100,3]" not in calls[0]
+    assert collectives(text)[1] == (2 if family == "lamb" else 1)
+    new_p, _, norm = step(params, tx.init(params), grads)
+  exact = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in grads.values()))
+  np.testing.assert_allclose(float(norm), exact, rtol=ulp(jnp.float32))
+  assert_trees_close(new_p, expected, rtol=ulps * ulp(jnp.float32), atol=0)
 
 
-def _bf16_step_on(mesh, kind, mesh_name, tx, steps=3):
+def _bf16_step_on(mesh, mesh_name, tx, steps=3):
   """`steps` fused steps of `tx` on bf16 params sharded as LEAVES says (or whole, mesh None):
   (params, state) on the host."""
-  params, specs = tree_and_specs(mesh_name, kind, 24)
+  params, specs = tree_and_specs(mesh_name, 24)
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  grads = [dict(zip(params, random_tree(s, [jnp.shape(x) for x in params.values()]).values()))
-           for s in range(25, 25 + steps)]
+  grads = [grads_for(s, params) for s in range(25, 25 + steps)]
   step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p))
   if mesh is None:
     p, s = params, tx.init(params)
@@ -488,8 +466,8 @@ def test_remainders_on_sharded_params(mesh_name, kind):
   """Element-wise, so the sharded masters are the unsharded ones bit for bit."""
   mesh = make_mesh(mesh_name, kind)
   tx = jaxfuse.adamw(LR, weight_decay=WD, master_weights="remainder")
-  p, s = _bf16_step_on(mesh, kind, mesh_name, tx)
-  p1, s1 = _bf16_step_on(None, kind, mesh_name, tx)
+  p, s = _bf16_step_on(mesh, mesh_name, tx)
+  p1, s1 = _bf16_step_on(None, mesh_name, tx)
   for a, b in zip(jax.tree.leaves(jaxfuse.master_params(p, s)),
                   jax.tree.leaves(jaxfuse.master_params(p1, s1))):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
@@ -501,9 +479,9 @@ def test_stochastic_rounding_on_sharded_params(mesh_name, kind):
   store the unsharded step's bits; the other shards other bits, the same in every run."""
   mesh = make_mesh(mesh_name, kind)
   tx = jaxfuse.adamw(LR, weight_decay=WD, stochastic_rounding=True, seed=3)
-  p, _ = _bf16_step_on(mesh, kind, mesh_name, tx)
-  again, _ = _bf16_step_on(mesh, kind, mesh_name, tx)
-  whole, _ = _bf16_step_on(None, kind, mesh_name, tx)
+  p, _ = _bf16_step_on(mesh, mesh_name, tx)
+  again, _ = _bf16_step_on(mesh, mesh_name, tx)
+  whole, _ = _bf16_step_on(None, mesh_name, tx)
   bits = lambda x: np.asarray(x).view(np.uint16)
   for (shape, spec), k in zip(LEAVES[mesh_name], p):
     np.testing.assert_array_equal(bits(p[k]), bits(again[k]))
@@ -629,9 +607,9 @@ def test_split_packed_state_every_family(variant):
 @pytest.mark.slow
 def test_split_packed_state_optax_protocol():
   """tx.update on a split state: every device's updates of its chunks, gathered (the large leaf
-  alone, the small ones one all-gather per updates dtype), as the unsplit protocol's within ulps (XLA may contract a multiply and
-  an add in one program and not the other); the new state stays split and converts to the
-  per-leaf one."""
+  alone, the small ones one all-gather per updates dtype), as the unsplit protocol's within ulps
+  (XLA may contract a multiply and an add in one program and not the other); the new state
+  stays split and converts to the per-leaf one."""
   mesh = make_mesh("fsdp", "explicit")
   params, grads = _split_problem(60)
 
@@ -705,7 +683,8 @@ def test_split_packed_state_where_steps_run():
   ref_params, _ = _run(_fused(adamw()), adamw(), params, grads)
   tx = adamw(packed="fsdp")
   with jax.set_mesh(mesh):
-    specs = jax.tree.map(lambda x: x.sharding.spec, tx.init(jax.device_put(params, NamedSharding(mesh, P()))))
+    whole = jax.device_put(params, NamedSharding(mesh, P()))
+    specs = jax.tree.map(lambda x: x.sharding.spec, tx.init(whole))
     manual = jax.jit(jax.shard_map(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p),
                                    in_specs=(P(), specs, P()), out_specs=(P(), specs),
                                    check_vma=False))

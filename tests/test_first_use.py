@@ -18,12 +18,12 @@ import pytest
 import jaxfuse
 from jaxfuse._core import notices
 from jaxfuse._optim.families import registered
+from lockstep import lockstep
 
 
 @pytest.mark.parametrize("call, match", [
     (lambda: jaxfuse.adamw("1e-3"), r"jaxfuse\.adamw: learning_rate='1e-3' is a str; expected a "
                                     r"float, an array or a schedule"),
-    (lambda: jaxfuse.adamw("abc"), r"learning_rate='abc' is a str"),
     (lambda: jaxfuse.adam(1e-3, b1="0.9"), r"jaxfuse\.adam: b1='0\.9' is a str; expected a float "
                                            r"or an array"),
     (lambda: jaxfuse.sgd(0.1, momentum=[0.9]), r"jaxfuse\.sgd: momentum=\[0\.9\] is a list"),
@@ -115,19 +115,9 @@ def test_the_donation_check_changes_nothing_jit_sees():
                    jaxfuse.adamw(optax.linear_schedule(1e-2, 0.0, 10)))
   reference = optax.chain(optax.clip_by_global_norm(1.0),
                           optax.adamw(optax.linear_schedule(1e-2, 0.0, 10)))
-  grads = lambda p: jax.tree.map(lambda x: jnp.cos(3.0 * x), p)
-  state = tx.init(params)
-  updates, state = tx.update(grads(params), state, params)  # the optax protocol: one count for both
-  ours = optax.apply_updates(params, updates)
-  ref_updates, ref_state = reference.update(grads(params), reference.init(params), params)
-  expected = optax.apply_updates(params, ref_updates)
-  step = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(1, 2))
-  for _ in range(2):
-    ours, state = step(grads(ours), state, ours)
-    ref_updates, ref_state = reference.update(grads(expected), ref_state, expected)
-    expected = optax.apply_updates(expected, ref_updates)
-  for name in params:  # float32 steps; the clip's norm is summed in float64 by jaxfuse
-    np.testing.assert_allclose(ours[name], expected[name], rtol=1e-6, atol=1e-6)
+  updates, state = tx.update(params, tx.init(params), params)  # the protocol: one count for both
+  ours, state = lockstep(tx, reference, optax.apply_updates(params, updates), 2, path="fused",
+                         state=state)
   vmapped = jax.vmap(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p), in_axes=(0, None, None))
-  batch = jax.tree.map(lambda p: jnp.stack([p, -p]), grads(ours))
+  batch = jax.tree.map(lambda p: jnp.stack([p, -p]), ours)
   assert vmapped(batch, state, ours)[0]["w"].shape == (2, 3, 40)

@@ -13,11 +13,10 @@ from helpers import assert_trees_close
 STEPS = 12
 
 
-def _txs(kind):
-  """(jaxfuse transform, optax transform) computing the same step."""
-  if kind == "adamw":
-    return jaxfuse.adamw(3e-3, weight_decay=0.1), optax.adamw(3e-3, weight_decay=0.1)
-  # max_norm below the gradients' norm: the clip is active on every step
+def _txs():
+  """(jaxfuse transform, optax transform) computing the same step, a chain (plain adamw in flax
+  is test_packed.py's and test_precision.py's). max_norm is below the gradients' norm: the clip
+  is active on every step."""
   return (optax.chain(jaxfuse.clip_by_global_norm(0.05), jaxfuse.adamw(3e-3, weight_decay=0.1)),
           optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(3e-3, weight_decay=0.1)))
 
@@ -28,8 +27,7 @@ def _batches(seed, n_in, n_out, batch=16):
            jnp.asarray(rng.standard_normal((batch, n_out), np.float32))) for _ in range(STEPS)]
 
 
-@pytest.mark.parametrize("kind", ["adamw", "clip+adamw"])
-def test_flax_linen_train_state(kind, device):
+def test_flax_linen_train_state(device):
   nn = pytest.importorskip("flax.linen")
   from flax.training import train_state
   import jaxfuse.flax
@@ -43,7 +41,7 @@ def test_flax_linen_train_state(kind, device):
   model = MLP()
   batches = _batches(1, 7, 3)
   params = jax.device_put(model.init(jax.random.key(0), batches[0][0])["params"], device)
-  jf_tx, optax_tx = _txs(kind)
+  jf_tx, optax_tx = _txs()
   # Each state its own buffers: the jaxfuse step donates its state.
   states = {"jaxfuse": jaxfuse.flax.TrainState.create(apply_fn=model.apply,
                                                       params=jax.tree.map(jnp.copy, params),
@@ -67,8 +65,7 @@ def test_flax_linen_train_state(kind, device):
   assert_trees_close(jf.opt_state, ref.opt_state, rtol=2e-5, atol=2e-7)
 
 
-@pytest.mark.parametrize("kind", ["adamw", "clip+adamw"])
-def test_flax_nnx_optimizer(kind, device):
+def test_flax_nnx_optimizer(device):
   nnx = pytest.importorskip("flax.nnx")
   import jaxfuse.flax
 
@@ -81,7 +78,7 @@ def test_flax_nnx_optimizer(kind, device):
     def __call__(self, x):
       return self.out(self.norm(jnp.tanh(self.hidden(x))))
 
-  jf_tx, optax_tx = _txs(kind)
+  jf_tx, optax_tx = _txs()
   with jax.default_device(device):
     models = {"jaxfuse": MLP(nnx.Rngs(0)), "optax": MLP(nnx.Rngs(0))}
     optimizers = {"jaxfuse": jaxfuse.flax.Optimizer(models["jaxfuse"], jf_tx, wrt=nnx.Param),
@@ -109,7 +106,7 @@ def test_equinox_filtered_fused_step(device):
   with jax.default_device(device):
     model = eqx.nn.MLP(7, 3, width_size=24, depth=2, activation=jnp.tanh, key=jax.random.key(3))
   params, static = eqx.partition(model, eqx.is_inexact_array)
-  jf_tx, optax_tx = _txs("clip+adamw")
+  jf_tx, optax_tx = _txs()
 
   def loss_fn(params, x, y):
     m = eqx.combine(params, static)

@@ -21,39 +21,45 @@ def instance(name="multi_tensor_kernel<4, ChunkOp<Adam, float, 2 states, plain>>
   return inst
 
 
-@pytest.mark.parametrize("registers,threads,shared,expected", [
-    (32, 256, 0, 100.0),   # 8 blocks of 8 warps
-    (64, 256, 0, 50.0),    # 65536 / (64 * 32) = 32 warps
-    (72, 256, 0, 37.5),    # 72 * 32 = 2304 per warp: 28 warps, 3 whole blocks
-    (97, 256, 0, 25.0),    # the fp32 Adam kernel of the first GPU run
-    (128, 256, 42292, 25.0),
-    (32, 1024, 0, 100.0),
-    (32, 256, 100_000, 25.0),  # shared memory binds: 2 blocks of 8 warps on an H100
+@pytest.mark.parametrize("arch,registers,threads,shared,expected", [
+    ("sm_90", 32, 256, 0, 100.0),   # 8 blocks of 8 warps
+    ("sm_90", 64, 256, 0, 50.0),    # 65536 / (64 * 32) = 32 warps
+    ("sm_90", 72, 256, 0, 37.5),    # 72 * 32 = 2304 per warp: 28 warps, 3 whole blocks
+    ("sm_90", 97, 256, 0, 25.0),    # the fp32 Adam kernel of the first GPU run
+    ("sm_90", 128, 256, 42292, 25.0),
+    ("sm_90", 32, 1024, 0, 100.0),
+    ("sm_90", 32, 256, 100_000, 25.0),  # shared memory binds: 2 blocks of 8 warps on an H100
+    ("sm_80", 32, 256, 100_000, 12.5),  # an A100 has less shared memory: 1 block
 ])
-def test_occupancy(registers, threads, shared, expected):
-  assert instance(registers=registers, threads=threads, shared=shared).occupancy == expected
+def test_occupancy(arch, registers, threads, shared, expected):
+  assert instance(arch=arch, registers=registers, threads=threads,
+                  shared=shared).occupancy == expected
 
 
-def test_a100_has_less_shared_memory():
-  h100 = instance(arch="sm_90", registers=32, shared=100_000)
-  a100 = instance(arch="sm_80", registers=32, shared=100_000)
-  assert (h100.occupancy, a100.occupancy) == (25.0, 12.5)
+RING_BUDGET = [kr.Budget("^k<", 128, 25, 0)]
+
+
+def ring(slab=16384, h100_slots=4):
+  """A ring of 16 KB slots (2 on an A100) whose copies fill `slab` bytes."""
+  return kr.Ring("^k<", {"sm_90": h100_slots, "sm_80": 2}, 16384, slab)
+
+
+def ring_kernel(arch="sm_90", slab=16384, h100_slots=4, sass=(), floors=()):
+  """k<bf16> (128 registers, 43376 B of static shared memory) with ring(slab, h100_slots), its
+  occupancy counting the ring, judged against RING_BUDGET and `floors`."""
+  inst = instance(name="k<bf16>", arch=arch, registers=128, shared=43376, sass=sass)
+  inst.ring = ring(slab, h100_slots)
+  inst.occupancy = kr.occupancy(inst)
+  kr.judge(inst, RING_BUDGET, [], floors)
+  return inst
 
 
 def test_a_ring_counts_in_occupancy_and_must_cover_littles_law():
-  ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 16384)
-  h100 = instance(name="k<bf16>", registers=128, shared=43376)
-  h100.ring = ring
-  assert kr.occupancy(h100) == 25.0  # 2 blocks of 43376 + 65536 bytes fit 228 KB
-  h100.ring = kr.Ring("^k<", {"sm_90": 5, "sm_80": 2}, 16384, 16384)
-  assert kr.occupancy(h100) == 12.5  # 5 slots do not
-  small = instance(name="k<bf16>", arch="sm_80", registers=128, shared=43376)
-  small.ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 4096)  # 1 x 4 KB x 2 blocks
-  small.occupancy = kr.occupancy(small)
-  kr.judge(small, [kr.Budget("^k<", 128, 25, 0)], [])
+  assert ring_kernel().occupancy == 25.0  # 2 blocks of 43376 + 65536 bytes fit 228 KB
+  assert ring_kernel(h100_slots=5).occupancy == 12.5  # 5 slots do not
+  small = ring_kernel(arch="sm_80", slab=4096)  # 1 x 4 KB x 2 blocks
   assert "its ring keeps 8 KB an SM in flight, below Little's law's 11 KB" in small.status
-  h100.ring, h100.occupancy = ring, 25.0
-  assert kr.in_flight(h100) == "0, 0 B; ring 3 x 16 KB: 96 KB/SM (5.5x)"
+  assert kr.in_flight(ring_kernel()) == "0, 0 B; ring 3 x 16 KB: 96 KB/SM (5.5x)"
   copies = instance(sass=sass_of(("LDGSTS.E.BYPASS.LTC128B.128", "[R3], desc[UR4][R4.64]"),
                                  ("LDGSTS.E.BYPASS.LTC128B.128", "[R3+0x10], desc[UR4][R6.64]")))
   assert (copies.async_copies, copies.loads) == (2, {})
@@ -63,23 +69,14 @@ def test_an_in_flight_floor_counts_the_ring_or_the_loads():
   """JF_KERNEL_IN_FLIGHT: the ring's slabs in flight per SM, or without a ring the deepest run of
   loads over the SM's resident threads, against a multiple of Little's law."""
   floor = [kr.InFlightFloor("^k<", 2.0, where="x.cu:1")]
-  budget = [kr.Budget("^k<", 128, 25, 0)]
-  ring = instance(name="k<bf16>", registers=128, shared=43376,
-                  sass=slab_loop_sass(["LDS.128"] * 60))
-  ring.ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 16384)
-  ring.occupancy = kr.occupancy(ring)
-  kr.judge(ring, budget, [], floor)  # 3 x 16 KB x 2 blocks: 5.5x
-  assert ring.status == "ok"
-  short = instance(name="k<bf16>", arch="sm_80", registers=128, shared=43376,
-                   sass=slab_loop_sass(["LDS.128"] * 60))
-  short.ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 8192)  # 1 x 8 KB x 2 blocks
-  short.occupancy = kr.occupancy(short)
-  kr.judge(short, budget, [], floor)
+  loop = slab_loop_sass(["LDS.128"] * 60)
+  assert ring_kernel(sass=loop, floors=floor).status == "ok"  # 3 x 16 KB x 2 blocks: 5.5x
+  short = ring_kernel(arch="sm_80", slab=8192, sass=loop, floors=floor)  # 1 x 8 KB x 2 blocks
   assert "16 KB an SM in flight (1.4x Little's law) < 2x (x.cu:1)" in short.status
   loads = instance(name="k<f32>", registers=128, sass=sass_of(
       ("LDG.E.128", "R4, desc[UR4][R2.64]"), ("LDG.E.128", "R8, desc[UR4][R12.64]"),
       ("FADD", "R0, R4, R8")))
-  kr.judge(loads, budget, [], floor)  # 32 B x 512 threads an SM: 16 KB, 0.9x
+  kr.judge(loads, RING_BUDGET, [], floor)  # 32 B x 512 threads an SM: 16 KB, 0.9x
   assert "16 KB an SM in flight (0.9x Little's law) < 2x" in loads.status
 
 
@@ -91,25 +88,19 @@ def slab_loop_sass(body):
 
 
 def test_a_ring_loop_must_issue_its_slabs_faster_than_hbm_delivers_them():
-  ring = kr.Ring("^k<", {"sm_90": 4, "sm_80": 2}, 16384, 16384)
   # 8 warps, 4 schedulers: a slab of 16 KB each 2 x cycles / 1.98 GHz; the H100's share of HBM
   # is 25.4 GB/s an SM.
-  lean = instance(name="k<bf16>", registers=128, shared=43376,
-                  sass=slab_loop_sass(["LDS.128"] * 60 + ["LOP3.LUT"] * 50 + ["IMAD"] * 40))
+  lean = ring_kernel(sass=slab_loop_sass(["LDS.128"] * 60 + ["LOP3.LUT"] * 50 + ["IMAD"] * 40))
   assert [(loop.instructions, loop.cycles) for loop in lean.slab_loops] == [(153, 153)]
-  converting = instance(name="k<bf16>", registers=128, shared=43376,
-                        sass=slab_loop_sass(["I2F.S8"] * 64 + ["LOP3.LUT"] * 300))
+  converting = ring_kernel(sass=slab_loop_sass(["I2F.S8"] * 64 + ["LOP3.LUT"] * 300))
   assert converting.slab_loops[0].cycles == 600  # its ALU ops bind, then its conversions (512)
-  for inst in (lean, converting):
-    inst.ring = ring
-    kr.judge(inst, [kr.Budget("^k<", 128, 25, 0)], [])
   assert lean.status == "ok"
   assert "slab loop 153 instr, 153 cycles: 106 GB/s an SM (4.2x HBM)" in kr.in_flight(lean)
   assert ("its slab loop issues 27 GB/s an SM, 1.1x the SM's share of HBM < 1.5x"
           in converting.status)
-  outside = instance(sass=[((), False, "DEPBAR.LE", None, "SB0, 0x0"), ((), False, "BRA", None, "")])
+  outside = instance(sass=sass_of(("DEPBAR.LE", "SB0, 0x0"), ("BRA", "")))
   assert outside.slab_loops == []  # no mma before the branch: not a slab loop
-  outside.ring = ring
+  outside.ring = ring()
   kr.judge(outside, [kr.Budget(r"\bChunkOp<", 128, 25, 0)], [])
   assert "no slab loop found in its SASS" in outside.status
 
@@ -195,7 +186,8 @@ def test_budgets_gaps_and_failures():
 
 def test_budgets_are_read_from_the_sources(tmp_path):
   budgets, gaps, floors = kr.read_budgets(kr.budget_sources("module.so"))
-  fixed = [b for b in budgets if b.pattern.startswith(r"\bChunkOp<") and b.pattern.endswith("params")]
+  fixed = [b for b in budgets
+           if b.pattern.startswith(r"\bChunkOp<") and b.pattern.endswith("params")]
   assert fixed and fixed[0].max_registers == 64 and fixed[0].min_occupancy == 50
   decoder = [b for b in budgets if b.pattern == "^decoder_kernel<"]
   assert decoder and decoder[0].max_local_bytes == 32

@@ -151,9 +151,10 @@ def test_every_python_block_is_run_or_marked_no_run():
 def test_readme_first_screen():
   """The README from its title to the two commands (what it is, install, use) fits one screen."""
   text = (ROOT / "README.md").read_text()
-  first = text[:text.index("## The two commands")].splitlines()
-  assert len(first) <= 45, f"the README's first screen is {len(first)} lines (at most 45)"
-  assert "## Install" in text and "python -m jaxfuse" in text
+  first = text[:text.index("## The two commands")]
+  lines = len(first.splitlines())
+  assert lines <= 45, f"the README's first screen is {lines} lines (at most 45)"
+  assert "## Install" in first and "python -m jaxfuse" in first
 
 
 @pytest.mark.parametrize("page", RUNNABLE_PAGES, ids=_rel)

@@ -3,7 +3,6 @@ HLO text, the ops' documented launches, byte bounds per parameter and XLA's cost
 
 import inspect
 import math
-import os
 import re
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from jaxfuse._core import ffi as _ffi
 from jaxfuse._optim.kernel_path import MAX_LEAVES_PER_CALL
 from jaxfuse._report import report as report_module
 from helpers import init_beside, random_decoder_problem, random_tree
+from test_readme import _subprocess_env
 
 SHAPES = [(3, 5), (7,), (), (0,), (33, 17), (4097,)]
 
@@ -65,8 +65,7 @@ def test_counts_equal_the_compiled_hlo(device):
     assert r.custom_calls == entry_ops(text, "custom-call")
     # A step without fusions has no fusion row; one with them must count them all.
     assert (rows["fusion"].runs if "fusion" in rows else 0) == entry_ops(text, "fusion")
-    assert r.xla_kernels == sum(row.runs for row in r.rows if not row.jaxfuse)
-    assert r.launches == r.xla_kernels + r.jaxfuse_launches  # no other custom calls here
+    assert r.custom_calls == r.jaxfuse_calls  # each custom call here is named jaxfuse's
     assert r.exact and r.platform == {"cpu": "cpu", "gpu": "cuda"}[device.platform]
   optax_report = jaxfuse.report(optax_step, p, os_, g)
   assert optax_report.custom_calls == 0 and optax_report.jaxfuse_launches == 0
@@ -95,11 +94,10 @@ def test_jaxfuse_launches_are_the_documented_ones(device, leaves):
 
 
 def test_norm_of_no_leaves_is_one_finishing_launch():
-  r = jaxfuse.report(jaxfuse.global_norm, {})
-  assert (r.jaxfuse_calls, r.jaxfuse_cuda_launches) in ((0, 0), (1, 1))
   # A zero-size leaf is no leaf to the kernel: no partials launch for it, the finish alone.
-  r = jaxfuse.report(jaxfuse.global_norm, {"a": jnp.zeros((0,), jnp.float32)})
-  assert (r.jaxfuse_calls, r.jaxfuse_cuda_launches) == (1, 1)
+  for tree in ({}, {"a": jnp.zeros((0,), jnp.float32)}):
+    r = jaxfuse.report(jaxfuse.global_norm, tree)
+    assert (r.jaxfuse_calls, r.jaxfuse_cuda_launches) == (1, 1)
 
 
 @pytest.mark.parametrize("dtype,adam_kwargs,state_per_param,step_per_param", [
@@ -133,8 +131,6 @@ def test_clipped_step_bytes_and_baseline_ratios(device):
   b = r.baseline
   assert b.label == "baseline" and b.jaxfuse_calls == 0
   ratios = r.ratios()
-  assert ratios["launches"] == pytest.approx(b.launches / r.launches)
-  assert ratios["bytes_moved"] == pytest.approx(b.bytes_moved / r.bytes_moved)
   if device.platform == "cpu":
     assert ratios["launches"] > 3 and ratios["bytes_moved"] > 1.2
   else:  # XLA's GPU fusions span leaves and read each buffer once per pass, as jaxfuse does
@@ -142,8 +138,6 @@ def test_clipped_step_bytes_and_baseline_ratios(device):
   # Without custom calls XLA's cost analysis exists and agrees with the report's own count.
   assert r.xla_cost_bytes is None
   assert b.bytes_moved == pytest.approx(b.xla_cost_bytes, rel=0.1)
-  same = jaxfuse.report(jf_step, p, s, g, baseline=(jf_step, (p, s, g))).ratios()
-  assert all(v == pytest.approx(1.0) for v in same.values())
 
 
 def test_memory_and_donation():
@@ -152,9 +146,7 @@ def test_memory_and_donation():
   undonated = jax.jit(lambda p, s, g: step(p, s, g))  # the inner donation cannot apply
   donated = jaxfuse.report(step, p, s, g)
   copied = jaxfuse.report(undonated, p, s, g)
-  m = donated.memory
-  assert donated.peak_bytes == m["argument"] + m["output"] - m["alias"] + m["temp"]
-  assert m["alias"] >= 3 * 4 * 256 * 256  # params, mu, nu updated in place
+  assert donated.memory["alias"] >= 3 * 4 * 256 * 256  # params, mu, nu updated in place
   assert copied.memory["alias"] == 0
   assert copied.peak_bytes - donated.peak_bytes >= 0.99 * 3 * 4 * 256 * 256  # fresh outputs
 
@@ -198,15 +190,6 @@ def test_decoder_step():
   assert floor < row.bytes_read < floor + model.embed.nbytes / 2
 
 
-def test_abstract_arguments_and_plain_functions():
-  shapes = [(4, 4), (3,)]
-  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-3))
-  params = {f"p{i}": jax.ShapeDtypeStruct(sh, jnp.float32) for i, sh in enumerate(shapes)}
-  state = jax.eval_shape(tx.init, params)
-  r = jaxfuse.report(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), params, state, params)
-  assert r.jaxfuse_cuda_launches == 3 and r.params == 19
-
-
 def test_table_and_names():
   step, optax_step, p, s, os_, g = adamw_steps([(8, 8)])
   r = report_module.report(step, p, s, g, baseline=(optax_step, (p, os_, g), {}))
@@ -215,6 +198,10 @@ def test_table_and_names():
                "optimizer state per param", "jaxfuse_adam", "jaxfuse_global_norm",
                "baseline / step"):
     assert line in text
+  # Abstract arguments (no arrays allocated) report the same step.
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (p, s, g))
+  a = jaxfuse.report(step, *abstract)
+  assert (a.jaxfuse_cuda_launches, a.params) == (r.jaxfuse_cuda_launches, r.params) == (3, 64)
   # Plain names: jaxfuse.report is the function (no callable module), Report its result type.
   assert jaxfuse.report is report_module.report and inspect.isfunction(jaxfuse.report)
   assert jaxfuse.Report is report_module.Report and isinstance(r, jaxfuse.Report)
@@ -242,11 +229,9 @@ def test_gpt2_command_line():
   """benchmarks/report_gpt2.py, run as a script (its own directory on sys.path, not the repo's):
   the jaxfuse under test goes on PYTHONPATH."""
   script = Path(__file__).resolve().parent.parent / "benchmarks" / "report_gpt2.py"
-  package_root = str(Path(jaxfuse.__file__).resolve().parent.parent)
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-      p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
-  out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)], env=env,
-                       capture_output=True, text=True, timeout=300, check=True)
+  out = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", str(script)],
+                       env=_subprocess_env(), capture_output=True, text=True, timeout=300,
+                       check=True)
   assert "jaxfuse" in out.stdout and "optax" in out.stdout
   launches = re.search(r"kernels launched per step\s+(\d+)\s+([\d,]+)", out.stdout)
   assert launches and int(launches.group(1)) < 10 < int(launches.group(2).replace(",", ""))
