@@ -472,7 +472,7 @@ def _protocol(tx, **kwargs):
 
 def jit_fused(tx, **kwargs):
   """A jitted fused step donating params and state, in the order of its outputs."""
-  return jax.jit(_fused(tx, **kwargs), donate_argnums=(0, 1))
+  return jit_step("fused", tx, donate=True, **kwargs)
 
 
 def jit_protocol(tx, **kwargs):
