@@ -7,7 +7,8 @@
 # tests/test_optax_suite.py, tests/test_generate.py, tests/test_hf.py, tests/test_prefill.py,
 # tests/test_readme.py, tests/test_build.py, tests/test_report.py, tests/test_sharding.py,
 # tests/test_kernel_report.py, the optimizer families' own files (tests/families/),
-# tests/test_precision.py, tests/test_moments8.py, tests/test_fused.py, tests/test_muon.py and
+# tests/test_precision.py, tests/test_moments8.py, tests/test_fused.py, tests/test_muon.py,
+# tests/test_first_use.py, tests/test_install.py, test_faults.py's checkpoint round trips and
 # most of tests/test_quantize.py's reference matrix.
 # Exit status 0 when every test passes with no sanitizer report.
 #   bash tools/sanitize.sh [pytest args]
@@ -49,14 +50,18 @@ echo "== sanitize: test suite against the sanitized CPU handlers"
 # handler calls test_adam.py and test_clip.py make here, and tools/cuda_on_cpu.sh steps
 # fused_step in every mode under this build. tests/test_muon.py's handler calls (Muon's element
 # pass beside AdamW's, master weights) run under this build in tools/cuda_on_cpu.sh too; the rest
-# of it is Newton-Schulz in XLA.
+# of it is Newton-Schulz in XLA. tests/test_first_use.py and tests/test_install.py check Python's
+# messages, the donation check and how the modules load (their handler calls are Adam steps that
+# tests/test_adam.py makes here), and test_faults.py's checkpoint round trips add serialization to
+# the steps its other cases run here.
 if [ $# -eq 0 ]; then
   keep="not test_kernel_matches_reference"
   keep+=" and not test_whole_model_step_with_quantized_head"
   keep+=" and not test_unclipped_chain_matches_optax and not test_architecture_features"
   keep+=" and not test_fused_step_over_several_calls"
+  keep+=" and not test_restored_run_is_bitwise_the_uninterrupted_run"
   set -- tests -n auto -m "not slow" --ignore=tests/test_cuda_on_cpu.py \
-    --ignore=tests/test_dtypes.py \
+    --ignore=tests/test_dtypes.py --ignore=tests/test_first_use.py --ignore=tests/test_install.py \
     --ignore=tests/test_frameworks.py --ignore=tests/test_optax_suite.py \
     --ignore=tests/test_generate.py --ignore=tests/test_hf.py --ignore=tests/test_prefill.py \
     --ignore=tests/test_readme.py --ignore=tests/test_build.py --ignore=tests/test_report.py \
