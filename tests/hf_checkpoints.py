@@ -1,12 +1,7 @@
-"""Tiny Hugging Face checkpoints for tests, and an independent NumPy forward pass of them.
-
-``write_checkpoint`` writes a random checkpoint folder in the Hugging Face format (config.json,
-safetensors with HF tensor names and ``[out, in]`` matrices, optionally sharded with an index)
-for LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM. ``hf_forward``
-computes the logits those checkpoints define, written from the transformers modeling code's
-semantics on the raw HF tensors in float64; it does not use jaxfuse, so agreeing with it checks
-the loader's tensor mapping, transposes and config reading, and the decoder's math, together.
-"""
+"""Tiny random Hugging Face checkpoints for tests (``write_checkpoint``), and ``hf_forward``: the
+logits they define, from the transformers modeling code's semantics on the raw HF tensors in
+float64 without jaxfuse, so agreeing with it checks the loader's tensor mapping, transposes and
+config reading, and the decoder's math, together."""
 
 import json
 import os
@@ -44,23 +39,19 @@ ROPES = {
 def make_config(arch, *, dtype="float32", tied=False, rope="default", config_style="old",
                 **config_overrides):
   """The config.json dict of a tiny checkpoint (see :func:`write_checkpoint` for the arguments)."""
-  if arch not in ARCHITECTURES:
-    raise ValueError(f"arch must be one of {ARCHITECTURES}, got {arch!r}")
+  assert arch in ARCHITECTURES and config_style in ("old", "new"), (arch, config_style)
   theta, scaling = ROPES[rope]
-  config = dict(
-      architectures=[arch], vocab_size=97, hidden_size=64, intermediate_size=96,
-      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      max_position_embeddings=128, rms_norm_eps=1e-6, hidden_act="silu",
-      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, **_ARCH_CONFIG[arch])
+  config = dict(architectures=[arch], vocab_size=97, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=128, rms_norm_eps=1e-6, hidden_act="silu",
+                tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2, **_ARCH_CONFIG[arch])
   if config_style == "old":  # transformers 4: rope_theta and rope_scaling (old "type" key)
     if scaling is not None and scaling["rope_type"] == "linear":
       scaling = dict(type="linear", factor=scaling["factor"])
     config.update(rope_theta=theta, rope_scaling=scaling, torch_dtype=dtype)
-  elif config_style == "new":  # transformers 5: rope_parameters holds theta too
+  else:  # "new", transformers 5: rope_parameters holds theta too
     config.update(rope_parameters={"rope_type": "default", "rope_theta": theta, **(scaling or {})},
                   dtype=dtype)
-  else:
-    raise ValueError(f"config_style must be 'old' or 'new', got {config_style!r}")
   config.update(config_overrides)
   return config
 
@@ -76,12 +67,8 @@ def make_tensors(config, *, dtype="float32", seed=0):
   hd = config.get("head_dim") or D // H
   arch = config["architectures"][0]
 
-  def matrix(out_dim, in_dim):
-    return rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)
-
-  def norm(dim):
-    return 1.0 + 0.1 * rng.standard_normal(dim)
-
+  matrix = lambda out_dim, in_dim: rng.standard_normal((out_dim, in_dim)) / np.sqrt(in_dim)
+  norm = lambda dim: 1.0 + 0.1 * rng.standard_normal(dim)
   tensors = {"model.embed_tokens.weight": 0.5 * rng.standard_normal((V, D)),
              "model.norm.weight": norm(D)}
   if not config.get("tie_word_embeddings", False):
@@ -109,9 +96,8 @@ def make_tensors(config, *, dtype="float32", seed=0):
 
 
 def save_tensors(directory, tensors, *, sharded=False):
-  """Writes ``tensors`` as ``model.safetensors``, or (``sharded``) as two shards
-  ``model-0000{1,2}-of-00002.safetensors`` with ``model.safetensors.index.json``; removes any
-  weights written before."""
+  """Writes ``tensors`` as model.safetensors, or (``sharded``) as two shards with an index, in
+  place of any weights written before."""
   for name in os.listdir(directory):
     if name.endswith(".safetensors") or name == "model.safetensors.index.json":
       os.remove(os.path.join(directory, name))
@@ -142,27 +128,16 @@ def read_config(directory):
 
 def write_checkpoint(directory, arch, *, dtype="float32", tied=False, sharded=False,
                      rope="default", config_style="old", seed=0, **config_overrides):
-  """Writes a tiny random Hugging Face checkpoint into ``directory`` (created if needed).
+  """Writes a tiny random checkpoint of ``arch`` (one of ARCHITECTURES) into ``directory``
+  (created if needed); returns its tensors, {HF name: NumPy array in ``dtype``}, ``[out, in]``.
 
   2 layers, hidden 64, 4 heads, 2 kv heads (head_dim 16; Qwen3: 32, so heads * head_dim !=
   hidden), intermediate 96, vocab 97, max_position_embeddings 128, rms_norm_eps 1e-6; Qwen2 has
-  q/k/v biases, Qwen3 per-head q/k norms.
-
-  Args:
-    directory: the checkpoint folder.
-    arch: one of :data:`ARCHITECTURES` (written to ``architectures[0]``).
-    dtype: "float32", "bfloat16" or "float16": the stored tensors and ``torch_dtype``/``dtype``.
-    tied: ``tie_word_embeddings`` (no lm_head.weight is written when tied).
-    sharded: two shards plus model.safetensors.index.json instead of model.safetensors.
-    rope: "default", "llama3" or "linear" (see :data:`ROPES`).
-    config_style: "old" (``rope_theta``, ``rope_scaling`` with the old "type" key for linear,
-      ``torch_dtype``) or "new" (transformers 5: ``rope_parameters`` with theta, ``dtype``).
-    seed: the random seed of the tensors.
-    **config_overrides: config.json fields set last (shapes follow them, e.g.
-      ``num_key_value_heads=4``).
-
-  Returns:
-    The written tensors, {HF name: NumPy array in ``dtype``} (``[out, in]`` matrices).
+  q/k/v biases, Qwen3 per-head q/k norms. ``dtype``: the stored tensors' and config.json's;
+  ``tied``: no lm_head.weight; ``sharded``: two shards and an index; ``rope``: a key of ROPES;
+  ``config_style``: "old" (transformers 4: rope_theta, rope_scaling with the old "type" key for
+  linear, torch_dtype) or "new" (transformers 5: rope_parameters with theta, dtype);
+  ``config_overrides``: config.json fields set last (shapes follow them).
   """
   os.makedirs(directory, exist_ok=True)
   config = make_config(arch, dtype=dtype, tied=tied, rope=rope, config_style=config_style,
@@ -210,32 +185,15 @@ def _rotate_half(x):
 
 
 def hf_forward(tensors, config, tokens):
-  """The logits of a Hugging Face Llama/Mistral/Qwen2/Qwen3 checkpoint, in float64 NumPy.
-
-  A causal forward pass from position 0, as transformers computes it: ``x @ W.T (+ b)``,
-  RMSNorm ``x / sqrt(mean(x^2) + eps) * w``, Qwen3's per-head q/k RMSNorm before RoPE,
-  rotate-half RoPE (:func:`hf_rope_inv_freq`), grouped-query attention (query head j reads kv
-  head j // (H / KV)), SwiGLU MLP, final norm, and the lm_head (or the embedding when
-  ``tie_word_embeddings``). Attention is full causal attention: config.json's sliding window, if
-  any, is not applied (the same for prompts no longer than the window).
-
-  Args:
-    tensors: {HF name: array} as :func:`write_checkpoint` returns (any float dtype).
-    config: the config.json dict.
-    tokens: int [B, T].
-
-  Returns:
-    float64 logits [B, T, vocab].
-  """
-  def w(name):
-    return np.asarray(tensors[name], np.float64)
-
-  def linear(x, prefix):
-    y = x @ w(prefix + ".weight").T
-    return y + w(prefix + ".bias") if prefix + ".bias" in tensors else y
-
-  tokens = np.asarray(tokens)
-  B, T = tokens.shape
+  """float64 logits [B, T, vocab] of a checkpoint's ``tensors`` (as write_checkpoint returns)
+  and ``config`` (config.json's dict) over int ``tokens`` [B, T], causal from position 0 as
+  transformers computes it: ``x @ W.T (+ b)``, RMSNorm, Qwen3's per-head q/k RMSNorm before
+  RoPE, rotate-half RoPE, grouped-query attention (query head j reads kv head j // (H / KV)),
+  SwiGLU MLP, final norm, the lm_head (or the tied embedding). No sliding window: the same for
+  prompts no longer than the window."""
+  w = lambda name: np.asarray(tensors[name], np.float64)
+  linear = lambda x, p: x @ w(p + ".weight").T + (w(p + ".bias") if p + ".bias" in tensors else 0)
+  B, T = np.shape(tokens)
   D, H = config["hidden_size"], config["num_attention_heads"]
   KV = config.get("num_key_value_heads") or H
   hd = config.get("head_dim") or D // H
@@ -258,8 +216,7 @@ def hf_forward(tensors, config, tokens):
       q = _rms_norm(q, w(p + "self_attn.q_norm.weight"), eps)
       k = _rms_norm(k, w(p + "self_attn.k_norm.weight"), eps)
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))  # [B, heads, T, hd]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = (t * cos + _rotate_half(t) * sin for t in (q, k))
     k, v = np.repeat(k, H // KV, axis=1), np.repeat(v, H // KV, axis=1)  # repeat_kv
     scores = np.where(causal, q @ k.transpose(0, 1, 3, 2) / np.sqrt(hd), -np.inf)
     probs = np.exp(scores - scores.max(axis=-1, keepdims=True))

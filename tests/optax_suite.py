@@ -1,13 +1,10 @@
 """Loads optax's own test files from the installed optax package, with jaxfuse swapped in.
 
-Why: optax's tests are the reference for what "optax-compatible" means, and they change with
-optax. Copying them into this repository would freeze them; instead each test file is read from
-the installed package at test time, cut down to the requested test classes and methods (so code
-that needs extras we do not install, such as sklearn, is never imported), and executed as a
-private module whose names (e.g. `alias`, `_clipping`, `optax`) are proxies that answer with
-jaxfuse's transforms where asked and with optax's own objects otherwise.
-
-Line numbers are kept, so a failure's traceback points at the right line of optax's file.
+optax's tests define "optax-compatible" and change with optax, so they are not copied here: each
+file is read from the installed package, cut down to the requested classes and methods (code
+needing extras we do not install, such as sklearn, is never imported), and run as a private
+module whose names (`alias`, `_clipping`, `optax`) are proxies answering with jaxfuse's
+transforms where asked and optax's objects otherwise. Line numbers are kept for tracebacks.
 """
 
 import ast
@@ -27,11 +24,9 @@ Overrides = Mapping[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class Keep:
-  """Keeps the elements of a module-level tuple/list literal whose `field` is in `values`.
-
-  `field` is a dict key (for dict elements) or an index (for tuple/list elements); that field
-  must be a literal. Every value must match some element, so a rename in optax fails loudly
-  instead of silently emptying the suite."""
+  """Keeps the elements of a module-level tuple/list literal whose `field` (a dict key, or an
+  index into a tuple/list; a literal) is in `values`. Every value must match some element, so a
+  rename in optax fails loudly instead of silently emptying the suite."""
   field: Any
   values: frozenset
 
@@ -46,7 +41,6 @@ class Keep:
 
 
 def keep(field: Any, values: Iterable[Any]) -> Keep:
-  """Keep(field, values) with `values` as a frozenset."""
   return Keep(field, frozenset(values))
 
 
@@ -100,11 +94,10 @@ def bound_names(node: ast.stmt) -> set:
     return set(map(imported_name, node.names))
   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
     return {node.name}
-  targets = {ast.Assign: lambda n: n.targets, ast.AnnAssign: lambda n: [n.target],
-             ast.AugAssign: lambda n: [n.target]}.get(type(node))
-  if targets is None:
+  if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
     return set()
-  return {n.id for t in targets(node) for n in ast.walk(t) if isinstance(n, ast.Name)}
+  targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+  return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
 
 
 def used_names(node: ast.AST) -> set:
@@ -147,11 +140,9 @@ def filter_assignment(node: ast.stmt, rule: Keep) -> None:
 
 def select_statements(body: list, classes: Mapping[str, Optional[Iterable[str]]],
                       filters: Mapping[str, Keep]) -> tuple[list, set]:
-  """(statements, names they read): the module body cut down to the requested classes and
-  what they need, transitively.
-
-  Test classes not requested are dropped, and so is any function, class or assignment that
-  only they used; imports are decided later, once the kept code is known."""
+  """(statements, names they read): the module body cut down to the requested classes and what
+  they need, transitively (what only unrequested test classes use is dropped; imports are
+  decided later, once the kept code is known)."""
   body = [s for s in body if not is_main_guard(s)
           and not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
   found = {s.name for s in body if isinstance(s, ast.ClassDef)}
@@ -195,21 +186,16 @@ def prune_imports(body: list, needed: set, swapped: Iterable[str]) -> list:
   return out
 
 
-def _one(stmt: ast.stmt, alias: ast.alias) -> ast.stmt:
-  """A copy of an import statement that imports only `alias`."""
-  node = type(stmt)(**{**{f: getattr(stmt, f) for f in stmt._fields}, "names": [alias]})
-  return ast.copy_location(node, stmt)
-
-
 def real_module(body: list, name: str, package: str) -> types.ModuleType:
-  """What the file's own import of `name` binds, found by running just that import."""
+  """What the file's own import of `name` binds, found by running just that import (a copy of
+  its statement that imports only `name`)."""
   for stmt in body:
-    if isinstance(stmt, IMPORTS):
-      for alias in stmt.names:
-        if imported_name(alias) == name:
-          scope = {"__name__": f"{package}.__scratch__", "__package__": package}
-          exec(compile(ast.Module([_one(stmt, alias)], []), "<import>", "exec"), scope)
-          return scope[name]
+    for alias in stmt.names if isinstance(stmt, IMPORTS) else ():
+      if imported_name(alias) == name:
+        one = type(stmt)(**{**{f: getattr(stmt, f) for f in stmt._fields}, "names": [alias]})
+        scope = {"__name__": f"{package}.__scratch__", "__package__": package}
+        exec(compile(ast.Module([ast.copy_location(one, stmt)], []), "<import>", "exec"), scope)
+        return scope[name]
   raise LookupError(f"the file imports no module as {name!r} to override")
 
 
@@ -234,20 +220,17 @@ def load(relpath: str, classes: Mapping[str, Optional[Iterable[str]]], *,
   tree.body = prune_imports(body, needed, proxies)
   name = "_jaxfuse_optax_suite_" + re.sub(r"\W", "_", relpath.removesuffix(".py"))
   module = types.ModuleType(name, f"optax/{relpath}, as loaded by {__name__}")
-  module.__file__ = str(path)
-  module.__dict__.update(proxies)
+  module.__dict__.update(proxies, __file__=str(path))
   sys.modules[name] = module  # before running it, as importlib does (dataclasses look it up)
   exec(compile(tree, str(path), "exec"), module.__dict__)
   return module
 
 
 def generated_params(cls: type) -> dict:
-  """{generated method name: its parameters as a dict} for absl parameterized tests.
-
-  absl records, for each generated method, the repr of its keyword parameters in the class's
-  `_test_params_reprs` (e.g. "(opt_name='adam', dtype='float32')"; it is what absl prints in
-  test ids). Classes and functions among them stand as their names ("complex64",
-  "_setup_parabola"); cases with other non-literal parameters are left out."""
+  """{generated method name: its parameters as a dict} for absl parameterized tests, read from
+  the class's `_test_params_reprs` (absl's repr of each method's keyword parameters, as in its
+  test ids: "(opt_name='adam', dtype='float32')"). Classes and functions among them stand as
+  their names ("complex64", "_setup_parabola"); other non-literal parameters' cases are left out."""
   out = {}
   for method, text in getattr(cls, "_test_params_reprs", {}).items():
     text = re.sub(r"<class '(?:[\w.]+\.)?(\w+)'>|<function (\w+) at 0x[0-9a-f]+>",

@@ -13,12 +13,11 @@ import pytest
 import jaxfuse
 from jaxfuse._optim import kernel_path as _kernel_path
 from helpers import assert_trees_close, count_custom_calls, normal_grads, random_tree, ulp
-from lockstep import jit_fused, lockstep, training_params
+from lockstep import jit_fused, jit_step, lockstep, training_params
 
-F32_EPS = ulp(jnp.float32)
 # One step of Adam is ~10 fp32 operations; XLA and the kernel may differ in FMA contraction and
 # in pow(): a few ulp of the result per step.
-STEP_RTOL = 16 * F32_EPS
+STEP_RTOL = 16 * ulp(jnp.float32)
 
 
 @pytest.mark.slow
@@ -30,9 +29,7 @@ def test_large_leaf(device):
 def test_fused_step_updates_in_place(device):
   params = random_tree(8, [(1000,), (33, 3)], device=device)
   tx = jaxfuse.adamw(1e-2)
-  state = tx.init(params)
-  step = jit_fused(tx)
-  g = normal_grads(0, params)
+  state, step, g = tx.init(params), jit_fused(tx), normal_grads(0, params)
   params, state = step(params, state, g)  # first call: buffers now owned by the step's outputs
   before = [x.unsafe_buffer_pointer() for x in jax.tree.leaves((params, state[0].mu, state[0].nu))]
   params, state = step(params, state, g)
@@ -42,9 +39,6 @@ def test_fused_step_updates_in_place(device):
   text = step.lower(params, state, g).compile().as_text()
   assert count_custom_calls(text, "jaxfuse_adam") == 1
   assert not [l for l in text.splitlines() if " copy(" in l and "f32[1000]" in l], text
-
-
-# ---- optax wrappers -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("wrapper", ["chain", "multi_steps"])
@@ -58,9 +52,6 @@ def test_inside_optax_wrappers(device, wrapper):
     with jax.enable_x64(True):  # the twin's accumulator as wide as the reference (lockstep.py)
       twin = optax.MultiSteps(optax.adamw(1e-2), 3, accumulator_dtype=jnp.float64)
     lockstep(optax.MultiSteps(jaxfuse.adamw(1e-2), 3), twin, params, 6, path="optax")
-
-
-# ---- bad input ----------------------------------------------------------------------------
 
 
 def test_rejects_integer_grads_and_a_state_of_other_params():
@@ -85,8 +76,7 @@ def test_vmap_over_an_ensemble(device):
   tf, to = jaxfuse.adamw(1e-2), optax.adamw(1e-2)
   uf, sf = jax.jit(jax.vmap(tf.update))(grads, jax.vmap(tf.init)(params), params)
   uo, so = jax.vmap(to.update)(grads, jax.vmap(to.init)(params), params)
-  assert_trees_close(uf, uo, rtol=STEP_RTOL, atol=0)
-  assert_trees_close(sf, so, rtol=STEP_RTOL, atol=0)
+  assert_trees_close((uf, sf), (uo, so), rtol=STEP_RTOL, atol=0)
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.float32, jnp.bfloat16])
@@ -97,8 +87,7 @@ def test_update_dtypes_match_optax(device, param_dtype, grad_dtype, mu_dtype):
   params = random_tree(23, [(7,), (3, 4)], dtype=param_dtype, device=device)
   grads = random_tree(30, [(7,), (3, 4)], dtype=grad_dtype, scale=0.5, device=device)
   tf, to = jaxfuse.adamw(1e-2, mu_dtype=mu_dtype), optax.adamw(1e-2, mu_dtype=mu_dtype)
-  uf, _ = tf.update(grads, tf.init(params), params)
-  uo, _ = to.update(grads, to.init(params), params)
+  uf, uo = (tx.update(grads, tx.init(params), params)[0] for tx in (tf, to))
   assert [x.dtype for x in jax.tree.leaves(uf)] == [x.dtype for x in jax.tree.leaves(uo)]
   # A few ulp of the least precise dtype the step stores (params, grads or moments) apart.
   coarsest = max(ulp(d) for d in (param_dtype, grad_dtype, mu_dtype or param_dtype))
@@ -108,8 +97,8 @@ def test_update_dtypes_match_optax(device, param_dtype, grad_dtype, mu_dtype):
 def test_fused_step_over_several_calls(device, monkeypatch):
   """More leaves than one FFI call takes: every call updates its leaves in place, with clipping
   and the non-finite skip deciding for the whole tree. The calls are cut at 16 leaves here (the
-  same splitting at a size that compiles in seconds); test_report.py and families/test_trust_ratio.py step
-  trees past the real MAX_LEAVES_PER_CALL."""
+  same splitting at a size that compiles in seconds); test_report.py and
+  families/test_trust_ratio.py step trees past the real MAX_LEAVES_PER_CALL."""
   monkeypatch.setattr(_kernel_path, "MAX_LEAVES_PER_CALL", 16)
   # Sizes 1 to 49, five of them: the calls' boundaries cut odd sizes, and the reference's
   # operations on five shapes compile once each (lockstep.py evaluates them one by one).
@@ -137,8 +126,7 @@ def test_grad_scale_without_skip(device):
   S = jnp.float32(1024.0)
   g_scaled = jax.tree.map(lambda x: x * S, g)
   tf, to = jaxfuse.adamw(1e-2), optax.adamw(1e-2)
-  fn = lambda p, s, g: jaxfuse.fused_step(tf, g, s, p, grad_scale=S)
-  lowered = jax.jit(fn).lower(params, tf.init(params), g_scaled)
+  lowered = jit_step("fused", tf, grad_scale=S).lower(params, tf.init(params), g_scaled)
   assert count_custom_calls(lowered.as_text(), "jaxfuse_global_norm") == 0
   assert count_custom_calls(lowered.as_text(), "jaxfuse_adam") == 1
   pf, _ = lowered.compile()(params, tf.init(params), g_scaled)

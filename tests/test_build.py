@@ -31,10 +31,11 @@ def build_version(monkeypatch, tmp_path):
 
 
 def fake_nvcc(directory, release):
-  """An executable `nvcc` whose --version reports `release` (e.g. '12.8')."""
+  """An executable `nvcc` whose --version reports `release` (e.g. '12.8'); None: one that fails."""
   directory.mkdir(parents=True, exist_ok=True)
   nvcc = directory / "nvcc"
-  nvcc.write_text("#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
+  nvcc.write_text("#!/bin/sh\nexit 1\n" if release is None else
+                  "#!/bin/sh\necho 'nvcc: NVIDIA (R) Cuda compiler driver'\n"
                   f"echo 'Cuda compilation tools, release {release}, V{release}.1'\n")
   nvcc.chmod(0o755)
   return nvcc
@@ -61,10 +62,7 @@ def test_label_refuses_what_cmake_would_refuse(build_version, monkeypatch, tmp_p
   monkeypatch.setenv("JAXFUSE_CUDA", "ON")
   with pytest.raises(RuntimeError, match=r"JAXFUSE_CUDA=ON needs a CUDA compiler: none found"):
     build_version.cuda_label()
-  broken = tmp_path / "nvcc"
-  broken.write_text("#!/bin/sh\nexit 1\n")
-  broken.chmod(0o755)
-  monkeypatch.setenv("CUDACXX", str(broken))
+  monkeypatch.setenv("CUDACXX", str(fake_nvcc(tmp_path, None)))
   with pytest.raises(RuntimeError, match=r"did not run"):
     build_version.cuda_label()
   for auto in ("AUTO", ""):  # exported but empty: AUTO (CMakeLists.txt reads it so too)

@@ -9,11 +9,13 @@ import optax
 import pytest
 
 import jaxfuse
-from helpers import assert_trees_close, count_custom_calls, init_beside, random_tree, ulp
-from lockstep import lockstep
+from helpers import (assert_trees_close, count_custom_calls, init_beside, normal_grads,
+                     random_tree, ulp)
+from lockstep import jit_fused, lockstep
 
 SHAPES = [(), (0,), (1,), (3,), (1023,), (65537,), (3, 7, 5)]
 F32_EPS = ulp(jnp.float32)
+CLIP_ADAMW = lambda m: optax.chain(m.clip_by_global_norm(1.0), m.adamw(1e-2))  # m: jaxfuse, optax
 
 
 def _np_norm(tree, scale=1.0):
@@ -24,8 +26,8 @@ def _np_norm(tree, scale=1.0):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, "mixed"])
 def test_global_norm_matches_optax(device, dtype):
-  dts = [jnp.float32, jnp.bfloat16, jnp.float16] * 3 if dtype == "mixed" else dtype
-  tree = random_tree(0, SHAPES, dtype=dts if dtype != "mixed" else dts[:len(SHAPES)], device=device)
+  dts = ([jnp.float32, jnp.bfloat16, jnp.float16] * 3)[:len(SHAPES)] if dtype == "mixed" else dtype
+  tree = random_tree(0, SHAPES, dtype=dts, device=device)
   norm = jax.jit(jaxfuse.global_norm)(tree)
   assert norm.dtype == jnp.float32 and norm.shape == ()
   # Both norms in float64 from exact squares (16- and 32-bit values square exactly): each sum
@@ -33,7 +35,7 @@ def test_global_norm_matches_optax(device, dtype):
   # float32 rounding, eps32 / 2. First order eps32 / 2 + (n + 2) * eps64 / 2; twice the float64
   # part covers the second-order terms.
   n = sum(x.size for x in jax.tree.leaves(tree))
-  eps64 = float(np.finfo(np.float64).eps)
+  eps64 = ulp(jnp.float64)
   np.testing.assert_allclose(float(norm), _np_norm(tree), rtol=F32_EPS / 2 + (n + 2) * eps64)
   if dtype == jnp.float32:
     # optax sums the squares in float32: ~n * eps32 relative in the worst case, ~sqrt(n) typical.
@@ -43,10 +45,9 @@ def test_global_norm_matches_optax(device, dtype):
 
 def test_global_norm_is_deterministic(device):
   tree = random_tree(1, [(3_000_001,), (77,), (1000, 3)], device=device)
-  a = jax.jit(jaxfuse.global_norm)(tree)
-  b = jax.jit(jaxfuse.global_norm)(tree)
-  c = jaxfuse.global_norm(tree)
-  assert np.asarray(a).tobytes() == np.asarray(b).tobytes() == np.asarray(c).tobytes()
+  norms = [jax.jit(jaxfuse.global_norm)(tree), jax.jit(jaxfuse.global_norm)(tree),
+           jaxfuse.global_norm(tree)]
+  assert len({np.asarray(x).tobytes() for x in norms}) == 1
 
 
 def test_global_norm_empty_and_zero(device):
@@ -67,15 +68,12 @@ def test_global_norm_fp16_no_overflow(device):
 
 def test_global_norm_with_grad_scale(device):
   tree = random_tree(3, [(100,), (3, 3)], device=device)
-  scale = jnp.float32(1024.0)
-  np.testing.assert_allclose(float(jaxfuse.global_norm(tree, grad_scale=scale)),
+  np.testing.assert_allclose(float(jaxfuse.global_norm(tree, grad_scale=jnp.float32(1024.0))),
                              _np_norm(tree, 1024.0), rtol=1e-6)
 
 
 def _grads_with_norm(seed, params, target_norm):
-  g = random_tree(seed, [p.shape for p in jax.tree.leaves(params)],
-                  device=jax.tree.leaves(params)[0].devices().pop())
-  g = jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(g))
+  g = normal_grads(seed, params)
   return jax.tree.map(lambda x: x * (target_norm / _np_norm(g)), g)
 
 
@@ -93,8 +91,7 @@ def test_clip_at_threshold(device):
 def test_clip_zero_gradients(device):
   g = jax.device_put({"a": jnp.zeros((7,)), "b": jnp.zeros(())}, device)
   uf, _ = jaxfuse.clip_by_global_norm(1.0).update(g, optax.EmptyState())
-  for a in jax.tree.leaves(uf):
-    assert np.all(np.asarray(a) == 0)
+  assert all(np.all(np.asarray(a) == 0) for a in jax.tree.leaves(uf))
 
 
 @pytest.mark.parametrize("path", ["optax", "fused"])
@@ -111,8 +108,7 @@ def test_fused_clip_step_launches_and_no_host_traffic(device):
   params = random_tree(9, [(64,), (8, 8), ()], device=device)
   tx = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(optax.cosine_decay_schedule(1e-3, 100)))
   state = init_beside(tx, params)
-  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p, return_grad_norm=True),
-                 donate_argnums=(0, 1))
+  step = jit_fused(tx, return_grad_norm=True)
   g = jax.tree.map(lambda x: x * 10, params)
   lowered = step.lower(params, state, g)
   compiled_text = lowered.compile().as_text()
@@ -132,14 +128,12 @@ def test_fused_clip_step_launches_and_no_host_traffic(device):
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
 def test_nonfinite_without_skip_matches_optax(device, bad):
   params = random_tree(10, [(9,), (2, 2)], device=device)
-  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2))
-  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  tf, to = CLIP_ADAMW(jaxfuse), CLIP_ADAMW(optax)
   g = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(bad), _grads_with_norm(11, params, 2.0))
   pf, sf = jax.jit(lambda p, s, g: jaxfuse.fused_step(tf, g, s, p))(params, tf.init(params), g)
   uo, so = to.update(g, to.init(params), params)
   po = optax.apply_updates(params, uo)
-  assert_trees_close(pf, po, rtol=1e-6, atol=0)  # NaNs in the same places
-  assert_trees_close(sf, so, rtol=1e-6, atol=0)
+  assert_trees_close((pf, sf), (po, so), rtol=1e-6, atol=0)  # NaNs in the same places
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
@@ -150,13 +144,11 @@ def test_loss_scaling(device, dtype):
   g = _grads_with_norm(18, params, 4.0)
   g_scaled = jax.tree.map(lambda x: (x * S).astype(dtype), g)
   g_ref = jax.tree.map(lambda x: x.astype(jnp.float32) / S, g_scaled)  # what the kernel sees
-  tf = optax.chain(jaxfuse.clip_by_global_norm(1.0), jaxfuse.adamw(1e-2))
-  to = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-  pf, sf, norm = jax.jit(lambda p, s, g, c: jaxfuse.fused_step(tf, g, s, p, grad_scale=c,
+  tf, to = CLIP_ADAMW(jaxfuse), CLIP_ADAMW(optax)
+  pf, _, norm = jax.jit(lambda p, s, g, c: jaxfuse.fused_step(tf, g, s, p, grad_scale=c,
                                                               return_grad_norm=True))(
       params, tf.init(params), g_scaled, jnp.float32(S))
-  uo, so = to.update(g_ref, to.init(params), params)
-  po = optax.apply_updates(params, uo)
+  po = optax.apply_updates(params, to.update(g_ref, to.init(params), params)[0])
   np.testing.assert_allclose(float(norm), float(optax.tree.norm(g_ref)), rtol=1e-5)
   assert_trees_close(pf, po, rtol=64 * F32_EPS, atol=0)
   # The optax protocol with the grad_scale extra argument gives the same step.

@@ -14,7 +14,7 @@ from jaxfuse import (DecoderConfig, DecoderWeights, KVCache, RopeScaling, decode
                      persistent_decoder)
 from jaxfuse._core import ffi as _ffi
 from helpers import (DECODER_TOL, SPLIT_CONFIG, assert_bitwise_equal,
-                     assert_decoder_matches_reference, assert_timeline_in_order,
+                     assert_decoder_matches_reference, assert_timeline_in_order, f32,
                      fused_decoder as fused, random_decoder_problem, reference_decoder as reference,
                      rel_err, small_decoder_problem as _small, stable_seed)
 
@@ -22,6 +22,12 @@ from helpers import (DECODER_TOL, SPLIT_CONFIG, assert_bitwise_equal,
 def positions_for(batch, S):
   base = [0, S - 1, S // 2, 1, S - 2, 3, S // 3, 2]
   return np.array([base[i % len(base)] for i in range(batch)], np.int32)
+
+
+def assert_near_ref(step, ref, dtype=jnp.float32):
+  """A step's (out, cache) within DECODER_TOL of the reference's: the output and the new keys."""
+  assert rel_err(step[0], ref[0]) < DECODER_TOL[dtype]
+  assert rel_err(step[1].k, ref[1].k) < DECODER_TOL[dtype]
 
 
 # (num_layers, hidden, heads, kv_heads, head_dim, intermediate, max_seq_len)
@@ -85,48 +91,36 @@ LLAMA3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor
     ids=["qkv_bias", "qk_norm", "llama3_rope", "all"])
 def test_architecture_features(device, features, dtype):
   cfg = DecoderConfig(2, 64, 8, 2, 32, 96, 200, rope_theta=500000.0, **features)
-  batch = 3
-  x, w, cache = random_decoder_problem(cfg, batch, dtype, seed=stable_seed(str(features)),
+  x, w, cache = random_decoder_problem(cfg, 3, dtype, seed=stable_seed(str(features)),
                                        device=device)
   w = w._replace(wk=w.wk * 3)  # keys of RMS ~3, so that the per-head k RMSNorm matters
   pos = jax.device_put(np.array([0, 70, 199], np.int32), device)
   _, new = assert_decoder_matches_reference(x, pos, w, cache, cfg, dtype)
-  rows = np.arange(batch)
   # Each feature changes the new keys (the kernel does not ignore it).
-  plain = DecoderConfig(2, 64, 8, 2, 32, 96, 200, rope_theta=500000.0)
+  plain = dataclasses.replace(cfg, qkv_bias=False, qk_norm=False, rope_scaling=None)
   _, plain_cache = reference(x, pos, w._replace(q_bias=None, k_bias=None, v_bias=None, q_norm=None,
                                                 k_norm=None), cache, plain)
-  new_keys = (np.asarray(c.k, np.float32)[:, rows, np.asarray(pos)] for c in (new, plain_cache))
+  new_keys = (f32(c.k)[:, np.arange(3), np.asarray(pos)] for c in (new, plain_cache))
   assert rel_err(*new_keys) > 10 * DECODER_TOL[dtype]
 
 
 def test_rope_scaling_rules():
   """The frequency table of each rule, against the rule written out element by element."""
-  base = DecoderConfig(1, 64, 4, 4, 128, 64, 8, rope_theta=500000.0)
-  inv = base.rope_inv_freq()
+  table = lambda scaling=None: DecoderConfig(1, 64, 4, 4, 128, 64, 8, rope_theta=500000.0,
+                                             rope_scaling=scaling).rope_inv_freq()
+  inv = table()
   assert inv.dtype == np.float32 and inv.shape == (64,)
-  linear = DecoderConfig(1, 64, 4, 4, 128, 64, 8, rope_theta=500000.0,
-                         rope_scaling=RopeScaling("linear", factor=4.0)).rope_inv_freq()
-  np.testing.assert_allclose(linear, inv / 4.0, rtol=1e-7)
-  rule = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                     original_max_position_embeddings=8192)
-  got = DecoderConfig(1, 64, 4, 4, 128, 64, 8, rope_theta=500000.0,
-                      rope_scaling=rule).rope_inv_freq()
-  for i, f in enumerate(500000.0 ** (-np.arange(0, 128, 2) / 128.0)):
-    wavelength = 2 * np.pi / f
-    if wavelength < 8192 / 4.0:
-      want = f
-    elif wavelength > 8192 / 1.0:
-      want = f / 8.0
-    else:
-      smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
-      want = (1 - smooth) * f / 8.0 + smooth * f
-    np.testing.assert_allclose(got[i], want, rtol=1e-7)
-  kinds = {"kept": 0, "scaled": 0, "blended": 0}
-  for g, f in zip(got, inv):
-    kinds["kept" if np.isclose(g, f, rtol=1e-7) else
-          "scaled" if np.isclose(g, f / 8, rtol=1e-7) else "blended"] += 1
-  assert all(kinds.values()), kinds  # every branch of the rule is exercised
+  np.testing.assert_allclose(table(RopeScaling("linear", factor=4.0)), inv / 4.0, rtol=1e-7)
+  got = table(RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192))
+  f = 500000.0 ** (-np.arange(0, 128, 2) / 128.0)
+  wavelength = 2 * np.pi / f
+  smooth = (8192 / wavelength - 1.0) / (4.0 - 1.0)
+  band = np.where(wavelength < 8192 / 4.0, 0, np.where(wavelength > 8192 / 1.0, 1, 2))
+  want = np.choose(band, [f, f / 8.0, (1 - smooth) * f / 8.0 + smooth * f])  # kept/scaled/blended
+  np.testing.assert_allclose(got, want, rtol=1e-7)
+  np.testing.assert_allclose(inv, f, rtol=1e-7)
+  assert set(band) == {0, 1, 2}  # every branch of the rule is exercised
   with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
     RopeScaling("yarn", factor=4.0)
   with pytest.raises(ValueError, match="high_freq_factor=1.0 must exceed low_freq_factor=1.0"):
@@ -139,8 +133,7 @@ def test_consecutive_steps_feed_cache(device, dtype):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
   x, w, cache = random_decoder_problem(cfg, 3, dtype, 3, device)
   pos = np.array([0, 5, 12], np.int32)
-  c_fused, c_ref = cache, cache
-  h_fused, h_ref = x, x
+  (h_fused, c_fused), (h_ref, c_ref) = (x, cache), (x, cache)
   for step in range(4):
     p = jax.device_put(pos + step, device)
     h_fused, c_fused = fused(h_fused, p, w, c_fused, cfg)
@@ -159,8 +152,7 @@ def test_prefill_reference_matches_steps(device):
   T = 5
   xs = jax.device_put(np.random.default_rng(0).standard_normal((2, T, 64)).astype(np.float32),
                       device)
-  start = np.array([0, 4], np.int32)
-  positions = start[:, None] + np.arange(T, dtype=np.int32)[None]
+  positions = np.array([[0], [4]], np.int32) + np.arange(T, dtype=np.int32)  # rows from 0 and 4
   ref, ref_cache = decoder_reference(xs, jnp.asarray(positions), w, cache, cfg)
   c = cache
   for t in range(T):
@@ -174,11 +166,8 @@ def test_future_positions_not_read(device):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 40)
   x, w, cache = random_decoder_problem(cfg, 4, jnp.float32, 5, device)
   pos = np.array([0, 17, 39, 8], np.int32)
-  k, v = np.array(cache.k), np.array(cache.v)
-  for b, p in enumerate(pos):
-    k[:, b, p + 1:] = np.nan
-    v[:, b, p + 1:] = np.nan
-  cache = jax.device_put(KVCache(jnp.asarray(k), jnp.asarray(v)), device)
+  future = (np.arange(cfg.max_seq_len) > pos[:, None])[None, :, :, None, None]  # [1, B, S, 1, 1]
+  cache = jax.tree.map(lambda a: jnp.where(future, jnp.nan, a), cache)
   # A finite output, and the NaN slots bitwise kept.
   assert_decoder_matches_reference(x, jax.device_put(pos, device), w, cache, cfg, jnp.float32)
 
@@ -219,10 +208,7 @@ def test_concrete_out_of_range_positions_raise():
     persistent_decoder(x, np.array([3, 2**32 + 5, 1, 2], np.int64), w, cache, cfg)
   # The ends of the range are accepted.
   good = np.array([0, 15, 7, 1], np.int32)
-  out, new = persistent_decoder(x, good, w, cache, cfg)
-  ref, ref_cache = reference(x, good, w, cache, cfg)
-  assert rel_err(out, ref) < DECODER_TOL[jnp.float32]
-  assert rel_err(new.k, ref_cache.k) < DECODER_TOL[jnp.float32]
+  assert_near_ref(persistent_decoder(x, good, w, cache, cfg), reference(x, good, w, cache, cfg))
 
 
 def test_checkify_positions(device):
@@ -233,11 +219,9 @@ def test_checkify_positions(device):
   step = functools.partial(persistent_decoder, cfg=cfg, check_positions=True)
   checked = checkify.checkify(jax.jit(step))
   good = jax.device_put(np.array([0, 15, 6], np.int32), device)
-  err, (out, new) = checked(x, good, w, cache)
+  err, got = checked(x, good, w, cache)
   assert err.get() is None
-  ref, ref_cache = reference(x, good, w, cache, cfg)
-  assert rel_err(out, ref) < DECODER_TOL[jnp.float32]
-  assert rel_err(new.k, ref_cache.k) < DECODER_TOL[jnp.float32]
+  assert_near_ref(got, reference(x, good, w, cache, cfg))
   for bad, row in (([0, 16, 6], 1), ([-3, 15, -1], 0)):
     err, (out, _) = checked(x, jax.device_put(np.array(bad, np.int32), device), w, cache)
     with pytest.raises(checkify.JaxRuntimeError, match=rf"persistent_decoder: positions\[{row}\] = "
@@ -267,24 +251,20 @@ def test_position_checks_not_traced_by_default():
 def test_vmap_folds_into_batch(device):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
   V, B = 3, 2
-  xs, caches = [], []
-  for i in range(V):
-    x, w, c = random_decoder_problem(cfg, B, jnp.float32, 20 + i, device)
-    xs.append(x)
-    caches.append(c)
-  x = jnp.stack(xs)
+  xs, ws, caches = zip(*(random_decoder_problem(cfg, B, jnp.float32, 20 + i, device)
+                         for i in range(V)))
+  x, w = jnp.stack(xs), ws[-1]
   cache = jax.tree.map(lambda *a: jnp.stack(a), *caches)
   pos = jax.device_put(np.array([[0, 3], [15, 9], [4, 4]], np.int32), device)
   out, new = jax.jit(jax.vmap(persistent_decoder, in_axes=(0, 0, None, 0, None)),
                      static_argnums=(4,))(x, pos, w, cache, cfg)
   assert out.shape == (V, B, 64) and new.k.shape == (V,) + cfg.cache_shape(B)
   for i in range(V):
-    ref, ref_cache = reference(xs[i], pos[i], w, caches[i], cfg)
-    assert rel_err(out[i], ref) < DECODER_TOL[jnp.float32]
-    assert rel_err(new.k[i], ref_cache.k) < DECODER_TOL[jnp.float32]
+    assert_near_ref(jax.tree.map(lambda a: a[i], (out, new)),
+                    reference(xs[i], pos[i], w, caches[i], cfg))
   # Mapped on a non-leading axis, with an unmapped (shared) cache.
-  out2, new2 = jax.vmap(persistent_decoder, in_axes=(1, None, None, None, None), out_axes=1)(
-      jnp.moveaxis(x, 0, 1)[:, :, :], pos[0], w, caches[0], cfg)
+  out2, _ = jax.vmap(persistent_decoder, in_axes=(1, None, None, None, None), out_axes=1)(
+      jnp.moveaxis(x, 0, 1), pos[0], w, caches[0], cfg)
   for i in range(V):
     ref, _ = reference(xs[i], pos[0], w, caches[0], cfg)
     assert rel_err(out2[:, i], ref) < DECODER_TOL[jnp.float32]
@@ -298,27 +278,21 @@ def test_scan_and_while_loop(device):
   x, w, cache = random_decoder_problem(cfg, 2, jnp.float32, 30, device)
   pos0 = jax.device_put(np.array([0, 6], np.int32), device)
 
-  def run(step_fn, steps=5):
-    def body(carry, _):
-      h, c, p = carry
-      h, c = step_fn(h, p, w, c, cfg)
-      return (h, c, p + 1), h
-    return jax.jit(lambda h, c, p: lax.scan(body, (h, c, p), None, length=steps))(x, cache, pos0)
+  def step(step_fn, carry):  # (h, cache, positions) -> the next ones, and h
+    h, c, p = carry
+    h, c = step_fn(h, p, w, c, cfg)
+    return (h, c, p + 1), h
+
+  def run(step_fn):  # 5 steps in a scan
+    return jax.jit(lambda *carry: lax.scan(lambda s, _: step(step_fn, s), carry, None, length=5))(
+        x, cache, pos0)
 
   (h_f, c_f, _), hs_f = run(persistent_decoder)
   (h_r, c_r, _), hs_r = run(decoder_reference)
   assert rel_err(hs_f, hs_r) < 1e-3  # 5 chained steps of a fp32 computation
   assert rel_err(c_f.k, c_r.k) < 1e-3
-
-  def cond(s):
-    return s[2][0] < 5
-
-  def body(s):
-    h, c, p = s
-    h, c = persistent_decoder(h, p, w, c, cfg)
-    return h, c, p + 1
-
-  h_w, c_w, p_w = jax.jit(lambda: lax.while_loop(cond, body, (x, cache, pos0)))()
+  h_w, c_w, p_w = jax.jit(lambda: lax.while_loop(
+      lambda s: s[2][0] < 5, lambda s: step(persistent_decoder, s)[0], (x, cache, pos0)))()
   assert int(p_w[0]) == 5
   assert rel_err(h_w, h_f) < 1e-5
 
@@ -327,18 +301,16 @@ def test_jit_with_donation(device):
   cfg = DecoderConfig(2, 64, 4, 2, 32, 96, 16)
   x, w, cache = random_decoder_problem(cfg, 2, jnp.bfloat16, 40, device)
   pos = jax.device_put(np.array([2, 11], np.int32), device)
-  ref, ref_cache = reference(x, pos, w, cache, cfg)
+  ref = reference(x, pos, w, cache, cfg)
   # (a numpy view of the cache itself would hold an external reference and block donation)
   snapshot = jax.tree.map(lambda a: np.asarray(jnp.copy(a)), cache)
   step = jax.jit(persistent_decoder, static_argnums=(4,), donate_argnums=(3,))
   out, new = step(x, pos, w, cache, cfg)
-  assert rel_err(out, ref) < DECODER_TOL[jnp.bfloat16]
-  assert rel_err(new.k, ref_cache.k) < DECODER_TOL[jnp.bfloat16]
+  assert_near_ref((out, new), ref, jnp.bfloat16)
   assert cache.k.is_deleted() and cache.v.is_deleted()  # the buffers were reused in place
   written = np.zeros(cfg.cache_shape(2)[:3], bool)
   written[:, [0, 1], [2, 11]] = True
-  np.testing.assert_array_equal(np.asarray(new.v, np.float32)[~written],
-                                snapshot.v.astype(np.float32)[~written])
+  assert_bitwise_equal(np.asarray(new.v)[~written], snapshot.v[~written], "cache.v, not written")
 
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -358,30 +330,27 @@ def test_misshaped_or_mistyped_weight(field):
 
 def test_bad_arguments():
   cfg, x, pos, w, cache = _small(jax.devices("cpu")[0])
-  with pytest.raises(ValueError, match=r"x has shape \(2, 63\), expected \(B, 64\)"):
-    persistent_decoder(x[:, :-1], pos, w, cache, cfg)
-  with pytest.raises(ValueError, match=r"x has shape"):
-    persistent_decoder(x[None], pos, w, cache, cfg)
-  with pytest.raises(TypeError, match="x has dtype int32"):
-    persistent_decoder(x.astype(jnp.int32), pos, w, cache, cfg)
-  with pytest.raises(TypeError, match="positions has dtype float32, expected int32"):
-    persistent_decoder(x, pos.astype(jnp.float32), w, cache, cfg)
-  with pytest.raises(TypeError, match="positions has dtype uint32, expected int32"):
-    persistent_decoder(x, pos.astype(jnp.uint32), w, cache, cfg)
-  with pytest.raises(ValueError, match=r"positions has shape \(3,\), expected \(2,\)"):
-    persistent_decoder(x, jnp.array([1, 2, 3], jnp.int32), w, cache, cfg)
-  with pytest.raises(ValueError, match=r"cache.k has shape .*expected \(2, 2, 16, 2, 32\)"):
-    persistent_decoder(x, pos, w, cache._replace(k=cache.k[:, :, :-1]), cfg)
-  with pytest.raises(ValueError, match=r"cache.v has shape"):
-    persistent_decoder(x, pos, w, cache._replace(v=cache.v[:, :1]), cfg)
-  with pytest.raises(TypeError, match="cache.k has dtype bfloat16"):
-    persistent_decoder(x, pos, w, cache._replace(k=cache.k.astype(jnp.bfloat16)), cfg)
-  with pytest.raises(TypeError, match="w must be a jaxfuse.DecoderWeights"):
-    persistent_decoder(x, pos, tuple(w), cache, cfg)
-  with pytest.raises(TypeError, match="cache must be a jaxfuse.KVCache"):
-    persistent_decoder(x, pos, w, tuple(cache), cfg)
-  with pytest.raises(TypeError, match="cfg must be a jaxfuse.DecoderConfig"):
-    persistent_decoder(x, pos, w, cache, None)
+  operands = dict(x=x, positions=pos, w=w, cache=cache, cfg=cfg)
+  for error, message, replaced in [
+      (ValueError, r"x has shape \(2, 63\), expected \(B, 64\)", dict(x=x[:, :-1])),
+      (ValueError, r"x has shape", dict(x=x[None])),
+      (TypeError, "x has dtype int32", dict(x=x.astype(jnp.int32))),
+      (TypeError, "positions has dtype float32, expected int32",
+       dict(positions=pos.astype(jnp.float32))),
+      (TypeError, "positions has dtype uint32, expected int32",
+       dict(positions=pos.astype(jnp.uint32))),
+      (ValueError, r"positions has shape \(3,\), expected \(2,\)",
+       dict(positions=jnp.array([1, 2, 3], jnp.int32))),
+      (ValueError, r"cache.k has shape .*expected \(2, 2, 16, 2, 32\)",
+       dict(cache=cache._replace(k=cache.k[:, :, :-1]))),
+      (ValueError, r"cache.v has shape", dict(cache=cache._replace(v=cache.v[:, :1]))),
+      (TypeError, "cache.k has dtype bfloat16",
+       dict(cache=cache._replace(k=cache.k.astype(jnp.bfloat16)))),
+      (TypeError, "w must be a jaxfuse.DecoderWeights", dict(w=tuple(w))),
+      (TypeError, "cache must be a jaxfuse.KVCache", dict(cache=tuple(cache))),
+      (TypeError, "cfg must be a jaxfuse.DecoderConfig", dict(cfg=None))]:
+    with pytest.raises(error, match=message):
+      persistent_decoder(**(operands | replaced))
   plain = DecoderConfig(2, 64, 4, 2, 32, 96, 16, qk_norm=True)
   for fn in (persistent_decoder, decoder_reference):
     with pytest.raises(ValueError, match=f"{fn.__name__}: w.q_bias is given, but cfg.qkv_bias "
@@ -399,18 +368,16 @@ def test_bad_arguments():
 
 
 def test_bad_config():
-  with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
-    DecoderConfig(1, 64, 6, 4, 16, 64, 8)
-  with pytest.raises(ValueError, match="head_dim=15 must be even"):
-    DecoderConfig(1, 64, 4, 4, 15, 64, 8)
-  with pytest.raises(ValueError, match="max_seq_len must be a positive integer"):
-    DecoderConfig(1, 64, 4, 4, 16, 64, 0)
-  with pytest.raises(ValueError, match="rope_theta"):
-    DecoderConfig(1, 64, 4, 4, 16, 64, 8, rope_theta=-1.0)
-  with pytest.raises(ValueError, match="qk_norm must be a bool"):
-    DecoderConfig(1, 64, 4, 4, 16, 64, 8, qk_norm=1)
-  with pytest.raises(ValueError, match="rope_scaling must be None or a jaxfuse.RopeScaling"):
-    DecoderConfig(1, 64, 4, 4, 16, 64, 8, rope_scaling={"rope_type": "llama3"})
+  for message, args, kwargs in [
+      ("num_heads=6 must be a multiple of num_kv_heads=4", (1, 64, 6, 4, 16, 64, 8), {}),
+      ("head_dim=15 must be even", (1, 64, 4, 4, 15, 64, 8), {}),
+      ("max_seq_len must be a positive integer", (1, 64, 4, 4, 16, 64, 0), {}),
+      ("rope_theta", (1, 64, 4, 4, 16, 64, 8), dict(rope_theta=-1.0)),
+      ("qk_norm must be a bool", (1, 64, 4, 4, 16, 64, 8), dict(qk_norm=1)),
+      ("rope_scaling must be None or a jaxfuse.RopeScaling", (1, 64, 4, 4, 16, 64, 8),
+       dict(rope_scaling={"rope_type": "llama3"}))]:
+    with pytest.raises(ValueError, match=message):
+      DecoderConfig(*args, **kwargs)
   assert hash(DecoderConfig(1, 64, 4, 4, 16, 64, 8)) == hash(DecoderConfig(1, 64, 4, 4, 16, 64, 8))
 
 
@@ -430,11 +397,9 @@ def test_handler_validates_buffers(device):
 
   def call(ws_bytes, first=x, model=layers_only, logits=(B, 0), sampled=0, **over):
     a = dict(attrs, **over)
-    shapes = (jax.ShapeDtypeStruct((B, D), x.dtype), jax.ShapeDtypeStruct(cache.k.shape, x.dtype),
-              jax.ShapeDtypeStruct(cache.v.shape, x.dtype),
-              jax.ShapeDtypeStruct(logits, jnp.float32),
-              jax.ShapeDtypeStruct((sampled,), jnp.int32),
-              jax.ShapeDtypeStruct((ws_bytes,), jnp.uint8))
+    shapes = tuple(jax.ShapeDtypeStruct(*s) for s in (
+        ((B, D), x.dtype), (cache.k.shape, x.dtype), (cache.v.shape, x.dtype),
+        (logits, jnp.float32), ((sampled,), jnp.int32), ((ws_bytes,), jnp.uint8)))
     f = jax.ffi.ffi_call(_ffi.target("jaxfuse_decoder"), shapes,
                          input_output_aliases={caches: 1, caches + 1: 2})
     inv_freq = jnp.asarray(cfg.rope_inv_freq())
@@ -450,45 +415,37 @@ def test_handler_validates_buffers(device):
               model_step=np.bool_(True), sample=np.bool_(True), temperature=np.float32(0.5))
   model = (tokens, embed, jnp.ones((D,), x.dtype), jnp.zeros((0, D), x.dtype), no_scale,
            jnp.array([0, 7], jnp.uint32))
+  swap = lambda i, *new: model[:i] + new + model[i + len(new):]  # model operands i, i + 1, ...
+
+  def refused(message, ws_bytes=good, model=model, **over):  # a model step with `over` changed
+    with pytest.raises(Exception, match=message):
+      jax.block_until_ready(call(ws_bytes, model=model, **dict(step, **over)))
+
   jax.block_until_ready(call(good, model=model, **step))
-  with pytest.raises(Exception, match=r"x must have shape \[B, 0\]"):
-    jax.block_until_ready(call(good, model=model, **dict(step, first=x)))
-  with pytest.raises(Exception, match=r"tokens must have shape \[2\]"):
-    jax.block_until_ready(call(good, model=(tokens[:1],) + model[1:], **step))
-  with pytest.raises(Exception, match=r"lm_head does not have shape \[5,64\]"):
-    jax.block_until_ready(call(good, model=model[:3] + (jnp.ones((4, D), x.dtype),) + model[4:],
-                               **step))
-  with pytest.raises(Exception, match=r"sample_key must have shape \[2\]"):
-    jax.block_until_ready(call(good, model=model[:5] + (jnp.zeros((0,), jnp.uint32),), **step))
-  with pytest.raises(Exception, match=r"logits does not have shape \[2,5\]"):
-    jax.block_until_ready(call(good, model=model, **dict(step, logits=(B, 4))))
-  with pytest.raises(Exception, match="temperature=-1 must be finite and >= 0"):
-    jax.block_until_ready(call(good, model=model, **dict(step, temperature=np.float32(-1))))
-  with pytest.raises(Exception, match="sample needs model_step"):
-    jax.block_until_ready(call(good, model=model, **dict(step, model_step=np.bool_(False))))
+  refused(r"x must have shape \[B, 0\]", first=x)
+  refused(r"tokens must have shape \[2\]", model=swap(0, tokens[:1]))
+  refused(r"lm_head does not have shape \[5,64\]", model=swap(3, jnp.ones((4, D), x.dtype)))
+  refused(r"sample_key must have shape \[2\]", model=swap(5, jnp.zeros((0,), jnp.uint32)))
+  refused(r"logits does not have shape \[2,5\]", logits=(B, 4))
+  refused("temperature=-1 must be finite and >= 0", temperature=np.float32(-1))
+  refused("sample needs model_step", model_step=np.bool_(False))
   # A filtered draw: its workspace holds each row's search; bad filters are named.
   filtered = _workspace_bytes(cfg, 2, jnp.float32, sample_filter=True)
   assert filtered > good
   jax.block_until_ready(call(filtered, model=model, **dict(step, top_k=np.int64(2))))
-  with pytest.raises(Exception, match=f"workspace has {good} bytes, expected {filtered}"):
-    jax.block_until_ready(call(good, model=model, **dict(step, top_p=np.float32(0.5))))
+  refused(f"workspace has {good} bytes, expected {filtered}", top_p=np.float32(0.5))
   for bad, message in ((dict(top_k=np.int64(-1)), r"top_k=-1 must be in \[0, "),
                        (dict(top_p=np.float32(0)), r"top_p=0 must be in \(0, 1\]"),
                        (dict(top_p=np.float32(np.nan)), r"top_p=nan must be in \(0, 1\]"),
                        (dict(top_k=np.int64(3), temperature=np.float32(0)),
                         "top_k and top_p filter a draw: they need sample and temperature > 0")):
-    with pytest.raises(Exception, match=message):
-      jax.block_until_ready(call(filtered, model=model, **dict(step, **bad)))
+    refused(message, filtered, **bad)
   # A quantized head: rows in the matrices' int8 and a float32 scale per row.
   head = (jnp.ones((V, D), jnp.int8), jnp.ones((V,), jnp.float32))
-  jax.block_until_ready(call(good, model=model[:3] + head + model[5:], **step))
-  with pytest.raises(Exception, match="lm_head must have dtype int8"):
-    jax.block_until_ready(call(good, model=model[:3] + (embed, head[1]) + model[5:], **step))
-  with pytest.raises(Exception, match=r"lm_head_scale does not have shape \[5\]"):
-    jax.block_until_ready(call(good, model=model[:3] + (head[0], head[1][:4]) + model[5:],
-                               **step))
-  with pytest.raises(Exception, match=r"lm_head_scale does not have shape \[0\]"):
-    jax.block_until_ready(call(good, model=model[:4] + (jnp.ones((2, 5)),) + model[5:], **step))
+  jax.block_until_ready(call(good, model=swap(3, *head), **step))
+  refused("lm_head must have dtype int8", model=swap(3, embed, head[1]))
+  refused(r"lm_head_scale does not have shape \[5\]", model=swap(3, head[0], head[1][:4]))
+  refused(r"lm_head_scale does not have shape \[0\]", model=swap(4, jnp.ones((2, 5))))
 
 
 def test_a_contract_mismatch_raises_at_the_decoders_first_use(monkeypatch):
@@ -502,8 +459,7 @@ def test_a_contract_mismatch_raises_at_the_decoders_first_use(monkeypatch):
   assert len(problems) == 1 and problems[0].startswith("results (")
   monkeypatch.setattr(kernel, "_CONTRACT_PROBLEMS", problems)
   # A config no other test builds: the decode step is cached per config once it is made.
-  cfg = DecoderConfig(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1, head_dim=32,
-                      intermediate_size=96, max_seq_len=11)
+  cfg = DecoderConfig(1, 64, 2, 1, 32, 96, 11)
   x, w, cache = random_decoder_problem(cfg, 1, jnp.float32, seed=2)
   with pytest.raises(RuntimeError, match=r"jaxfuse_decoder disagrees with jaxfuse/_decode: "
                                          r"results \("):

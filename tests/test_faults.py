@@ -23,10 +23,9 @@ SHAPES = [(70_001,), (33,), (4, 5), ()]
 
 def _grads(rng, params, scale=1.0):
   """Fresh random non-zero gradients with the params' dtypes, on the params' device."""
-  def one(p):
-    g = scale * (rng.standard_normal(p.shape) + 0.1)
-    return jax.device_put(jnp.asarray(g, p.dtype), p.devices().pop())
-  return jax.tree.map(one, params)
+  return jax.tree.map(
+      lambda p: jax.device_put(jnp.asarray(scale * (rng.standard_normal(p.shape) + 0.1), p.dtype),
+                               p.devices().pop()), params)
 
 
 def _with_bad_value(rng, grads, bad, leaf):
@@ -57,26 +56,14 @@ _BF16_DONATION_BUG = pytest.mark.xfail(
     reason="jaxlib 0.11.2 bug: a CPU bfloat16 array read by np.asarray is not deleted when donated")
 
 
-def _make_tx(clip, master):
-  """AdamW on a schedule (its count, too, must stay put on a skipped step), the clip folded in
-  or not."""
-  inner = jaxfuse.adamw(optax.linear_schedule(3e-2, 1e-3, 50), weight_decay=0.1,
-                        master_weights=master, skip_nonfinite=True)
-  return optax.chain(jaxfuse.clip_by_global_norm(0.5), inner) if clip else inner
-
-
 def _split_skipped(state, chained):
-  """(state without the skipped-steps counter, the counter as an int)."""
+  """(state without the skipped-steps counter, the counter, Adam's step count), as ints."""
   adam_state = state[-1] if chained else state
   extra = adam_state[-1]
   assert isinstance(extra, jaxfuse.AdamExtraState)
   rest = (*adam_state[:-1], extra._replace(skipped_steps=None))
   rest = (*state[:-1], rest) if chained else rest
-  return rest, int(extra.skipped_steps)
-
-
-def _adam_count(state, chained):
-  return int((state[-1] if chained else state)[0].count)
+  return rest, int(extra.skipped_steps), int(adam_state[0].count)
 
 
 @pytest.mark.parametrize("kind", list(PARAM_KINDS))
@@ -89,13 +76,16 @@ def test_nonfinite_step_leaves_everything_bitwise_unchanged(request, device, pat
   seed = [100, ["optax", "fused"].index(path), int(clip), list(PARAM_KINDS).index(kind)]
   rng = np.random.default_rng(seed)
   params = random_tree(seed, SHAPES, dtype=dtype, device=device)
-  tx = _make_tx(clip, master)
+  # AdamW on a schedule (its count, too, must stay put on a skipped step), clipped or not.
+  tx = jaxfuse.adamw(optax.linear_schedule(3e-2, 1e-3, 50), weight_decay=0.1,
+                     master_weights=master, skip_nonfinite=True)
+  tx = optax.chain(jaxfuse.clip_by_global_norm(0.5), tx) if clip else tx
   state = tx.init(params)
   step = jit_step(path, tx, donate=True)  # the fused step in place
 
   for _ in range(2):  # moments, count (and master params) away from their initial values
     params, state = step(params, state, _grads(rng, params))
-  assert _adam_count(state, clip) == 2 and _split_skipped(state, clip)[1] == 0
+  assert _split_skipped(state, clip)[1:] == (0, 2)  # (skipped steps, count)
 
   # One bad value in the large leaf (past its first chunk), in a small leaf, in the scalar leaf;
   # then bad values of every kind in every leaf.
@@ -104,22 +94,21 @@ def test_nonfinite_step_leaves_everything_bitwise_unchanged(request, device, pat
     grads = _grads(rng, params)
     for i, b in zip(leaves, bad if isinstance(bad, tuple) else [bad]):
       grads = _with_bad_value(rng, grads, b, i)
-    rest, skipped = _split_skipped(state, clip)
+    rest, skipped, _ = _split_skipped(state, clip)
     before_params, before_rest = Snapshot(params), Snapshot(rest)
     old_leaf = jax.tree.leaves(params)[0]
     params, state = step(params, state, grads)
     if path == "fused":
       assert old_leaf.is_deleted(), "the fused step did not take the donated params"
-    new_rest, new_skipped = _split_skipped(state, clip)
+    new_rest, new_skipped, count = _split_skipped(state, clip)
     assert_bitwise_equal(before_params, params, f"params after a {bad} step")
     assert_bitwise_equal(before_rest, new_rest, f"opt state after a {bad} step")
-    assert new_skipped == skipped + 1
-  assert _adam_count(state, clip) == 2
+    assert new_skipped == skipped + 1 and count == 2
 
   # A finite step afterwards moves on from where the state was.
   before = Snapshot(params)
   params, state = step(params, state, _grads(rng, params))
-  assert _adam_count(state, clip) == 3 and _split_skipped(state, clip)[1] == 4
+  assert _split_skipped(state, clip)[1:] == (4, 3)
   assert any("leaf0000" in d for d in before.differences(Snapshot(params)))
 
 
@@ -129,8 +118,7 @@ def test_nonfinite_step_leaves_everything_bitwise_unchanged(request, device, pat
 def _save_restore(writer, tree, tmp_path, device):
   """Writes `tree` to a checkpoint and reads it back into fresh device arrays."""
   if writer == "pickle":
-    blob = pickle.dumps(jax.device_get(tree))
-    return jax.device_put(pickle.loads(blob), device)
+    return jax.device_put(pickle.loads(pickle.dumps(jax.device_get(tree))), device)
   ocp = pytest.importorskip("orbax.checkpoint")
   path = os.path.join(tmp_path, "ckpt")
   abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, tree)
@@ -167,9 +155,8 @@ def test_restored_run_is_bitwise_the_uninterrupted_run(device, tmp_path, path, k
   for g in grads[:3]:
     params, state = step(params, state, g)
 
-  restored = _save_restore(writer, (params, state), tmp_path, device)
+  r_params, r_state = restored = _save_restore(writer, (params, state), tmp_path, device)
   assert_bitwise_equal(restored, (params, state), "restored checkpoint")
-  r_params, r_state = restored
 
   for t, g in enumerate(grads[3:], start=3):
     params, state = step(params, state, g)
@@ -184,12 +171,6 @@ def test_restored_run_is_bitwise_the_uninterrupted_run(device, tmp_path, path, k
 THREADS = 8
 _DEC_CFG = jaxfuse.DecoderConfig(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                                  head_dim=32, intermediate_size=512, max_seq_len=8)
-
-
-def _decoder_problem(seed, device, batch=2):
-  x, w, cache = random_decoder_problem(_DEC_CFG, batch, jnp.float32, seed, device)
-  pos = jnp.asarray(np.random.default_rng(seed).integers(0, _DEC_CFG.max_seq_len, batch), jnp.int32)
-  return x, jax.device_put(pos, device), w, cache
 
 
 def _make_workload(device):
@@ -210,7 +191,9 @@ def _make_workload(device):
     state = tx.init(params)
     adam_params = random_tree(700 + i, SHAPES[1:], device=device)
     adam_state = jaxfuse.adam(1e-2).init(adam_params)
-    x, pos, w, cache = _decoder_problem(800 + i, device)
+    x, w, cache = random_decoder_problem(_DEC_CFG, 2, jnp.float32, 800 + i, device)
+    pos = np.random.default_rng(800 + i).integers(0, _DEC_CFG.max_seq_len, 2)
+    pos = jax.device_put(jnp.asarray(pos, jnp.int32), device)
     out = []
     for _ in range(3):
       params, state, gnorm = fused(params, state, _grads(rng, params))
@@ -229,17 +212,15 @@ def test_concurrent_threads_match_sequential(device):
   first calls compile concurrently); each thread's results equal those of the same work run
   sequentially, bit for bit."""
   work = _make_workload(device)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=THREADS) as pool:
-    futures = [pool.submit(work, i) for i in range(THREADS)]
-    concurrent_results = [f.result(timeout=300) for f in futures]
-  # Run twice more, again concurrently, with the executables now compiled.
-  with concurrent.futures.ThreadPoolExecutor(max_workers=THREADS) as pool:
-    again = list(pool.map(work, range(THREADS)))
+  runs = {}
+  for run in ("compiling", "compiled"):  # the second run's executables are compiled
+    with concurrent.futures.ThreadPoolExecutor(max_workers=THREADS) as pool:
+      runs[run] = [f.result(timeout=300) for f in [pool.submit(work, i) for i in range(THREADS)]]
   sequential = [work(i) for i in range(THREADS)]
-  for i in range(THREADS):
-    assert len(concurrent_results[i]) == len(again[i]) == len(sequential[i])
-    for k, (c, a, s) in enumerate(zip(concurrent_results[i], again[i], sequential[i])):
-      assert_bitwise_equal(c, s, f"thread {i}, result group {k}, concurrent (compiling)")
-      assert_bitwise_equal(a, s, f"thread {i}, result group {k}, concurrent (compiled)")
+  for run, results in runs.items():
+    for i in range(THREADS):
+      assert len(results[i]) == len(sequential[i])
+      for k, (c, s) in enumerate(zip(results[i], sequential[i])):
+        assert_bitwise_equal(c, s, f"thread {i}, result group {k}, concurrent ({run})")
   # Different seeds gave different results (the threads did not all compute the same thing).
   assert sequential[0][-1].differences(sequential[1][-1])

@@ -1,10 +1,8 @@
 """What a new user meets first, said rather than done silently: hyperparameters that are not
 numbers are refused naming the argument, ``moment_bits=8`` says which leaves it left in floats
 (and ``jaxfuse.report`` lists them), and ``fused_step`` says when params or state were not
-donated (the in-place update then copies them first).
-
-The donation check reads jax's lowering (the arguments of ``main``), so CI runs this file on the
-oldest jax too.
+donated (the in-place update then copies them first; the check reads jax's lowering, the
+arguments of ``main``, so CI runs this file on the oldest jax too).
 """
 
 import warnings
@@ -49,8 +47,7 @@ def test_numbers_arrays_schedules_and_traced_hyperparameters_are_taken():
   jaxfuse.sgd(0.1, momentum=None)
   tx = optax.inject_hyperparams(jaxfuse.adamw)(learning_rate=1e-3, b1=0.9)  # traced in update
   params = {"w": jnp.linspace(-1.0, 1.0, 12)}
-  state = tx.init(params)
-  jax.jit(tx.update)(params, state, params)
+  jax.jit(tx.update)(params, tx.init(params), params)
 
 
 def test_moment_bits_8_names_the_leaves_it_keeps_in_floats():
@@ -111,10 +108,9 @@ def test_the_donation_check_changes_nothing_jit_sees():
   the steps are optax's."""
   params = {"w": jax.random.normal(jax.random.key(1), (3, 40)),
             "b": jax.random.uniform(jax.random.key(2), (7,), minval=-1.0)}
-  tx = optax.chain(jaxfuse.clip_by_global_norm(1.0),
-                   jaxfuse.adamw(optax.linear_schedule(1e-2, 0.0, 10)))
-  reference = optax.chain(optax.clip_by_global_norm(1.0),
-                          optax.adamw(optax.linear_schedule(1e-2, 0.0, 10)))
+  tx, reference = (optax.chain(m.clip_by_global_norm(1.0),
+                               m.adamw(optax.linear_schedule(1e-2, 0.0, 10)))
+                   for m in (jaxfuse, optax))
   updates, state = tx.update(params, tx.init(params), params)  # the protocol: one count for both
   ours, state = lockstep(tx, reference, optax.apply_updates(params, updates), 2, path="fused",
                          state=state)

@@ -21,7 +21,7 @@ def _txs():
           optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(3e-3, weight_decay=0.1)))
 
 
-def _batches(seed, n_in, n_out, batch=16):
+def _batches(seed, n_in=7, n_out=3, batch=16):
   rng = np.random.default_rng(seed)
   return [(jnp.asarray(rng.standard_normal((batch, n_in), np.float32)),
            jnp.asarray(rng.standard_normal((batch, n_out), np.float32))) for _ in range(STEPS)]
@@ -39,25 +39,22 @@ def test_flax_linen_train_state(device):
       return nn.Dense(3)(nn.LayerNorm()(x))
 
   model = MLP()
-  batches = _batches(1, 7, 3)
+  batches = _batches(1)
   params = jax.device_put(model.init(jax.random.key(0), batches[0][0])["params"], device)
   jf_tx, optax_tx = _txs()
+  create = lambda cls, params, tx: cls.create(apply_fn=model.apply, params=params, tx=tx)
   # Each state its own buffers: the jaxfuse step donates its state.
-  states = {"jaxfuse": jaxfuse.flax.TrainState.create(apply_fn=model.apply,
-                                                      params=jax.tree.map(jnp.copy, params),
-                                                      tx=jf_tx),
-            "optax": train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                                   tx=optax_tx)}
+  states = {"jaxfuse": create(jaxfuse.flax.TrainState, jax.tree.map(jnp.copy, params), jf_tx),
+            "optax": create(train_state.TrainState, params, optax_tx)}
 
   def step(state, batch):
     x, y = batch
     loss_fn = lambda p: jnp.mean((state.apply_fn({"params": p}, x) - y) ** 2)
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), loss
+    return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
 
   step = jax.jit(step, donate_argnums=0)
   for batch in batches:
-    states = {k: step(s, batch)[0] for k, s in states.items()}
+    states = {k: step(s, batch) for k, s in states.items()}
   jf, ref = states["jaxfuse"], states["optax"]
   assert type(jf) is jaxfuse.flax.TrainState and int(jf.step) == int(ref.step) == STEPS
   assert jax.tree.structure(jf.opt_state) == jax.tree.structure(ref.opt_state)
@@ -86,11 +83,9 @@ def test_flax_nnx_optimizer(device):
 
   @nnx.jit
   def step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-    optimizer.update(model, grads)
-    return loss
+    optimizer.update(model, nnx.grad(lambda m: jnp.mean((m(x) - y) ** 2))(model))
 
-  for x, y in _batches(2, 7, 3):
+  for x, y in _batches(2):
     for k in models:
       step(models[k], optimizers[k], x, y)
   assert int(optimizers["jaxfuse"].step[...]) == STEPS
@@ -109,12 +104,10 @@ def test_equinox_filtered_fused_step(device):
   jf_tx, optax_tx = _txs()
 
   def loss_fn(params, x, y):
-    m = eqx.combine(params, static)
-    return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+    return jnp.mean((jax.vmap(eqx.combine(params, static))(x) - y) ** 2)
 
   def jf_step(params, opt_state, x, y):
-    grads = jax.grad(loss_fn)(params, x, y)
-    return jaxfuse.fused_step(jf_tx, grads, opt_state, params)
+    return jaxfuse.fused_step(jf_tx, jax.grad(loss_fn)(params, x, y), opt_state, params)
 
   @jax.jit
   def optax_step(params, opt_state, x, y):
@@ -125,8 +118,7 @@ def test_equinox_filtered_fused_step(device):
   copy = jax.tree.map(jnp.copy, params)  # the jaxfuse step donates its buffers
   jf, ref = (copy, jf_tx.init(copy)), (params, optax_tx.init(params))
   jf_step = jax.jit(jf_step, donate_argnums=(0, 1))
-  for x, y in _batches(3, 7, 3):
+  for x, y in _batches(3):
     jf, ref = jf_step(*jf, x, y), optax_step(*ref, x, y)
   assert_trees_close(jf[0], ref[0], rtol=2e-5, atol=2e-6)
-  trained = eqx.combine(jf[0], static)
-  assert isinstance(trained, eqx.nn.MLP)
+  assert isinstance(eqx.combine(jf[0], static), eqx.nn.MLP)

@@ -1,12 +1,7 @@
-"""jaxfuse.generate / decode_step / prefill against a teacher-forced full-model reference.
-
-The reference recomputes every step from scratch: the logits after row b's first n tokens come
-from decoder_reference (fp32 activations) over those n tokens, with no cache reuse.
-Each generated token must be the reference's argmax given the tokens generated before it, up to
-a near-tie: its reference logit within ``tie_tol`` of the maximum (the kernel and the reference
-sum in different orders; with 16-bit models, the cache and the layer output are also rounded at
-slightly different values). Teacher forcing keeps every step comparable after a tie.
-"""
+"""jaxfuse.generate / decode_step / prefill against a teacher-forced full-model reference: the
+logits after row b's first n tokens from decoder_reference (fp32 activations) over those n tokens,
+no cache reuse. Each generated token must be the reference's argmax given the tokens before it,
+up to a near-tie (TIE_TOL); teacher forcing keeps every step comparable after a tie."""
 
 import dataclasses
 import functools
@@ -22,12 +17,12 @@ from jax.experimental import checkify
 import jaxfuse
 from jaxfuse._decode import generation
 from hf_checkpoints import write_checkpoint
-from helpers import random_decoder_problem, reference_logits
+from helpers import assert_bitwise_equal, random_decoder_problem, reference_logits
 
 # Near-tie tolerance on logits, relative to the largest |logit| of the step: fp32 differs by
 # summation order only (~1e-6); a 16-bit model by its prefill's 16-bit matrix inputs and one
-# rounding of the layer output and the cached k/v (bf16: 2^-8 relative), compounding over two
-# layers.
+# rounding of the layer output and the cached k/v at slightly different values (bf16: 2^-8
+# relative), compounding over two layers.
 TIE_TOL = {jnp.float32: 1e-4, jnp.bfloat16: 3e-2}
 
 
@@ -46,10 +41,9 @@ def assert_follows_reference(model, prompts, lengths, out, count, tol):
   """Each of row b's first count[b] tokens is the reference's argmax up to a near-tie."""
   prompts, lengths, out, count = (np.asarray(a) for a in (prompts, lengths, out, count))
   (B, T), N = prompts.shape, out.shape[1]
-  seq = np.zeros((B, T + N), np.int32)  # each row's prompt, then its generated tokens
-  for b in range(B):
-    seq[b, :lengths[b]] = prompts[b, :lengths[b]]
-    seq[b, lengths[b]:lengths[b] + N] = np.maximum(out[b], 0)
+  # Each row's prompt, then its generated tokens.
+  seq = np.pad(np.where(np.arange(T) < lengths[:, None], prompts, 0), ((0, 0), (0, N)))
+  seq[np.arange(B)[:, None], lengths[:, None] + np.arange(N)] = np.maximum(out, 0)
   # Causal: the logits after token t see tokens 0..t only, so one pass teacher-forces every step.
   ref = np.asarray(reference_logits(model, jnp.asarray(seq)))
   ref = ref[np.arange(B)[:, None], lengths[:, None] - 1 + np.arange(N)]  # [B, N, V]
@@ -91,9 +85,8 @@ def test_greedy_follows_reference(tmp_path, arch, rope, dtype, tied, quantize):
   assert out.shape == (4, 9) and out.dtype == jnp.int32 and np.all(np.asarray(count) == 9)
   assert_follows_reference(model, prompts, lengths, out, count, TIE_TOL[dtype])
   if jax.default_backend() == "gpu":  # the CPU handler has one schedule
-    stage_out, stage_count = jaxfuse.generate(model, prompts, lengths, 9, schedule="stage_kernels")
-    np.testing.assert_array_equal(stage_out, out)  # either schedule: the same bits, the same tokens
-    np.testing.assert_array_equal(stage_count, count)
+    assert_bitwise_equal(jaxfuse.generate(model, prompts, lengths, 9, schedule="stage_kernels"),
+                         (out, count), "either schedule: the same bits, the same tokens")
   ref_out, ref_count = jaxfuse.generate(model, prompts, lengths, 9, decoder="reference")
   if dtype == jnp.float32:  # the same loop with the plain-JAX step: identical tokens
     np.testing.assert_array_equal(out, ref_out)
@@ -108,10 +101,8 @@ def test_decode_step_logits():
   token = np.asarray(jnp.argmax(logits, -1), np.int32)
   step = jax.jit(jaxfuse.decode_step, donate_argnums=3)
   got, cache = step(model, token, jnp.asarray(lengths), cache)
-  seq = np.zeros((3, 12), np.int32)
-  for b in range(3):
-    seq[b, :lengths[b]] = prompts[b, :lengths[b]]
-    seq[b, lengths[b]] = token[b]
+  seq = np.pad(np.where(np.arange(5) < lengths[:, None], prompts, 0), ((0, 0), (0, 7)))
+  seq[np.arange(3), lengths] = token  # each row's prompt, then the token
   want = np.asarray(reference_logits(model, jnp.asarray(seq)))[np.arange(3), lengths]
   np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * float(np.abs(want).max()))
   # A traced out-of-range position: NaN logits for that row, the others unaffected.
@@ -128,6 +119,7 @@ def test_decode_step_logits():
 
 
 _model_step = jax.jit(generation._model_step, static_argnums=(1, 5, 7, 8))
+_sample = jax.jit(generation._sample, static_argnames=("temperature", "top_k", "top_p"))
 
 
 @pytest.mark.parametrize("dtype,tied", [(jnp.float32, False), (jnp.bfloat16, True)])
@@ -139,8 +131,7 @@ def test_whole_step_draws_what_jax_draws(dtype, tied):
   prompts, lengths = prompts_for(model, 4, 5, seed=8)
   cache = jaxfuse.init_cache(model, 4, 9)
   logits, cache = jax.jit(jaxfuse.prefill)(model, prompts, lengths, cache)
-  tokens = jnp.argmax(logits, -1).astype(jnp.int32)
-  positions = jnp.asarray(lengths)
+  tokens, positions = jnp.argmax(logits, -1).astype(jnp.int32), jnp.asarray(lengths)
   cfg = generation._cache_config(model, cache)
   want, _ = jaxfuse.decode_step(model, tokens, positions, cache, decoder="reference")
   tol = TIE_TOL[dtype] * float(np.abs(want).max())
@@ -154,17 +145,15 @@ def test_whole_step_draws_what_jax_draws(dtype, tied):
     np.testing.assert_array_equal(drawn, expected)
   # Which keys the kernel draws with: threefry ones, typed or raw; others sample in XLA.
   data = generation._kernel_key_data
-  np.testing.assert_array_equal(data(jax.random.PRNGKey(3)),
-                                jax.random.key_data(jax.random.key(3)))
+  np.testing.assert_array_equal(data(jax.random.PRNGKey(3)), jax.random.key_data(jax.random.key(3)))
   assert data(jax.random.key(3, impl="rbg")) is None
 
 
 def test_filtered_draws_in_the_kernel():
-  """top-k and top-p in the kernel's draw: its tokens are _sample's (XLA's top_k, sort and cumsum
-  on the kernel's logits, then jax.random.categorical) for 24 keys, four rows and each filter
-  alone and together. Ten vocabulary rows of the head are one row scaled up, so every batch row
-  has ten tied logits at its top or bottom: top_k=4 must keep all ten where they are at the top
-  (as _sample's ``logits < kth`` does), and a nucleus cutoff among them keeps all ten too."""
+  """top-k and top-p in the kernel's draw are _sample's (XLA's top_k, sort and cumsum, then
+  jax.random.categorical) for 24 keys, four rows, each filter alone and together. Ten head rows
+  are one row scaled up, so each batch row has ten tied logits at its top or bottom: top_k=4
+  must keep all ten at the top (as _sample's ``logits < kth`` does), and so must a nucleus."""
   model = random_model(vocab=2500, seed=11)
   head = np.asarray(model.lm_head).copy()
   head[100:110] = 4.0 * head[100]
@@ -172,7 +161,6 @@ def test_filtered_draws_in_the_kernel():
   cache = jaxfuse.init_cache(model, 4, 8)
   cfg = generation._cache_config(model, cache)
   tokens, positions = jnp.asarray([3, 77, 1200, 2499], jnp.int32), jnp.asarray([0, 3, 5, 7])
-  sample = jax.jit(generation._sample, static_argnames=("temperature", "top_k", "top_p"))
   tied_draws = 0
   for temperature, top_k, top_p in ((1.0, 4, None), (0.7, None, 0.8), (1.5, 50, 0.95),
                                     (1.0, 2400, 0.05)):
@@ -180,7 +168,7 @@ def test_filtered_draws_in_the_kernel():
       key = jax.random.key(seed)
       logits, drawn, _, _ = _model_step(model, cfg, tokens, positions, cache, temperature,
                                         jax.random.key_data(key), top_k, top_p)
-      want = sample(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
+      want = _sample(logits, key, temperature=temperature, top_k=top_k, top_p=top_p)
       np.testing.assert_array_equal(drawn, want, err_msg=f"{temperature, top_k, top_p, seed}")
       tied_draws += int(np.isin(np.asarray(drawn), np.arange(101, 110)).sum())
   assert tied_draws > 20  # the ties at the top were kept, and drawn
@@ -216,24 +204,20 @@ def test_decode_step_under_vmap():
   logits, new = jax.jit(jax.vmap(step))(tokens, positions, caches)
   for i in range(3):
     want, want_cache = step(tokens[i], positions[i], jax.tree.map(lambda a: a[i], caches))
-    np.testing.assert_array_equal(logits[i], want)
-    np.testing.assert_array_equal(new.k[i], want_cache.k)
+    assert_bitwise_equal((logits[i], new.k[i]), (want, want_cache.k), f"mapped element {i}")
   cfg = generation._cache_config(model, cache)
-  keys = jnp.zeros((3, 2), jnp.uint32)
   with pytest.raises(NotImplementedError, match=r"vmap over the weights \(sample_key\)"):
     jax.vmap(lambda k: generation._model_step(model, cfg, tokens[0], positions[0], cache, 0.7,
-                                              k))(keys)
+                                              k))(jnp.zeros((3, 2), jnp.uint32))  # mapped keys
 
 
 def test_stop_tokens_per_row():
   model = random_model()
   prompts, lengths = prompts_for(model, 4, 6, seed=3)
-  free, _ = jaxfuse.generate(model, prompts, lengths, 8)
-  free = np.asarray(free)
+  free = np.asarray(jaxfuse.generate(model, prompts, lengths, 8)[0])
   # Stop each row at a token it generates anyway (row 3 never stops).
   stops = [[free[0, 2], -1], [free[1, 0], free[1, 5]], [free[2, 6], -1], [-1, -1]]
-  out, count = jaxfuse.generate(model, prompts, lengths, 8, stop_tokens=stops)
-  out, count = np.asarray(out), np.asarray(count)
+  out, count = map(np.asarray, jaxfuse.generate(model, prompts, lengths, 8, stop_tokens=stops))
   for b in range(4):
     first = next((i + 1 for i, t in enumerate(free[b]) if t in stops[b]), 8)
     assert count[b] == first
@@ -249,9 +233,7 @@ def test_sampling_in_generate():
   prompts, lengths = prompts_for(model, 4, 5, seed=4)
   sample = functools.partial(jaxfuse.generate, model, prompts, lengths, 6, temperature=1.3,
                              top_k=20, top_p=0.95)
-  a, _ = sample(key=jax.random.key(0))
-  b, _ = sample(key=jax.random.key(0))
-  c, _ = sample(key=jax.random.key(1))
+  a, b, c = (sample(key=jax.random.key(seed))[0] for seed in (0, 0, 1))
   np.testing.assert_array_equal(a, b)  # reproducible with a key
   assert not np.array_equal(a, c)
   # The kernel's draws (a typed or a raw threefry key) and XLA's (an rbg key, which the kernel
@@ -260,13 +242,9 @@ def test_sampling_in_generate():
   for kw in (dict(temperature=0.9, key=jax.random.key(2)),
              dict(temperature=1.3, top_k=20, top_p=0.95, key=jax.random.PRNGKey(3)),
              dict(temperature=1.3, top_k=20, top_p=0.95, key=jax.random.key(3, impl="rbg"))):
-    got, n = jaxfuse.generate(model, prompts, lengths, 6, **kw)
-    want, want_n = jaxfuse.generate(model, prompts, lengths, 6, decoder="reference", **kw)
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(n, want_n)
-
-
-_sample = jax.jit(generation._sample, static_argnames=("temperature", "top_k", "top_p"))
+    assert_bitwise_equal(jaxfuse.generate(model, prompts, lengths, 6, **kw),
+                         jaxfuse.generate(model, prompts, lengths, 6, decoder="reference", **kw),
+                         f"kernel against reference loop, {kw}")
 
 
 def test_sampling_rules():
@@ -280,11 +258,10 @@ def test_sampling_rules():
   freq = np.bincount(draw(0, temperature=1.3, top_k=None, top_p=None), minlength=31) / rows
   assert 0.5 * np.abs(freq - p).sum() < 0.05  # total variation; sampling noise is ~0.02
   order = np.argsort(logits)[::-1]
-  k3 = draw(1, temperature=1.3, top_k=3, top_p=None)
-  assert set(k3) == set(order[:3])
+  assert set(draw(1, temperature=1.3, top_k=3, top_p=None)) == set(order[:3])
   nucleus = order[:np.searchsorted(np.cumsum(p[order]), 0.6) + 1]  # smallest set reaching 0.6
-  p6 = draw(2, temperature=1.3, top_k=None, top_p=0.6)
-  assert set(p6) == set(nucleus) and len(nucleus) < 31
+  assert set(draw(2, temperature=1.3, top_k=None, top_p=0.6)) == set(nucleus)
+  assert len(nucleus) < 31
   for kw in (dict(top_k=1, top_p=None), dict(top_k=None, top_p=1e-6)):
     assert np.all(draw(3, temperature=1.3, **kw) == order[0])
   assert np.all(draw(4, temperature=0.0, top_k=None, top_p=None) == order[0])
@@ -319,6 +296,9 @@ def test_bad_arguments():
   model = random_model()
   prompts, lengths = prompts_for(model, 2, 4, seed=7)
   gen = functools.partial(jaxfuse.generate, model)
+  step = functools.partial(jaxfuse.decode_step, model)
+  hot = dict(temperature=1.0, key=jax.random.key(0))  # sampling
+  first, cache = prompts[:, 0], jaxfuse.init_cache(model, 2, 8)  # (every call refuses: not run)
   cases = [
       (lambda: gen(prompts, lengths, 0), "max_new_tokens must be a positive integer"),
       (lambda: gen(prompts, lengths, 45), r"4 \+ max_new_tokens 45 = 49 exceeds the model's "
@@ -336,16 +316,14 @@ def test_bad_arguments():
       (lambda: gen(prompts, lengths, 3, temperature=1.0), "needs a PRNG key"),
       (lambda: gen(prompts, lengths, 3, temperature=-1.0), "temperature must be finite"),
       (lambda: gen(prompts, lengths, 3, top_k=5), "set temperature > 0"),
-      (lambda: gen(prompts, lengths, 3, temperature=1.0, key=jax.random.key(0), top_k=0),
-       "top_k must be a positive integer"),
-      (lambda: gen(prompts, lengths, 3, temperature=1.0, key=jax.random.key(0), top_p=1.5),
-       r"top_p must be in \(0, 1\]"),
+      (lambda: gen(prompts, lengths, 3, **hot, top_k=0), "top_k must be a positive integer"),
+      (lambda: gen(prompts, lengths, 3, **hot, top_p=1.5), r"top_p must be in \(0, 1\]"),
       (lambda: gen(prompts, lengths, 3, stop_tokens=[[1], [2], [3]]), "stop_tokens must be"),
       (lambda: gen(prompts, lengths, 3, stop_tokens=[[1, 2], [3]]), "stop_tokens must be"),
       (lambda: gen(prompts, lengths, 3, decoder="xla"), "decoder must be one of"),
       (lambda: gen(prompts, lengths, 3, schedule="graph"), "generate: schedule must be one of"),
-      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths, jaxfuse.init_cache(model, 2, 8),
-                                   schedule="graph"), "decode_step: schedule must be one of"),
+      (lambda: step(first, lengths, cache, schedule="graph"),
+       "decode_step: schedule must be one of"),
       (lambda: jaxfuse.generate(model.layers, prompts, lengths, 3),
        "model must be a jaxfuse.DecoderModel"),
       (lambda: jaxfuse.generate(dataclasses.replace(model, final_norm=model.final_norm[:-1]),
@@ -353,16 +331,13 @@ def test_bad_arguments():
       (lambda: jaxfuse.generate(dataclasses.replace(model, lm_head=model.lm_head[:-1]), prompts,
                                 lengths, 3), r"model.lm_head has shape \(60, 64\), expected the"),
       (lambda: jaxfuse.init_cache(model, 2, 49), r"max_seq_len=49 must be in \[1, 48\]"),
-      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths, (1, 2)),
-       "cache must be a jaxfuse.KVCache"),
-      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths,
-                                   jaxfuse.init_cache(model, 3, 8)), "cache.k has shape"),
+      (lambda: step(first, lengths, (1, 2)), "cache must be a jaxfuse.KVCache"),
+      (lambda: step(first, lengths, jaxfuse.init_cache(model, 3, 8)), "cache.k has shape"),
       (lambda: jaxfuse.prefill(model, prompts, lengths, jaxfuse.init_cache(model, 2, 3)),
        r"prompts \(4 tokens wide\) do not fit the cache \(3 positions\)"),
-      (lambda: jaxfuse.prefill(model, prompts, [1, 0], jaxfuse.init_cache(model, 2, 8)),
+      (lambda: jaxfuse.prefill(model, prompts, [1, 0], cache),
        r"prefill: prompt_lengths\[1\] = 0 is outside \[1, 4\]"),
-      (lambda: jaxfuse.decode_step(model, prompts[:, 0], lengths[:, None],
-                                   jaxfuse.init_cache(model, 2, 8)),
+      (lambda: step(first, lengths[:, None], cache),
        r"decode_step: positions must be an integer array \[2\], got int32\[2, 1\]"),
   ]
   for call, match in cases:
@@ -373,8 +348,7 @@ def test_bad_arguments():
     for positions, row in (([3, 8], 1), ([-1, 7], 0), ([9, -4], 0)):
       with pytest.raises(ValueError, match=rf"decode_step: positions\[{row}\] = {positions[row]} "
                          r"is outside \[0, 8\) \(the cache length\)"):
-        jaxfuse.decode_step(model, prompts[:, 0], np.array(positions, np.int32),
-                            jaxfuse.init_cache(model, 2, 8), decoder=decoder)
+        step(first, np.array(positions, np.int32), cache, decoder=decoder)
   # A dtype the kernel does not take: named before anything runs (the reference takes it).
   with jax.enable_x64(True):
     wide = jax.tree.map(lambda a: a.astype(jnp.float64), model)
@@ -392,7 +366,7 @@ def test_generate_hf_example(tmp_path, monkeypatch, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
   except ImportError:
     Tokenizer = None
-  if Tokenizer is not None:
+  else:
     vocab = {f"w{i}": i for i in range(96)} | {"[UNK]": 96}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()

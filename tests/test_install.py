@@ -1,9 +1,7 @@
 """The install's self-checks (jaxfuse/_core/install.py): what `import jaxfuse` warns about, where
-the CUDA handlers come from, and ``python -m jaxfuse``.
-
-The mismatches are planted: the running jaxlib's FFI version lowered below the one the real CPU
-module was built against, package metadata and jax plugins replaced, a CUDA package standing in
-on sys.path (a Python module in place of the compiled one: finding it is what is tested).
+the CUDA handlers come from, and ``python -m jaxfuse``, against planted mismatches: the running
+jaxlib's FFI version lowered below the CPU module's, package metadata and jax plugins replaced, a
+Python module standing in on sys.path for a CUDA package (finding it is what is tested).
 """
 
 import os

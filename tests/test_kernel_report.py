@@ -13,12 +13,27 @@ _spec.loader.exec_module(kr)
 
 
 def instance(name="multi_tensor_kernel<4, ChunkOp<Adam, float, 2 states, plain>>", arch="sm_90",
-             registers=60, threads=256, shared=0, sass=()):
+             registers=60, threads=256, shared=0, sass=(), ring=None, budgets=None, gaps=(),
+             floors=()):
+  """An instance analysed from `sass`, its occupancy counting `ring`; judged against `budgets`,
+  `gaps` and `floors` when `budgets` is given."""
   inst = kr.Instance("mangled", arch, name=name, registers=registers, threads=threads,
-                     shared=shared)
+                     shared=shared, ring=ring)
   kr.analyse(inst, list(sass))
   inst.occupancy = kr.occupancy(inst)
+  if budgets is not None:
+    kr.judge(inst, budgets, list(gaps), floors)
   return inst
+
+
+def instr(opcode, operands="", where=(), predicated=False, subroutine=None):
+  """One made-up SASS instruction, as kr.read_sass gives it."""
+  return (where, predicated, opcode, subroutine, operands)
+
+
+def sass_of(*lines):
+  """Made-up SASS: (opcode, operands) per instruction."""
+  return [instr(*line) for line in lines]
 
 
 @pytest.mark.parametrize("arch,registers,threads,shared,expected", [
@@ -47,11 +62,8 @@ def ring(slab=16384, h100_slots=4):
 def ring_kernel(arch="sm_90", slab=16384, h100_slots=4, sass=(), floors=()):
   """k<bf16> (128 registers, 43376 B of static shared memory) with ring(slab, h100_slots), its
   occupancy counting the ring, judged against RING_BUDGET and `floors`."""
-  inst = instance(name="k<bf16>", arch=arch, registers=128, shared=43376, sass=sass)
-  inst.ring = ring(slab, h100_slots)
-  inst.occupancy = kr.occupancy(inst)
-  kr.judge(inst, RING_BUDGET, [], floors)
-  return inst
+  return instance(name="k<bf16>", arch=arch, registers=128, shared=43376, sass=sass,
+                  ring=ring(slab, h100_slots), budgets=RING_BUDGET, floors=floors)
 
 
 def test_a_ring_counts_in_occupancy_and_must_cover_littles_law():
@@ -75,16 +87,15 @@ def test_an_in_flight_floor_counts_the_ring_or_the_loads():
   assert "16 KB an SM in flight (1.4x Little's law) < 2x (x.cu:1)" in short.status
   loads = instance(name="k<f32>", registers=128, sass=sass_of(
       ("LDG.E.128", "R4, desc[UR4][R2.64]"), ("LDG.E.128", "R8, desc[UR4][R12.64]"),
-      ("FADD", "R0, R4, R8")))
-  kr.judge(loads, RING_BUDGET, [], floor)  # 32 B x 512 threads an SM: 16 KB, 0.9x
+      ("FADD", "R0, R4, R8")), budgets=RING_BUDGET, floors=floor)
+  # 32 B x 512 threads an SM: 16 KB, 0.9x
   assert "16 KB an SM in flight (0.9x Little's law) < 2x" in loads.status
 
 
 def slab_loop_sass(body):
   """A ring loop: the wait for its copies, `body` (opcodes), the mmas, the branch back."""
-  ops = [("DEPBAR.LE", "SB0, 0x2")] + [(op, "") for op in body] + [("HMMA.16816.F32.BF16", ""),
-                                                                     ("BRA", "")]
-  return [((), False, op, None, operands) for op, operands in ops]
+  return sass_of(("DEPBAR.LE", "SB0, 0x2"), *[(op,) for op in body], ("HMMA.16816.F32.BF16",),
+                 ("BRA",))
 
 
 def test_a_ring_loop_must_issue_its_slabs_faster_than_hbm_delivers_them():
@@ -98,42 +109,30 @@ def test_a_ring_loop_must_issue_its_slabs_faster_than_hbm_delivers_them():
   assert "slab loop 153 instr, 153 cycles: 106 GB/s an SM (4.2x HBM)" in kr.in_flight(lean)
   assert ("its slab loop issues 27 GB/s an SM, 1.1x the SM's share of HBM < 1.5x"
           in converting.status)
-  outside = instance(sass=sass_of(("DEPBAR.LE", "SB0, 0x0"), ("BRA", "")))
+  outside = instance(sass=sass_of(("DEPBAR.LE", "SB0, 0x0"), ("BRA",)))
   assert outside.slab_loops == []  # no mma before the branch: not a slab loop
   outside.ring = ring()
   kr.judge(outside, [kr.Budget(r"\bChunkOp<", 128, 25, 0)], [])
   assert "no slab loop found in its SASS" in outside.status
 
 
-GRID_SYNC_GUARD = [
-    ((("/cuda/include/cooperative_groups.h", 179), ("/x/csrc/decoder/cuda/decoder.cu", 56)), True,
-     "BRA", None, ""),
-    ((("/cuda/include/cooperative_groups.h", 180), ("/x/csrc/decoder/cuda/decoder.cu", 56)), False,
-     "BPT.TRAP", None, ""),
-]
+CG, DECODER = "/cuda/include/cooperative_groups.h", "/x/csrc/decoder/cuda/decoder.cu"
+GRID_SYNC_GUARD = [instr("BRA", where=((CG, 179), (DECODER, 56)), predicated=True),
+                   instr("BPT.TRAP", where=((CG, 180), (DECODER, 56)))]
 SHARED_GRID_SYNC_GUARD = [  # several syncs jump to one failure block after the kernel's EXIT
-    ((("/x/csrc/decoder/cuda/decoder.cu", 80),), False, "EXIT", None, ""),
-    ((("/cuda/include/cooperative_groups.h", 180), ("/x/csrc/decoder/cuda/decoder.cu", 65)), False,
-     "BPT.TRAP", None, ""),
-]
+    instr("EXIT", where=((DECODER, 80),)), instr("BPT.TRAP", where=((CG, 180), (DECODER, 65)))]
 STRAIGHT_LINE_TRAP = [  # reached by falling through: not a guard, wherever it is
-    ((("/cuda/include/cooperative_groups.h", 180),), False, "IADD3", None, ""),
-    ((("/cuda/include/cooperative_groups.h", 180),), False, "BPT.TRAP", None, ""),
-]
-HOST_OBJECT_READ = [
-    ((("/x/csrc/optim/optimizer.h", 83), ("/x/csrc/optim/cuda/multi_tensor.cuh", 101)),
-     True, "BRA", None, ""),
-    ((("/x/csrc/optim/optimizer.h", 83), ("/x/csrc/optim/cuda/multi_tensor.cuh", 101)),
-     False, "BPT.TRAP", None, ""),
-]
+    instr("IADD3", where=((CG, 180),)), instr("BPT.TRAP", where=((CG, 180),))]
+HOST_READ_AT = (("/x/csrc/optim/optimizer.h", 83), ("/x/csrc/optim/cuda/multi_tensor.cuh", 101))
+HOST_OBJECT_READ = [instr("BRA", where=HOST_READ_AT, predicated=True),
+                    instr("BPT.TRAP", where=HOST_READ_AT)]
 
 
 def test_traps_and_accesses_are_read_from_the_sass():
-  sass = [((), False, "LDG.E.128", None, ""), ((), True, "LDG.E.64", None, ""),
-          ((), False, "STG.E", None, ""), ((), False, "STL.64", None, ""),
-          ((), False, "LDL", None, ""),
-          ((), False, "STL.128", "__cuda_sm3x_div_rn_noftz_f32_slowpath", "")] + GRID_SYNC_GUARD
-  inst = instance(sass=sass)
+  inst = instance(sass=[
+      instr("LDG.E.128"), instr("LDG.E.64", predicated=True), instr("STG.E"), instr("STL.64"),
+      instr("LDL"), instr("STL.128", subroutine="__cuda_sm3x_div_rn_noftz_f32_slowpath"),
+      *GRID_SYNC_GUARD])
   assert inst.loads == {128: 1, 64: 1} and inst.stores == {32: 1}
   assert (inst.local_stores, inst.local_loads, inst.slow_path_local) == (8, 4, 16)
   assert inst.local_instructions == 2
@@ -143,45 +142,26 @@ def test_traps_and_accesses_are_read_from_the_sass():
   assert [guarded for guarded, _ in instance(sass=STRAIGHT_LINE_TRAP).traps] == [False]
 
 
-def budget(registers=64, occupancy=50, local=0, reason="", pattern=r"\bChunkOp<"):
-  return kr.Budget(pattern, registers, occupancy, local, reason=reason, where="here")
-
-
 def test_budgets_gaps_and_failures():
-  budgets = [budget()]
-  ok = instance(registers=60)
-  kr.judge(ok, budgets, [])
-  assert ok.status == "ok"
-
-  heavy = instance(registers=97)  # 25% occupancy, over 64 registers
-  kr.judge(heavy, budgets, [])
+  budgets = [kr.Budget(r"\bChunkOp<", 64, 50, 0, where="here")]
+  assert instance(registers=60, budgets=budgets).status == "ok"
+  heavy = instance(registers=97, budgets=budgets)  # 25% occupancy, over 64 registers
   assert heavy.status.startswith("FAIL") and "97 registers > 64" in heavy.status
 
-  gap = budget(120, 25, 0, reason="issue 39", pattern=r"\bChunkOp<\w+, float")
-  heavy = instance(registers=97)
-  kr.judge(heavy, budgets, [gap])
+  gap = kr.Budget(r"\bChunkOp<\w+, float", 120, 25, 0, reason="issue 39", where="here")
+  heavy = instance(registers=97, budgets=budgets, gaps=[gap])
   assert heavy.status.startswith("gap") and "issue 39" in heavy.status
   assert gap.excused == {(heavy.name, "sm_90")}
-
-  spilling = instance(registers=97, sass=[((), False, "STL", None, "")])  # the gap allows no spills
-  kr.judge(spilling, budgets, [gap])
+  # The gap allows no spills.
+  spilling = instance(registers=97, sass=[instr("STL")], budgets=budgets, gaps=[gap])
   assert "local memory 4+0 B > 0 B (beyond its known gaps)" in spilling.status
-
-  trapped = instance(registers=60, sass=HOST_OBJECT_READ)
-  kr.judge(trapped, budgets, [gap])
+  trapped = instance(registers=60, sass=HOST_OBJECT_READ, budgets=budgets, gaps=[gap])
   assert "unguarded trap at optimizer.h:83 in multi_tensor.cuh:101" in trapped.status
 
-  guarded = instance(registers=60, sass=GRID_SYNC_GUARD)
-  kr.judge(guarded, budgets, [])
-  assert guarded.status == "ok"
-
-  orphan = instance(name="multi_tensor_kernel<1, NormChunkOp>")
-  kr.judge(orphan, budgets, [])
+  assert instance(registers=60, sass=GRID_SYNC_GUARD, budgets=budgets).status == "ok"
+  orphan = instance(name="multi_tensor_kernel<1, NormChunkOp>", budgets=budgets)
   assert "matches 0 JF_KERNEL_BUDGET declarations" in orphan.status
-
-  unbounded = instance(threads=0)
-  kr.judge(unbounded, budgets, [])
-  assert "no __launch_bounds__" in unbounded.status
+  assert "no __launch_bounds__" in instance(threads=0, budgets=budgets).status
 
 
 def test_budgets_are_read_from_the_sources(tmp_path):
@@ -199,11 +179,6 @@ def test_budgets_are_read_from_the_sources(tmp_path):
       "^k<", 96, 64, "issue 1: why")
 
 
-def sass_of(*lines):
-  """Made-up SASS: (opcode, operands) per instruction."""
-  return [((), False, opcode, None, operands) for opcode, operands in lines]
-
-
 def test_loads_in_flight_counts_arrays_loaded_before_any_is_read():
   together = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("LDG.E.128", "R8, desc[UR6][R12.64]"),
                      ("LDG.E.128", "R16, desc[UR6][R2.64+0x1000]"),  # R2's array again
@@ -214,12 +189,10 @@ def test_loads_in_flight_counts_arrays_loaded_before_any_is_read():
   assert kr.in_flight(instance(sass=together)) == "2, 48 B, 48 KB/SM (2.8x)"
   serial = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("FSETP.GT.AND", "P0, PT, R4, RZ, PT"),
                    ("LDG.E.128", "R8, desc[UR6][R12.64]"))
-  assert instance(sass=serial).loads_in_flight == 1
-  assert instance(sass=serial).bytes_in_flight == 16
+  inst = instance(sass=serial, budgets=[kr.Budget(r"ChunkOp<", 64, 50, 0)],
+                  floors=[kr.LoadsFloor(r"ChunkOp<", 2)])
+  assert (inst.loads_in_flight, inst.bytes_in_flight) == (1, 16)
+  assert "1 arrays loaded in flight < 2" in inst.status
   branch = sass_of(("LDG.E.128", "R4, desc[UR6][R2.64]"), ("BRA", "0x100"),
                    ("LDG.E.128", "R8, desc[UR6][R12.64]"))
   assert instance(sass=branch).loads_in_flight == 1
-  floor = kr.LoadsFloor(r"ChunkOp<", 2)
-  inst = instance(sass=serial)
-  kr.judge(inst, [kr.Budget(r"ChunkOp<", 64, 50, 0)], [], [floor])
-  assert "1 arrays loaded in flight < 2" in inst.status

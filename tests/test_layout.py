@@ -27,13 +27,10 @@ EXTERNAL_HEADERS = ("xla/",)
 
 def python_modules():
   """{module name: path} of every module of the package."""
-  out = {}
-  for folder, _, files in os.walk(os.path.join(ROOT, "jaxfuse")):
-    for f in files:
-      if f.endswith(".py"):
-        rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
-        out[rel.removesuffix(".__init__")] = os.path.join(folder, f)
-  return out
+  paths = [os.path.join(folder, f) for folder, _, files in os.walk(os.path.join(ROOT, "jaxfuse"))
+           for f in files if f.endswith(".py")]
+  return {os.path.relpath(p, ROOT)[:-3].replace(os.sep, ".").removesuffix(".__init__"): p
+          for p in paths}
 
 
 def _runtime_nodes(tree):
@@ -73,10 +70,6 @@ def cpp_sources():
           for d, _, files in os.walk(base) for f in files}
 
 
-def cpp_includes(path):
-  return re.findall(r'^\s*#\s*include\s+"([^"]+)"', open(path).read(), re.M)
-
-
 def find_cycle(graph):
   """One cycle of `graph` ({node: successors}) as a list of nodes, or None."""
   state = {}
@@ -87,41 +80,29 @@ def find_cycle(graph):
     for succ in sorted(graph.get(node, ())):
       if state.get(succ) == "open":
         return stack[stack.index(succ):] + [succ]
-      if succ not in state:
-        cycle = visit(succ, stack)
-        if cycle:
-          return cycle
+      if succ not in state and (cycle := visit(succ, stack)):
+        return cycle
     stack.pop()
     state[node] = "done"
     return None
 
   for node in sorted(graph):
-    if node not in state:
-      cycle = visit(node, [])
-      if cycle:
-        return cycle
+    if node not in state and (cycle := visit(node, [])):
+      return cycle
   return None
 
 
 def python_graph():
   known = python_modules()
-  graph = {}
-  for module, path in known.items():
-    graph[module] = {name for name in python_imports(module, path, known)
-                     if name in known or name.split(".")[0] == "tools"}
-  return graph
+  return {module: {name for name in python_imports(module, path, known)
+                   if name in known or name.split(".")[0] == "tools"}
+          for module, path in known.items()}
 
 
 def wing_violations(graph, wing_of, rules):
   """'a -> b' for every edge from a wing to what its rule does not allow."""
-  bad = []
-  for node, succs in graph.items():
-    wing = wing_of(node)
-    for succ in succs:
-      target = wing_of(succ)
-      if wing in rules and target not in rules[wing]:
-        bad.append(f"{node} -> {succ}")
-  return sorted(bad)
+  return sorted(f"{node} -> {succ}" for node, succs in graph.items() for succ in succs
+                if wing_of(node) in rules and wing_of(succ) not in rules[wing_of(node)])
 
 
 def python_wing(module):
@@ -132,11 +113,9 @@ def python_wing(module):
 
 
 def cpp_graph():
-  sources = cpp_sources()
-  graph = {}
-  for rel, path in sources.items():
-    graph[rel] = {inc for inc in cpp_includes(path) if not inc.startswith(EXTERNAL_HEADERS)}
-  return graph
+  includes = lambda path: re.findall(r'^\s*#\s*include\s+"([^"]+)"', open(path).read(), re.M)
+  return {rel: {inc for inc in includes(path) if not inc.startswith(EXTERNAL_HEADERS)}
+          for rel, path in cpp_sources().items()}
 
 
 def test_python_imports_stay_in_their_wings_and_close_no_cycle():

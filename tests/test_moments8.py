@@ -11,11 +11,12 @@ import pytest
 import jaxfuse
 from jaxfuse._optim import moments as _moments
 from helpers import assert_bitwise_equal, random_tree
-from lockstep import jit_step
+from lockstep import jit_fused, jit_step
 
 BLOCK = 128
 QUANTIZED = [(32, 128), (3, 5, 512), (4096,), (64, 100), (5, 3, 3, 64, 64)]
 FLOAT = [(), (3,), (4095,), (33, 129)]  # too small, or no whole blocks
+SHAPES = QUANTIZED + FLOAT
 
 
 def _blocks(rng, n_blocks):
@@ -51,16 +52,13 @@ def test_round_trip_error_bounds(signed):
     assert not np.any((back == 0) & (x > 0))
   else:
     assert np.all((np.sign(back) == np.sign(x)) | (back == 0))
-  rel = err[normal] / np.abs(x[normal])
-  print(f"signed={signed}: worst relative error {rel.max():.4f}, mean {rel.mean():.5f}")
   # the block's largest magnitude decodes to within a float32 rounding or two of itself
   np.testing.assert_allclose(np.abs(back).max(axis=1), np.abs(x).max(axis=1), rtol=2 ** -22)
 
 
 def test_non_finite_blocks_decode_to_nan():
   x = np.random.default_rng(1).standard_normal((2, BLOCK)).astype(np.float32)
-  x[0, 5] = np.nan
-  x[1, 9] = np.inf
+  x[0, 5], x[1, 9] = np.nan, np.inf
   back = np.asarray(_moments.dequantize(_moments.quantize(jnp.asarray(x), True, BLOCK)))
   assert np.all(np.isnan(back))
 
@@ -70,24 +68,20 @@ def test_kernels_and_twin_store_the_same_codes(dtype):
   """With b1 = b2 = 0 the moments are g and g^2 exactly on both paths, so the stored codes and
   scales are the quantizer's alone: the fused kernels' equal the XLA twin's bit for bit, a block
   with a NaN (the canonical NaN scale) included."""
-  shapes = QUANTIZED + FLOAT
-  params, grads = random_tree(1, shapes, dtype), random_tree(2, shapes, dtype, scale=0.3)
+  params, grads = random_tree(1, SHAPES, dtype), random_tree(2, SHAPES, dtype, scale=0.3)
   grads["leaf0001"] = grads["leaf0001"].at[0, 0, 5].set(jnp.nan)
   tx = jaxfuse.adam(1e-3, b1=0.0, b2=0.0, moment_bits=8)
   state = tx.init(params)
-  _, fused = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p))(grads, state, params)
-  _, twin = jax.jit(tx.update)(grads, state, params)
-  assert_bitwise_equal(fused[0].mu, twin[0].mu, "mu: kernels vs XLA twin")
-  assert_bitwise_equal(fused[0].nu, twin[0].nu, "nu: kernels vs XLA twin")
+  (_, fused), (_, twin) = (jit_step(path, tx)(params, state, grads) for path in ("fused", "optax"))
+  assert_bitwise_equal(fused[0], twin[0], "moments: kernels vs XLA twin")
   expected = _moments.quantize(grads["leaf0000"].astype(jnp.float32), True, BLOCK)
   assert_bitwise_equal(fused[0].mu["leaf0000"], expected, "mu codes of g")
 
 
 def test_state_layout_and_report():
-  shapes = QUANTIZED + FLOAT
-  params = random_tree(3, shapes, jnp.float32)
+  params = random_tree(3, SHAPES, jnp.float32)
   state = jaxfuse.adamw(1e-3, moment_bits=8).init(params)
-  for name, shape in zip(sorted(params), shapes):
+  for name, shape in zip(sorted(params), SHAPES):
     mu, nu = state[0].mu[name], state[0].nu[name]
     if shape in QUANTIZED:
       assert mu.codes.dtype == jnp.int8 and nu.codes.dtype == jnp.uint8
@@ -99,17 +93,12 @@ def test_state_layout_and_report():
       assert mu.dtype == nu.dtype == jnp.float32 and mu.shape == shape
   big = {"w": jnp.ones((512, 1024), jnp.float32)}
   tx = jaxfuse.adamw(1e-3, moment_bits=8)
-  step = jax.jit(lambda p, s, g: jaxfuse.fused_step(tx, g, s, p), donate_argnums=(0, 1))
-  report = jaxfuse.report(step, big, tx.init(big), big)
+  report = jaxfuse.report(jit_fused(tx), big, tx.init(big), big)
   assert report.params == 512 * 1024
   assert report.state_bytes_per_param == pytest.approx(2 + 2 * 4 / BLOCK, abs=1e-4)
   # read g, p, m, v codes and scales; write p, codes and scales
   assert report.bytes_moved / report.params == pytest.approx(4 + 4 + 2 * (1 + 4 / BLOCK) + 4 +
                                                              2 * (1 + 4 / BLOCK), rel=0.01)
-
-
-def _loss(w, x, y):
-  return jnp.mean((jnp.tanh(x @ w["a"]) @ w["b"] - y) ** 2)
 
 
 @pytest.mark.parametrize("path", ["fused", "optax"])
@@ -118,38 +107,25 @@ def test_converges_like_float32_adamw(path):
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((256, 128)), jnp.float32)
   teacher = jnp.asarray(rng.standard_normal((128, 1)), jnp.float32)
-  y = jnp.sin(x @ teacher)
+  y = jnp.broadcast_to(jnp.sin(x @ teacher), (256, 128))
   w0 = {"a": jnp.asarray(rng.standard_normal((128, 256)) * 0.1, jnp.float32),
         "b": jnp.asarray(rng.standard_normal((256, 128)) * 0.1, jnp.float32)[:, :1].repeat(128, 1)
         / 128}
+  loss = lambda w: jnp.mean((jnp.tanh(x @ w["a"]) @ w["b"] - y) ** 2)
 
-  def train(tx, fused):
-    def step(w, s):
-      g = jax.grad(_loss)(w, x, jnp.broadcast_to(y, (256, 128)))
-      if fused:
-        return jaxfuse.fused_step(tx, g, s, w)
-      u, s = tx.update(g, s, w)
-      return optax.apply_updates(w, u), s
-    step = jax.jit(step)
+  def train(tx, path):
+    inner = jit_step(path, tx)
+    step = jax.jit(lambda w, s: inner(w, s, jax.grad(loss)(w)))
     w, s = w0, tx.init(w0)
     for _ in range(300):
       w, s = step(w, s)
-    return float(_loss(w, x, jnp.broadcast_to(y, (256, 128))))
+    return float(loss(w))
 
-  reference = train(optax.adamw(3e-3, weight_decay=0.01), False)
-  quantized = train(jaxfuse.adamw(3e-3, weight_decay=0.01, moment_bits=8), path == "fused")
-  initial = float(_loss(w0, x, jnp.broadcast_to(y, (256, 128))))
+  reference = train(optax.adamw(3e-3, weight_decay=0.01), "optax")
+  quantized = train(jaxfuse.adamw(3e-3, weight_decay=0.01, moment_bits=8), path)
+  initial = float(loss(w0))
   assert reference < 0.5 * initial
   assert abs(quantized - reference) <= 0.03 * reference, (quantized, reference)
-
-
-def _assert_same_steps(actual, expected, start, ulp):
-  """The two paths moved the params alike: within a few ulps of the params, plus 1/16 of how
-  far they moved (an 8-bit code one apart, where the paths' float moments round differently)."""
-  for a, b, p in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), jax.tree.leaves(start)):
-    a, b, p = (np.asarray(x, np.float32) for x in (a, b, p))
-    np.testing.assert_allclose(a, b, atol=5 * ulp * np.abs(b).max()
-                               + 2.0 ** -4 * np.abs(b - p).max() + 1e-7)
 
 
 MODES = {
@@ -166,33 +142,37 @@ def test_modes_fused_and_optax_agree(mode):
   """Every other opt-in with 8-bit moments, clip folded in and a loss scale: the fused step and
   the optax protocol agree to the moments' own precision, and a non-finite step changes nothing."""
   dtype = jnp.bfloat16 if mode in ("remainder", "stochastic") else jnp.float32
-  shapes = QUANTIZED + FLOAT
-  params = random_tree(4, shapes, dtype)
+  params = random_tree(4, SHAPES, dtype)
   tx = optax.chain(jaxfuse.clip_by_global_norm(1.0),
                    jaxfuse.adamw(1e-3, weight_decay=0.1, moment_bits=8, **MODES[mode]))
   fused, twin = (jit_step(path, tx, grad_scale=jnp.float32(2.0)) for path in ("fused", "optax"))
   pf, sf = pt, st = params, tx.init(params)
   for t in range(5):
-    g = random_tree(10 + t, shapes, dtype)
+    g = random_tree(10 + t, SHAPES, dtype)
     pf, sf = fused(pf, sf, g)
     pt, st = twin(pt, st, g)
-  _assert_same_steps(pf, pt, params, 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20)
+  # The two paths moved the params alike: within a few ulps of the params, plus 1/16 of how
+  # far they moved (an 8-bit code one apart, where the paths' float moments round differently).
+  ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -20
+  for a, b, p in zip(jax.tree.leaves(pf), jax.tree.leaves(pt), jax.tree.leaves(params)):
+    a, b, p = (np.asarray(x, np.float32) for x in (a, b, p))
+    np.testing.assert_allclose(a, b, atol=5 * ulp * np.abs(b).max()
+                               + 2.0 ** -4 * np.abs(b - p).max() + 1e-7)
   moments = lambda s: _moments.dequantize_tree((s[1][0].mu, s[1][0].nu))
   for a, b in zip(jax.tree.leaves(moments(sf)), jax.tree.leaves(moments(st))):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     np.testing.assert_allclose(a, b, atol=2.0 ** -3 * np.abs(b).max() + 1e-6)
   if mode == "skip":
-    bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), random_tree(20, shapes, dtype))
+    bad = jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), random_tree(20, SHAPES, dtype))
     p2, s2 = fused(pf, sf, bad)
     assert_bitwise_equal((p2, s2[1][:-1]), (pf, sf[1][:-1]), "a skipped step")
     assert int(s2[1][-1].skipped_steps) == 1
 
 
 def test_convert_state_both_ways():
-  shapes = QUANTIZED + FLOAT
-  params = random_tree(8, shapes, jnp.float32)
+  params = random_tree(8, SHAPES, jnp.float32)
   ref = optax.adamw(1e-3)
-  state = ref.update(random_tree(9, shapes, jnp.float32), ref.init(params), params)[1]
+  state = ref.update(random_tree(9, SHAPES, jnp.float32), ref.init(params), params)[1]
   tx8 = jaxfuse.adamw(1e-3, moment_bits=8)
   p8, s8 = jaxfuse.convert_state(state, params, tx8)
   assert jax.tree.structure(s8) == jax.tree.structure(tx8.init(params))
@@ -207,9 +187,8 @@ def test_bad_configurations_raise():
     jaxfuse.adamw(1e-3, moment_bits=4)
   params = random_tree(14, QUANTIZED[:1], jnp.float32)
   state32 = jaxfuse.adamw(1e-3).init(params)
-  tx = jaxfuse.adamw(1e-3, moment_bits=8)
   with pytest.raises(ValueError, match="opt_state"):
-    jaxfuse.fused_step(tx, params, state32, params)
+    jaxfuse.fused_step(jaxfuse.adamw(1e-3, moment_bits=8), params, state32, params)
 
 
 def test_inject_hyperparams_with_static_moment_bits():
@@ -217,8 +196,7 @@ def test_inject_hyperparams_with_static_moment_bits():
   params = random_tree(17, QUANTIZED[:1], jnp.float32)
   tx = optax.inject_hyperparams(jaxfuse.adamw, static_args=("moment_bits",))(
       learning_rate=1e-3, moment_bits=8)
-  state = tx.init(params)
-  p, state = jax.jit(lambda g, s, p: jaxfuse.fused_step(tx, g, s, p))(params, state, params)
+  _, state = jit_step("fused", tx)(params, tx.init(params), params)
   assert isinstance(state.inner_state[0].mu["leaf0000"], jaxfuse.QuantizedMoment)
   with pytest.raises(ValueError, match="static_args"):
     optax.inject_hyperparams(jaxfuse.adamw)(learning_rate=1e-3, moment_bits=8).init(params)

@@ -17,14 +17,13 @@ from optax.contrib import _muon as optax_muon
 import jaxfuse
 from helpers import assert_trees_close, normal_grads as grads, random_tree, ulp
 from jaxfuse._optim import newton_schulz
-from lockstep import jit_fused, lockstep
+from lockstep import copy_tree, jit_fused, jit_step, lockstep
 
 NS_RTOL = 64 * ulp(jnp.float32)
 
 # Matrices of three stacked shapes ((24, 40) twice, wide and tall; (16, 16) twice; (8, 40, 24),
 # which under 3-D dimension numbers is 8 matrices), beside AdamW leaves (a vector, a scalar).
 SHAPES = {"a": (24, 40), "b": (40, 24), "c": (16, 16), "d": (16, 16), "e": (40,), "f": ()}
-
 
 
 def _params(device, dtype=jnp.float32):
@@ -44,13 +43,12 @@ def test_batched_newton_schulz_matches_optax_per_matrix(preconditioning):
   coeffs = jnp.asarray(jaxfuse._optim.families.muon.NS_PRESETS["standard"])
   # eps 1e-3: optax reads it where it preconditions by a norm, and not in AOL's and Schatten's
   # first iterations.
-  ours = newton_schulz.orthogonalize_leaves([wide, tall], shapes, coeffs, 5, preconditioning,
-                                            1e-3, "standard")
+  ours, gram = (newton_schulz.orthogonalize_leaves([wide, tall], shapes, coeffs, 5,
+                                                   preconditioning, 1e-3, method)
+                for method in ("standard", "gram"))
   for x, o in zip((wide, tall), ours):
     ref = optax_muon.orthogonalize_via_newton_schulz(x, coeffs, 5, preconditioning, 1e-3, dims)
     assert_trees_close(o, ref, rtol=NS_RTOL, atol=0, what=preconditioning)
-  gram = newton_schulz.orthogonalize_leaves([wide, tall], shapes, coeffs, 5, preconditioning,
-                                            1e-3, "gram")
   for o, g in zip(ours, gram):
     assert_trees_close(g, o, rtol=1e-4, atol=0, what=f"{preconditioning} gram")
     sv_o, sv_g = (np.linalg.svd(np.asarray(x), compute_uv=False) for x in (o, g))
@@ -58,33 +56,27 @@ def test_batched_newton_schulz_matches_optax_per_matrix(preconditioning):
     assert 0.6 < sv_o.min() and sv_o.max() < 1.3  # the quintic's band around 1
 
 
+# Each option through one path (the element passes are the same math on both; the fused path
+# against a reference also in test_fused_step_with_clip_scale_and_nonfinite_skip).
 OPTIONS = {
-    "defaults": dict(),
-    "no nesterov, decay masked, adaptive": dict(
+    "defaults": ("optax", dict()),
+    "no nesterov, decay masked, adaptive": ("fused", dict(
         nesterov=False, weight_decay=0.1, adaptive=True,
-        weight_decay_mask=lambda p: {k: k != "a" for k in p}),
-    "dion rows, consistent rms, adam group's own": dict(
+        weight_decay_mask=lambda p: {k: k != "a" for k in p})),
+    "dion rows, consistent rms, adam group's own": ("optax", dict(
         ns_coeffs="dion", consistent_rms=0.2, adam_learning_rate=3e-3,
         adam_weight_decay=optax.constant_schedule(0.01),
-        adam_b2=0.99, learning_rate=optax.linear_schedule(2e-2, 1e-2, 10)),
-    "3-D leaves by dimension numbers": dict(
+        adam_b2=0.99, learning_rate=optax.linear_schedule(2e-2, 1e-2, 10))),
+    "3-D leaves by dimension numbers": ("fused", dict(
         muon_weight_dimension_numbers=lambda p: {  # optax also passes masked trees: shapes only
             k: (MuonDimensionNumbers(1, 2) if k == "g" else MuonDimensionNumbers()
-                if len(getattr(x, "shape", ())) == 2 else None) for k, x in p.items()}),
+                if len(getattr(x, "shape", ())) == 2 else None) for k, x in p.items()})),
 }
 
 
-# Each option through one path (the element passes are the same math on both; the fused path
-# against a reference also in test_fused_step_with_clip_scale_and_nonfinite_skip).
-CASES = [("defaults", "optax"),
-         ("no nesterov, decay masked, adaptive", "fused"),
-         ("dion rows, consistent rms, adam group's own", "optax"),
-         ("3-D leaves by dimension numbers", "fused")]
-
-
-@pytest.mark.parametrize("option,path", CASES)
+@pytest.mark.parametrize("option,path", [(name, path) for name, (path, _) in OPTIONS.items()])
 def test_matches_optax(device, option, path):
-  kwargs = {"learning_rate": 2e-2, **OPTIONS[option]}
+  kwargs = {"learning_rate": 2e-2, **OPTIONS[option][1]}
   params = _params(device)
   if "dimension" in option:
     params["g"] = random_tree(4, [(8, 40, 24)], device=device)["leaf0000"]
@@ -114,20 +106,17 @@ def test_fused_step_with_clip_scale_and_nonfinite_skip(device):
   params = _params(device)
   tx = optax.chain(jaxfuse.clip_by_global_norm(0.5), jaxfuse.muon(2e-2, skip_nonfinite=True))
   ref = optax.chain(optax.clip_by_global_norm(0.5), jaxfuse.muon(2e-2, skip_nonfinite=True))
-  step = jit_fused(tx, grad_scale=jnp.float32(4.0))
-  p, s = jax.tree.map(jnp.copy, params), tx.init(params)
-  p_r, s_r = params, ref.init(params)
+  step, ref_step = jit_fused(tx, grad_scale=jnp.float32(4.0)), jit_step("optax", ref)
+  p, s, p_r, s_r = jax.tree.map(jnp.copy, params), tx.init(params), params, ref.init(params)
   for t in range(3):
     g = grads(10 + t, params, scale=4.0)
     if t == 1:
       g["e"] = g["e"].at[3].set(jnp.inf)
     p, s = step(p, s, g)
-    u, s_r = jax.jit(ref.update)(jax.tree.map(lambda x: x / 4.0, g), s_r, p_r)
-    p_r = optax.apply_updates(p_r, u)
+    p_r, s_r = ref_step(p_r, s_r, jax.tree.map(lambda x: x / 4.0, g))
     assert_trees_close(p, p_r, rtol=NS_RTOL, atol=NS_RTOL, what=f"step {t}")
   inner = s[1].inner_states
-  assert int(inner["muon"].inner_state[-1].skipped_steps) == 1
-  assert int(inner["adam"].inner_state[-1].skipped_steps) == 1
+  assert [int(inner[k].inner_state[-1].skipped_steps) for k in ("muon", "adam")] == [1, 1]
   assert int(inner["muon"].inner_state[0].count) == 2
   assert "jaxfuse_muon" in step.lower(p, s, grads(0, params)).as_text()
 
@@ -139,14 +128,12 @@ def test_master_weights_and_gram_in_bf16(device):
   params = _params(device, jnp.bfloat16)
   kw = dict(master_weights=True, ns_method="gram", ns_dtype=jnp.bfloat16)
   tx = jaxfuse.muon(2e-2, **kw)
-  step = jit_fused(tx)
-  p, s = jax.tree.map(jnp.copy, params), tx.init(params)
-  p_o, s_o = params, tx.init(params)
+  step, protocol = jit_fused(tx), jit_step("optax", tx)
+  p, s, p_o, s_o = jax.tree.map(jnp.copy, params), tx.init(params), params, tx.init(params)
   for t in range(3):
     g = grads(20 + t, params)
     p, s = step(p, s, g)
-    u, s_o = jax.jit(tx.update)(g, s_o, p_o)
-    p_o = optax.apply_updates(p_o, u)
+    p_o, s_o = protocol(p_o, s_o, g)
   master = jaxfuse.master_params(p, s)
   assert jax.tree.map(lambda x: x.dtype, master) == jax.tree.map(lambda _: jnp.float32, params)
   assert_trees_close(p, jax.tree.map(lambda m: m.astype(jnp.bfloat16), master), rtol=0, atol=0,
@@ -167,8 +154,7 @@ def test_8bit_momentum(device):
   assert mu["big"].codes.dtype == jnp.int8 and mu["a"].dtype == jnp.float32
   floats = jaxfuse.muon(2e-2)
   step, ref = jit_fused(tx), jit_fused(floats)
-  p, s, p_f, s_f = (jax.tree.map(jnp.copy, params), state, jax.tree.map(jnp.copy, params),
-                    floats.init(params))
+  p, s, p_f, s_f = copy_tree(params), state, copy_tree(params), floats.init(params)
   for t in range(3):
     g = grads(40 + t, params)
     p, s = step(p, s, g)
@@ -178,9 +164,8 @@ def test_8bit_momentum(device):
 
 
 def test_inject_hyperparams_and_multi_steps(device):
-  """The learning rate and beta read from optax.inject_hyperparams' state (changed mid-run
-  without a retrace), inside jaxfuse.multi_steps: equal to optax's Muon under the same
-  wrappers."""
+  """Hyperparameters from optax.inject_hyperparams' state (changed mid-run, no retrace), inside
+  jaxfuse.multi_steps: optax's Muon under the same wrappers."""
   params = _params(device)
   make = lambda muon: optax.inject_hyperparams(muon, static_args=("ns_steps",))(
       learning_rate=2e-2, beta=0.9)
@@ -189,6 +174,7 @@ def test_inject_hyperparams_and_multi_steps(device):
   traces = []
   step = jax.jit(lambda p, s, g: (traces.append(1), jaxfuse.fused_step(tx, g, s, p))[1],
                  donate_argnums=(0, 1))
+  ref_step = jit_step("optax", ref)
   p, s, p_r, s_r = jax.tree.map(jnp.copy, params), tx.init(params), params, ref.init(params)
   for t in range(4):
     if t == 2:
@@ -196,8 +182,7 @@ def test_inject_hyperparams_and_multi_steps(device):
         state.hyperparams["learning_rate"] = jnp.asarray(1e-2, jnp.float32)
     g = grads(30 + t, params)
     p, s = step(p, s, g)
-    u, s_r = jax.jit(ref.update)(g, s_r, p_r)
-    p_r = optax.apply_updates(p_r, u)
+    p_r, s_r = ref_step(p_r, s_r, g)
   assert len(traces) == 1
   assert_trees_close(p, p_r, rtol=NS_RTOL, atol=NS_RTOL)
 

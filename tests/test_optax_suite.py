@@ -15,90 +15,61 @@ from jaxfuse._optim import families
 OPTIMIZERS = tuple(f.__name__ for family in families.registered() for f in family.functions)
 
 # optax accepts a mu_dtype that is complex for real params or real for complex ones and casts
-# between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init.
-COMPLEX_MU_REAL_PARAMS = ("jaxfuse refuses a complex mu_dtype (accumulator_dtype) for real params "
-                          "(by design)")
-REAL_MU_COMPLEX_PARAMS = ("jaxfuse refuses a real mu_dtype (accumulator_dtype) for complex params "
-                          "(by design)")
-
-# (test method as written in optax's source, its exact parameters, why jaxfuse fails it). SGD
-# refuses an accumulator_dtype whose kind (real or complex) differs from the params', as Adam
-# does its mu_dtype.
+# between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init,
+# and SGD an accumulator_dtype whose kind (real or complex) differs from the params'.
+# (test method as written in optax's source, its exact parameters, why jaxfuse fails it; a
+# params_dtype of None is the default float dtype.)
 BY_DESIGN = [
     ("test_explicit_dtype", {"params_dtype": params, "state_dtype": state, "opt_name": opt},
-     reason)
+     f"jaxfuse refuses a {mu} mu_dtype (accumulator_dtype) for {kind} params (by design)")
     for opt in ("adam", "adamw", "sgd_mom")
-    for params, state, reason in [
-        ("bfloat16", "complex64", COMPLEX_MU_REAL_PARAMS),
-        ("float32", "complex64", COMPLEX_MU_REAL_PARAMS),
-        (None, "complex64", COMPLEX_MU_REAL_PARAMS),  # None: the default float dtype
-        ("complex64", "bfloat16", REAL_MU_COMPLEX_PARAMS),
-        ("complex64", "float32", REAL_MU_COMPLEX_PARAMS),
-    ]
+    for params, state in [("bfloat16", "complex64"), ("float32", "complex64"), (None, "complex64"),
+                          ("complex64", "bfloat16"), ("complex64", "float32")]
+    for mu, kind in [("complex", "real") if state == "complex64" else ("real", "complex")]
 ]
-
-
-def _alias_suite():
-  """optax's AliasTest for the families jaxfuse fuses, with jaxfuse's transforms as `alias.*`
-  (the rest of `alias` stays optax's)."""
-  module = optax_suite.load(
-      "_src/alias_test.py", {"AliasTest": None},
-      overrides={"alias": {name: getattr(jaxfuse, name) for name in OPTIMIZERS}},
-      filters={"_OPTIMIZERS_UNDER_TEST": optax_suite.keep("opt_name", OPTIMIZERS)})
-  optax_suite.skip_cases(module.AliasTest, BY_DESIGN)
-  return module.AliasTest
-
-
-def _clipping_suite():
-  """optax's test of clip_by_global_norm, judged by optax's own optax.tree.norm."""
-  return optax_suite.load(
-      "transforms/_clipping_test.py", {"ClippingTest": ["test_clip_by_global_norm"]},
-      overrides={"_clipping": {"clip_by_global_norm": jaxfuse.clip_by_global_norm}},
-  ).ClippingTest
-
-
-def _linear_algebra_suite():
-  """optax's global-norm test, with jaxfuse.global_norm as optax.tree.norm."""
-  return optax_suite.load(
-      "_src/linear_algebra_test.py", {"LinearAlgebraTest": ["test_global_norm"]},
-      overrides={"optax": {"tree": {"norm": jaxfuse.global_norm}}},
-  ).LinearAlgebraTest
-
-
-def _float64_suite():
-  """optax's mixed float32/float64 dtype-preservation test for jaxfuse's transforms. The swap
-  and the filter apply before the module body runs: ALL_MODULES captures them at import."""
-  return optax_suite.load(
-      "_src/float64_test.py", {"Float64Test": ["test_mixed_dtype_input_outputs"]},
-      overrides={"alias": {"adam": jaxfuse.adam, "adamw": jaxfuse.adamw},
-                 "transforms": {"clip_by_global_norm": jaxfuse.clip_by_global_norm}},
-      filters={"ALL_MODULES": optax_suite.keep(0, {"adam", "adamw", "clip_by_global_norm"})},
-  ).Float64Test
-
-
-def _muon_suite():
-  """optax's Muon tests with jaxfuse.muon as `_muon.muon`: the updates, the state's structure
-  (which leaves Muon's momentum masks out) and convergence. Its tests of optax's private
-  reshape and orthogonalization functions (and their preconditionings' first iterations) stay
-  optax's; jaxfuse's batched ones are compared with them in tests/test_muon.py."""
-  module = optax_suite.load(
-      "contrib/_muon_test.py",
-      {"MuonTest": ["test_callable_weight_dim_nums",
-                    "test_reshape_update_for_square_parameter_matches_muon_without_dim_nums",
-                    "test_reshape_and_update_single_param", "test_dim_nums_combinations",
-                    "test_complex_mixed_target", "test_muon_orthogonalization_modes",
-                    "test_aol_numerical_difference", "test_orthogonality"]},
-      overrides={"_muon": {"muon": jaxfuse.muon}})
-  return module.MuonTest
 
 
 # pytest collects unittest classes under the names they have here. The alias suite takes ~10 s
 # on a CPU (test_optimization's 10000 jitted steps are tiny), so it is not marked slow.
-OptaxAliasTest = _alias_suite()
-OptaxClippingTest = _clipping_suite()
-OptaxLinearAlgebraTest = _linear_algebra_suite()
-OptaxFloat64Test = _float64_suite()
-OptaxMuonTest = _muon_suite()
+# optax's AliasTest for the families jaxfuse fuses, with jaxfuse's transforms as `alias.*` (the
+# rest of `alias` stays optax's).
+OptaxAliasTest = optax_suite.load(
+    "_src/alias_test.py", {"AliasTest": None},
+    overrides={"alias": {name: getattr(jaxfuse, name) for name in OPTIMIZERS}},
+    filters={"_OPTIMIZERS_UNDER_TEST": optax_suite.keep("opt_name", OPTIMIZERS)}).AliasTest
+optax_suite.skip_cases(OptaxAliasTest, BY_DESIGN)
+
+# optax's test of clip_by_global_norm, judged by optax's own optax.tree.norm.
+OptaxClippingTest = optax_suite.load(
+    "transforms/_clipping_test.py", {"ClippingTest": ["test_clip_by_global_norm"]},
+    overrides={"_clipping": {"clip_by_global_norm": jaxfuse.clip_by_global_norm}}).ClippingTest
+
+# optax's global-norm test, with jaxfuse.global_norm as optax.tree.norm.
+OptaxLinearAlgebraTest = optax_suite.load(
+    "_src/linear_algebra_test.py", {"LinearAlgebraTest": ["test_global_norm"]},
+    overrides={"optax": {"tree": {"norm": jaxfuse.global_norm}}}).LinearAlgebraTest
+
+# optax's mixed float32/float64 dtype-preservation test for jaxfuse's transforms. The swap and
+# the filter apply before the module body runs: ALL_MODULES captures them at import.
+OptaxFloat64Test = optax_suite.load(
+    "_src/float64_test.py", {"Float64Test": ["test_mixed_dtype_input_outputs"]},
+    overrides={"alias": {"adam": jaxfuse.adam, "adamw": jaxfuse.adamw},
+               "transforms": {"clip_by_global_norm": jaxfuse.clip_by_global_norm}},
+    filters={"ALL_MODULES": optax_suite.keep(0, {"adam", "adamw", "clip_by_global_norm"})},
+).Float64Test
+
+# optax's Muon tests with jaxfuse.muon as `_muon.muon`: the updates, the state's structure (which
+# leaves Muon's momentum masks out) and convergence. Its tests of optax's private reshape and
+# orthogonalization functions (and their preconditionings' first iterations) stay optax's;
+# jaxfuse's batched ones are compared with them in tests/test_muon.py.
+OptaxMuonTest = optax_suite.load(
+    "contrib/_muon_test.py",
+    {"MuonTest": ["test_callable_weight_dim_nums",
+                  "test_reshape_update_for_square_parameter_matches_muon_without_dim_nums",
+                  "test_reshape_and_update_single_param", "test_dim_nums_combinations",
+                  "test_complex_mixed_target", "test_muon_orthogonalization_modes",
+                  "test_aol_numerical_difference", "test_orthogonality"]},
+    overrides={"_muon": {"muon": jaxfuse.muon}}).MuonTest
 
 
 @pytest.fixture(autouse=True)

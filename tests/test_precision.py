@@ -4,7 +4,6 @@ through the optax protocol and the fused step, against references on fresh rando
 
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -16,18 +15,22 @@ import jaxfuse
 from jaxfuse._optim import rounding as _rounding
 from helpers import assert_bitwise_equal, count_custom_calls, random_tree
 from helpers import normal_grads as grads
-from lockstep import jit_step
+from lockstep import copy_tree, jit_step
 
 PATHS = ["optax", "fused"]
-HALF_DTYPES = [jnp.bfloat16, jnp.float16]
 
 
 def _run(tx, params, path, steps, seed=1, grad_fn=grads, **kwargs):
   step = jit_step(path, tx, **kwargs)
-  p, s = jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx.init(params)
+  p, s = copy_tree(params), tx.init(params)
   for t in range(steps):
     p, s = step(p, s, grad_fn(seed * 1000 + t, params))
   return p, s
+
+
+def _once(tx, params, g, path="fused"):
+  """One step of `tx` from its initial state: (params, state)."""
+  return jit_step(path, tx)(params, tx.init(params), g)
 
 
 def _bits(x):
@@ -37,17 +40,16 @@ def _bits(x):
 
 # ---- stochastic rounding ---------------------------------------------------------------------
 
-
-def _tiny_step(dtype, value, n, fraction):
-  """n params equal to `value` and SGD's step lr * g of `fraction` of an ulp of the value:
-  (params, grads, the exact new value)."""
+def _tiny_step(dtype, value, n, fraction, device):
+  """n params equal to `value` and SGD's step lr * g of `fraction` of an ulp of the value, on
+  `device`: (params, grads, the exact new value, the ulp)."""
   value = float(jnp.asarray(value, dtype))
   ulp_v = float(jnp.finfo(dtype).eps) * 2.0 ** np.floor(np.log2(abs(value)))
   if abs(value) < float(jnp.finfo(dtype).tiny):  # subnormal: a fixed ulp
     ulp_v = float(jnp.finfo(dtype).smallest_subnormal)
   params = {"w": jnp.full((n,), value, dtype)}
   g = {"w": jnp.full((n,), -fraction * ulp_v / 1e-3, jnp.float32)}
-  return params, g, value + fraction * ulp_v, ulp_v
+  return (*jax.device_put((params, g), device), value + fraction * ulp_v, ulp_v)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -57,13 +59,10 @@ def test_stochastic_rounding_is_unbiased(device, path, dtype, value):
   """A step of 0.3 ulp: plain rounding loses it, stochastic rounding keeps it on average: the
   mean of 2**16 params is the exact value within 4 standard errors."""
   n, fraction = 1 << 16, 0.3
-  params, g, exact, ulp_v = _tiny_step(dtype, value, n, fraction)
-  params, g = jax.device_put((params, g), device)
-  plain = jaxfuse.sgd(1e-3)
-  p_plain, _ = jit_step(path, plain)(params, plain.init(params), g)
+  params, g, exact, ulp_v = _tiny_step(dtype, value, n, fraction, device)
+  p_plain, _ = _once(jaxfuse.sgd(1e-3), params, g, path)
   np.testing.assert_array_equal(np.asarray(p_plain["w"]), np.asarray(params["w"]))
-  tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=7)
-  p, _ = jit_step(path, tx)(params, tx.init(params), g)
+  p, _ = _once(jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=7), params, g, path)
   values = np.asarray(p["w"], np.float64)
   start = float(params["w"][0])
   assert set(np.unique(values)) <= {start, start + ulp_v}
@@ -71,13 +70,12 @@ def test_stochastic_rounding_is_unbiased(device, path, dtype, value):
   assert abs(values.mean() - exact) < 4 * standard_error
 
 
-@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_stochastic_rounding_mean_over_steps_tracks_the_exact_path(device, dtype):
   """100 SGD steps of 0.1 ulp each on 4096 params: the params' mean moves 10 ulps (within 4
   standard errors of the sum of 100 roundings); round-to-nearest does not move at all."""
   n, fraction, steps = 4096, 0.1, 100
-  params, g, _, ulp_v = _tiny_step(dtype, 0.625, n, fraction)
-  params, g = jax.device_put((params, g), device)
+  params, g, _, ulp_v = _tiny_step(dtype, 0.625, n, fraction, device)
   tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=3)
   p, _ = _run(tx, params, "fused", steps, grad_fn=lambda t, p: g)
   drift = (np.asarray(p["w"], np.float64).mean() - 0.625) / ulp_v
@@ -89,16 +87,12 @@ def test_stochastic_rounding_is_deterministic_and_the_paths_agree_bitwise(device
   params = random_tree(5, [(4099,), (3, 7, 5), ()], [jnp.bfloat16, jnp.float16, jnp.bfloat16],
                        device=device)
   g = jax.tree.map(lambda x: x.astype(jnp.float32), grads(6, params))
-  runs = {}
-  for path in PATHS:
-    tx = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=11)
-    runs[path] = jit_step(path, tx)(params, tx.init(params), g)
-  again = jit_step("fused", tx)(params, tx.init(params), g)
-  assert_bitwise_equal(runs["fused"][0], runs["optax"][0], "fused step against optax protocol")
-  assert_bitwise_equal(again[0], runs["fused"][0], "a second call")
-  other = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=2**32 - 1)
-  p_other, _ = jit_step("fused", other)(params, other.init(params), g)
-  differ = np.mean(_bits(p_other["leaf0000"]) != _bits(runs["fused"][0]["leaf0000"]))
+  tx = jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=11)
+  fused, xla, again = (_once(tx, params, g, path)[0] for path in ("fused", "optax", "fused"))
+  assert_bitwise_equal(fused, xla, "fused step against optax protocol")
+  assert_bitwise_equal(again, fused, "a second call")
+  p_other, _ = _once(jaxfuse.adamw(1e-3, stochastic_rounding=True, seed=2**32 - 1), params, g)
+  differ = np.mean(_bits(p_other["leaf0000"]) != _bits(fused["leaf0000"]))
   assert 0.05 < differ < 0.95  # another seed draws other bits
 
 
@@ -113,32 +107,28 @@ print(hashlib.sha256(np.asarray(out["w"]).tobytes()).hexdigest())
 
 
 def test_stochastic_rounding_is_the_same_in_another_process():
-  results = [subprocess.run([sys.executable, "-c", textwrap.dedent(_PROCESS_SCRIPT)],
-                            capture_output=True, text=True, check=True).stdout.strip()
-             for _ in range(2)]
+  results = [subprocess.run([sys.executable, "-c", _PROCESS_SCRIPT], capture_output=True,
+                            text=True, check=True).stdout.strip() for _ in range(2)]
   namespace = {}
-  exec(textwrap.dedent(_PROCESS_SCRIPT).replace("print(", "result = ("), namespace)
+  exec(_PROCESS_SCRIPT.replace("print(", "result = ("), namespace)
   assert results[0] == results[1] == namespace["result"]
 
 
 def test_stochastic_rounding_leaves_float32_leaves_as_plain_rounding(device):
   params = random_tree(7, [(65,), (8, 3)], device=device)
   g = grads(8, params)
-  sr, plain = jaxfuse.adamw(1e-2, stochastic_rounding=True), jaxfuse.adamw(1e-2)
-  a, _ = jit_step("fused", sr)(params, sr.init(params), g)
-  b, _ = jit_step("fused", plain)(params, plain.init(params), g)
+  a, _ = _once(jaxfuse.adamw(1e-2, stochastic_rounding=True), params, g)
+  b, _ = _once(jaxfuse.adamw(1e-2), params, g)
   assert_bitwise_equal(a, b, "float32 params")
 
 
 def test_stochastic_rounding_elements_follow_the_counter_based_bits(device):
   """Each stored param is one of the two neighbours of its exact value, the upper one exactly
   when the hash's bits say so (rounding.h, computed here in NumPy from the documented key)."""
-  params = {"a": jnp.zeros(3), "w": jnp.linspace(0.5, 0.9, 777, dtype=jnp.float32)
-            .astype(jnp.bfloat16)}
-  g = {"a": jnp.ones(3), "w": jnp.full((777,), 0.37, jnp.float32)}
-  params, g = jax.device_put((params, g), device)
-  tx = jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=2024)
-  p, s = jit_step("optax", tx)(params, tx.init(params), g)
+  w = jnp.linspace(0.5, 0.9, 777, dtype=jnp.float32).astype(jnp.bfloat16)
+  params, g = jax.device_put(({"a": jnp.zeros(3), "w": w},
+                              {"a": jnp.ones(3), "w": jnp.full((777,), 0.37, jnp.float32)}), device)
+  p, _ = _once(jaxfuse.sgd(1e-3, stochastic_rounding=True, seed=2024), params, g, "optax")
   exact = np.asarray(params["w"], np.float32) - np.float32(1e-3) * np.float32(0.37)
   bits = np.asarray(_rounding.element_bits(_rounding.stream(2024, 1, 0, jnp.int32(0)), (777,)))
   low = exact.view(np.uint32) & 0xFFFF
@@ -149,10 +139,8 @@ def test_stochastic_rounding_elements_follow_the_counter_based_bits(device):
 
 # ---- param remainders ------------------------------------------------------------------------
 
-
 def _clipped_run(tx, params, path, first):
-  """5 steps of jaxfuse's clip then `tx` on the grads of a loss scaled by 8 (seeded first + t),
-  a NaN in each leaf at step 2."""
+  """5 steps of clip + `tx` on grads scaled by 8 (seeds first + t), a NaN per leaf at step 2."""
   def grad_fn(t, p):
     g = grads(first + t, p, scale=8.0)
     return jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan), g) if t == 2 else g
@@ -163,16 +151,14 @@ def _clipped_run(tx, params, path, first):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("clip", [False, True], ids=["100 steps", "clip scale skip"])
 def test_remainders_reproduce_the_float32_master_bit_for_bit(device, path, clip):
-  """AdamW on bf16 params with remainders and with a float32 master copy runs the same math on
-  the same float32 values: params joined to remainders are the master copy, bit for bit, and
-  the params its rounding (ties away from zero); over 100 steps, or under jaxfuse's clip, a
-  loss scale and a skipped non-finite step."""
+  """AdamW on bf16 params with remainders and with a float32 master runs the same float32 math:
+  params joined to remainders are the master, bit for bit, and the params its rounding (ties
+  away from zero); over 100 steps, or under jaxfuse's clip, a loss scale and a skipped step."""
   params = random_tree(9, [(4099,), (3, 7, 5), ()], jnp.bfloat16, device=device)
-  runs = {}
-  for mode in ("remainder", True):
+  def run(mode):
     tx = jaxfuse.adamw(3e-3, weight_decay=0.1, master_weights=mode, skip_nonfinite=clip)
-    runs[mode] = _clipped_run(tx, params, path, 17) if clip else _run(tx, params, path, 100)
-  (p_r, s_r), (_, s_m) = runs["remainder"], runs[True]
+    return _clipped_run(tx, params, path, 17) if clip else _run(tx, params, path, 100)
+  (p_r, s_r), (_, s_m) = run("remainder"), run(True)
   adam_r, adam_m = (s[-1] if clip else s for s in (s_r, s_m))
   assert all(r.dtype == jnp.int16 for r in jax.tree.leaves(adam_r[-1].param_remainders))
   masters = jaxfuse.master_params(p_r, s_r)
@@ -205,9 +191,8 @@ def test_remainders_split_and_join_every_float32_pattern_class():
 def test_remainders_in_a_tree_with_float32_leaves(device):
   """Remainders for the bf16 leaves only, in a call of their own (the values in lockstep: the
   conformance suite's remainders on mixed trees)."""
-  params = {"w": random_tree(12, [(301,)], jnp.bfloat16)["leaf0000"],
-            "b": random_tree(13, [(17,)])["leaf0000"]}
-  params = jax.device_put(params, device)
+  params = jax.device_put({"w": random_tree(12, [(301,)], jnp.bfloat16)["leaf0000"],
+                           "b": random_tree(13, [(17,)])["leaf0000"]}, device)
   tx = jaxfuse.adamw(1e-2, master_weights="remainder")
   state = tx.init(params)
   assert state[-1].param_remainders["b"].shape == (0,)
@@ -233,7 +218,6 @@ def test_remainder_and_rounding_options_are_checked():
 
 # ---- conversions -----------------------------------------------------------------------------
 
-
 def test_convert_state_between_optax_master_and_remainders(device):
   params = random_tree(15, [(257,), (3, 4)], jnp.bfloat16, device=device)
   master_tx = jaxfuse.adamw(1e-2, master_weights=True)
@@ -242,7 +226,7 @@ def test_convert_state_between_optax_master_and_remainders(device):
   p_c, s_c = jaxfuse.convert_state(s, p, compact)
   assert jax.tree.structure(s_c) == jax.tree.structure(compact.init(params))
   assert_bitwise_equal(jaxfuse.master_params(p_c, s_c), s[-1].master_params, "master")
-  p_back, s_back = jaxfuse.convert_state(s_c, p_c, master_tx)
+  _, s_back = jaxfuse.convert_state(s_c, p_c, master_tx)
   assert_bitwise_equal(s_back[-1].master_params, s[-1].master_params, "master again")
   # Leaving 16 bits: float32 params for optax's AdamW are the master itself.
   p_o, s_o = jaxfuse.convert_state(s_c, p_c, optax.adamw(1e-2), jnp.float32)
@@ -272,7 +256,6 @@ def test_convert_state_inside_a_chain(device):
 
 # ---- every mode through the generic features -------------------------------------------------
 
-
 def test_stochastic_rounding_paths_agree_under_clip_loss_scale_and_skip(device):
   """XLA's math and the kernels' may differ by an ulp of float32, which moves a 16-bit value to
   its other neighbour now and then: the paths agree within one 16-bit ulp."""
@@ -296,8 +279,7 @@ _MODES = {
 
 @pytest.mark.parametrize("mode", sorted(_MODES))
 def test_modes_under_multi_steps_and_in_a_flax_train_state(device, mode):
-  """jaxfuse.multi_steps and jaxfuse.flax.TrainState run the modes' fused step: the same
-  params as the step called directly."""
+  """jaxfuse.multi_steps and jaxfuse.flax.TrainState give each mode's fused step's params."""
   flax = pytest.importorskip("jaxfuse.flax")
   params = random_tree(20, [(64,), (8, 128)], jnp.bfloat16, device=device)  # 8 blocks of 128
   tx = jaxfuse.adamw(1e-2, **_MODES[mode])

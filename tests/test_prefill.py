@@ -1,13 +1,11 @@
-"""jaxfuse.prefill's stack (jaxfuse/_decode/prefill.py) against decoder_reference.
-
-With ``activation_dtype`` set to the model's dtype, decoder_reference rounds the same values at the
+"""jaxfuse.prefill's stack (jaxfuse/_decode/prefill.py) against decoder_reference. With
+``activation_dtype`` set to the model's dtype, decoder_reference rounds the same values at the
 same places as the prefill (matrix and attention inputs, fp32 sums), so the two differ only in
 summation order: about sqrt(K) fp32 ulps of the largest output before the final rounding to the
 model's dtype, hence at most one ulp of a 16-bit dtype. Against the fp32-activation oracle a
 16-bit prefill differs by the rounding of its inputs (2^-8 relative for bf16, compounding over
 the layers). The kernel's decode step on a prefilled cache: test_generate.py's
-test_decode_step_logits.
-"""
+test_decode_step_logits."""
 
 import dataclasses
 
@@ -47,9 +45,7 @@ def problem(cfg, dtype, B=3, T=11, seed=0):
 
 def reference(x, lengths, w, cache, cfg, activation_dtype):
   T = x.shape[1]
-  t = np.arange(T)
-  positions = jnp.asarray(np.where(t[None] < np.asarray(lengths)[:, None], t[None], -1),
-                          jnp.int32)
+  positions = jnp.asarray(np.where(valid_rows(lengths, T), np.arange(T)[None], -1), jnp.int32)
   return jaxfuse.decoder_reference(x, positions, w, cache, cfg, activation_dtype=activation_dtype)
 
 
@@ -57,12 +53,15 @@ def valid_rows(lengths, T):
   return np.arange(T)[None] < np.asarray(lengths)[:, None]
 
 
+run = jax.jit(prefill_stack, static_argnums=4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("features", FEATURES.values(), ids=FEATURES.keys())
 def test_prefill_matches_reference(dtype, features):
   cfg = config(**features)
   x, lengths, w, cache = problem(cfg, dtype)
-  h, new = jax.jit(prefill_stack, static_argnums=4)(x, lengths, w, cache, cfg)
+  h, new = run(x, lengths, w, cache, cfg)
   assert h.dtype == dtype and new.k.dtype == dtype
   valid = valid_rows(lengths, x.shape[1])
   same, same_cache = reference(x, lengths, w, cache, cfg, dtype)
@@ -83,10 +82,11 @@ def test_query_blocks(monkeypatch, dtype):
   """Queries in blocks of 4 (3 blocks for 11 tokens, the last padded) as in one block."""
   cfg = config(**FEATURES["mha_bias_norm"])
   x, lengths, w, cache = problem(cfg, dtype)
-  run = jax.jit(prefill_stack, static_argnums=4)
   whole, whole_cache = run(x, lengths, w, cache, cfg)
   monkeypatch.setattr(prefill_module, "_QUERY_BLOCK", 4)
-  blocked, blocked_cache = jax.jit(prefill_stack, static_argnums=4)(x, lengths, w, cache, cfg)
+  # A function jax has not traced: jit(prefill_stack) again would reuse the unblocked trace.
+  blocked, blocked_cache = jax.jit(lambda *a: prefill_stack(*a), static_argnums=4)(
+      x, lengths, w, cache, cfg)
   valid = valid_rows(lengths, x.shape[1])
   tol = max(1e-5, 2 * ulp(dtype))
   np.testing.assert_allclose(f32(blocked)[valid], f32(whole)[valid], rtol=0,
@@ -105,7 +105,7 @@ def test_padding_and_later_positions_never_cached():
     for b, n in enumerate(np.asarray(lengths)):
       np.testing.assert_array_equal(got[:, b, n:], old[:, b, n:])  # padding and beyond T
       assert not np.array_equal(got[:, b, :n], old[:, b, :n])
-    assert T < cache.k.shape[2]
+  assert T < cache.k.shape[2]
 
 
 def test_program_does_not_grow_with_depth():
@@ -113,7 +113,7 @@ def test_program_does_not_grow_with_depth():
   def hlo_ops(L):
     cfg = config(L)
     x, lengths, w, cache = problem(cfg, jnp.bfloat16)
-    text = jax.jit(prefill_stack, static_argnums=4).lower(x, lengths, w, cache, cfg).as_text()
+    text = run.lower(x, lengths, w, cache, cfg).as_text()
     return sum(1 for line in text.splitlines() if " = " in line)
 
   assert hlo_ops(2) == hlo_ops(12)

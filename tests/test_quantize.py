@@ -14,7 +14,7 @@ import pytest
 import jaxfuse
 from jaxfuse import DecoderConfig, RopeScaling, decoder_reference, persistent_decoder
 from jaxfuse._decode.quantize import MATRICES, quantize_matrix
-from helpers import (DECODER_TOL, assert_decoder_matches_reference, f32,
+from helpers import (DECODER_TOL, assert_bitwise_equal, assert_decoder_matches_reference, f32,
                      fused_decoder as fused, random_decoder_problem, reference_decoder as reference,
                      rel_err, small_decoder_problem, stable_seed)
 
@@ -25,6 +25,14 @@ def heavy_tailed(rng, shape):
   """Normal values times 10^u, u uniform in [-7, 0]: every binade of e4m3 below a column's
   maximum is populated, subnormal codes included."""
   return rng.standard_normal(shape) * 10.0 ** rng.uniform(-7, 0, shape)
+
+
+def format_bound(quantization, w, s):
+  """The largest |dequantized - w| of weights w of scales s, before fp32 roundings: int8, half a
+  step of the column's uniform grid; fp8, half an ulp of 3 mantissa bits, or of the subnormal
+  spacing 2^-9 (in units of scale)."""
+  return (np.broadcast_to(s / 2, w.shape) if quantization == "int8"
+          else np.maximum(np.abs(w) * 2.0**-4, s * 2.0**-10))
 
 
 # ---- the scheme ---------------------------------------------------------------------------------
@@ -41,13 +49,9 @@ def test_error_within_the_format_bound(quantization, dtype):
   assert q.dtype == jaxfuse._decode.config.QUANTIZED_DTYPES[quantization] and q.shape == w.shape
   assert scale.dtype == jnp.float32 and scale.shape == (2, 40)
   w, s = f32(w), f32(scale)[:, None, :]
-  err = np.abs(f32(q) * f32(scale)[:, None, :] - w)  # the float32 matrix (q, scale) stands for
-  if quantization == "int8":  # half a step of the column's uniform grid
-    bound = s / 2
-  else:  # half an ulp of 3 mantissa bits, or of the subnormal spacing 2^-9 (in units of scale)
-    bound = np.maximum(np.abs(w) * 2.0**-4, s * 2.0**-10)
+  err = np.abs(f32(q) * s - w)  # the float32 matrix (q, scale) stands for
   # Plus the fp32 roundings of w / scale and of q * scale (2^-24 relative each).
-  assert np.all(err <= bound * (1 + 2.0**-20) + np.abs(w) * 2.0**-22)
+  assert np.all(err <= format_bound(quantization, w, s) * (1 + 2.0**-20) + np.abs(w) * 2.0**-22)
   # Each nonzero column's largest weight lands on the grid's end; the zero column stays zero.
   amax = np.abs(f32(q)).max(axis=1)
   np.testing.assert_array_equal(np.delete(amax[0], 3), QMAX[quantization])
@@ -79,10 +83,9 @@ def test_quantize_model_keeps_the_rest():
     assert getattr(q.layers, name) is getattr(w, name)
   assert q.embed is model.embed and q.final_norm is model.final_norm
   # The tied head becomes its own fp8 rows; head=False keeps it tied, in bf16.
-  rows, scale = quantize_matrix(embed, "fp8", -1)
   assert q.head_quantized and not q.tied
-  np.testing.assert_array_equal(f32(q.lm_head), f32(rows))
-  np.testing.assert_array_equal(f32(q.lm_head_scale), f32(scale))
+  assert_bitwise_equal((q.lm_head, q.lm_head_scale), quantize_matrix(embed, "fp8", -1),
+                       "the tied head's own fp8 rows")
   kept = jaxfuse.quantize(model, "fp8", head=False)
   assert kept.tied and not kept.head_quantized and kept.layers.wq.dtype == jnp.float8_e4m3fn
 
@@ -100,11 +103,8 @@ def test_head_error_within_the_format_bound(quantization):
   q = jaxfuse.quantize(model, quantization)
   h = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
   a = np.abs(f32(jaxfuse._decode.reference._ref_rmsnorm(h, model.final_norm, cfg.rms_norm_eps)))
-  head, s = f32(model.lm_head), f32(q.lm_head_scale)[:, None]
-  if quantization == "int8":
-    bound = np.broadcast_to(s / 2, head.shape)
-  else:
-    bound = np.maximum(np.abs(head) * 2.0**-4, s * 2.0**-10)
+  head = f32(model.lm_head)
+  bound = format_bound(quantization, head, f32(q.lm_head_scale)[:, None])
   err = np.abs(f32(q.logits(h)) - f32(model.logits(h)))
   rounding = 1e-5 * (a @ np.abs(head).T)
   assert np.all(err <= a @ bound.T * (1 + 2.0**-20) + rounding)
@@ -149,8 +149,7 @@ def test_every_fp8_code(device):
   w, cfg = jaxfuse.quantize_weights(w, cfg, "fp8")
   codes = np.unique(np.asarray(w.wq).view(np.uint8))
   assert codes.size == 254 and not np.isin([0x7f, 0xff], codes).any()
-  x, w, cache = jax.device_put((x, w, cache), device)
-  pos = jax.device_put(np.array([0, 5], np.int32), device)
+  x, w, cache, pos = jax.device_put((x, w, cache, np.array([0, 5], np.int32)), device)
   assert rel_err(fused(x, pos, w, cache, cfg)[0], reference(x, pos, w, cache, cfg)[0]) < 1e-4
 
 
@@ -168,8 +167,7 @@ def test_whole_model_step_with_quantized_head(device, quantization, dtype, tied)
   model = jax.device_put(jaxfuse.quantize(model, quantization), device)
   assert model.lm_head.dtype == model.layers.wq.dtype and model.lm_head_scale.shape == (70,)
   cache = jaxfuse.init_cache(model, 3, 16)
-  tokens = jnp.asarray([3, 69, 40], jnp.int32)
-  positions = jnp.asarray([0, 7, 15], jnp.int32)
+  tokens, positions = jnp.asarray([3, 69, 40], jnp.int32), jnp.asarray([0, 7, 15], jnp.int32)
   got, _ = jax.jit(jaxfuse.decode_step)(model, tokens, positions, cache)
   want, _ = jaxfuse.decode_step(model, tokens, positions, cache, decoder="reference")
   assert rel_err(got, want) < DECODER_TOL[dtype]
@@ -180,10 +178,9 @@ def test_whole_model_step_with_quantized_head(device, quantization, dtype, tied)
 
 
 def test_every_fp8_code_of_a_head(device):
-  """A head whose row v holds fp8 code v at one column (all 254 finite codes, subnormals and both
-  zeros included; scales 1): each logit is one input times one code's value, in the kernel's
-  widening as in XLA's. A widening that flushes subnormal floats (the CPU's denormals-are-zero
-  mode) would write zeros for the 14 subnormal codes."""
+  """A head whose row v holds fp8 code v at one column (all 254 finite codes; scales 1): each
+  logit is one input times one code's value, in the kernel's widening as in XLA's; one that
+  flushes subnormals (the CPU's denormals-are-zero mode) would write zeros for 14 of them."""
   cfg = DecoderConfig(1, 64, 4, 2, 16, 64, 8)
   _, w, _ = random_decoder_problem(cfg, 1, jnp.float32, seed=9)
   rng = np.random.default_rng(9)
@@ -258,20 +255,18 @@ def test_bad_quantized_heads():
   q = jaxfuse.quantize(model, "int8")
   step = lambda m: jaxfuse.decode_step(m, jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
                                        jaxfuse.init_cache(m, 1, 4))
-  with pytest.raises(ValueError, match="model.lm_head_scale is given but the layers are not "
-                                       "quantized"):
-    step(dataclasses.replace(q, config=cfg, layers=w))
-  with pytest.raises(ValueError, match="model.lm_head_scale is given but model.lm_head is None"):
-    step(dataclasses.replace(q, lm_head=None))
-  with pytest.raises(TypeError, match=r"model.lm_head has dtype bfloat16, expected int8 \(the "
-                                      r"quantized head takes the layers' format"):
-    step(dataclasses.replace(q, lm_head=embed))
-  with pytest.raises(ValueError, match=r"model.lm_head_scale is float32\[29\], expected "
-                                       r"float32\[30\]"):
-    step(dataclasses.replace(q, lm_head_scale=q.lm_head_scale[1:]))
-  with pytest.raises(TypeError, match=r"model.lm_head_scale must be a float32 array \[30\], got "
-                                      r"list"):
-    step(dataclasses.replace(q, lm_head_scale=[1.0] * 30))
+  for error, message, replaced in [
+      (ValueError, "model.lm_head_scale is given but the layers are not quantized",
+       dict(config=cfg, layers=w)),
+      (ValueError, "model.lm_head_scale is given but model.lm_head is None", dict(lm_head=None)),
+      (TypeError, r"model.lm_head has dtype bfloat16, expected int8 \(the quantized head takes "
+                  r"the layers' format", dict(lm_head=embed)),
+      (ValueError, r"model.lm_head_scale is float32\[29\], expected float32\[30\]",
+       dict(lm_head_scale=q.lm_head_scale[1:])),
+      (TypeError, r"model.lm_head_scale must be a float32 array \[30\], got list",
+       dict(lm_head_scale=[1.0] * 30))]:
+    with pytest.raises(error, match=message):
+      step(dataclasses.replace(q, **replaced))
   with pytest.raises(ValueError, match="quantize: the model's LM head is already quantized"):
     jaxfuse.quantize(q, "fp8")
   with pytest.raises(ValueError, match=r"quantize: model.embed \(the tied LM head\) has "
@@ -292,9 +287,7 @@ def test_subnormal_fp8_codes_are_not_flushed(device):
   wk[0, 5, :16], wk[0, 5, 16:] = codes, codes[::-1]
   w = w._replace(wk=jnp.asarray(wk.view(jnp.float8_e4m3fn)),
                  attn_norm=jnp.zeros_like(w.attn_norm).at[0, 5].set(1.0))
-  x, w, cache = jax.device_put((x, w, cache), device)
-  pos = jax.device_put(np.array([2], np.int32), device)
-  got, want = f32(fused(x, pos, w, cache, cfg)[1].k)[0, 0, 2], \
-      f32(reference(x, pos, w, cache, cfg)[1].k)[0, 0, 2]
+  x, w, cache, pos = jax.device_put((x, w, cache, np.array([2], np.int32)), device)
+  got, want = (f32(step(x, pos, w, cache, cfg)[1].k)[0, 0, 2] for step in (fused, reference))
   assert np.all(want != 0)
   np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -1,19 +1,16 @@
 """The README's and docs/' code runs as written, and their relative links resolve.
 
-Every ```python block of a page runs, in order, in one namespace, in a fresh interpreter (so the
-blocks' own imports are what is tested), one interpreter per page. A block that cannot run as
-written (it needs a checkpoint, 8 devices, another page's variables) is fenced ```python no-run
-instead; any other Python fence fails the test, so that no block goes untested by accident. A
-failing block fails its page's test with the block's file and line; the traceback's lines are the
-page's own (each block is compiled at its line in the page).
-
-The blocks use tiny shapes and few steps: the README's and docs/decoder.md's take 10-15 s each
-on 2 CPU cores, most of it compiling; the whole file about 35 s.
+Every ```python block of a page runs, in order, in one namespace, in a fresh interpreter per page
+(so the blocks' own imports are what is tested); a failing block is reported at its file and
+line. A block that cannot run as written (it needs a checkpoint, 8 devices, another page's
+variables) is fenced ```python no-run; any other Python fence fails, so that no block goes
+untested by accident. The blocks use tiny shapes and few steps (10-15 s a page on 2 CPU cores).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import re
@@ -25,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import jaxfuse
+from jaxfuse._optim import families
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -68,14 +66,8 @@ def python_blocks(page: Path) -> tuple[list[Block], list[Block], list[Block]]:
   run, skipped, unmarked = [], [], []
   for block in fenced_blocks(page.read_text()):
     words = block.info.split()
-    if not words or words[0].lower() not in PYTHON_LANGS:
-      continue
-    if block.info == RUN:
-      run.append(block)
-    elif words == NO_RUN.split():
-      skipped.append(block)
-    else:
-      unmarked.append(block)
+    if words and words[0].lower() in PYTHON_LANGS:
+      (run if block.info == RUN else skipped if words == NO_RUN.split() else unmarked).append(block)
   return run, skipped, unmarked
 
 
@@ -106,19 +98,21 @@ def _subprocess_env() -> dict[str, str]:
   return env
 
 
-def run_blocks(page: Path, blocks: list[Block], tmp_path: Path) -> tuple[int, str]:
-  """Runs `blocks` of `page` in a fresh interpreter, in tmp_path. Returns (exit status, stdout
-  and stderr)."""
-  listing = tmp_path / "blocks.json"
-  listing.write_text(json.dumps([[str(page), b.line, b.code] for b in blocks]))
+def run_python(code: str, *args: str, cwd: Path) -> tuple[int, str]:
+  """Runs `code` in a fresh interpreter, in `cwd`: (exit status, -1 on a timeout; output)."""
   try:
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(listing)], cwd=tmp_path,
-                          env=_subprocess_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=_subprocess_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT_S)
   except subprocess.TimeoutExpired as e:
     out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
     return -1, f"{out}\n=== timed out after {TIMEOUT_S} s"
   return proc.returncode, proc.stdout
+
+
+def run_blocks(page: Path, blocks: list[Block], tmp_path: Path) -> tuple[int, str]:
+  (tmp_path / "blocks.json").write_text(json.dumps([[str(page), b.line, b.code] for b in blocks]))
+  return run_python(_RUNNER, str(tmp_path / "blocks.json"), cwd=tmp_path)
 
 
 def _rel(page: Path) -> str:
@@ -256,22 +250,17 @@ def test_links_are_found():
 # ---- jaxfuse.flax without `import jaxfuse.flax` --------------------------------------------------
 
 _LAZY_FLAX = textwrap.dedent("""
-    import importlib.util, sys
+    import importlib.util, re, sys
+    import pytest
     sys.modules["flax"] = None          # flax missing: import jaxfuse must not need it
     import jaxfuse
     assert "jaxfuse.flax" not in sys.modules
     assert not hasattr(jaxfuse, "flax")
-    try:
+    with pytest.raises(AttributeError, match=re.escape("pip install 'jaxfuse[flax]'")) as e:
       jaxfuse.flax
-    except AttributeError as e:
-      assert "pip install 'jaxfuse[flax]'" in str(e), e
-      assert isinstance(e.__cause__, ModuleNotFoundError), repr(e.__cause__)
-    try:
+    assert isinstance(e.value.__cause__, ModuleNotFoundError), repr(e.value.__cause__)
+    with pytest.raises(AttributeError, match="no_such_name"):
       jaxfuse.no_such_name
-    except AttributeError as e:
-      assert "no_such_name" in str(e), e
-    else:
-      raise AssertionError("jaxfuse.no_such_name did not raise AttributeError")
     del sys.modules["flax"]             # flax installed: jaxfuse.flax loads on first use
     if importlib.util.find_spec("flax") is None:
       print("flax not installed")
@@ -283,20 +272,16 @@ _LAZY_FLAX = textwrap.dedent("""
 
 
 def test_jaxfuse_flax_loads_without_its_own_import(tmp_path):
-  proc = subprocess.run([sys.executable, "-c", _LAZY_FLAX], cwd=tmp_path,
-                        env=_subprocess_env(), stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
-  assert proc.returncode == 0, proc.stdout
-  if "flax not installed" in proc.stdout:
+  rc, out = run_python(_LAZY_FLAX, cwd=tmp_path)
+  assert rc == 0, out
+  if "flax not installed" in out:
     pytest.skip("flax is not installed (the missing-flax half ran)")
-  assert "jaxfuse.flax loaded" in proc.stdout
+  assert "jaxfuse.flax loaded" in out
 
 
 def _signature_text(name: str) -> str:
   """``name(args)`` as docs/api.md writes a public function: every parameter, defaults as repr,
   ``*`` before the keyword-only ones."""
-  import inspect  # noqa: PLC0415
-
   parts, keyword_only = [], False
   for p in inspect.signature(getattr(jaxfuse, name)).parameters.values():
     if p.kind == p.VAR_POSITIONAL:
@@ -323,8 +308,6 @@ def test_api_page_signatures_are_the_functions():
 def test_every_family_is_exported_and_documented():
   """Every optimizer family's functions (the family list) are in jaxfuse.__all__, have a row on
   docs/api.md, and each family's optax twin is named in the guide's table."""
-  from jaxfuse._optim import families  # noqa: PLC0415
-
   api = (ROOT / "docs" / "api.md").read_text()
   rows = set(re.findall(r"^\| `(\w+)\(", api, re.M)) | set(re.findall(r"`(\w+)\(\.\.\.\)`", api))
   guide = (ROOT / "docs" / "guide.md").read_text()

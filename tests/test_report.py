@@ -25,8 +25,7 @@ SHAPES = [(3, 5), (7,), (), (0,), (33, 17), (4097,)]
 
 def adamw_steps(shapes, clip=True, dtype=jnp.float32, device=None, **adam_kwargs):
   """(jaxfuse fused step, optax step, params, jaxfuse state, optax state, grads), both steps
-  jitted with params and state donated and returned in that order; arrays on `device` (default:
-  jax's default device)."""
+  jitted with params and state donated and returned in that order; arrays on `device`."""
   params = random_tree(0, shapes, dtype, device=device)
   grads = random_tree(1, shapes, dtype, scale=0.1, device=device)
   jf = jaxfuse.adamw(1e-3, weight_decay=0.1, **adam_kwargs)
@@ -52,27 +51,23 @@ def entry_ops(compiled_text, opcode):
   return len(re.findall(r"= [^\n]*? " + re.escape(opcode) + r"\(", entry))
 
 
-def num_params(shapes):
-  return sum(math.prod(s) for s in shapes)
-
-
 def test_counts_equal_the_compiled_hlo(device):
   jf_step, optax_step, p, s, os_, g = adamw_steps(SHAPES, device=device)
-  for step, args in ((jf_step, (p, s, g)), (optax_step, (p, os_, g))):
+  reports = {}
+  for name, step, args in (("jaxfuse", jf_step, (p, s, g)), ("optax", optax_step, (p, os_, g))):
     text = step.lower(*args).compile().as_text()
-    r = jaxfuse.report(step, *args)
+    r = reports[name] = jaxfuse.report(step, *args)
     rows = {row.name: row for row in r.rows}
     assert r.custom_calls == entry_ops(text, "custom-call")
     # A step without fusions has no fusion row; one with them must count them all.
     assert (rows["fusion"].runs if "fusion" in rows else 0) == entry_ops(text, "fusion")
     assert r.custom_calls == r.jaxfuse_calls  # each custom call here is named jaxfuse's
     assert r.exact and r.platform == {"cpu": "cpu", "gpu": "cuda"}[device.platform]
-  optax_report = jaxfuse.report(optax_step, p, os_, g)
-  assert optax_report.custom_calls == 0 and optax_report.jaxfuse_launches == 0
+  assert reports["optax"].custom_calls == 0 and reports["optax"].jaxfuse_launches == 0
   if device.platform == "cpu":
-    assert optax_report.xla_kernels > 3 * len(SHAPES)  # one fusion or more per leaf and update
+    assert reports["optax"].xla_kernels > 3 * len(SHAPES)  # one fusion or more per leaf and update
   else:  # XLA's GPU fusions span leaves
-    assert optax_report.launches > jaxfuse.report(jf_step, p, s, g).launches
+    assert reports["optax"].launches > reports["jaxfuse"].launches
 
 
 # Hundreds of leaves mostly time XLA's compiler: slow (left out under the sanitizers).
@@ -111,7 +106,7 @@ def test_bytes_per_param(dtype, adam_kwargs, state_per_param, step_per_param):
   """The fused step moves exactly its buffers' bytes: p, g, m, v read and p, m, v written (28 B
   per fp32 param), plus a few hundred bytes of count and hyperparameters."""
   shapes = [(64, 33), (1000,), (5,)]
-  n = num_params(shapes)
+  n = sum(map(math.prod, shapes))
   step, _, p, s, _, g = adamw_steps(shapes, clip=False, dtype=dtype, **adam_kwargs)
   r = jaxfuse.report(step, p, s, g)
   adam = next(row for row in r.rows if row.name == "jaxfuse_adam")
@@ -122,7 +117,7 @@ def test_bytes_per_param(dtype, adam_kwargs, state_per_param, step_per_param):
 
 def test_clipped_step_bytes_and_baseline_ratios(device):
   shapes = [(128, 96), (96,), (96, 10), (10,)]
-  n = num_params(shapes)
+  n = sum(map(math.prod, shapes))
   jf_step, optax_step, p, s, os_, g = adamw_steps(shapes, device=device)
   r = jaxfuse.report(jf_step, p, s, g, baseline=(optax_step, (p, os_, g)))
   # 32 B/param: the grads are read twice (norm, Adam); plus the norm's partials (one per chunk
@@ -193,11 +188,10 @@ def test_decoder_step():
 def test_table_and_names():
   step, optax_step, p, s, os_, g = adamw_steps([(8, 8)])
   r = report_module.report(step, p, s, g, baseline=(optax_step, (p, os_, g), {}))
-  text = str(r)
   for line in ("kernels launched per step", "bytes moved per step", "peak memory",
                "optimizer state per param", "jaxfuse_adam", "jaxfuse_global_norm",
                "baseline / step"):
-    assert line in text
+    assert line in str(r)
   # Abstract arguments (no arrays allocated) report the same step.
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (p, s, g))
   a = jaxfuse.report(step, *abstract)

@@ -44,13 +44,10 @@ def test_two_processes():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=_env())
            for i in range(2)]
-  outputs = []
-  for proc in procs:
-    try:
-      outputs.append(proc.communicate(timeout=300)[0])
-    except subprocess.TimeoutExpired:
-      for p in procs:
-        p.kill()
-      raise
+  try:
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+  finally:  # a no-op on the processes that exited
+    for p in procs:
+      p.kill()
   for i, (proc, out) in enumerate(zip(procs, outputs)):
     assert proc.returncode == 0 and f"process {i}: ok" in out, out[-4000:]
