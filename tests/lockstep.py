@@ -475,11 +475,6 @@ def jit_fused(tx, **kwargs):
   return jit_step("fused", tx, donate=True, **kwargs)
 
 
-def jit_protocol(tx, **kwargs):
-  """A jitted optax-protocol step: (new params, new state, updates)."""
-  return jax.jit(_protocol(tx, **kwargs))
-
-
 def jit_step(path, tx, *, donate=False, **kwargs):
   """A jitted step (params, state, grads) -> (new params, new state) through `path`: "fused"
   (jaxfuse.fused_step, params and state donated if `donate`) or "optax" (tx.update then
