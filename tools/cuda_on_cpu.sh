@@ -4,7 +4,7 @@
 # each block an OS thread, barriers that detect deadlock), with ASan + UBSan, and runs the real
 # CUDA handlers on the CPU. Stages (STAGES="driver emu" picks some; the default, which CI runs, is
 # "driver emu"; STAGES=all adds "suite", about 10 more minutes on 2 cores, and "controls", about
-# 15: run the controls after changing tools/cuda_on_cpu or tests/test_cuda_on_cpu.py):
+# 8: run the controls after changing tools/cuda_on_cpu or tests/test_cuda_on_cpu.py):
 #   driver    the multi-tensor driver on hand-made tensor lists (exact-size buffers, misaligned
 #             bases), polling across blocks and programmatic launches' waits, plus five planted
 #             synchronization faults the emulator must report; the decoder's 8-bit weight

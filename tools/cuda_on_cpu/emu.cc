@@ -21,8 +21,10 @@
 //                                before it reports a deadlock (60)
 #include <cuda_runtime.h>
 #include <sys/mman.h>
-#include <ucontext.h>
 #include <unistd.h>
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <map>
@@ -30,6 +32,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <numeric>
 #include <random>
@@ -45,6 +48,85 @@
 #else
 #define CUEMU_ASAN 0
 #endif
+
+// ---- fiber switches ---------------------------------------------------------------------------
+// glibc's swapcontext saves and restores the signal mask, a system call on every switch (a
+// decoder case switches fibers millions of times): on x86-64 a switch is the callee-saved
+// registers and the stack pointer (the SSE and x87 control words are the OS thread's: no kernel
+// changes them), elsewhere ucontext.
+#if defined(__x86_64__)
+// cuemu_switch_stack(save, load): pushes the registers, stores the stack pointer in *save, loads
+// `load` (a stack that cuemu_switch_stack itself left, or make_context laid out), pops its
+// registers and returns into it.
+extern "C" void cuemu_switch_stack(void** save, void* load);
+asm(R"(
+  .text
+  .p2align 4
+  .type cuemu_switch_stack, @function
+cuemu_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuemu_switch_stack, .-cuemu_switch_stack
+)");
+#endif
+
+namespace cuemu {
+namespace {
+
+#if defined(__x86_64__)
+struct Context {
+  void* sp = nullptr;
+};
+
+void switch_context(Context& save, const Context& load) { cuemu_switch_stack(&save.sp, load.sp); }
+
+// A context that starts entry() (which never returns) on the stack [base, base + bytes): the
+// frame cuemu_switch_stack pops, over entry's return address (none; and a zero frame pointer,
+// where a stack walk ends), entry's stack aligned as at a call.
+void make_context(Context& c, char* base, size_t bytes, void (*entry)()) {
+  void** sp = reinterpret_cast<void**>(reinterpret_cast<uintptr_t>(base + bytes) & ~uintptr_t(15));
+  *--sp = nullptr;
+  *--sp = reinterpret_cast<void*>(entry);
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12 to r15
+  c.sp = sp;
+}
+#else
+struct Context {
+  ucontext_t uc{};
+};
+
+void switch_context(Context& save, const Context& load) { swapcontext(&save.uc, &load.uc); }
+
+void make_context(Context& c, char* base, size_t bytes, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = base;
+  c.uc.uc_stack.ss_size = bytes;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+  // makecontext has laid out the stack; swapcontext does not read uc_stack. ASan's swapcontext
+  // interceptor does: it clears the shadow of the target's whole uc_stack on every switch,
+  // erasing the redzones of the frames a suspended fiber holds. ASan learns of fiber stacks from
+  // the start/finish_switch_fiber calls instead, and give_stack() clears a stack once, when its
+  // fiber is done with it.
+  c.uc.uc_stack = stack_t{};
+}
+#endif
+
+}  // namespace
+}  // namespace cuemu
 
 thread_local uint3 threadIdx;
 thread_local uint3 blockIdx;
@@ -166,7 +248,7 @@ struct WatchedRegion {
 thread_local std::vector<WatchedRegion> watched;  // the launching thread's call
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   char* stack = nullptr;
   uint3 tid{};
   int linear = 0;
@@ -257,8 +339,9 @@ struct Block {
   uint3 bid{};
   std::vector<Fiber> fibers;
   std::vector<WarpState> warps;
-  ucontext_t scheduler{};  // its uc_stack stays empty: see make_fibers()
+  Context scheduler;
   Fiber* current = nullptr;
+  size_t runnable_from = 0;  // no fiber before it is runnable: where warp-ahead's search starts
   const void* scheduler_stack = nullptr;
   size_t scheduler_stack_size = 0;
   std::vector<unsigned char> dynamic_shared;  // malloc's alignment: 16 bytes
@@ -286,7 +369,7 @@ void yield_to_scheduler(Fiber& f) {
   __sanitizer_start_switch_fiber(f.wait == Wait::kExited || f.wait == Wait::kAborted ? nullptr : &f.fake_stack,
                                  b.scheduler_stack, b.scheduler_stack_size);
 #endif
-  swapcontext(&f.ctx, &b.scheduler);
+  switch_context(f.ctx, b.scheduler);
 #if CUEMU_ASAN
   __sanitizer_finish_switch_fiber(f.fake_stack, &b.scheduler_stack, &b.scheduler_stack_size);
 #endif
@@ -324,7 +407,7 @@ void resume(Block& b, Fiber& f) {
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, f.stack + kGuardBytes, kStackBytes - kGuardBytes);
 #endif
-  swapcontext(&b.scheduler, &f.ctx);
+  switch_context(b.scheduler, f.ctx);
 #if CUEMU_ASAN
   __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
 #endif
@@ -390,6 +473,7 @@ bool release_barrier(Block& b, Wait kind, std::string* error) {
     }
   }
   for (Fiber& f : b.fibers) f.wait = Wait::kRunnable;
+  b.runnable_from = 0;
   return true;
 }
 
@@ -413,6 +497,7 @@ bool release_dependency(Block& b, std::string* error) {
       }
     }
   }
+  b.runnable_from = 0;
   for (Fiber& f : b.fibers) {
     if (f.wait == Wait::kDependency) f.wait = Wait::kRunnable;
   }
@@ -430,17 +515,7 @@ void make_fibers(Block& b, const dim3& block) {
     f.tid = uint3{unsigned(i % block.x), unsigned(i / block.x % block.y),
                   unsigned(i / (block.x * block.y))};
     f.stack = take_stack();
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack + kGuardBytes;
-    f.ctx.uc_stack.ss_size = kStackBytes - kGuardBytes;
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, fiber_main, 0);
-    // makecontext has laid out the stack; swapcontext does not read uc_stack. ASan's swapcontext
-    // interceptor does: it clears the shadow of the target's whole uc_stack on every switch,
-    // erasing the redzones of the frames a suspended fiber holds, at the cost of a memset of
-    // 1/8 of the stack per resume. ASan learns of fiber stacks from the start/finish_switch_fiber
-    // calls instead, and give_stack() clears a stack once, when its fiber is done with it.
-    f.ctx.uc_stack = stack_t{};
+    make_context(f.ctx, f.stack + kGuardBytes, kStackBytes - kGuardBytes, fiber_main);
   }
 }
 
@@ -486,8 +561,9 @@ std::string schedule_block(Launch& L, Block& b) {
   std::iota(order.begin(), order.end(), 0);
   while (!L.aborted) {
     if (L.warp_ahead) {
-      const auto first = std::find_if(b.fibers.begin(), b.fibers.end(),
+      const auto first = std::find_if(b.fibers.begin() + b.runnable_from, b.fibers.end(),
                                       [](const Fiber& f) { return f.wait == Wait::kRunnable; });
+      b.runnable_from = size_t(first - b.fibers.begin());
       if (first != b.fibers.end()) {
         resume(b, *first);
         if (!first->polled) continue;  // a poller: a pass over every thread, below
@@ -616,6 +692,19 @@ void run_blocks(Launch& L) {
 
 // Before a launch: the watched results' bytes (what the launch finds), and for a programmatic
 // one, the bytes the chain of launches since the last plain one wrote poisoned until its wait.
+// The byte loops over a call's results (a decoder's cache is most of its bytes) are left
+// uninstrumented: their bounds are the regions' own, and ASan's check of every byte would cost
+// more than the launch.
+__attribute__((no_sanitize("address"))) void poison_chain_writes(WatchedRegion& r) {
+  for (size_t i = 0; i < r.bytes; ++i) {
+    if (r.chain_wrote[i]) r.data[i] = 0xff;
+  }
+}
+
+__attribute__((no_sanitize("address"))) void note_launch_writes(WatchedRegion& r) {
+  for (size_t i = 0; i < r.bytes; ++i) r.chain_wrote[i] |= r.data[i] != r.before[i];
+}
+
 void watch_launch(Launch& L) {
   if (watched.empty()) return;
   L.regions = &watched;
@@ -623,9 +712,7 @@ void watch_launch(Launch& L) {
     if (!L.programmatic) std::fill(r.chain_wrote.begin(), r.chain_wrote.end(), 0);
     r.before.assign(r.data, r.data + r.bytes);
     if (!L.programmatic) continue;
-    for (size_t i = 0; i < r.bytes; ++i) {
-      if (r.chain_wrote[i]) r.data[i] = 0xff;
-    }
+    poison_chain_writes(r);
     L.poisoned.emplace_back(r.data, r.data + r.bytes);
   }
 }
@@ -665,9 +752,7 @@ cudaError_t launch(const cudaLaunchConfig_t& config, size_t param_bytes, const v
     std::lock_guard<std::mutex> lock(L.mu);
     if (L.programmatic) L.resolve_dependency();  // no block waited: the end is the wait's
   }
-  for (WatchedRegion& r : watched) {
-    for (size_t i = 0; i < r.bytes; ++i) r.chain_wrote[i] |= r.data[i] != r.before[i];
-  }
+  for (WatchedRegion& r : watched) note_launch_writes(r);
   if (!L.fault.empty()) {
     std::fprintf(stderr, "cuda_on_cpu: kernel fault in %s: %s\n", L.kernel.c_str(), L.fault.c_str());
     sticky_error = cudaErrorLaunchFailure;
@@ -810,10 +895,12 @@ uint64_t warp_exchange(unsigned mask, uint64_t bits, int src_lane, const char* f
   if (++w.arrived == kWarpSize) {  // last lane in: release the warp, keep running
     w.arrived = 0;
     ++w.gen;
+    const int first = (f.linear / kWarpSize) * kWarpSize;
     for (int i = 0; i < kWarpSize; ++i) {
-      Fiber& other = b.fibers[(f.linear / kWarpSize) * kWarpSize + i];
+      Fiber& other = b.fibers[first + i];
       if (&other != &f) other.wait = Wait::kRunnable;
     }
+    b.runnable_from = std::min(b.runnable_from, size_t(first));
   } else {
     f.wait = Wait::kWarpSync;
     yield_to_scheduler(f);
