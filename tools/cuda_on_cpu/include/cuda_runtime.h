@@ -5,9 +5,9 @@
 //
 // Execution model: a launch runs to completion before cudaLaunchKernelEx returns (one stream,
 // in order). Each block is an OS thread (all blocks of a cooperative launch at once, so the grid
-// is co-resident; other launches on a few worker threads); each CUDA thread is a ucontext fiber
-// of its block's OS thread. Fibers switch only at __syncthreads, warp shuffles and grid syncs,
-// which are barriers that detect deadlock (a thread that exited or waits elsewhere) and report it
+// is co-resident; other launches on a few worker threads); each CUDA thread is a fiber (a stack
+// of its own) of its block's OS thread. Fibers switch only at __syncthreads, warp shuffles and
+// grid syncs, which are barriers that detect deadlock (a thread that exited or waits elsewhere) and report it
 // as a kernel fault, and at __nanosleep, the pause of a thread polling memory that another thread
 // will write: it lets the block's other threads run, yields the OS thread, and reports a poll
 // that outlasts JAXFUSE_EMU_GRID_SYNC_TIMEOUT as a deadlock. __shared__ variables are thread_local, so one copy per block. Atomics and
