@@ -690,8 +690,6 @@ void run_blocks(Launch& L) {
   for (std::thread& th : pool) th.join();
 }
 
-// Before a launch: the watched results' bytes (what the launch finds), and for a programmatic
-// one, the bytes the chain of launches since the last plain one wrote poisoned until its wait.
 // The byte loops over a call's results (a decoder's cache is most of its bytes) are left
 // uninstrumented: their bounds are the regions' own, and ASan's check of every byte would cost
 // more than the launch.
@@ -705,6 +703,8 @@ __attribute__((no_sanitize("address"))) void note_launch_writes(WatchedRegion& r
   for (size_t i = 0; i < r.bytes; ++i) r.chain_wrote[i] |= r.data[i] != r.before[i];
 }
 
+// Before a launch: the watched results' bytes (what the launch finds), and for a programmatic
+// one, the bytes the chain of launches since the last plain one wrote poisoned until its wait.
 void watch_launch(Launch& L) {
   if (watched.empty()) return;
   L.regions = &watched;
