@@ -254,6 +254,18 @@ class Spec:
     """The scalars the XLA element math reads (by default the kernels' ones)."""
     return self.hyper(count)
 
+  def state_hyper(self, state: Any) -> dict[str, Any]:
+    """Hyperparameters read from scalars the optax state keeps beyond its counts (e.g.
+    schedule-free's averaging weight, from its weight sum), added to hyper() and xla_hyper().
+    `state` is the whole state."""
+    return {}
+
+  def advance(self, core: Any, skip: jax.Array) -> Any:
+    """The optax part of the state with the scalars it keeps beyond its counts advanced by one
+    step as the optax twin advances them, or kept where `skip` (a skipped step). The counts are
+    advanced by the generic step."""
+    return core
+
   def leaf_math(self, k: dict[str, jax.Array], g: jax.Array, p: Optional[jax.Array],
                 states: list[jax.Array], flags: dict[str, bool]) -> tuple[jax.Array, list]:
     """The family's element math for one leaf as XLA operations, in the kernels' operation
@@ -388,6 +400,13 @@ class Spec:
       chunks.append(-(-share // unit) * unit)
     return chunks
 
+  @staticmethod
+  def with_extra(core: Any, extra: ExtraState) -> Any:
+    """The state of an optimizer with opt-ins: the optax part's entries, then `extra`. A chain's
+    state (a tuple) is extended; a single transform's state (a NamedTuple, e.g. schedule-free's)
+    becomes the first entry, so that ``state[:-1]`` is the optax part as a tuple either way."""
+    return (*core, extra) if type(core) is tuple else (core, extra)
+
   def unpacked_init(self, params: Any, quantized: Optional[list[bool]] = None) -> Any:
     """The state of (unpacked) `params`, every list a tree like them (`quantized` as
     twin_init() takes it)."""
@@ -399,15 +418,16 @@ class Spec:
       remainders = jax.tree.map(
           lambda p: jnp.zeros(p.shape if p.dtype == jnp.bfloat16 else (0,), jnp.int16), params)
       wide = jax.tree.map(lambda p: p.astype(jnp.promote_types(p.dtype, jnp.float32)), params)
-      return (*self.twin_init(wide, quantized), ExtraState(None, skipped, remainders))
+      return self.with_extra(self.twin_init(wide, quantized),
+                             ExtraState(None, skipped, remainders))
     if not self.master_weights:
       state = self.twin_init(params, quantized)
-      return (*state, ExtraState(None, skipped)) if self.skip_nonfinite else state
+      return self.with_extra(state, ExtraState(None, skipped)) if self.skip_nonfinite else state
     # A copy even where the dtype stays: the master must not be the params' buffer (both are
     # donated). The state as if the params were the master.
     wide = lambda p: jnp.promote_types(p.dtype, jnp.float32)
     master = jax.tree.map(lambda p: jnp.array(p, dtype=wide(p), copy=True), params)
-    return (*self.twin_init(master, quantized), ExtraState(master, skipped))
+    return self.with_extra(self.twin_init(master, quantized), ExtraState(master, skipped))
 
   def check(self, params: Any) -> list[int]:
     """Trace-time checks of params against this spec, naming the leaf. Returns the per-leaf

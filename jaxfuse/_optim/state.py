@@ -91,13 +91,21 @@ def _cast(state: Any, target: Any) -> Any:
   return jax.tree.map(cast, target, state, is_leaf=quantized)
 
 
+def _entries(core: Any) -> tuple:
+  """An optimizer's optax state as the entries it has beside an ExtraState: a chain's tuple, or
+  a single transform's state (Spec.with_extra) as a 1-tuple."""
+  return core if type(core) is tuple else (core,)
+
+
 def _convert_optimizer(state: Any, target: Any, master: Any,
                        params: Any) -> tuple[Any, Any]:
   """One optimizer's state (with or without its ExtraState) in `target`'s layout, and the params
   that go with it."""
-  core = state[:-1] if _is_optimizer_state(state) else state
+  core = _entries(state[:-1] if _is_optimizer_state(state) else state)
   if not _is_optimizer_state(target):
-    return _cast(core, target), jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
+    cast = _cast(core, _entries(target))
+    return (cast if type(target) is tuple else cast[0]), \
+        jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
   extra, goal = _extra(state), target[-1]
   new_params = jax.tree.map(lambda m, p: m.astype(p.dtype), master, params)
   remainders = None

@@ -224,10 +224,11 @@ def step_count(state: Any) -> jax.Array:
 def new_state(spec: Spec, state: Any, states: list, master_params: Any, remainders: Any,
               count: jax.Array, skip: jax.Array) -> Any:
   """The state after a step: its state-list trees, master params and remainders (trees like the
-  params, or Packed ones; None where the spec keeps none) replaced, the skip count advanced, and
-  every optax `count` in it (the family's, the schedules') advanced together."""
+  params, or Packed ones; None where the spec keeps none) replaced, the skip count advanced,
+  every optax `count` in it (the family's, the schedules') advanced together, and the family's
+  own scalars (Spec.advance) advanced unless `skip`."""
   core = state[:-1] if spec.has_extra_state else state
-  core = spec.with_states(core, states)
+  core = spec.advance(spec.with_states(core, states), skip)
   if spec.has_extra_state:
     extra = state[-1]
     core = (*core, ExtraState(

@@ -188,7 +188,7 @@ def _updates(spec: Spec, leaves: "_step.Leaves", flags: list[int], grads: Any, s
   device's place for the rounding streams."""
   names = spec.contract.names["tensor_flags"]
   count = _step.step_count(state)
-  h = spec.xla_hyper(count)
+  h = {**spec.xla_hyper(count), **spec.state_hyper(state)}
   if grad_scale is not None:
     h["loss_scale"] = grad_scale
   n = len(leaves.grads)
