@@ -8,6 +8,8 @@ Optimizer side (optax-compatible):
   lamb, lars           LAMB and LARS (per-leaf trust ratios), as optax's: two fused passes
   muon                 Muon, as optax.contrib.muon: matrices orthogonalized in batches by shape,
                        element passes fused, AdamW for the other leaves
+  schedule_free_adamw, schedule-free AdamW and SGD, as optax.contrib's: one fused pass, and
+  schedule_free_sgd    schedule_free_eval_params for the params to evaluate at
   clip_by_global_norm  clipping whose norm and scale never leave the device
   global_norm          the L2 norm of a pytree, one call, deterministic
   fused_step           params and optimizer state updated in place (28 B/param fp32)
@@ -50,6 +52,8 @@ from jaxfuse._optim.families.lars import lars
 from jaxfuse._optim.families.lion import lion
 from jaxfuse._optim.families.muon import muon
 from jaxfuse._optim.families.rmsprop import rmsprop
+from jaxfuse._optim.families.schedule_free import (schedule_free_adamw, schedule_free_eval_params,
+                                                   schedule_free_sgd)
 from jaxfuse._optim.families.sgd import sgd
 from jaxfuse._optim.fused import fused_step
 from jaxfuse._optim.moments import QuantizedMoment
@@ -119,6 +123,9 @@ __all__ = [
     "quantize_weights",
     "report",
     "rmsprop",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
     "sgd",
     "unpack",
 ]

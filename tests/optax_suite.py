@@ -15,7 +15,7 @@ import re
 import sys
 import types
 import unittest
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 # Overrides for one module name: attribute -> replacement, or a nested dict for a submodule
 # (e.g. {"tree": {"norm": jaxfuse.global_norm}} for `optax`).
@@ -253,3 +253,15 @@ def skip_cases(cls: type, cases: Iterable[tuple]) -> None:
     if len(hits) != 1:
       raise LookupError(f"{cls.__name__}.{method}{wanted}: {len(hits)} generated cases match")
     setattr(cls, hits[0], unittest.skip(reason)(getattr(cls, hits[0])))
+
+
+def keep_cases(cls: type, keep: Callable[[dict], bool]) -> None:
+  """Removes the generated cases whose parameter dict `keep` rejects (for a list of cases built
+  by code rather than written as a literal, which `filters` cannot cut down); raises if none is
+  kept, so that a rename in optax fails loudly."""
+  params = generated_params(cls)
+  kept = [m for m, p in params.items() if keep(p)]
+  if not kept:
+    raise LookupError(f"{cls.__name__}: no generated case is kept")
+  for method in set(params) - set(kept):
+    delattr(cls, method)

@@ -510,6 +510,21 @@ def test_split_packed_state_every_family(variant):
   assert sorted(map(int, gathered)) == sorted([*layout.buffer_sizes, 8 * 8257]), gathered
 
 
+def test_split_schedule_free_eval_params():
+  """jaxfuse.schedule_free_eval_params of a split state (z split over the devices): the unsplit
+  state's params to evaluate at, bit for bit."""
+  mesh = make_mesh("fsdp", "auto")
+  params, grads = _split_problem(55)
+  make = lambda **o: jaxfuse.schedule_free_adamw(LR, weight_decay=WD, **o)
+  ref_params, ref_state = run(fused(make()), make(), params, grads)
+  tx = make(packed="fsdp")
+  new_params, state = run(fused(tx), tx, params, grads, mesh)
+  with jax.set_mesh(mesh):
+    x = jax.jit(jaxfuse.schedule_free_eval_params)(state, new_params)
+  ref = jax.jit(jaxfuse.schedule_free_eval_params)(ref_state, ref_params)
+  assert_bitwise_equal(x, ref, "x")
+
+
 @pytest.mark.slow
 def test_split_packed_state_optax_protocol():
   """tx.update on a split state: every device's updates of its chunks, gathered (the large leaf

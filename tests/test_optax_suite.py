@@ -6,13 +6,19 @@ fails by design are listed in BY_DESIGN with the reason, and skipped one by one.
 """
 
 import jax
+import optax
 import pytest
 
 import jaxfuse
 import optax_suite
 from jaxfuse._optim import families
 
-OPTIMIZERS = tuple(f.__name__ for family in families.registered() for f in family.functions)
+# The families' public functions that optax ships in its core (its alias module); the others
+# (schedule-free) are optax.contrib's, with their own suites below.
+OPTIMIZERS = tuple(f.__name__ for family in families.registered() for f in family.functions
+                   if hasattr(optax, f.__name__))
+SCHEDULE_FREE = {name: getattr(jaxfuse, name) for name in
+                 ("schedule_free_adamw", "schedule_free_sgd", "schedule_free_eval_params")}
 
 # optax accepts a mu_dtype that is complex for real params or real for complex ones and casts
 # between them later without a word (imaginary parts are dropped); jaxfuse refuses it at init,
@@ -70,6 +76,24 @@ OptaxMuonTest = optax_suite.load(
                   "test_complex_mixed_target", "test_muon_orthogonalization_modes",
                   "test_aol_numerical_difference", "test_orthogonality"]},
     overrides={"_muon": {"muon": jaxfuse.muon}}).MuonTest
+
+
+# optax's schedule-free tests: jaxfuse's schedule_free_adamw against optax's schedule_free
+# wrapper of optax.adamw, learning rate 0, 0-d params, donation of params and z.
+OptaxScheduleFreeTest = optax_suite.load(
+    "contrib/_schedule_free_test.py", {"ScheduleFreeTest": None},
+    overrides={"_schedule_free": SCHEDULE_FREE}).ScheduleFreeTest
+
+# optax's common tests of its contrib optimizers, for the schedule-free ones: convergence
+# (evaluated at schedule_free_eval_params), extra args, inject_hyperparams, dtypes and state
+# stability, gradient accumulation. Their list is built by code: the other optimizers' cases
+# are removed once generated (the base list, a literal, is emptied first).
+OptaxContribScheduleFreeTest = optax_suite.load(
+    "contrib/_common_test.py", {"ContribTest": None},
+    overrides={"contrib": SCHEDULE_FREE},
+    filters={"_BASE_OPTIMIZERS": optax_suite.keep("opt_name", ())}).ContribTest
+optax_suite.keep_cases(OptaxContribScheduleFreeTest,
+                       lambda p: p["opt_name"] in SCHEDULE_FREE and p["wrapper_name"] is None)
 
 
 @pytest.fixture(autouse=True)

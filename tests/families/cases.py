@@ -20,6 +20,11 @@ from jaxfuse._optim import families
 from lockstep import EPS32
 
 
+def optax_function(name: str) -> Callable:
+  """optax's optimizer of this name (optax's or optax.contrib's)."""
+  return getattr(optax, name) if hasattr(optax, name) else getattr(optax.contrib, name)
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """A jaxfuse optimizer call, ``jaxfuse.<function>(**kwargs, **options)``."""
@@ -33,14 +38,14 @@ class Config:
   def twin(self, **kwargs: Any) -> optax.GradientTransformation:
     """optax's transform of the same name on the arguments it takes (jaxfuse-only storage
     options, such as nu_dtype, are what the bounds check: lockstep.py)."""
-    fn = getattr(optax, self.function)
+    fn = optax_function(self.function)
     known = inspect.signature(fn).parameters
     return fn(**{k: v for k, v in dict(self.kwargs, **kwargs).items() if k in known})
 
   @property
   def optax_layout(self) -> bool:
     """Whether the state is optax's twin's leaf for leaf (no jaxfuse-only storage option)."""
-    return set(self.kwargs) <= set(inspect.signature(getattr(optax, self.function)).parameters)
+    return set(self.kwargs) <= set(inspect.signature(optax_function(self.function)).parameters)
 
 
 def _lion_near_zero(b1: float) -> Callable:
@@ -135,6 +140,17 @@ CASES = {
                                      eps=1e-3, trust_ratio_mask=families.some_leaves)),
         "no momentum": Config("lars", dict(learning_rate=0.1, weight_decay=0.01, momentum=0.0)),
     }, inject=(dict(learning_rate=0.05, trust_coefficient=0.01), dict(trust_coefficient=0.05))),
+    "schedule_free": FamilyCases({
+        "defaults": Config("schedule_free_adamw", {}),
+        "warmup": Config("schedule_free_adamw", dict(learning_rate=1e-2, warmup_steps=3,
+                                                     weight_decay=0.05)),
+        "b1 b2 eps power": Config("schedule_free_adamw", dict(
+            learning_rate=1e-2, b1=0.95, b2=0.99, eps=1e-6, weight_lr_power=1.0)),
+        "z bf16": Config("schedule_free_adamw", dict(learning_rate=1e-2,
+                                                     state_dtype=jnp.bfloat16)),
+        "sgd warmup": Config("schedule_free_sgd", dict(learning_rate=0.5, warmup_steps=2)),
+    }, inject=(dict(learning_rate=1e-2, b1=0.9, weight_decay=0.1),
+               dict(learning_rate=3e-3, b1=0.85))),
 }
 
 

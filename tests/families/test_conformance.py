@@ -13,7 +13,7 @@ import pytest
 import jaxfuse
 from jaxfuse._core import packing as _packing
 from jaxfuse._optim import families
-from cases import CASES, family_configs, first
+from cases import CASES, family_configs, first, optax_function
 from helpers import assert_bitwise_equal, count_custom_calls
 from lockstep import jit_step, lockstep, state_leaves, training_params, training_tree
 
@@ -223,7 +223,7 @@ def test_inject_hyperparams(device, family):
   fn = first(FAMILIES[family]).function
   kwargs, changes = CASES[family].inject
   tx = optax.inject_hyperparams(getattr(jaxfuse, fn))(**kwargs)
-  twin = optax.inject_hyperparams(getattr(optax, fn))(**kwargs)
+  twin = optax.inject_hyperparams(optax_function(fn))(**kwargs)
   def change(t, s):
     if t == STEPS // 2:
       for name, value in changes.items():
