@@ -33,7 +33,7 @@ def transform(spec: Spec) -> optax.GradientTransformationExtraArgs:
     del extra_args
     if params is None and spec.needs_params:
       why = "master weights" if spec.master_weights else "stochastic rounding" \
-          if spec.stochastic_rounding else "weight decay"
+          if spec.stochastic_rounding else spec.params_role
       raise ValueError(f"{spec.name}: update() needs params (for {why}), as optax's does")
     step = _inplace.current()
     if step is not None:

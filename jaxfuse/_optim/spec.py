@@ -274,6 +274,9 @@ class Spec:
     master copy with master weights; None when update() got no params)."""
     raise NotImplementedError
 
+  # What the family's math reads the params for, where needs_params says it does (for messages).
+  params_role: ClassVar[str] = "weight decay"
+
   @property
   def needs_params(self) -> bool:
     """Whether update() needs params (e.g. for weight decay)."""

@@ -62,5 +62,8 @@ def test_rejects_bad_input():
     jaxfuse.schedule_free_adamw(state_dtype=jnp.complex64)
   with pytest.raises(TypeError, match="learning_rate=.* expected a float or an array"):
     jaxfuse.schedule_free_adamw(optax.linear_schedule(0.1, 0.0, 10))
+  tx = jaxfuse.schedule_free_sgd()
+  with pytest.raises(ValueError, match=r"schedule_free_sgd: update\(\) needs params \(for y,"):
+    tx.update(params, tx.init(params))
   with pytest.raises(ValueError, match="holds 0 schedule-free states"):
     jaxfuse.schedule_free_eval_params(jaxfuse.adamw(1e-3).init(params), params)

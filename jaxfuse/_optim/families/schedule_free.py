@@ -70,6 +70,7 @@ class ScheduleFreeSpec(_spec.Spec):
   (optim/families/schedule_free.h), on an AdamW or an SGD base."""
 
   op = "jaxfuse_schedule_free"
+  params_role = "y, the params the average x is recovered from"
   base: str  # "adamw" or "sgd"
   warmup_steps: Optional[int]
   b1: Any
