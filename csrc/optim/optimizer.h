@@ -9,6 +9,8 @@
 //   kFlagNames             the bits of the call's `flags` attribute, in bit order
 //   kTensorFlagNames       the bits of each tensor's entry of `tensor_flags` (e.g. "decay")
 //   kComplex               whether complex tensors are allowed
+//   kQuantizedStates       (optional, default true but for trust-ratio families) whether its
+//                          state lists may be 8-bit codes
 //   kMaxStates             the most state lists it keeps per tensor (at most 3)
 //   allows_states(k)       constexpr: whether some configuration keeps k state lists
 //   num_states(flags)      how many this configuration keeps; state_name(flags, k) their names
@@ -111,6 +113,17 @@ struct HasTrustRatio<Family, std::void_t<decltype(Family::kTrustRatio)>>
     : std::bool_constant<Family::kTrustRatio> {};
 template <typename Family>
 inline constexpr bool kHasTrustRatio = HasTrustRatio<Family>::value;
+
+// Whether a family keeps 8-bit states (moment_codes.h): every family but the trust-ratio ones
+// (their first pass reads the states as floats) and those that say kQuantizedStates = false
+// (schedule-free: its state z is the params' other copy, which 8 bits cannot hold).
+template <typename Family, typename = void>
+struct TakesQuantizedStates : std::bool_constant<!kHasTrustRatio<Family>> {};
+template <typename Family>
+struct TakesQuantizedStates<Family, std::void_t<decltype(Family::kQuantizedStates)>>
+    : std::bool_constant<Family::kQuantizedStates> {};
+template <typename Family>
+inline constexpr bool kTakesQuantizedStates = TakesQuantizedStates<Family>::value;
 
 // One tensor's sums for its trust ratio: of the squares of its params and of its direction, in
 // double, exchanged as kTrustSumWords uint32 words (the doubles' bits, so that JAX can gather
@@ -341,9 +354,8 @@ inline ffi::Error check_params_mode(bool master, bool remainders, bool stochasti
 
 // 8-bit states: every tensor real, computed in float, whole blocks of elements; the codes' dtype
 // is checked by collect_lists. Trust-ratio families' first pass reads the states as floats.
-inline ffi::Error check_quantized_states(const TensorLists& tensors, bool f64, bool trust_ratio) {
-  if (trust_ratio) return invalid_argument("quantized states are not supported by trust-ratio "
-                                           "families");
+inline ffi::Error check_quantized_states(const TensorLists& tensors, bool f64, bool takes) {
+  if (!takes) return invalid_argument("quantized states are not supported by this optimizer");
   if (f64) return invalid_argument("quantized states need a call computed in float32");
   for (int64_t t = 0; t < tensors.num_tensors(); ++t) {
     if (tensors.complex[t]) return invalid_argument("tensor ", t, " is complex; quantized states "
@@ -629,7 +641,7 @@ ffi::Error OptimizerOp<Family>::decode(CountBuffer count, ffi::AnyBuffer hyper,
   if (remainders) JF_RETURN_IF_ERROR(check_remainder_params(call->tensors, call->f64));
   if (quantized_states) {
     JF_RETURN_IF_ERROR(
-        check_quantized_states(call->tensors, call->f64, kHasTrustRatio<Family>));
+        check_quantized_states(call->tensors, call->f64, kTakesQuantizedStates<Family>));
   }
   call->lists = lists;
   call->count = count.typed_data();

@@ -140,7 +140,7 @@ CASES = {
                                      eps=1e-3, trust_ratio_mask=families.some_leaves)),
         "no momentum": Config("lars", dict(learning_rate=0.1, weight_decay=0.01, momentum=0.0)),
     }, inject=(dict(learning_rate=0.05, trust_coefficient=0.01), dict(trust_coefficient=0.05))),
-    "schedule_free": FamilyCases({
+    "schedule_free_adamw": FamilyCases({
         "defaults": Config("schedule_free_adamw", {}),
         "warmup": Config("schedule_free_adamw", dict(learning_rate=1e-2, warmup_steps=3,
                                                      weight_decay=0.05)),
@@ -148,9 +148,11 @@ CASES = {
             learning_rate=1e-2, b1=0.95, b2=0.99, eps=1e-6, weight_lr_power=1.0)),
         "z bf16": Config("schedule_free_adamw", dict(learning_rate=1e-2,
                                                      state_dtype=jnp.bfloat16)),
-        "sgd warmup": Config("schedule_free_sgd", dict(learning_rate=0.5, warmup_steps=2)),
     }, inject=(dict(learning_rate=1e-2, b1=0.9, weight_decay=0.1),
                dict(learning_rate=3e-3, b1=0.85))),
+    "schedule_free_sgd": FamilyCases({
+        "warmup": Config("schedule_free_sgd", dict(learning_rate=0.5, warmup_steps=2)),
+    }, inject=(dict(learning_rate=0.1, b1=0.9), dict(learning_rate=0.03, b1=0.8))),
 }
 
 

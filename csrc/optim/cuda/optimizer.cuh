@@ -386,8 +386,8 @@ ffi::Error with_state_count(int num_states, const Fn& fn) {
 }
 
 // The kernel for the call's params mode, with its states as floats or as 8-bit codes. Codes
-// and remainders are computed in float (the op checks), and trust-ratio families take neither:
-// no kernels for those layouts.
+// and remainders are computed in float (the op checks); trust-ratio families take neither, and
+// a family whose states 8 bits cannot hold no codes: no kernels for those layouts.
 template <typename Family, typename Real, int kStates, bool kQuantized>
 ffi::Error launch_for_params(cudaStream_t stream, const typename OptimizerOp<Family>::Call& call) {
   if (call.lists.master >= 0) {
@@ -408,7 +408,7 @@ ffi::Error launch_for_layout(cudaStream_t stream, const typename OptimizerOp<Fam
   return with_state_count<Family>(call.lists.num_states, [&](auto states) {
     constexpr int kStates = decltype(states)::value;
     if (call.lists.quantized) {
-      if constexpr (std::is_same_v<Real, float> && !kHasTrustRatio<Family> && kStates > 0) {
+      if constexpr (std::is_same_v<Real, float> && kTakesQuantizedStates<Family> && kStates > 0) {
         return launch_for_params<Family, Real, kStates, true>(stream, call);
       }
       return internal_error("no kernel for quantized states in this call");

@@ -1,13 +1,13 @@
 // Schedule-free AdamW and SGD (Defazio et al., 2024, https://arxiv.org/abs/2405.15682): the
-// element math and the family of the optimizer op (optimizer.h), shared by the CPU handler and
-// the CUDA kernel. optax.contrib.schedule_free keeps z (the base optimizer's iterate) and the
+// element math and the families of the optimizer op (optimizer.h), one per base, shared by the
+// CPU handlers and the CUDA kernels. optax.contrib.schedule_free keeps z (the base optimizer's iterate) and the
 // base optimizer's state; the params are y, the point the gradient is taken at, and x (the
 // average, the point to evaluate) is recomputed from y and z. Per element, in optax's
 // operation order (schedule_free_adamw's base: scale_by_rms with bias correction ->
 // add_decayed_weights -> scale_by_learning_rate; schedule_free_sgd's: add_decayed_weights ->
 // sgd):
 //
-//   nu = (1 - b2) g^2 + b2 nu;  d = g / (sqrt(nu / bc) + eps)     (AdamW; SGD: d = g)
+//   nu = (1 - b2) g^2 + b2 nu;  d = (1 / (sqrt(nu / bc) + eps)) g   (AdamW; SGD: d = g)
 //   d = (d + wd y) * -lr;  z' = z + d
 //   x = (y - (1 - b1) z) / b1;  x' = (1 - ck) x + ck z';  y' = b1 x' + (1 - b1) z'
 //   u = y' - y
@@ -35,20 +35,13 @@ template <typename Real>
 struct ScheduleFreeStep {
   Real lr, b1, one_minus_b1, b2, one_minus_b2, eps, weight_decay, ck, one_minus_ck;
   Real bc;      // 1 - b2^t (AdamW's second moment, bias-corrected)
-  bool adam;    // the base is AdamW (a second moment nu), else SGD
   bool decay;   // the base adds weight decay
 };
 
-// The base optimizer's step d (the second moment updated in place), then z, x and y: returns
-// the update u = y' - y and stores z'.
+// From the base optimizer's direction d (before weight decay and the learning rate): z updated
+// in place, returns the update u = y' - y.
 template <typename Real>
-JF_HD Real schedule_free_element(const ScheduleFreeStep<Real>& s, Real g, Real y, Real& z,
-                                 Real* __restrict__ nu) {
-  Real d = g;
-  if (s.adam) {
-    *nu = s.one_minus_b2 * (g * g) + s.b2 * *nu;
-    d = (Real(1) / (jf_sqrt(*nu / s.bc) + s.eps)) * g;
-  }
+JF_HD Real schedule_free_element(const ScheduleFreeStep<Real>& s, Real d, Real y, Real& z) {
   if (s.decay) d = d + s.weight_decay * y;
   d = d * -s.lr;
   const Real z_old = z;
@@ -58,29 +51,44 @@ JF_HD Real schedule_free_element(const ScheduleFreeStep<Real>& s, Real g, Real y
   return (s.b1 * x_new + s.one_minus_b1 * z) - y;
 }
 
-// The element loop over n scalars: z (s0) and, for AdamW, nu (s1) updated in place.
-template <typename Real, typename Count>
+// The element loop over n scalars: z and, on AdamW's base, nu updated in place.
+template <bool kAdam, typename Real, typename Count>
 JF_HD void schedule_free_elements(const ScheduleFreeStep<Real>& s, Count n,
                                   const Real* __restrict__ g, const Real* __restrict__ p,
                                   Real* __restrict__ z, Real* __restrict__ nu,
                                   Real* __restrict__ u) {
   for (Count i = 0; i < n; ++i) {
-    u[i] = schedule_free_element(s, g[i], p[i], z[i], s.adam ? nu + i : nullptr);
+    Real d = g[i];
+    if constexpr (kAdam) {
+      nu[i] = s.one_minus_b2 * (g[i] * g[i]) + s.b2 * nu[i];
+      d = (Real(1) / (jf_sqrt(nu[i] / s.bc) + s.eps)) * d;
+    }
+    u[i] = schedule_free_element(s, d, p[i], z[i]);
   }
 }
 
-// The schedule-free family: state lists z, then nu with the AdamW base.
+// The names of the families' call flags and per-tensor flags (outside the template: nvcc
+// deduces no array bound from a class template's static member). No per-tensor flags; C++ has
+// no empty arrays, so one name that is never set.
+inline constexpr const char* kScheduleFreeFlagNames[] = {"decay"};
+inline constexpr const char* kScheduleFreeTensorFlagNames[] = {"unused"};
+
+// The schedule-free families, one op per base (each kernel holds its base's math alone, in
+// registers): state lists z, then on AdamW's base nu.
+template <bool kAdam>
 struct ScheduleFree {
-  static constexpr const char* kName = "jaxfuse_schedule_free";
+  static constexpr const char* kName =
+      kAdam ? "jaxfuse_schedule_free_adamw" : "jaxfuse_schedule_free_sgd";
   using Hyper = ScheduleFreeHyper;
-  enum Flag : uint32_t { kAdam = 1, kDecay = 2 };
-  static constexpr const char* kFlagNames[] = {"adam", "decay"};
-  // No per-tensor flags; C++ has no empty arrays, so one name that is never set.
-  static constexpr const char* kTensorFlagNames[] = {"unused"};
+  enum Flag : uint32_t { kDecay = 1 };
+  static constexpr const auto& kFlagNames = kScheduleFreeFlagNames;
+  static constexpr const auto& kTensorFlagNames = kScheduleFreeTensorFlagNames;
   static constexpr bool kComplex = false;
-  static constexpr int kMaxStates = 2;
-  static constexpr bool allows_states(int k) { return k == 1 || k == 2; }
-  static constexpr int num_states(uint32_t flags) { return (flags & kAdam) ? 2 : 1; }
+  static constexpr bool kQuantizedStates = false;  // z is the params' other copy
+  static constexpr int kStates = kAdam ? 2 : 1;
+  static constexpr int kMaxStates = kStates;
+  static constexpr bool allows_states(int k) { return k == kStates; }
+  static constexpr int num_states(uint32_t) { return kStates; }
   static const char* state_name(uint32_t, int k) { return k == 0 ? "z" : "nu"; }
 
   template <typename Real>
@@ -98,10 +106,9 @@ struct ScheduleFree {
     s.weight_decay = Real(hyper[ScheduleFreeHyper::weight_decay]);
     s.ck = Real(hyper[ScheduleFreeHyper::ck]);
     s.one_minus_ck = Real(hyper[ScheduleFreeHyper::one_minus_ck]);
-    s.adam = (flags & kAdam) != 0;
     s.decay = (flags & kDecay) != 0;
-    s.bc = s.adam ? bias_correction<Real>(hyper, ScheduleFreeHyper::b2, safe_increment(count))
-                  : Real(1);
+    s.bc = kAdam ? bias_correction<Real>(hyper, ScheduleFreeHyper::b2, safe_increment(count))
+                 : Real(1);
     return s;
   }
 
@@ -109,8 +116,12 @@ struct ScheduleFree {
   static JF_HD void update(const Step<Real>& s, Count n, uint8_t, const Real* __restrict__ g,
                            const Real* __restrict__ p, Real* __restrict__ z,
                            Real* __restrict__ nu, Real* __restrict__, Real* __restrict__ u) {
-    schedule_free_elements(s, n, g, p, z, nu, u);
+    schedule_free_elements<kAdam>(s, n, g, p, z, nu, u);
   }
 };
+
+// Named types, so that the kernels' names (and the kernel report's budgets) read as the others'.
+struct ScheduleFreeAdamw : ScheduleFree<true> {};
+struct ScheduleFreeSgd : ScheduleFree<false> {};
 
 }  // namespace jaxfuse

@@ -85,7 +85,9 @@ class Family:
 
   @property
   def name(self) -> str:
-    """The stem of its files (``lion``: ``csrc/optim/families/lion.h``, ...)."""
+    """Its op's name without the prefix, the stem of its files (``lion``:
+    ``csrc/optim/families/lion.h``, ...; ``schedule_free_adamw`` and ``schedule_free_sgd`` share
+    ``schedule_free``'s)."""
     return self.spec.op.removeprefix("jaxfuse_")
 
   def takes(self, option: str) -> bool:

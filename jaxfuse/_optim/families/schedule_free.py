@@ -28,7 +28,7 @@ float16 (computed in float32, rounded once) or float64. The optax protocol and
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +66,11 @@ def _one_minus_power(decay: Any, count: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
 class ScheduleFreeSpec(_spec.Spec):
-  """A jaxfuse schedule-free optimizer: the schedule-free family of the generic optimizer
-  (optim/families/schedule_free.h), on an AdamW or an SGD base."""
+  """A jaxfuse schedule-free optimizer (optim/families/schedule_free.h): what its two families,
+  on an AdamW and on an SGD base, share."""
 
-  op = "jaxfuse_schedule_free"
+  base: ClassVar[str]  # "adamw" or "sgd"
   params_role = "y, the params the average x is recovered from"
-  base: str  # "adamw" or "sgd"
   warmup_steps: Optional[int]
   b1: Any
   b2: Any = 0.0  # AdamW's base only
@@ -124,7 +123,7 @@ class ScheduleFreeSpec(_spec.Spec):
                                       self.weight_decay, self.weight_lr_power, self.state_dtype)
 
   def flags(self) -> dict[str, bool]:
-    return {"adam": self.adam, "decay": _spec.decays(self.weight_decay)}
+    return {"decay": _spec.decays(self.weight_decay)}
 
   def check_params(self, params: Any) -> None:
     _spec.check_real(self.name, params)
@@ -199,6 +198,18 @@ class ScheduleFreeSpec(_spec.Spec):
     return (k["b1"] * x + k["one_minus_b1"] * new_z) - p, [new_z, *new_states]
 
 
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class ScheduleFreeAdamwSpec(ScheduleFreeSpec):
+  op = "jaxfuse_schedule_free_adamw"
+  base = "adamw"
+
+
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class ScheduleFreeSgdSpec(ScheduleFreeSpec):
+  op = "jaxfuse_schedule_free_sgd"
+  base = "sgd"
+
+
 def schedule_free_eval_params(state: Any, params: Any) -> Any:
   """The params to evaluate at, ``x = (y - (1 - b1) z) / b1`` (optax.contrib's
   ``schedule_free_eval_params``), for the state of a jaxfuse schedule-free optimizer, alone or
@@ -220,8 +231,8 @@ def schedule_free_eval_params(state: Any, params: Any) -> Any:
   return _packing.pack(x) if packed_params else x
 
 
-@_families.family(ScheduleFreeSpec, base="adamw", variants={
-    "adamw decay": dict(learning_rate=1e-2, weight_decay=0.05),
+@_families.family(ScheduleFreeAdamwSpec, variants={
+    "decay": dict(learning_rate=1e-2, weight_decay=0.05),
 })
 def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: Optional[int] = None,
                         b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -268,8 +279,8 @@ def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: Optional[in
   """
 
 
-@_families.family(ScheduleFreeSpec, base="sgd", b2=0.0, eps=0.0, variants={
-    "sgd decay": dict(learning_rate=0.1, weight_decay=0.01),
+@_families.family(ScheduleFreeSgdSpec, variants={
+    "decay": dict(learning_rate=0.1, weight_decay=0.01),
 })
 def schedule_free_sgd(learning_rate: float = 1.0, warmup_steps: Optional[int] = None,
                       b1: float = 0.9, weight_decay: Optional[float] = None,
