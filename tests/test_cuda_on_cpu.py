@@ -579,21 +579,38 @@ def family_case(variant, option, dtypes):
   return tx, params, grads, state
 
 
+# The families' mixes: those above, and float32 with bfloat16 leaves (see mixed()).
+FAMILY_MIXES = {**DTYPE_MIXES, "f32 bf16": [[jnp.float32, jnp.bfloat16][i % 2]
+                                             for i in range(len(SIZES))]}
+
+
+def mixed(family):
+  """"mixed" (float32, bfloat16 and float16 leaves), or "f32 bf16" for a family that refuses a
+  tree of both 16-bit dtypes without a master copy (schedule-free's state scalars take the
+  params' lowest dtype); its master case has float16 leaves."""
+  tree = {f"leaf{i}": jax.ShapeDtypeStruct((3,), d) for i, d in enumerate(DTYPE_MIXES["mixed"])}
+  try:
+    family.variants[0].spec().check_params(tree)
+  except TypeError:
+    return "f32 bf16"
+  return "mixed"
+
+
 def family_cases(trust_ratio):
   """(variant, option, dtype mix) of the families with (or without) trust ratios."""
   cases = []
   for family in OTHER_FAMILIES:
     if family.trust_ratio == trust_ratio:
       first = family.variants[0].label
-      cases += [(v.label, "plain", "mixed") for v in family.variants]
-      cases += [(first, option, "mixed") for option in ("master", "skip")]
+      cases += [(v.label, "plain", mixed(family)) for v in family.variants]
+      cases += [(first, "master", "mixed"), (first, "skip", mixed(family))]
       cases += [(first, "plain", "wide" if family.takes_complex else "f64")]
   return cases
 
 
 def family_step(variant, option, mix):
   """A family case's in-place step (loss-scaled) on the CPU handlers and the emulated CUDA ones."""
-  dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else DTYPE_MIXES[mix]
+  dtypes = [jnp.float64] * len(SIZES) if mix == "f64" else FAMILY_MIXES[mix]
   with jax.enable_x64(mix in ("f64", "wide")):
     tx, params, grads, state = family_case(variant, option, dtypes)
     fn = lambda g, s, p: jaxfuse.fused_step(tx, g, s, p, grad_scale=jnp.float32(128.0))

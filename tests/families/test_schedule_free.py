@@ -62,6 +62,10 @@ def test_rejects_bad_input():
     jaxfuse.schedule_free_adamw(state_dtype=jnp.complex64)
   with pytest.raises(TypeError, match="learning_rate=.* expected a float or an array"):
     jaxfuse.schedule_free_adamw(optax.linear_schedule(0.1, 0.0, 10))
+  mixed16 = {"a": jnp.ones((2,), jnp.bfloat16), "b": jnp.ones((2,), jnp.float16)}
+  with pytest.raises(TypeError, match=r"leaf \['a'\] is bfloat16 and leaf \['b'\] float16"):
+    jaxfuse.schedule_free_adamw().init(mixed16)
+  jaxfuse.schedule_free_adamw(master_weights=True).init(mixed16)  # the master's state
   tx = jaxfuse.schedule_free_sgd()
   with pytest.raises(ValueError, match=r"schedule_free_sgd: update\(\) needs params \(for y,"):
     tx.update(params, tx.init(params))

@@ -127,6 +127,18 @@ class ScheduleFreeSpec(_spec.Spec):
 
   def check_params(self, params: Any) -> None:
     _spec.check_real(self.name, params)
+    if self.master_weights:
+      return  # the state is the float32 master's
+    names = {}
+    for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
+      if p.dtype in (jnp.bfloat16, jnp.float16):
+        names.setdefault(jnp.dtype(p.dtype).name, name)
+    if len(names) == 2:
+      raise TypeError(
+          f"{self.name}: params leaf {names['bfloat16']} is bfloat16 and leaf "
+          f"{names['float16']} float16: the state's scalars take the params' lowest dtype (as "
+          "optax's), and these two have none; use one 16-bit dtype, or master_weights=True "
+          "(the state of the float32 master)")
 
   def states(self, state: Any) -> list[Any]:
     sf = _schedule_free_state(state)
