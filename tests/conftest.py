@@ -28,6 +28,12 @@ from helpers import emulated_cuda_module  # noqa: E402
 emulated_cuda_module()  # registered before any test traces
 
 
+def pytest_collection_modifyitems(config, items):
+  """The tests marked long first: pytest-xdist hands tests out in this order, and one of a minute
+  begun last would be the run's tail, the other workers idle."""
+  items[:] = sorted(items, key=lambda item: item.get_closest_marker("long") is None)
+
+
 @functools.cache
 def cuda_skip_reason():
   """Why the "gpu" parameter cannot run here, or None when it can: the CUDA extension must have

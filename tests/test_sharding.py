@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -18,6 +20,7 @@ def _env(**extra):
   return env
 
 
+@pytest.mark.long
 def test_sharded_cases_on_8_devices(request):
   marks = request.config.getoption("markexpr")  # -m "not slow" leaves out sharded_cases' slow
   result = subprocess.run(
