@@ -305,7 +305,7 @@ def _step_leaves(spec: Spec, leaves: _step.Leaves, flags: list[int], grads: Any,
                  segment: Optional[_partition.Shards]) -> tuple[Any, Any]:
   """in_place() on the flattened `leaves` of (grads, state, params); `segment` as _ffi_call
   takes it."""
-  count = _step.step_count(state)
+  count = spec.step_count(state)
   hyper = _ffi.device_vector(spec.contract.names["hyper"], **spec.hyper(count),
                              **spec.state_hyper(state))
   new_params = list(leaves.params)  # a zero-size leaf is its own result: no call

@@ -254,6 +254,13 @@ class Spec:
     """The scalars the XLA element math reads (by default the kernels' ones)."""
     return self.hyper(count)
 
+  def step_count(self, state: Any) -> jax.Array:
+    """The step count the schedules, bias corrections and rounding streams read (the whole
+    state): the first ``count`` in it (every optax count advances together), zero when it keeps
+    none."""
+    counts = optax.tree_utils.tree_get_all_with_path(state, "count")
+    return counts[0][1] if counts else jnp.zeros([], jnp.int32)
+
   def state_hyper(self, state: Any) -> dict[str, Any]:
     """Hyperparameters read from scalars the optax state keeps beyond its counts (e.g.
     schedule-free's averaging weight, from its weight sum), added to hyper() and xla_hyper().

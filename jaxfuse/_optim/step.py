@@ -214,13 +214,6 @@ def _check_packed_grads(params: Any, grads: Any) -> None:
                      f"{params.layout!r}: not the gradient of these params")
 
 
-def step_count(state: Any) -> jax.Array:
-  """The step count the schedules and bias corrections read: the first ``count`` in the state
-  (every optax count advances together), zero when the state keeps none."""
-  counts = optax.tree_utils.tree_get_all_with_path(state, "count")
-  return counts[0][1] if counts else jnp.zeros([], jnp.int32)
-
-
 def new_state(spec: Spec, state: Any, states: list, master_params: Any, remainders: Any,
               count: jax.Array, skip: jax.Array) -> Any:
   """The state after a step: its state-list trees, master params and remainders (trees like the

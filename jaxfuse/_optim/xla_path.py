@@ -187,7 +187,7 @@ def _updates(spec: Spec, leaves: "_step.Leaves", flags: list[int], grads: Any, s
   """xla_updates() on the flattened `leaves` of (grads, state, params); `shard` is this
   device's place for the rounding streams."""
   names = spec.contract.names["tensor_flags"]
-  count = _step.step_count(state)
+  count = spec.step_count(state)
   h = {**spec.xla_hyper(count), **spec.state_hyper(state)}
   if grad_scale is not None:
     h["loss_scale"] = grad_scale

@@ -146,12 +146,15 @@ CASES = {
                                                      weight_decay=0.05)),
         "b1 b2 eps power": Config("schedule_free_adamw", dict(
             learning_rate=1e-2, b1=0.95, b2=0.99, eps=1e-6, weight_lr_power=1.0)),
-        "z bf16": Config("schedule_free_adamw", dict(learning_rate=1e-2,
-                                                     state_dtype=jnp.bfloat16)),
+        "z float32": Config("schedule_free_adamw", dict(learning_rate=1e-2,
+                                                        state_dtype=jnp.float32)),
     }, inject=(dict(learning_rate=1e-2, b1=0.9, weight_decay=0.1),
                dict(learning_rate=3e-3, b1=0.85))),
     "schedule_free_sgd": FamilyCases({
         "warmup": Config("schedule_free_sgd", dict(learning_rate=0.5, warmup_steps=2)),
+        "schedules": Config("schedule_free_sgd", dict(
+            learning_rate=optax.linear_schedule(0.5, 0.1, 6), b1=1.5,
+            weight_decay=optax.linear_schedule(0.1, 0.0, 6))),
     }, inject=(dict(learning_rate=0.1, b1=0.9), dict(learning_rate=0.03, b1=0.8))),
 }
 

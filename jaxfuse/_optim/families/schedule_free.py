@@ -41,7 +41,7 @@ from jaxfuse._core import trees as _trees
 from jaxfuse._optim import families as _families
 from jaxfuse._optim import spec as _spec
 from jaxfuse._optim import state as _state
-from jaxfuse._optim.spec import Packing
+from jaxfuse._optim.spec import Packing, ScalarOrSchedule
 
 
 def _schedule_free_state(state: Any) -> _contrib.ScheduleFreeState:
@@ -86,9 +86,13 @@ class ScheduleFreeSpec(_spec.Spec):
     if steps is not None and (isinstance(steps, (bool, np.bool_)) or not integer):
       raise TypeError(f"{self.name}: warmup_steps={steps!r}; expected None or an int (static: "
                       "under optax.inject_hyperparams, static_args=('warmup_steps',))")
-    if isinstance(self.b1, (int, float)) and not 0 < self.b1 <= 1:
-      raise ValueError(f"{self.name}: b1={self.b1!r}; expected 0 < b1 <= 1 (y interpolates "
-                       "between x and z with weight b1, and x is recovered by dividing by it)")
+    if isinstance(self.b1, (int, float)) and not self.b1 > 0:
+      raise ValueError(f"{self.name}: b1={self.b1!r}; expected b1 > 0 (x is recovered from y "
+                       "and z by dividing by it)")
+    if steps is not None and callable(self.learning_rate):
+      raise TypeError(f"{self.name}: a learning_rate schedule with warmup_steps={steps!r}; "
+                      "warmup_steps builds the schedule from a number (as optax's), so give one "
+                      "or the other")
     dtype = self.state_dtype
     if dtype is not None and (jnp.dtype(dtype) not in _trees.KERNEL_DTYPES
                               or _trees.is_complex(dtype)):
@@ -127,6 +131,16 @@ class ScheduleFreeSpec(_spec.Spec):
 
   def check_params(self, params: Any) -> None:
     _spec.check_real(self.name, params)
+    dtype = self.state_dtype
+    if dtype is not None and jnp.finfo(dtype).bits < 32:
+      for name, p in zip(_trees.leaf_names(params), jax.tree.leaves(params)):
+        if self.master_weights or p.dtype != jnp.dtype(dtype):
+          wide = "its float32 master" if self.master_weights else p.dtype.name
+          raise ValueError(
+              f"{self.name}: state_dtype {jnp.dtype(dtype).name} is narrower than params leaf "
+              f"{name} ({wide}): not supported, as the kernels build y from z before z is "
+              "rounded to its storage dtype, and x would drift from optax's; use "
+              "state_dtype=None (z in the params' dtype) or float32")
     if self.master_weights:
       return  # the state is the float32 master's
     names = {}
@@ -182,6 +196,11 @@ class ScheduleFreeSpec(_spec.Spec):
     ck = jnp.where(jnp.isnan(weight) | jnp.isnan(total), jnp.full(weight.shape, jnp.nan),
                    jnp.nan_to_num(weight / total, nan=0.0, posinf=jnp.inf))
     return ck, max_lr, total
+
+  def step_count(self, state: Any) -> jax.Array:
+    # The steps taken, from the state's own counter (it starts at 1): the base optimizer's
+    # count where it keeps one (they advance together), and SGD's base keeps none.
+    return _schedule_free_state(state).step_count - 1
 
   def state_hyper(self, state: Any) -> dict[str, Any]:
     ck, _, _ = self._averaging(_schedule_free_state(state))
@@ -246,9 +265,10 @@ def schedule_free_eval_params(state: Any, params: Any) -> Any:
 @_families.family(ScheduleFreeAdamwSpec, variants={
     "decay": dict(learning_rate=1e-2, weight_decay=0.05),
 })
-def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: Optional[int] = None,
-                        b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
-                        weight_decay: float = 0.0, weight_lr_power: float = 2.0,
+def schedule_free_adamw(learning_rate: ScalarOrSchedule = 0.0025,
+                        warmup_steps: Optional[int] = None, b1: float = 0.9, b2: float = 0.999,
+                        eps: float = 1e-8, weight_decay: ScalarOrSchedule = 0.0,
+                        weight_lr_power: float = 2.0,
                         state_dtype: Optional[Any] = None, *,
                         master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
                         stochastic_rounding: bool = False, seed: Optional[int] = None,
@@ -271,14 +291,15 @@ def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: Optional[in
   Evaluate at :math:`x` (:func:`jaxfuse.schedule_free_eval_params`).
 
   Args:
-    learning_rate: the peak learning rate, a float (no schedule: warmup_steps builds the one it
-      needs).
+    learning_rate: the learning rate, a float (with warmup_steps, the peak of the warmup) or,
+      without warmup_steps, an optax schedule of the step count.
     warmup_steps: steps of linear warmup from 0 (None: none).
     b1: interpolation between the average x and the iterate z, where the gradient is taken
-      (0 < b1 <= 1).
+      (b1 > 0).
     b2: decay rate of the second moment.
     eps: added to the second moment's square root.
-    weight_decay: decoupled weight decay, applied at y, scaled by the learning rate.
+    weight_decay: decoupled weight decay (a float or a schedule), applied at y, scaled by the
+      learning rate.
     weight_lr_power: the averaging weight of a step is its largest learning rate so far to this
       power.
     state_dtype: storage dtype of z (None: the params').
@@ -294,8 +315,8 @@ def schedule_free_adamw(learning_rate: float = 0.0025, warmup_steps: Optional[in
 @_families.family(ScheduleFreeSgdSpec, variants={
     "decay": dict(learning_rate=0.1, weight_decay=0.01),
 })
-def schedule_free_sgd(learning_rate: float = 1.0, warmup_steps: Optional[int] = None,
-                      b1: float = 0.9, weight_decay: Optional[float] = None,
+def schedule_free_sgd(learning_rate: ScalarOrSchedule = 1.0, warmup_steps: Optional[int] = None,
+                      b1: float = 0.9, weight_decay: Optional[ScalarOrSchedule] = None,
                       weight_lr_power: float = 2.0, state_dtype: Optional[Any] = None, *,
                       master_weights: Union[bool, str] = False, skip_nonfinite: bool = False,
                       stochastic_rounding: bool = False, seed: Optional[int] = None,
@@ -305,11 +326,12 @@ def schedule_free_sgd(learning_rate: float = 1.0, warmup_steps: Optional[int] = 
   :math:`z_{t+1} \leftarrow z_t - \gamma_t (g_t + \lambda y_t)`.
 
   Args:
-    learning_rate: the peak learning rate, a float.
+    learning_rate: the learning rate, a float (with warmup_steps, the peak of the warmup) or,
+      without warmup_steps, an optax schedule of the step count.
     warmup_steps: steps of linear warmup from 0 (None: none).
     b1: interpolation between the average x and the iterate z, where the gradient is taken
-      (0 < b1 <= 1).
-    weight_decay: weight decay added to the gradient at y (None: none).
+      (b1 > 0).
+    weight_decay: weight decay (a float or a schedule) added to the gradient at y (None: none).
     weight_lr_power: the averaging weight of a step is its largest learning rate so far to this
       power.
     state_dtype: storage dtype of z (None: the params').
