@@ -183,9 +183,9 @@ class ScheduleFreeSpec(_spec.Spec):
 
   def _averaging(self, sf: _contrib.ScheduleFreeState) -> tuple[Any, Any, Any]:
     """(ck, max_lr, weight_sum) of this step from the state's scalars, in optax's operations,
-    computed in float32 or wider (optax computes them in the state's dtype, bfloat16 for a tree
-    with a bfloat16 leaf): like every other value of the step, they are rounded once, where
-    they are stored."""
+    computed in float32 or wider (optax computes them in the state's dtype, 16-bit for a tree
+    with a 16-bit leaf): like every other value of the step, they are rounded once, where they
+    are stored."""
     wide = jnp.promote_types(sf.max_lr.dtype, jnp.float32)
     lr = self.learning_rate_schedule()
     if callable(lr):
