@@ -511,8 +511,9 @@ def test_split_packed_state_every_family(variant):
 
 
 def test_split_schedule_free_eval_params():
-  """jaxfuse.schedule_free_eval_params of a split state (z split over the devices): the unsplit
-  state's params to evaluate at, bit for bit."""
+  """jaxfuse.schedule_free_eval_params of a split state (z split over the devices, gathered):
+  the unsplit state's params to evaluate at, x = (y - 0.1 z) / 0.9, within the rounding of its
+  three operations (XLA compiles the two programs' arithmetic apart) and of x's dtype."""
   mesh = make_mesh("fsdp", "auto")
   params, grads = _split_problem(55)
   make = lambda **o: jaxfuse.schedule_free_adamw(LR, weight_decay=WD, **o)
@@ -521,8 +522,12 @@ def test_split_schedule_free_eval_params():
   new_params, state = run(fused(tx), tx, params, grads, mesh)
   with jax.set_mesh(mesh):
     x = jax.jit(jaxfuse.schedule_free_eval_params)(state, new_params)
-  ref = jax.jit(jaxfuse.schedule_free_eval_params)(ref_state, ref_params)
-  assert_bitwise_equal(x, ref, "x")
+  ref = jaxfuse.schedule_free_eval_params(ref_state, ref_params)
+  for k in ref:
+    wide = lambda t: np.asarray(t[k], np.float64)
+    magnitude = (np.abs(wide(ref_params)) + 0.1 * np.abs(wide(ref_state.z))) / 0.9
+    bound = 4 * ulp(jnp.float32) * magnitude + ulp(ref[k].dtype) * np.abs(wide(ref))
+    assert np.all(np.abs(wide(x) - wide(ref)) <= bound), k
 
 
 @pytest.mark.slow
